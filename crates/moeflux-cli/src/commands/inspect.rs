@@ -1,0 +1,67 @@
+//! `moeflux inspect -m DIR`
+
+use anyhow::Result;
+use moeflux::config::{FeedForwardKind, LayerKind};
+use moeflux::format::{ModelDir, OpenOptions};
+use moeflux::util::human_bytes;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A moeflux model directory.
+    #[arg(short = 'm', long = "model")]
+    model: std::path::PathBuf,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    let dir = ModelDir::open(&args.model, OpenOptions { verify_checksums: false })?;
+    let m = dir.manifest();
+    let c = dir.config();
+    let a = &c.attention;
+    println!("model          {}", args.model.display());
+    println!("architecture   {}{}", c.architecture.name(), if m.synthetic { " (synthetic: random weights)" } else { "" });
+    println!("format         {} v{} by {}", m.format, m.version, m.producer);
+    println!("quantization   {} (group {})", m.quantization.name(), m.group_size);
+    println!("vocab / hidden {} / {}", c.vocab_size, c.hidden_size);
+    println!(
+        "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}){}",
+        a.num_heads,
+        a.num_kv_heads,
+        a.head_dim,
+        a.rotary_dim,
+        a.rope_theta,
+        if a.output_gate { ", output gate" } else { "" }
+    );
+    if let Some(l) = &c.linear_attention {
+        println!(
+            "linear attn    Gated DeltaNet: {} key heads x {}, {} value heads x {}, conv {}",
+            l.num_key_heads, l.key_head_dim, l.num_value_heads, l.value_head_dim, l.conv_kernel
+        );
+    }
+    let moe = &c.moe;
+    println!(
+        "experts        {} per MoE layer, top-{}, intermediate {}{}",
+        moe.num_experts,
+        moe.top_k,
+        moe.expert_intermediate_size,
+        moe.shared_expert_intermediate_size
+            .map(|s| format!(", shared expert {s}"))
+            .unwrap_or_default()
+    );
+    println!("layers         {}", c.num_layers());
+    for (i, l) in c.layers.iter().enumerate() {
+        let mixer = match l.kind {
+            LayerKind::FullAttention => "full attention",
+            LayerKind::LinearAttention => "linear attention (Gated DeltaNet)",
+        };
+        let ffn = match l.ffn {
+            FeedForwardKind::Moe => "MoE",
+            FeedForwardKind::Dense => "dense MLP",
+        };
+        println!("  {i:>4}  {mixer:<34} {ffn}");
+    }
+    let per_expert = m.experts.first().map(|e| e.blob.nbytes).unwrap_or(0);
+    println!("dense bytes    {} ({})", m.dense_bytes(), human_bytes(m.dense_bytes()));
+    println!("expert bytes   {} ({})", m.expert_bytes(), human_bytes(m.expert_bytes()));
+    println!("bytes/expert   {} ({})", per_expert, human_bytes(per_expert));
+    Ok(())
+}

@@ -1,0 +1,61 @@
+//! The `moeflux` command line.
+
+mod commands;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "moeflux",
+    version,
+    about = "Mixture-of-Experts inference with the experts streamed from disk"
+)]
+struct Cli {
+    /// Worker threads (default: one per core).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Convert a Hugging Face checkpoint into a moeflux model directory.
+    Convert(commands::convert::Args),
+    /// Write the logits of every position of a token sequence to a .npy file.
+    Logits(commands::logits::Args),
+    /// Generate a continuation of a prompt.
+    Generate(commands::generate::Args),
+    /// Describe a moeflux model directory.
+    Inspect(commands::inspect::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = configure_threads(cli.threads).and_then(|()| match cli.command {
+        Command::Convert(args) => commands::convert::run(args),
+        Command::Logits(args) => commands::logits::run(args),
+        Command::Generate(args) => commands::generate::run(args),
+        Command::Inspect(args) => commands::inspect::run(args),
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn configure_threads(threads: Option<usize>) -> anyhow::Result<()> {
+    if let Some(n) = threads {
+        anyhow::ensure!(n > 0, "--threads: must be at least 1");
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .map_err(|e| anyhow::anyhow!("--threads: {e}"))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,117 @@
+//! Architectures: how each model family's `config.json` reads into a
+//! [`ModelConfig`] and how its checkpoint tensors map onto moeflux's
+//! canonical tensors. The forward pass itself is shared
+//! ([`crate::model::decoder`]) and driven by the config.
+
+mod qwen3_moe;
+mod qwen3_next;
+
+use serde::Serialize;
+
+use crate::config::{ConfigReader, ModelConfig};
+use crate::convert::plan::{CheckpointIndex, ConversionPlan};
+use crate::error::Result;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Architecture {
+    /// Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B.
+    Qwen3Moe,
+    /// Qwen3-Next-80B-A3B: Gated DeltaNet + gated attention, shared expert.
+    Qwen3Next,
+    /// Qwen3.5-35B-A3B, Qwen3.5-397B-A17B: Qwen3-Next's layers with separate
+    /// linear-attention projections; text weights of a multimodal checkpoint.
+    Qwen35Moe,
+}
+
+impl Architecture {
+    const ALL: [(&'static str, Architecture); 4] = [
+        ("qwen3_moe", Architecture::Qwen3Moe),
+        ("qwen3_next", Architecture::Qwen3Next),
+        ("qwen3_5_moe", Architecture::Qwen35Moe),
+        ("qwen3_5_moe_text", Architecture::Qwen35Moe),
+    ];
+
+    pub fn from_model_type(model_type: &str) -> Option<Architecture> {
+        Self::ALL
+            .iter()
+            .find(|(name, _)| *name == model_type)
+            .map(|(_, arch)| *arch)
+    }
+
+    pub fn supported_list() -> String {
+        Self::ALL.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Architecture::Qwen3Moe => "qwen3_moe",
+            Architecture::Qwen3Next => "qwen3_next",
+            Architecture::Qwen35Moe => "qwen3_5_moe",
+        }
+    }
+
+    pub(crate) fn parse_config(self, reader: &ConfigReader<'_>) -> Result<ModelConfig> {
+        match self {
+            Architecture::Qwen3Moe => qwen3_moe::parse_config(reader),
+            Architecture::Qwen3Next | Architecture::Qwen35Moe => {
+                qwen3_next::parse_config(self, reader)
+            }
+        }
+    }
+
+    /// Maps a checkpoint's tensors onto the canonical tensors the engine
+    /// loads, checking that every tensor the model needs is present.
+    pub(crate) fn conversion_plan(
+        self,
+        cfg: &ModelConfig,
+        checkpoint: &CheckpointIndex,
+    ) -> Result<ConversionPlan> {
+        match self {
+            Architecture::Qwen3Moe => qwen3_moe::conversion_plan(cfg, checkpoint),
+            Architecture::Qwen3Next | Architecture::Qwen35Moe => {
+                qwen3_next::conversion_plan(cfg, checkpoint)
+            }
+        }
+    }
+}
+
+/// Canonical names of the tensors in a moeflux model directory. The
+/// converter writes these and the forward pass reads them; documented in
+/// docs/FORMAT.md.
+pub mod names {
+    pub const EMBED: &str = "embed_tokens";
+    pub const FINAL_NORM: &str = "norm";
+    pub const LM_HEAD: &str = "lm_head";
+
+    pub fn layer(layer: usize, tensor: &str) -> String {
+        format!("layers.{layer}.{tensor}")
+    }
+
+    pub const INPUT_NORM: &str = "input_norm";
+    pub const POST_ATTENTION_NORM: &str = "post_attention_norm";
+
+    pub const ATTN_Q: &str = "attn.q_proj";
+    pub const ATTN_K: &str = "attn.k_proj";
+    pub const ATTN_V: &str = "attn.v_proj";
+    pub const ATTN_O: &str = "attn.o_proj";
+    pub const ATTN_Q_NORM: &str = "attn.q_norm";
+    pub const ATTN_K_NORM: &str = "attn.k_norm";
+
+    /// Rows q | k | v | z | b | a of the Gated DeltaNet input projection.
+    pub const LINEAR_IN_PROJ: &str = "linear_attn.in_proj";
+    pub const LINEAR_CONV: &str = "linear_attn.conv1d";
+    pub const LINEAR_A_LOG: &str = "linear_attn.A_log";
+    pub const LINEAR_DT_BIAS: &str = "linear_attn.dt_bias";
+    pub const LINEAR_NORM: &str = "linear_attn.norm";
+    pub const LINEAR_OUT_PROJ: &str = "linear_attn.out_proj";
+
+    pub const MLP_GATE: &str = "mlp.gate_proj";
+    pub const MLP_UP: &str = "mlp.up_proj";
+    pub const MLP_DOWN: &str = "mlp.down_proj";
+
+    pub const MOE_ROUTER: &str = "moe.router";
+    pub const SHARED_GATE: &str = "moe.shared_expert.gate_proj";
+    pub const SHARED_UP: &str = "moe.shared_expert.up_proj";
+    pub const SHARED_DOWN: &str = "moe.shared_expert.down_proj";
+    pub const SHARED_EXPERT_GATE: &str = "moe.shared_expert_gate";
+}

@@ -1,0 +1,154 @@
+//! Gated DeltaNet on the CPU: the token-by-token recurrence, parallel over
+//! value heads (each head's state evolves independently).
+
+use rayon::prelude::*;
+
+use crate::config::LinearAttentionConfig;
+
+/// A sequence's state for one linear-attention layer.
+pub struct LinearState {
+    /// The last `kernel - 1` inputs of the convolution, oldest first,
+    /// `[kernel - 1, conv_dim]`.
+    pub conv: Vec<f32>,
+    /// Per value head, the `[key_head_dim, value_head_dim]` state matrix.
+    pub recurrent: Vec<f32>,
+}
+
+impl LinearState {
+    pub fn new(cfg: &LinearAttentionConfig) -> Self {
+        LinearState {
+            conv: vec![0.0; (cfg.conv_kernel - 1) * cfg.conv_dim()],
+            recurrent: vec![0.0; cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim],
+        }
+    }
+}
+
+fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+/// torch's softplus (beta 1, threshold 20).
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 { x } else { x.exp().ln_1p() }
+}
+
+/// Scales `x` by `1 / sqrt(Σx² + 1e-6)`, the L2 norm of the FLA kernels.
+fn l2_normalize(x: &mut [f32]) {
+    let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt();
+    x.iter_mut().for_each(|v| *v *= inv);
+}
+
+/// Inputs of one run of tokens, all row-major with `n` rows.
+pub struct Inputs<'a> {
+    pub qkv: &'a [f32],
+    pub b: &'a [f32],
+    pub a: &'a [f32],
+    /// `[conv_dim, kernel]`.
+    pub conv_weight: &'a [f32],
+    pub a_log: &'a [f32],
+    pub dt_bias: &'a [f32],
+}
+
+pub fn forward(state: &mut LinearState, inp: Inputs<'_>, n: usize, cfg: &LinearAttentionConfig) -> Vec<f32> {
+    let conv_dim = cfg.conv_dim();
+    let kernel = cfg.conv_kernel;
+    let (dk, dv) = (cfg.key_head_dim, cfg.value_head_dim);
+    let (nk, nv) = (cfg.num_key_heads, cfg.num_value_heads);
+    let key_dim = cfg.key_dim();
+
+    // Causal depthwise convolution + SiLU over [history | new inputs].
+    let history = kernel - 1;
+    let mut window = Vec::with_capacity((history + n) * conv_dim);
+    window.extend_from_slice(&state.conv);
+    window.extend_from_slice(&inp.qkv[..n * conv_dim]);
+    let mut mixed = vec![0f32; n * conv_dim];
+    mixed.par_chunks_mut(conv_dim).enumerate().for_each(|(t, out)| {
+        for (c, o) in out.iter_mut().enumerate() {
+            let w = &inp.conv_weight[c * kernel..(c + 1) * kernel];
+            let acc: f32 = (0..kernel).map(|i| w[i] * window[(t + i) * conv_dim + c]).sum();
+            *o = silu(acc);
+        }
+    });
+    let keep = window.len() - history * conv_dim;
+    state.conv.copy_from_slice(&window[keep..]);
+
+    // Normalised queries (also scaled by 1/sqrt(dk)) and keys.
+    let q_scale = 1.0 / (dk as f32).sqrt();
+    mixed.par_chunks_mut(conv_dim).for_each(|row| {
+        for head in row[..2 * key_dim].chunks_exact_mut(dk) {
+            l2_normalize(head);
+        }
+        row[..key_dim].iter_mut().for_each(|v| *v *= q_scale);
+    });
+
+    // The recurrence, one value head per task.
+    let value_dim = cfg.value_dim();
+    let heads_per_key = nv / nk;
+    let mut out_by_head = vec![0f32; nv * n * dv];
+    out_by_head
+        .par_chunks_mut(n * dv)
+        .zip(state.recurrent.par_chunks_mut(dk * dv))
+        .enumerate()
+        .for_each(|(h, (out, s))| {
+            let kh = h / heads_per_key;
+            let decay_rate = -inp.a_log[h].exp();
+            let mut kv_mem = vec![0f32; dv];
+            for t in 0..n {
+                let row = &mixed[t * conv_dim..(t + 1) * conv_dim];
+                let q = &row[kh * dk..(kh + 1) * dk];
+                let k = &row[key_dim + kh * dk..key_dim + (kh + 1) * dk];
+                let v = &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
+                let decay = (decay_rate * softplus(inp.a[t * nv + h] + inp.dt_bias[h])).exp();
+                let beta = sigmoid(inp.b[t * nv + h]);
+                s.iter_mut().for_each(|x| *x *= decay);
+                kv_mem.fill(0.0);
+                for (i, &ki) in k.iter().enumerate() {
+                    for (m, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                        *m += sv * ki;
+                    }
+                }
+                for (m, &vj) in kv_mem.iter_mut().zip(v) {
+                    *m = (vj - *m) * beta; // now the delta
+                }
+                let o = &mut out[t * dv..(t + 1) * dv];
+                o.fill(0.0);
+                for i in 0..dk {
+                    let srow = &mut s[i * dv..(i + 1) * dv];
+                    for (sv, &d) in srow.iter_mut().zip(kv_mem.iter()) {
+                        *sv += k[i] * d;
+                    }
+                    for (ov, &sv) in o.iter_mut().zip(srow.iter()) {
+                        *ov += sv * q[i];
+                    }
+                }
+            }
+        });
+    // [heads, n, dv] -> [n, heads·dv]
+    let mut out = vec![0f32; n * value_dim];
+    for h in 0..nv {
+        for t in 0..n {
+            out[t * value_dim + h * dv..][..dv].copy_from_slice(&out_by_head[(h * n + t) * dv..][..dv]);
+        }
+    }
+    out
+}
+
+/// RMSNorm over each `weight.len()` group, times weight, times silu(gate).
+pub fn gated_rms_norm(x: &[f32], gate: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+    let g = weight.len();
+    let mut out = vec![0f32; x.len()];
+    out.par_chunks_mut(g)
+        .zip(x.par_chunks(g))
+        .zip(gate.par_chunks(g))
+        .for_each(|((o, x), z)| {
+            let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + eps).sqrt();
+            for i in 0..g {
+                o[i] = x[i] * inv * weight[i] * silu(z[i]);
+            }
+        });
+    out
+}

@@ -1,0 +1,211 @@
+//! The CPU backend: f32 activations, weights read in place from the
+//! memory-mapped model files, threads via rayon.
+
+mod attention;
+mod gated_delta_net;
+mod linear;
+mod moe;
+
+use rayon::prelude::*;
+
+use super::{AttentionShape, Backend, GatedDeltaNetParams, RmsNorm, Rope};
+use crate::config::LinearAttentionConfig;
+use crate::error::Result;
+use crate::experts::ExpertStore;
+use crate::format::TensorData;
+use crate::quant::DType;
+
+pub use attention::KvCache;
+pub use gated_delta_net::LinearState;
+pub use linear::{dot, matmul};
+pub use moe::Routing;
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend;
+
+/// A row-major `[rows, cols]` matrix of f32.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+impl Tensor {
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Tensor {
+        debug_assert_eq!(data.len(), rows * cols);
+        Tensor { rows, cols, data }
+    }
+}
+
+/// A stored tensor used in place from its mapping.
+pub struct Weight(TensorData);
+
+impl Weight {
+    /// The values of an f32 tensor (norm weights and other vectors).
+    fn f32s(&self) -> &[f32] {
+        assert_eq!(self.0.entry.dtype, DType::F32, "tensor {} must be f32", self.0.name);
+        bytemuck::cast_slice(self.0.bytes())
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = Tensor;
+    type Weight = Weight;
+    type KvCache = KvCache;
+    type LinearState = LinearState;
+    type Routing = Routing;
+
+    fn name(&self) -> String {
+        format!("cpu ({} threads)", rayon::current_num_threads())
+    }
+
+    fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
+        Ok(Weight(tensor.clone()))
+    }
+
+    fn new_kv_cache(&self, shape: AttentionShape) -> KvCache {
+        KvCache::new(shape)
+    }
+
+    fn kv_len(&self, cache: &KvCache) -> usize {
+        cache.len()
+    }
+
+    fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> LinearState {
+        LinearState::new(cfg)
+    }
+
+    fn rows(&self, x: &Tensor) -> usize {
+        x.rows
+    }
+
+    fn last_rows(&self, x: &Tensor, n: usize) -> Tensor {
+        let n = n.min(x.rows);
+        Tensor::new(n, x.cols, x.data[(x.rows - n) * x.cols..].to_vec())
+    }
+
+    fn to_host(&self, x: &Tensor) -> Vec<f32> {
+        x.data.clone()
+    }
+
+    fn embed(&self, table: &Weight, tokens: &[u32]) -> Tensor {
+        let view = table.0.view();
+        let cols = view.cols();
+        let mut data = vec![0f32; tokens.len() * cols];
+        for (row, &tok) in data.chunks_exact_mut(cols).zip(tokens) {
+            view.dequantize_row(tok as usize, row);
+        }
+        Tensor::new(tokens.len(), cols, data)
+    }
+
+    fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
+        let view = w.0.view();
+        assert_eq!(x.cols, view.cols(), "linear: input width vs weight {}", w.0.name);
+        Tensor::new(x.rows, view.rows(), matmul(&x.data, x.rows, &view))
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Tensor {
+        let w = weight.f32s();
+        let g = w.len();
+        let offset = if norm.unit_offset { 1.0 } else { 0.0 };
+        let mut data = vec![0f32; x.data.len()];
+        data.par_chunks_mut(g).zip(x.data.par_chunks(g)).for_each(|(o, x)| {
+            let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + norm.eps).sqrt();
+            for i in 0..g {
+                o[i] = x[i] * inv * (offset + w[i]);
+            }
+        });
+        Tensor::new(x.rows, x.cols, data)
+    }
+
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Vec<Tensor> {
+        assert_eq!(widths.iter().sum::<usize>(), x.cols, "split_cols widths");
+        let mut start = 0;
+        widths
+            .iter()
+            .map(|&w| {
+                let data = x
+                    .data
+                    .chunks_exact(x.cols)
+                    .flat_map(|row| &row[start..start + w])
+                    .copied()
+                    .collect();
+                start += w;
+                Tensor::new(x.rows, w, data)
+            })
+            .collect()
+    }
+
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) {
+        assert_eq!(x.data.len(), y.data.len());
+        x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .collect();
+        Tensor::new(gate.rows, gate.cols, data)
+    }
+
+    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) {
+        let sigmoid = |g: f32| 1.0 / (1.0 + (-g).exp());
+        if gate.cols == 1 {
+            for (row, &g) in x.data.chunks_exact_mut(x.cols).zip(&gate.data) {
+                let s = sigmoid(g);
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        } else {
+            assert_eq!(x.data.len(), gate.data.len());
+            x.data.iter_mut().zip(&gate.data).for_each(|(v, &g)| *v *= sigmoid(g));
+        }
+    }
+
+    fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) {
+        attention::rope(&mut x.data, x.cols, rope.head_dim, rope.rotary_dim, rope.theta, start_pos);
+    }
+
+    fn attention(&self, cache: &mut KvCache, q: &Tensor, k: &Tensor, v: &Tensor, shape: AttentionShape) -> Tensor {
+        let out = attention::attend(cache, &q.data, &k.data, &v.data, q.rows);
+        Tensor::new(q.rows, shape.num_heads * shape.head_dim, out)
+    }
+
+    fn gated_delta_net(
+        &self,
+        state: &mut LinearState,
+        qkv: &Tensor,
+        b: &Tensor,
+        a: &Tensor,
+        params: GatedDeltaNetParams<'_, Self>,
+        cfg: &LinearAttentionConfig,
+    ) -> Tensor {
+        let inputs = gated_delta_net::Inputs {
+            qkv: &qkv.data,
+            b: &b.data,
+            a: &a.data,
+            conv_weight: params.conv.f32s(),
+            a_log: params.a_log.f32s(),
+            dt_bias: params.dt_bias.f32s(),
+        };
+        let out = gated_delta_net::forward(state, inputs, qkv.rows, cfg);
+        Tensor::new(qkv.rows, cfg.value_dim(), out)
+    }
+
+    fn gated_rms_norm(&self, x: &Tensor, gate: &Tensor, weight: &Weight, eps: f32) -> Tensor {
+        let out = gated_delta_net::gated_rms_norm(&x.data, &gate.data, weight.f32s(), eps);
+        Tensor::new(x.rows, x.cols, out)
+    }
+
+    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Routing {
+        moe::route(&logits.data, logits.cols, top_k, normalize)
+    }
+
+    fn routed_experts(&self, x: &Tensor, routing: &Routing, store: &ExpertStore, layer: usize) -> Result<Tensor> {
+        let out = moe::routed_experts(&x.data, x.cols, routing, store, layer)?;
+        Ok(Tensor::new(x.rows, x.cols, out))
+    }
+}

@@ -1,0 +1,106 @@
+//! Routing and the routed experts on the CPU.
+//!
+//! Tokens of a chunk are grouped by expert, so each expert is fetched and
+//! dequantized once per chunk however many tokens chose it. Experts are
+//! fetched a few at a time, which bounds the memory in flight beyond the
+//! cache's budget.
+
+use rayon::prelude::*;
+
+use super::linear::matmul;
+use crate::error::Result;
+use crate::experts::ExpertStore;
+
+/// Each token's `top_k` experts (most probable first) and their weights.
+pub struct Routing {
+    pub top_k: usize,
+    pub experts: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+/// Softmax, top-k and optional renormalisation, as transformers' Qwen
+/// routers compute them.
+pub fn route(logits: &[f32], num_experts: usize, top_k: usize, normalize: bool) -> Routing {
+    let n = logits.len() / num_experts;
+    let mut experts = Vec::with_capacity(n * top_k);
+    let mut weights = Vec::with_capacity(n * top_k);
+    let mut order: Vec<u32> = Vec::with_capacity(num_experts);
+    for row in logits.chunks_exact(num_experts) {
+        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let total: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        order.clear();
+        order.extend(0..num_experts as u32);
+        // Ties resolve to the lower index, like a stable descending sort.
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let probs: Vec<f32> = chosen
+            .iter()
+            .map(|&e| (row[e as usize] - max).exp() / total)
+            .collect();
+        let scale = if normalize { 1.0 / probs.iter().sum::<f32>() } else { 1.0 };
+        experts.extend_from_slice(chosen);
+        weights.extend(probs.iter().map(|p| p * scale));
+    }
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
+}
+
+/// Experts fetched and computed together; the in-flight bound.
+const EXPERTS_IN_FLIGHT: usize = 8;
+
+pub fn routed_experts(
+    x: &[f32],
+    hidden: usize,
+    routing: &Routing,
+    store: &ExpertStore,
+    layer: usize,
+) -> Result<Vec<f32>> {
+    let n = x.len() / hidden;
+    // expert -> [(token, weight)]
+    let mut assigned: std::collections::BTreeMap<usize, Vec<(usize, f32)>> = Default::default();
+    for t in 0..n {
+        for j in 0..routing.top_k {
+            let i = t * routing.top_k + j;
+            assigned
+                .entry(routing.experts[i] as usize)
+                .or_default()
+                .push((t, routing.weights[i]));
+        }
+    }
+    let order: Vec<usize> = assigned.keys().copied().collect();
+    let mut out = vec![0f32; n * hidden];
+    for batch in order.chunks(EXPERTS_IN_FLIGHT) {
+        let experts = store.fetch(layer, batch)?;
+        let results: Vec<Vec<f32>> = experts
+            .par_iter()
+            .map(|expert| {
+                let tokens = &assigned[&expert.index];
+                let xs: Vec<f32> = tokens
+                    .iter()
+                    .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
+                    .copied()
+                    .collect();
+                let m = tokens.len();
+                let gate = matmul(&xs, m, &expert.gate());
+                let up = matmul(&xs, m, &expert.up());
+                let act: Vec<f32> = gate
+                    .iter()
+                    .zip(&up)
+                    .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                    .collect();
+                matmul(&act, m, &expert.down())
+            })
+            .collect();
+        for (expert, y) in experts.iter().zip(results) {
+            for (&(t, w), row) in assigned[&expert.index].iter().zip(y.chunks_exact(hidden)) {
+                for (o, v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
+                    *o += w * v;
+                }
+            }
+        }
+    }
+    Ok(out)
+}

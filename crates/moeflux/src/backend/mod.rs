@@ -1,0 +1,139 @@
+//! The operations a model's forward pass is written in. Each backend (CPU
+//! today, CUDA next) implements them over its own tensor and weight types;
+//! the model definition in [`crate::blocks`] is written once against this
+//! trait, so backends differ in how they compute, never in what.
+//!
+//! Activations are row-major matrices `[tokens, features]` in f32; heads
+//! are contiguous column ranges of a row.
+
+pub mod cpu;
+
+use crate::config::LinearAttentionConfig;
+use crate::error::Result;
+use crate::experts::ExpertStore;
+use crate::format::TensorData;
+
+/// Geometry of grouped-query attention.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// RMSNorm applied to each consecutive group of `weight.len()` features.
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNorm {
+    pub eps: f32,
+    /// Scale by `1 + w` instead of `w`.
+    pub unit_offset: bool,
+}
+
+/// Rotary position embedding of the first `rotary_dim` features of each
+/// head, rotating halves (the GPT-NeoX convention Qwen uses).
+#[derive(Clone, Copy, Debug)]
+pub struct Rope {
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub theta: f64,
+}
+
+/// Per-layer weights of Gated DeltaNet that are not projections.
+pub struct GatedDeltaNetParams<'a, B: Backend> {
+    /// Depthwise causal convolution, `[conv_dim, kernel]`.
+    pub conv: &'a B::Weight,
+    pub a_log: &'a B::Weight,
+    pub dt_bias: &'a B::Weight,
+}
+
+pub trait Backend: Send + Sync + Sized + 'static {
+    type Tensor: Send + Sync;
+    type Weight: Send + Sync;
+    /// Keys and values of one full-attention layer of one sequence.
+    type KvCache: Send + Sync;
+    /// Convolution and recurrent state of one Gated DeltaNet layer of one
+    /// sequence.
+    type LinearState: Send + Sync;
+    /// Each token's selected experts and their weights.
+    type Routing: Send + Sync;
+
+    fn name(&self) -> String;
+
+    /// Makes a stored tensor usable by this backend.
+    fn load_weight(&self, tensor: &TensorData) -> Result<Self::Weight>;
+
+    fn new_kv_cache(&self, shape: AttentionShape) -> Self::KvCache;
+    fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> Self::LinearState;
+
+    fn rows(&self, x: &Self::Tensor) -> usize;
+    /// The last `n` rows of `x`.
+    fn last_rows(&self, x: &Self::Tensor, n: usize) -> Self::Tensor;
+    /// Copies a tensor to host memory, row-major.
+    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+
+    /// Rows of the embedding table for `tokens`.
+    fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Tensor;
+    /// `x · wᵀ` for a weight stored `[out, in]`.
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
+    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, norm: RmsNorm) -> Self::Tensor;
+    /// Splits columns into consecutive parts of the given widths.
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Vec<Self::Tensor>;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    /// `silu(gate) * up`.
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    /// `x *= sigmoid(gate)`, elementwise, or per row when `gate` has one
+    /// column.
+    fn mul_sigmoid(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
+    /// Rotates each head of `x` for positions `start_pos..start_pos + rows`.
+    fn rope(&self, x: &mut Self::Tensor, rope: Rope, start_pos: usize);
+
+    /// Appends `k` and `v` to the cache and returns causal attention of `q`
+    /// over everything cached (queries sit at the newest positions).
+    fn attention(
+        &self,
+        cache: &mut Self::KvCache,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        shape: AttentionShape,
+    ) -> Self::Tensor;
+
+    /// Gated DeltaNet's token mixing for a run of tokens: causal conv1d +
+    /// SiLU over the q|k|v channels, L2-normalised q and k, decay
+    /// `exp(-exp(A_log) · softplus(a + dt_bias))`, `beta = sigmoid(b)`, and
+    /// the delta-rule recurrence. Returns `[tokens, value_dim]` before the
+    /// gated norm.
+    fn gated_delta_net(
+        &self,
+        state: &mut Self::LinearState,
+        qkv: &Self::Tensor,
+        b: &Self::Tensor,
+        a: &Self::Tensor,
+        params: GatedDeltaNetParams<'_, Self>,
+        cfg: &LinearAttentionConfig,
+    ) -> Self::Tensor;
+
+    /// RMSNorm of each group of `weight.len()` features, times `weight`,
+    /// times `silu(gate)`.
+    fn gated_rms_norm(
+        &self,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
+        weight: &Self::Weight,
+        eps: f32,
+    ) -> Self::Tensor;
+
+    /// Softmax over router logits, top-k, optionally renormalised.
+    fn route(&self, logits: &Self::Tensor, top_k: usize, normalize: bool) -> Self::Routing;
+
+    /// Sum over each token's routed experts of `weight · expert(x)`, with
+    /// the experts of `layer` fetched from the store.
+    fn routed_experts(
+        &self,
+        x: &Self::Tensor,
+        routing: &Self::Routing,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<Self::Tensor>;
+}

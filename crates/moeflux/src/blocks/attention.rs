@@ -1,0 +1,87 @@
+//! Full (softmax) attention with grouped-query heads, per-head RMSNorm of q
+//! and k, RoPE, and — in the Qwen3-Next family — a sigmoid output gate per
+//! head computed by `q_proj` alongside the queries.
+
+use super::Weights;
+use crate::arch::names;
+use crate::backend::{AttentionShape, Backend, RmsNorm, Rope};
+use crate::config::{ModelConfig, NormStyle};
+use crate::error::Result;
+
+pub struct Attention<B: Backend> {
+    /// Rows: queries, then (gated attention) the output gates.
+    q_proj: B::Weight,
+    k_proj: B::Weight,
+    v_proj: B::Weight,
+    o_proj: B::Weight,
+    q_norm: B::Weight,
+    k_norm: B::Weight,
+    shape: AttentionShape,
+    rope: Rope,
+    norm: RmsNorm,
+    output_gate: bool,
+}
+
+pub fn shape(cfg: &ModelConfig) -> AttentionShape {
+    AttentionShape {
+        num_heads: cfg.attention.num_heads,
+        num_kv_heads: cfg.attention.num_kv_heads,
+        head_dim: cfg.attention.head_dim,
+    }
+}
+
+pub fn norm(cfg: &ModelConfig) -> RmsNorm {
+    RmsNorm {
+        eps: cfg.rms_norm_eps,
+        unit_offset: cfg.norm == NormStyle::UnitOffset,
+    }
+}
+
+impl<B: Backend> Attention<B> {
+    pub fn load(w: &Weights<'_, B>, layer: usize) -> Result<Self> {
+        let cfg = w.config();
+        let a = &cfg.attention;
+        let h = cfg.hidden_size;
+        let (q_dim, kv_dim) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
+        let q_rows = if a.output_gate { 2 * q_dim } else { q_dim };
+        let name = |t| names::layer(layer, t);
+        Ok(Attention {
+            q_proj: w.matrix(&name(names::ATTN_Q), q_rows, h)?,
+            k_proj: w.matrix(&name(names::ATTN_K), kv_dim, h)?,
+            v_proj: w.matrix(&name(names::ATTN_V), kv_dim, h)?,
+            o_proj: w.matrix(&name(names::ATTN_O), h, q_dim)?,
+            q_norm: w.f32_tensor(&name(names::ATTN_Q_NORM), &[a.head_dim])?,
+            k_norm: w.f32_tensor(&name(names::ATTN_K_NORM), &[a.head_dim])?,
+            shape: shape(cfg),
+            rope: Rope {
+                head_dim: a.head_dim,
+                rotary_dim: a.rotary_dim,
+                theta: a.rope_theta,
+            },
+            norm: norm(cfg),
+            output_gate: a.output_gate,
+        })
+    }
+
+    pub fn forward(&self, b: &B, x: &B::Tensor, cache: &mut B::KvCache) -> B::Tensor {
+        let start = b.kv_len(cache);
+        let q_dim = self.shape.num_heads * self.shape.head_dim;
+        let projected = b.linear(x, &self.q_proj);
+        let (q, gate) = if self.output_gate {
+            let mut parts = b.split_cols(&projected, &[q_dim, q_dim]).into_iter();
+            (parts.next().unwrap(), parts.next())
+        } else {
+            (projected, None)
+        };
+        let mut q = b.rms_norm(&q, &self.q_norm, self.norm);
+        let mut k = b.rms_norm(&b.linear(x, &self.k_proj), &self.k_norm, self.norm);
+        let v = b.linear(x, &self.v_proj);
+        b.rope(&mut q, self.rope, start);
+        b.rope(&mut k, self.rope, start);
+        let mut out = b.attention(cache, &q, &k, &v, self.shape);
+        if let Some(gate) = gate {
+            b.mul_sigmoid(&mut out, &gate);
+        }
+        b.linear(&out, &self.o_proj)
+    }
+}

@@ -1,0 +1,133 @@
+//! The decoder stack: embeddings, then per layer `x += mixer(norm(x))` and
+//! `x += ffn(norm(x))`, then the final norm and the LM head. Every
+//! supported architecture is this stack with different mixers and
+//! feed-forward blocks per layer.
+
+use super::Weights;
+use super::attention::{self, Attention};
+use super::gated_delta_net::GatedDeltaNet;
+use super::moe::{Mlp, SparseMoe};
+use crate::arch::names;
+use crate::backend::{Backend, RmsNorm};
+use crate::config::{FeedForwardKind, LayerKind};
+use crate::error::Result;
+use crate::experts::ExpertStore;
+
+enum Mixer<B: Backend> {
+    Attention(Attention<B>),
+    Linear(GatedDeltaNet<B>),
+}
+
+enum FeedForward<B: Backend> {
+    Dense(Mlp<B>),
+    Sparse(SparseMoe<B>),
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Weight,
+    post_attention_norm: B::Weight,
+    mixer: Mixer<B>,
+    ffn: FeedForward<B>,
+}
+
+/// One sequence's state for one layer.
+pub enum LayerState<B: Backend> {
+    Attention(B::KvCache),
+    Linear(B::LinearState),
+}
+
+pub struct Decoder<B: Backend> {
+    embed: B::Weight,
+    final_norm: B::Weight,
+    /// `None` when tied to the embeddings.
+    lm_head: Option<B::Weight>,
+    layers: Vec<Layer<B>>,
+    norm: RmsNorm,
+}
+
+impl<B: Backend> Decoder<B> {
+    pub fn load(w: &Weights<'_, B>) -> Result<Self> {
+        let cfg = w.config();
+        let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+        let mut layers = Vec::with_capacity(cfg.num_layers());
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            let mixer = match spec.kind {
+                LayerKind::FullAttention => Mixer::Attention(Attention::load(w, i)?),
+                LayerKind::LinearAttention => Mixer::Linear(GatedDeltaNet::load(w, i)?),
+            };
+            let ffn = match spec.ffn {
+                FeedForwardKind::Dense => FeedForward::Dense(Mlp::load(
+                    w,
+                    i,
+                    [names::MLP_GATE, names::MLP_UP, names::MLP_DOWN],
+                    cfg.dense_intermediate_size.unwrap_or(0),
+                )?),
+                FeedForwardKind::Moe => FeedForward::Sparse(SparseMoe::load(w, i)?),
+            };
+            layers.push(Layer {
+                input_norm: w.f32_tensor(&names::layer(i, names::INPUT_NORM), &[h])?,
+                post_attention_norm: w.f32_tensor(&names::layer(i, names::POST_ATTENTION_NORM), &[h])?,
+                mixer,
+                ffn,
+            });
+        }
+        Ok(Decoder {
+            embed: w.matrix(names::EMBED, v, h)?,
+            final_norm: w.f32_tensor(names::FINAL_NORM, &[h])?,
+            lm_head: match cfg.tie_word_embeddings {
+                true => None,
+                false => Some(w.matrix(names::LM_HEAD, v, h)?),
+            },
+            layers,
+            norm: attention::norm(cfg),
+        })
+    }
+
+    /// Empty caches for a new sequence.
+    pub fn new_state(&self, b: &B, cfg: &crate::config::ModelConfig) -> Vec<LayerState<B>> {
+        self.layers
+            .iter()
+            .map(|layer| match layer.mixer {
+                Mixer::Attention(_) => LayerState::Attention(b.new_kv_cache(attention::shape(cfg))),
+                Mixer::Linear(_) => LayerState::Linear(b.new_linear_state(
+                    cfg.linear_attention.as_ref().expect("validated"),
+                )),
+            })
+            .collect()
+    }
+
+    /// Runs `tokens` (following whatever `state` already holds) through the
+    /// stack and returns the logits of the last `logit_rows` of them, or
+    /// `None` when none are wanted (a prefill chunk before the last).
+    pub fn forward(
+        &self,
+        b: &B,
+        tokens: &[u32],
+        state: &mut [LayerState<B>],
+        store: &ExpertStore,
+        logit_rows: usize,
+    ) -> Result<Option<B::Tensor>> {
+        let mut x = b.embed(&self.embed, tokens);
+        for (layer, layer_state) in self.layers.iter().zip(state.iter_mut()) {
+            let h = b.rms_norm(&x, &layer.input_norm, self.norm);
+            let mixed = match (&layer.mixer, layer_state) {
+                (Mixer::Attention(attn), LayerState::Attention(cache)) => attn.forward(b, &h, cache),
+                (Mixer::Linear(gdn), LayerState::Linear(s)) => gdn.forward(b, &h, s),
+                _ => unreachable!("state built by new_state for these layers"),
+            };
+            b.add_assign(&mut x, &mixed);
+            let h = b.rms_norm(&x, &layer.post_attention_norm, self.norm);
+            let ffn = match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward(b, &h),
+                FeedForward::Sparse(moe) => moe.forward(b, &h, store)?,
+            };
+            b.add_assign(&mut x, &ffn);
+        }
+        if logit_rows == 0 {
+            return Ok(None);
+        }
+        let last = b.last_rows(&x, logit_rows);
+        let normed = b.rms_norm(&last, &self.final_norm, self.norm);
+        Ok(Some(b.linear(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))))
+    }
+}

@@ -1,0 +1,47 @@
+//! The model definition, written once against [`Backend`]: the building
+//! blocks of the supported architectures (gated and plain attention, Gated
+//! DeltaNet, sparse MoE with an optional shared expert, dense MLP) and the
+//! decoder stack that composes them as the [`ModelConfig`] says.
+
+pub mod attention;
+pub mod decoder;
+pub mod gated_delta_net;
+pub mod moe;
+
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::format::{MANIFEST_FILE, ModelDir};
+use crate::quant::DType;
+
+/// Loads canonical tensors from a model directory onto a backend, checking
+/// each against the shape the configuration implies.
+pub struct Weights<'a, B: Backend> {
+    pub dir: &'a ModelDir,
+    pub backend: &'a B,
+}
+
+impl<B: Backend> Weights<'_, B> {
+    pub fn config(&self) -> &ModelConfig {
+        self.dir.config()
+    }
+
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weight> {
+        let t = self.dir.tensor(name, &[rows, cols])?;
+        self.backend.load_weight(&t)
+    }
+
+    /// A vector or small table kept in f32 (norm weights, convolution
+    /// taps, decay parameters).
+    pub fn f32_tensor(&self, name: &str, shape: &[usize]) -> Result<B::Weight> {
+        let t = self.dir.tensor(name, shape)?;
+        if t.entry.dtype != DType::F32 {
+            return Err(Error::tensor(
+                self.dir.root().join(MANIFEST_FILE),
+                name,
+                format!("stored as {}, the engine needs f32 for this tensor", t.entry.dtype.name()),
+            ));
+        }
+        self.backend.load_weight(&t)
+    }
+}

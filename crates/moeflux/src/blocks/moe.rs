@@ -1,0 +1,78 @@
+//! Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block
+//! (router, routed experts read from the expert store, and an optional
+//! shared expert scaled by a sigmoid gate).
+
+use super::Weights;
+use crate::arch::names;
+use crate::backend::Backend;
+use crate::error::Result;
+use crate::experts::ExpertStore;
+
+/// `down(silu(gate(x)) * up(x))`.
+pub struct Mlp<B: Backend> {
+    gate: B::Weight,
+    up: B::Weight,
+    down: B::Weight,
+}
+
+impl<B: Backend> Mlp<B> {
+    /// Loads the three projections named `[gate, up, down]` of `layer`.
+    pub fn load(w: &Weights<'_, B>, layer: usize, tensors: [&str; 3], intermediate: usize) -> Result<Self> {
+        let h = w.config().hidden_size;
+        let name = |t| names::layer(layer, t);
+        Ok(Mlp {
+            gate: w.matrix(&name(tensors[0]), intermediate, h)?,
+            up: w.matrix(&name(tensors[1]), intermediate, h)?,
+            down: w.matrix(&name(tensors[2]), h, intermediate)?,
+        })
+    }
+
+    pub fn forward(&self, b: &B, x: &B::Tensor) -> B::Tensor {
+        let act = b.silu_mul(&b.linear(x, &self.gate), &b.linear(x, &self.up));
+        b.linear(&act, &self.down)
+    }
+}
+
+pub struct SparseMoe<B: Backend> {
+    layer: usize,
+    router: B::Weight,
+    top_k: usize,
+    normalize: bool,
+    /// The shared expert and its `[1, hidden]` gate.
+    shared: Option<(Mlp<B>, B::Weight)>,
+}
+
+impl<B: Backend> SparseMoe<B> {
+    pub fn load(w: &Weights<'_, B>, layer: usize) -> Result<Self> {
+        let cfg = w.config();
+        let moe = &cfg.moe;
+        let h = cfg.hidden_size;
+        let name = |t| names::layer(layer, t);
+        let shared = match moe.shared_expert_intermediate_size {
+            Some(inter) => Some((
+                Mlp::load(w, layer, [names::SHARED_GATE, names::SHARED_UP, names::SHARED_DOWN], inter)?,
+                w.matrix(&name(names::SHARED_EXPERT_GATE), 1, h)?,
+            )),
+            None => None,
+        };
+        Ok(SparseMoe {
+            layer,
+            router: w.matrix(&name(names::MOE_ROUTER), moe.num_experts, h)?,
+            top_k: moe.top_k,
+            normalize: moe.norm_topk_prob,
+            shared,
+        })
+    }
+
+    pub fn forward(&self, b: &B, x: &B::Tensor, store: &ExpertStore) -> Result<B::Tensor> {
+        let logits = b.linear(x, &self.router);
+        let routing = b.route(&logits, self.top_k, self.normalize);
+        let mut out = b.routed_experts(x, &routing, store, self.layer)?;
+        if let Some((mlp, gate)) = &self.shared {
+            let mut shared = mlp.forward(b, x);
+            b.mul_sigmoid(&mut shared, &b.linear(x, gate));
+            b.add_assign(&mut out, &shared);
+        }
+        Ok(out)
+    }
+}

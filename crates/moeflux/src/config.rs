@@ -1,0 +1,370 @@
+//! The engine's description of a model, one shape for every architecture.
+//!
+//! Each architecture module (`crate::arch`) reads a Hugging Face
+//! `config.json` into a [`ModelConfig`]; the forward pass, the converter and
+//! the expert store only ever look at this description.
+
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::arch::Architecture;
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelConfig {
+    pub architecture: Architecture,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub rms_norm_eps: f32,
+    /// Whether RMSNorm scales by `w` or by `1 + w` (the Qwen3-Next family
+    /// stores norm weights centred on zero).
+    pub norm: NormStyle,
+    pub tie_word_embeddings: bool,
+    pub max_position_embeddings: usize,
+    pub attention: AttentionConfig,
+    pub linear_attention: Option<LinearAttentionConfig>,
+    pub moe: MoeConfig,
+    /// Intermediate size of the dense SwiGLU MLP used by non-MoE layers.
+    pub dense_intermediate_size: Option<usize>,
+    pub layers: Vec<LayerSpec>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum NormStyle {
+    /// `x * w` (Qwen3-MoE).
+    Weight,
+    /// `x * (1 + w)` (Qwen3-Next, Qwen3.5).
+    UnitOffset,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct AttentionConfig {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Leading dimensions of each head that RoPE rotates (`head_dim` unless
+    /// the model uses partial rotary embeddings).
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    /// Gated attention: `q_proj` also yields a per-head sigmoid gate applied
+    /// to the attention output.
+    pub output_gate: bool,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LinearAttentionConfig {
+    pub num_key_heads: usize,
+    pub num_value_heads: usize,
+    pub key_head_dim: usize,
+    pub value_head_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl LinearAttentionConfig {
+    pub fn key_dim(&self) -> usize {
+        self.num_key_heads * self.key_head_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_value_heads * self.value_head_dim
+    }
+    /// Channels of the causal convolution: q, k and v side by side.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    /// Rows of the fused input projection: q, k, v, z, b, a.
+    pub fn in_proj_rows(&self) -> usize {
+        self.conv_dim() + self.value_dim() + 2 * self.num_value_heads
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub expert_intermediate_size: usize,
+    /// Renormalise the top-k router probabilities to sum to one.
+    pub norm_topk_prob: bool,
+    /// Intermediate size of the always-active shared expert, if any.
+    pub shared_expert_intermediate_size: Option<usize>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum LayerKind {
+    FullAttention,
+    LinearAttention,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum FeedForwardKind {
+    Dense,
+    Moe,
+}
+
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct LayerSpec {
+    pub kind: LayerKind,
+    pub ffn: FeedForwardKind,
+}
+
+impl ModelConfig {
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        self.layers[layer].ffn == FeedForwardKind::Moe
+    }
+
+    pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.layers.len()).filter(|&l| self.is_moe_layer(l))
+    }
+
+    /// Parses a Hugging Face `config.json` (already read as JSON), choosing
+    /// the architecture from `model_type`.
+    pub fn from_hf_json(json: &Value, source: &Path) -> Result<ModelConfig> {
+        let reader = ConfigReader::new(json, source)?;
+        let model_type = reader.str("model_type")?;
+        let arch = Architecture::from_model_type(model_type).ok_or_else(|| {
+            Error::config(
+                source,
+                format!(
+                    "unknown model_type `{model_type}`: moeflux implements {}",
+                    Architecture::supported_list()
+                ),
+            )
+        })?;
+        let cfg = arch.parse_config(&reader)?;
+        cfg.validate(source)?;
+        Ok(cfg)
+    }
+
+    /// Checks relations between fields that the forward pass relies on.
+    fn validate(&self, source: &Path) -> Result<()> {
+        let fail = |msg: String| Err(Error::config(source, msg));
+        let a = &self.attention;
+        if self.vocab_size == 0 || self.hidden_size == 0 || self.layers.is_empty() {
+            return fail("vocab_size, hidden_size and num_hidden_layers must be positive".into());
+        }
+        if a.num_heads == 0 || a.num_kv_heads == 0 || a.num_heads % a.num_kv_heads != 0 {
+            return fail(format!(
+                "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
+                a.num_heads, a.num_kv_heads
+            ));
+        }
+        if a.head_dim == 0 || a.rotary_dim > a.head_dim || a.rotary_dim % 2 != 0 {
+            return fail(format!(
+                "rotary dimension {} must be even and at most head_dim {}",
+                a.rotary_dim, a.head_dim
+            ));
+        }
+        if let Some(l) = &self.linear_attention {
+            if l.num_key_heads == 0 || l.num_value_heads % l.num_key_heads != 0 {
+                return fail(format!(
+                    "linear_num_value_heads ({}) must be a multiple of linear_num_key_heads ({})",
+                    l.num_value_heads, l.num_key_heads
+                ));
+            }
+            if l.conv_kernel < 1 {
+                return fail("linear_conv_kernel_dim must be at least 1".into());
+            }
+        } else if self.layers.iter().any(|l| l.kind == LayerKind::LinearAttention) {
+            return fail("linear-attention layers need the linear_* settings".into());
+        }
+        let m = &self.moe;
+        if self.layers.iter().any(|l| l.ffn == FeedForwardKind::Moe)
+            && (m.top_k == 0 || m.top_k > m.num_experts || m.expert_intermediate_size == 0)
+        {
+            return fail(format!(
+                "num_experts_per_tok ({}) must be between 1 and num_experts ({}), moe_intermediate_size positive",
+                m.top_k, m.num_experts
+            ));
+        }
+        if self.layers.iter().any(|l| l.ffn == FeedForwardKind::Dense)
+            && self.dense_intermediate_size.unwrap_or(0) == 0
+        {
+            return fail("dense MLP layers need a positive intermediate_size".into());
+        }
+        Ok(())
+    }
+}
+
+/// Typed access to a JSON config, with errors that name the file and key.
+pub struct ConfigReader<'a> {
+    json: &'a serde_json::Map<String, Value>,
+    path: PathBuf,
+}
+
+impl<'a> ConfigReader<'a> {
+    pub fn new(json: &'a Value, path: &Path) -> Result<Self> {
+        let json = json
+            .as_object()
+            .ok_or_else(|| Error::config(path, "expected a JSON object"))?;
+        Ok(ConfigReader {
+            json,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn error(&self, msg: impl Into<String>) -> Error {
+        Error::config(&self.path, msg)
+    }
+
+    /// A nested object (e.g. `text_config`), read with the same path.
+    pub fn object(&self, key: &str) -> Result<Option<ConfigReader<'a>>> {
+        match self.json.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v @ Value::Object(_)) => Ok(Some(ConfigReader::new(v, &self.path)?)),
+            Some(_) => Err(self.error(format!("`{key}` must be an object"))),
+        }
+    }
+
+    pub fn get(&self, key: &str) -> Option<&'a Value> {
+        self.json.get(key).filter(|v| !v.is_null())
+    }
+
+    pub fn str(&self, key: &str) -> Result<&'a str> {
+        match self.get(key) {
+            Some(Value::String(s)) => Ok(s),
+            Some(_) => Err(self.error(format!("`{key}` must be a string"))),
+            None => Err(self.error(format!("missing `{key}`"))),
+        }
+    }
+
+    pub fn usize(&self, key: &str) -> Result<usize> {
+        self.opt_usize(key)?
+            .ok_or_else(|| self.error(format!("missing `{key}`")))
+    }
+
+    pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(|n| Some(n as usize))
+                .ok_or_else(|| self.error(format!("`{key}` must be a non-negative integer, got {v}"))),
+        }
+    }
+
+    pub fn usize_or(&self, key: &str, default: usize) -> Result<usize> {
+        Ok(self.opt_usize(key)?.unwrap_or(default))
+    }
+
+    pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| self.error(format!("`{key}` must be a number, got {v}"))),
+        }
+    }
+
+    pub fn bool_or(&self, key: &str, default: bool) -> Result<bool> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(Value::Bool(b)) => Ok(*b),
+            Some(v) => Err(self.error(format!("`{key}` must be true or false, got {v}"))),
+        }
+    }
+
+    pub fn usize_list(&self, key: &str) -> Result<Vec<usize>> {
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                        self.error(format!("`{key}` must list non-negative integers, found {v}"))
+                    })
+                })
+                .collect(),
+            Some(v) => Err(self.error(format!("`{key}` must be a list, got {v}"))),
+        }
+    }
+
+    pub fn str_list(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(items)) => items
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .ok_or_else(|| self.error(format!("`{key}` must list strings, found {v}")))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Some),
+            Some(v) => Err(self.error(format!("`{key}` must be a list, got {v}"))),
+        }
+    }
+
+    /// Refuses a key whose presence with a non-default value changes the math
+    /// in a way moeflux does not implement.
+    pub fn refuse_if_true(&self, key: &str, why: &str) -> Result<()> {
+        if self.bool_or(key, false)? {
+            return Err(self.error(format!("`{key}: true` is not supported: {why}")));
+        }
+        Ok(())
+    }
+
+    /// Reads the RoPE settings: the legacy `rope_theta` / `rope_scaling` /
+    /// `partial_rotary_factor` keys or transformers 5's `rope_parameters`.
+    /// Only plain RoPE is implemented; scaled variants are refused.
+    pub fn rope(&self, default_partial: f64) -> Result<(f64, f64)> {
+        if let Some(scaling) = self.object("rope_scaling")? {
+            let kind = scaling
+                .get("rope_type")
+                .or_else(|| scaling.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(self.error(format!(
+                    "rope_scaling type `{kind}` is not implemented (only plain RoPE is); \
+                     remove `rope_scaling` from config.json to run at the native context length"
+                )));
+            }
+        }
+        let params = self.object("rope_parameters")?;
+        if let Some(p) = &params {
+            let kind = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
+            if kind != "default" {
+                return Err(self.error(format!(
+                    "rope_parameters.rope_type `{kind}` is not implemented (only `default` RoPE is)"
+                )));
+            }
+        }
+        let theta = params
+            .as_ref()
+            .and_then(|p| p.opt_f64("rope_theta").transpose())
+            .or_else(|| self.opt_f64("rope_theta").transpose())
+            .transpose()?
+            .ok_or_else(|| self.error("missing `rope_theta` (or `rope_parameters.rope_theta`)"))?;
+        let partial = params
+            .as_ref()
+            .and_then(|p| p.opt_f64("partial_rotary_factor").transpose())
+            .or_else(|| self.opt_f64("partial_rotary_factor").transpose())
+            .transpose()?
+            .unwrap_or(default_partial);
+        if !(theta > 0.0) || !(partial > 0.0 && partial <= 1.0) {
+            return Err(self.error(format!(
+                "rope_theta ({theta}) must be positive and partial_rotary_factor ({partial}) in (0, 1]"
+            )));
+        }
+        Ok((theta, partial))
+    }
+
+    /// Only SiLU-gated MLPs are implemented.
+    pub fn require_silu(&self) -> Result<()> {
+        match self.get("hidden_act").and_then(Value::as_str) {
+            None | Some("silu") => Ok(()),
+            Some(other) => Err(self.error(format!(
+                "hidden_act `{other}` is not supported (these architectures use `silu`)"
+            ))),
+        }
+    }
+}

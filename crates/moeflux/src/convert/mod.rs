@@ -1,0 +1,452 @@
+//! `moeflux convert`: a Hugging Face checkpoint in, a moeflux model
+//! directory out.
+//!
+//! Conversion streams: the checkpoint is memory-mapped and each tensor is
+//! read, converted and written in blocks of rows, so a checkpoint larger
+//! than memory converts. Everything is written into a hidden directory
+//! beside the output, verified by reading it back, and only then renamed
+//! into place; a failed or interrupted conversion leaves no partial model.
+
+pub mod checkpoint;
+pub mod plan;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::format::manifest::{FORMAT_NAME, FORMAT_VERSION, FileEntry};
+use crate::format::{
+    BlobMatrix, COPIED_FILES, DENSE_FILE, EXPERT_ALIGN, ExpertBlobLayout, ExpertLayerEntry,
+    MANIFEST_FILE, Manifest, ModelDir, OpenOptions, TensorEntry, expert_file_name,
+};
+use crate::quant::{ALIGN, DType, GROUP_SIZE, MatrixLayout, RowEncoder, align_up};
+use crate::util::{hex64, parse_hex64};
+use checkpoint::Checkpoint;
+use plan::{ConversionPlan, DenseTensorPlan, ExpertLayerPlan, RowSource, TensorRole};
+
+/// Receives progress of a conversion (the CLI draws a bar).
+pub trait Progress: Sync {
+    /// `total` weights will be converted.
+    fn start(&self, _total: u64) {}
+    /// `done` more weights were converted; `what` names the current tensor.
+    fn advance(&self, _done: u64, _what: &str) {}
+    fn finish(&self) {}
+}
+
+/// Reports nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}
+
+#[derive(Clone, Debug)]
+pub struct ConvertOptions {
+    /// `Q4`, `Q8` or `Bf16`.
+    pub quant: DType,
+    /// Replace an existing output directory.
+    pub overwrite: bool,
+}
+
+impl Default for ConvertOptions {
+    fn default() -> Self {
+        ConvertOptions {
+            quant: DType::Q4,
+            overwrite: false,
+        }
+    }
+}
+
+/// What a conversion produced.
+#[derive(Debug)]
+pub struct ConvertSummary {
+    pub config: ModelConfig,
+    pub tensors: usize,
+    pub moe_layers: usize,
+    pub dense_bytes: u64,
+    pub expert_bytes: u64,
+    /// Checkpoint tensors left out on purpose, with the reason.
+    pub skipped: Vec<(String, &'static str)>,
+    /// Checkpoint tensors the architecture does not use.
+    pub unknown: Vec<String>,
+}
+
+pub fn convert(
+    input: &Path,
+    output: &Path,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
+    if !matches!(options.quant, DType::Q4 | DType::Q8 | DType::Bf16) {
+        return Err(Error::invalid("--quant", "must be q4, q8 or bf16"));
+    }
+    if output.exists() && !options.overwrite {
+        return Err(Error::bad_file(
+            output,
+            "already exists; choose another output or pass --force to replace it",
+        ));
+    }
+    let config_path = input.join("config.json");
+    let config_json = read_json(&config_path)?;
+    let config = ModelConfig::from_hf_json(&config_json, &config_path)?;
+    let ckpt = Checkpoint::open(input)?;
+    let plan = config.architecture.conversion_plan(&config, &ckpt.index)?;
+
+    let staging = Staging::create(output)?;
+    progress.start(total_weights(&plan));
+    let mut manifest = Manifest {
+        format: FORMAT_NAME.into(),
+        version: FORMAT_VERSION,
+        producer: format!("moeflux {}", env!("CARGO_PKG_VERSION")),
+        synthetic: false,
+        quantization: options.quant,
+        group_size: GROUP_SIZE,
+        config: config_json,
+        files: Vec::new(),
+        tensors: Default::default(),
+        experts: Vec::new(),
+    };
+    write_dense(&ckpt, &plan.dense, options.quant, &staging.path, &mut manifest, progress)?;
+    let mut expert_files = Vec::with_capacity(plan.experts.len());
+    for layer in &plan.experts {
+        let (entry, file) = write_expert_layer(&ckpt, layer, options.quant, &staging.path, progress)?;
+        manifest.experts.push(entry);
+        expert_files.push(file);
+    }
+    progress.finish();
+    copy_side_files(input, &staging.path)?;
+    record_files(&staging.path, expert_files, &mut manifest)?;
+    write_atomic(&staging.path.join(MANIFEST_FILE), manifest.to_json().as_bytes())?;
+    // Open the staged directory as a reader would: this checks the manifest
+    // against the files, every size and the dense checksum.
+    ModelDir::open(&staging.path, OpenOptions { verify_checksums: true })?;
+    staging.commit(output)?;
+    Ok(ConvertSummary {
+        tensors: manifest.tensors.len(),
+        moe_layers: manifest.experts.len(),
+        dense_bytes: manifest.dense_bytes(),
+        expert_bytes: manifest.expert_bytes(),
+        skipped: plan.skipped,
+        unknown: plan.unknown,
+        config,
+    })
+}
+
+fn read_json(path: &Path) -> Result<serde_json::Value> {
+    let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => Error::bad_file(path, "missing: a Hugging Face checkpoint needs its config.json"),
+        _ => Error::io(path, "reading", e),
+    })?;
+    serde_json::from_str(&text).map_err(|e| Error::config(path, format!("malformed JSON: {e}")))
+}
+
+fn total_weights(plan: &ConversionPlan) -> u64 {
+    let dense: usize = plan.dense.iter().map(|t| t.rows * t.cols).sum();
+    let experts: usize = plan
+        .experts
+        .iter()
+        .map(|l| l.num_experts * 3 * l.hidden * l.intermediate)
+        .sum();
+    (dense + experts) as u64
+}
+
+/// The stored type of a canonical tensor.
+fn storage_dtype(role: TensorRole, cols: usize, quant: DType) -> DType {
+    let dtype = match role {
+        TensorRole::Vector => return DType::F32,
+        TensorRole::Router if quant == DType::Q4 => DType::Q8,
+        _ => quant,
+    };
+    if dtype.is_quantized() && cols % GROUP_SIZE != 0 {
+        DType::Bf16
+    } else {
+        dtype
+    }
+}
+
+/// Rows `[start, end)` of a canonical tensor assembled from its sources.
+fn gather_rows(ckpt: &Checkpoint, sources: &[RowSource], start: usize, end: usize, out: &mut Vec<f32>) -> Result<()> {
+    let mut base = 0;
+    for src in sources {
+        let (lo, hi) = (start.max(base), end.min(base + src.rows));
+        if lo < hi {
+            let part = RowSource {
+                tensor: src.tensor.clone(),
+                row_start: src.row_start + (lo - base),
+                rows: hi - lo,
+            };
+            ckpt.read_rows(&part, out)?;
+        }
+        base += src.rows;
+    }
+    Ok(())
+}
+
+/// Values converted per block of a large tensor (64 MiB of f32).
+const BLOCK_VALUES: usize = 16 << 20;
+
+fn write_dense(
+    ckpt: &Checkpoint,
+    tensors: &[DenseTensorPlan],
+    quant: DType,
+    dir: &Path,
+    manifest: &mut Manifest,
+    progress: &dyn Progress,
+) -> Result<()> {
+    let path = dir.join(DENSE_FILE);
+    let file = File::create(&path).map_err(|e| Error::io(&path, "creating", e))?;
+    let write = |bytes: &[u8], at: usize| {
+        file.write_all_at(bytes, at as u64)
+            .map_err(|e| Error::io(&path, "writing", e))
+    };
+    let mut cursor = 0usize;
+    for t in tensors {
+        let dtype = storage_dtype(t.role, t.cols, quant);
+        let layout = MatrixLayout::new(dtype, t.rows, t.cols).expect("dtype chosen to fit");
+        let encoder = RowEncoder::new(layout);
+        let offset = align_up(cursor, ALIGN);
+        let groups = if dtype.is_quantized() { t.cols / GROUP_SIZE } else { 0 };
+        let block_rows = (BLOCK_VALUES / t.cols.max(1)).max(1);
+        let mut values = Vec::new();
+        for start in (0..t.rows).step_by(block_rows) {
+            let end = (start + block_rows).min(t.rows);
+            values.clear();
+            gather_rows(ckpt, &t.sources, start, end, &mut values)?;
+            let enc = encoder.encode(&values);
+            write(&enc.codes, offset + start * layout.row_bytes)?;
+            write(&enc.scales, offset + layout.scales_offset + start * groups * 2)?;
+            write(&enc.biases, offset + layout.biases_offset + start * groups * 2)?;
+            progress.advance(((end - start) * t.cols) as u64, &t.name);
+        }
+        let shape = if t.is_vector && t.rows == 1 { vec![t.cols] } else { vec![t.rows, t.cols] };
+        manifest.tensors.insert(
+            t.name.clone(),
+            TensorEntry {
+                file: DENSE_FILE.into(),
+                offset: offset as u64,
+                nbytes: layout.total_bytes as u64,
+                shape,
+                dtype,
+            },
+        );
+        cursor = offset + layout.total_bytes;
+    }
+    file.set_len(cursor as u64).map_err(|e| Error::io(&path, "sizing", e))?;
+    file.sync_all().map_err(|e| Error::io(&path, "syncing", e))
+}
+
+/// Layout of each expert blob of a layer: gate | up | down, each on a
+/// 64-byte boundary.
+fn blob_layout(layer: &ExpertLayerPlan, quant: DType) -> ExpertBlobLayout {
+    let (h, i) = (layer.hidden, layer.intermediate);
+    let matrix = |offset: usize, rows, cols| {
+        let dtype = storage_dtype(TensorRole::Matrix, cols, quant);
+        BlobMatrix {
+            offset: offset as u64,
+            rows,
+            cols,
+            dtype,
+        }
+    };
+    let size = |m: &BlobMatrix| m.layout().expect("dtype chosen to fit").total_bytes;
+    let gate = matrix(0, i, h);
+    let up = matrix(align_up(size(&gate), ALIGN), i, h);
+    let down = matrix(align_up(up.offset as usize + size(&up), ALIGN), h, i);
+    let nbytes = down.offset + size(&down) as u64;
+    ExpertBlobLayout { nbytes, gate, up, down }
+}
+
+/// Experts encoded in parallel between sequential writes.
+const EXPERT_BATCH: usize = 16;
+
+fn write_expert_layer(
+    ckpt: &Checkpoint,
+    layer: &ExpertLayerPlan,
+    quant: DType,
+    dir: &Path,
+    progress: &dyn Progress,
+) -> Result<(ExpertLayerEntry, FileEntry)> {
+    let blob = blob_layout(layer, quant);
+    let stride = align_up(blob.nbytes as usize, EXPERT_ALIGN);
+    let rel = expert_file_name(layer.layer);
+    let path = dir.join(&rel);
+    std::fs::create_dir_all(path.parent().unwrap()).map_err(|e| Error::io(&path, "creating folder", e))?;
+    let file = File::create(&path).map_err(|e| Error::io(&path, "creating", e))?;
+    file.set_len((stride * layer.num_experts) as u64)
+        .map_err(|e| Error::io(&path, "sizing", e))?;
+    let parts = [(&layer.gate, blob.gate), (&layer.up, blob.up), (&layer.down, blob.down)];
+    let encode_expert = |e: usize| -> Result<Vec<u8>> {
+        let mut bytes = vec![0u8; blob.nbytes as usize];
+        let mut values = Vec::new();
+        for (source, m) in &parts {
+            values.clear();
+            ckpt.read_rows(&source.source(e, m.rows), &mut values)?;
+            let layout = m.layout().expect("dtype chosen to fit");
+            let encoded = RowEncoder::new(layout).encode_matrix(&values);
+            bytes[m.offset as usize..][..encoded.len()].copy_from_slice(&encoded);
+        }
+        Ok(bytes)
+    };
+    let mut checksums = Vec::with_capacity(layer.num_experts);
+    let what = format!("experts of layer {}", layer.layer);
+    let per_expert = (3 * layer.hidden * layer.intermediate) as u64;
+    for batch in (0..layer.num_experts).collect::<Vec<_>>().chunks(EXPERT_BATCH) {
+        let blobs: Vec<Vec<u8>> = batch.par_iter().map(|&e| encode_expert(e)).collect::<Result<_>>()?;
+        for (&e, bytes) in batch.iter().zip(blobs) {
+            file.write_all_at(&bytes, (e * stride) as u64)
+                .map_err(|err| Error::io(&path, "writing", err))?;
+            checksums.push(hex64(xxhash_rust::xxh3::xxh3_64(&bytes)));
+            progress.advance(per_expert, &what);
+        }
+    }
+    file.sync_all().map_err(|e| Error::io(&path, "syncing", e))?;
+    let entry = ExpertLayerEntry {
+        layer: layer.layer,
+        file: rel.clone(),
+        num_experts: layer.num_experts,
+        stride: stride as u64,
+        blob,
+        checksums,
+    };
+    let (size, hash) = verify_expert_file(&path, &entry)?;
+    let file = FileEntry {
+        path: rel,
+        size,
+        xxh3: hex64(hash),
+    };
+    Ok((entry, file))
+}
+
+/// Reads an expert file back, checking every blob against its checksum;
+/// returns the file's size and hash.
+fn verify_expert_file(path: &Path, entry: &ExpertLayerEntry) -> Result<(u64, u64)> {
+    let file = File::open(path).map_err(|e| Error::io(path, "opening", e))?;
+    let mut buf = vec![0u8; entry.stride as usize];
+    let mut whole = xxhash_rust::xxh3::Xxh3::new();
+    for (e, expected) in entry.checksums.iter().enumerate() {
+        file.read_exact_at(&mut buf, e as u64 * entry.stride)
+            .map_err(|err| Error::io(path, "reading back", err))?;
+        whole.update(&buf);
+        let expected = parse_hex64(expected).expect("written by hex64");
+        let actual = xxhash_rust::xxh3::xxh3_64(&buf[..entry.blob.nbytes as usize]);
+        if actual != expected {
+            return Err(Error::Checksum {
+                path: path.to_path_buf(),
+                what: format!("expert {e} right after writing it (disk or memory fault?)"),
+                expected,
+                actual,
+            });
+        }
+    }
+    Ok((entry.stride * entry.num_experts as u64, whole.digest()))
+}
+
+fn copy_side_files(input: &Path, dir: &Path) -> Result<()> {
+    for name in COPIED_FILES {
+        let from = input.join(name);
+        if from.is_file() {
+            let to = dir.join(name);
+            std::fs::copy(&from, &to).map_err(|e| Error::io(&from, "copying", e))?;
+        }
+    }
+    Ok(())
+}
+
+/// Lists every file of the directory in the manifest with its size and
+/// checksum (the expert files were hashed while being verified).
+fn record_files(dir: &Path, expert_files: Vec<FileEntry>, manifest: &mut Manifest) -> Result<()> {
+    let mut paths: Vec<String> = vec![DENSE_FILE.into()];
+    paths.extend(
+        COPIED_FILES
+            .iter()
+            .filter(|n| dir.join(n).is_file())
+            .map(|n| n.to_string()),
+    );
+    manifest.files = paths
+        .into_iter()
+        .map(|rel| {
+            let (size, hash) = hash_file(&dir.join(&rel))?;
+            Ok(FileEntry {
+                path: rel,
+                size,
+                xxh3: hex64(hash),
+            })
+        })
+        .collect::<Result<_>>()?;
+    manifest.files.extend(expert_files);
+    Ok(())
+}
+
+/// Size and xxHash3-64 of a file, read in a streaming fashion.
+pub fn hash_file(path: &Path) -> Result<(u64, u64)> {
+    let mut file = File::open(path).map_err(|e| Error::io(path, "opening", e))?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut buf = vec![0u8; 8 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = file.read(&mut buf).map_err(|e| Error::io(path, "reading", e))?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok((size, hasher.digest()))
+}
+
+/// Writes a file through a temporary name and a rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = path.with_extension("partial");
+    std::fs::write(&tmp, bytes).map_err(|e| Error::io(&tmp, "writing", e))?;
+    std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "renaming into place", e))
+}
+
+/// A hidden directory beside the output that becomes the output only when
+/// complete; removed if dropped before [`Staging::commit`].
+struct Staging {
+    path: PathBuf,
+    committed: bool,
+}
+
+impl Staging {
+    fn create(output: &Path) -> Result<Staging> {
+        let name = output
+            .file_name()
+            .ok_or_else(|| Error::invalid("-o", format!("`{}` is not a directory name", output.display())))?;
+        let parent = match output.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, "creating folder", e))?;
+        let path = parent.join(format!(".{}.moeflux-partial", name.to_string_lossy()));
+        if path.exists() {
+            // Left by an interrupted conversion to the same output.
+            std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, "removing stale staging folder", e))?;
+        }
+        std::fs::create_dir(&path).map_err(|e| Error::io(&path, "creating", e))?;
+        Ok(Staging { path, committed: false })
+    }
+
+    fn commit(mut self, output: &Path) -> Result<()> {
+        if output.exists() {
+            let old = self.path.with_extension("moeflux-old");
+            std::fs::rename(output, &old).map_err(|e| Error::io(output, "moving the old output aside", e))?;
+            std::fs::rename(&self.path, output).map_err(|e| Error::io(output, "renaming into place", e))?;
+            std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, "removing the old output", e))?;
+        } else {
+            std::fs::rename(&self.path, output).map_err(|e| Error::io(output, "renaming into place", e))?;
+        }
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}

@@ -1,0 +1,93 @@
+//! Small shared helpers.
+
+use std::alloc::{Layout, alloc_zeroed, dealloc};
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+/// Alignment of expert buffers: a page, so reads can bypass the page cache
+/// (`O_DIRECT`) and every matrix inside starts on a SIMD-friendly boundary.
+pub const BUFFER_ALIGN: usize = 4096;
+
+/// A zero-initialised heap buffer aligned to [`BUFFER_ALIGN`].
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: AlignedBuf owns its allocation exclusively, like Vec<u8>.
+unsafe impl Send for AlignedBuf {}
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        if len == 0 {
+            // A dangling but aligned pointer; never dereferenced for len 0.
+            let ptr = NonNull::new(BUFFER_ALIGN as *mut u8).unwrap();
+            return AlignedBuf { ptr, len };
+        }
+        let layout = Self::layout(len);
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { alloc_zeroed(layout) };
+        let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
+        AlignedBuf { ptr, len }
+    }
+
+    pub fn from_slice(data: &[u8]) -> AlignedBuf {
+        let mut buf = AlignedBuf::zeroed(data.len());
+        buf.copy_from_slice(data);
+        buf
+    }
+
+    fn layout(len: usize) -> Layout {
+        Layout::from_size_align(len, BUFFER_ALIGN).expect("buffer size overflows")
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: allocated in `zeroed` with this exact layout.
+            unsafe { dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        }
+    }
+}
+
+impl Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is valid for len bytes (or len is 0).
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: ptr is valid for len bytes and uniquely owned.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// Hex form of a 64-bit checksum as stored in manifests.
+pub fn hex64(v: u64) -> String {
+    format!("{v:016x}")
+}
+
+pub fn parse_hex64(s: &str) -> Option<u64> {
+    (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok()).flatten()
+}
+
+/// Human-readable byte count (binary units).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.2} {}", UNITS[unit])
+    }
+}
