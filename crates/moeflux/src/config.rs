@@ -169,7 +169,11 @@ impl ModelConfig {
             if l.conv_kernel < 1 {
                 return fail("linear_conv_kernel_dim must be at least 1".into());
             }
-        } else if self.layers.iter().any(|l| l.kind == LayerKind::LinearAttention) {
+        } else if self
+            .layers
+            .iter()
+            .any(|l| l.kind == LayerKind::LinearAttention)
+        {
             return fail("linear-attention layers need the linear_* settings".into());
         }
         let m = &self.moe;
@@ -244,10 +248,9 @@ impl<'a> ConfigReader<'a> {
     pub fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(|n| Some(n as usize))
-                .ok_or_else(|| self.error(format!("`{key}` must be a non-negative integer, got {v}"))),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+                self.error(format!("`{key}` must be a non-negative integer, got {v}"))
+            }),
         }
     }
 
@@ -280,7 +283,9 @@ impl<'a> ConfigReader<'a> {
                 .iter()
                 .map(|v| {
                     v.as_u64().map(|n| n as usize).ok_or_else(|| {
-                        self.error(format!("`{key}` must list non-negative integers, found {v}"))
+                        self.error(format!(
+                            "`{key}` must list non-negative integers, found {v}"
+                        ))
                     })
                 })
                 .collect(),
@@ -331,7 +336,10 @@ impl<'a> ConfigReader<'a> {
         }
         let params = self.object("rope_parameters")?;
         if let Some(p) = &params {
-            let kind = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
+            let kind = p
+                .get("rope_type")
+                .and_then(Value::as_str)
+                .unwrap_or("default");
             if kind != "default" {
                 return Err(self.error(format!(
                     "rope_parameters.rope_type `{kind}` is not implemented (only `default` RoPE is)"
@@ -350,12 +358,22 @@ impl<'a> ConfigReader<'a> {
             .or_else(|| self.opt_f64("partial_rotary_factor").transpose())
             .transpose()?
             .unwrap_or(default_partial);
-        if !(theta > 0.0) || !(partial > 0.0 && partial <= 1.0) {
+        let valid = theta > 0.0 && partial > 0.0 && partial <= 1.0;
+        if !valid {
             return Err(self.error(format!(
                 "rope_theta ({theta}) must be positive and partial_rotary_factor ({partial}) in (0, 1]"
             )));
         }
         Ok((theta, partial))
+    }
+
+    /// Routed experts per MoE layer; transformers 5 writes `num_local_experts`
+    /// for some families, the Hub configs `num_experts`.
+    pub fn num_experts(&self) -> Result<usize> {
+        Ok(match self.opt_usize("num_experts")? {
+            Some(n) => n,
+            None => self.usize_or("num_local_experts", 0)?,
+        })
     }
 
     /// Only SiLU-gated MLPs are implemented.

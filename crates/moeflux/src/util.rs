@@ -73,7 +73,9 @@ pub fn hex64(v: u64) -> String {
 }
 
 pub fn parse_hex64(s: &str) -> Option<u64> {
-    (s.len() == 16).then(|| u64::from_str_radix(s, 16).ok()).flatten()
+    (s.len() == 16)
+        .then(|| u64::from_str_radix(s, 16).ok())
+        .flatten()
 }
 
 /// Human-readable byte count (binary units).

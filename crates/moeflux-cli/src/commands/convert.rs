@@ -52,8 +52,10 @@ pub fn run(args: Args) -> Result<()> {
         Quant::Bf16 => DType::Bf16,
     };
     let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta}  {msg}")
-            .expect("valid template"),
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta}  {msg}",
+        )
+        .expect("valid template"),
     );
     let options = ConvertOptions {
         quant,
@@ -72,8 +74,18 @@ pub fn run(args: Args) -> Result<()> {
             "warning: {} tensor(s) not used by {}: {}{}",
             summary.unknown.len(),
             summary.config.architecture.name(),
-            summary.unknown.iter().take(5).cloned().collect::<Vec<_>>().join(", "),
-            if summary.unknown.len() > 5 { ", ..." } else { "" }
+            summary
+                .unknown
+                .iter()
+                .take(5)
+                .cloned()
+                .collect::<Vec<_>>()
+                .join(", "),
+            if summary.unknown.len() > 5 {
+                ", ..."
+            } else {
+                ""
+            }
         );
     }
     println!(

@@ -35,7 +35,10 @@ pub fn run(args: Args) -> Result<()> {
     // Without a tokenizer the ids are the output, so they are printed
     // whether or not --print-token-ids is given.
     let _ = args.print_token_ids;
-    println!("{}", ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" "));
+    println!(
+        "{}",
+        ids.iter().map(u32::to_string).collect::<Vec<_>>().join(" ")
+    );
     if args.stats {
         let s = model.expert_stats();
         eprintln!(

@@ -13,14 +13,34 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let dir = ModelDir::open(&args.model, OpenOptions { verify_checksums: false })?;
+    let dir = ModelDir::open(
+        &args.model,
+        OpenOptions {
+            verify_checksums: false,
+        },
+    )?;
     let m = dir.manifest();
     let c = dir.config();
     let a = &c.attention;
     println!("model          {}", args.model.display());
-    println!("architecture   {}{}", c.architecture.name(), if m.synthetic { " (synthetic: random weights)" } else { "" });
-    println!("format         {} v{} by {}", m.format, m.version, m.producer);
-    println!("quantization   {} (group {})", m.quantization.name(), m.group_size);
+    println!(
+        "architecture   {}{}",
+        c.architecture.name(),
+        if m.synthetic {
+            " (synthetic: random weights)"
+        } else {
+            ""
+        }
+    );
+    println!(
+        "format         {} v{} by {}",
+        m.format, m.version, m.producer
+    );
+    println!(
+        "quantization   {} (group {})",
+        m.quantization.name(),
+        m.group_size
+    );
     println!("vocab / hidden {} / {}", c.vocab_size, c.hidden_size);
     println!(
         "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}){}",
@@ -60,8 +80,20 @@ pub fn run(args: Args) -> Result<()> {
         println!("  {i:>4}  {mixer:<34} {ffn}");
     }
     let per_expert = m.experts.first().map(|e| e.blob.nbytes).unwrap_or(0);
-    println!("dense bytes    {} ({})", m.dense_bytes(), human_bytes(m.dense_bytes()));
-    println!("expert bytes   {} ({})", m.expert_bytes(), human_bytes(m.expert_bytes()));
-    println!("bytes/expert   {} ({})", per_expert, human_bytes(per_expert));
+    println!(
+        "dense bytes    {} ({})",
+        m.dense_bytes(),
+        human_bytes(m.dense_bytes())
+    );
+    println!(
+        "expert bytes   {} ({})",
+        m.expert_bytes(),
+        human_bytes(m.expert_bytes())
+    );
+    println!(
+        "bytes/expert   {} ({})",
+        per_expert,
+        human_bytes(per_expert)
+    );
     Ok(())
 }

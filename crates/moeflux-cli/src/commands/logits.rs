@@ -25,14 +25,19 @@ pub fn run(args: Args) -> Result<()> {
     let model = args.model.open()?;
     let mut seq = model.new_sequence();
     let logits = model.forward(&mut seq, &tokens, LogitsWanted::All)?;
-    write_npy(&args.output, &logits.data, &[logits.rows as u64, logits.vocab as u64])
+    write_npy(
+        &args.output,
+        &logits.data,
+        &[logits.rows as u64, logits.vocab as u64],
+    )
 }
 
 /// Writes through a temporary file renamed into place.
 fn write_npy(path: &std::path::Path, data: &[f32], shape: &[u64]) -> Result<()> {
     let tmp = path.with_extension("npy.partial");
     let result = (|| -> Result<()> {
-        let file = std::fs::File::create(&tmp).with_context(|| format!("{}: creating", tmp.display()))?;
+        let file =
+            std::fs::File::create(&tmp).with_context(|| format!("{}: creating", tmp.display()))?;
         let mut writer = npyz::WriteOptions::new()
             .default_dtype()
             .shape(shape)
@@ -40,7 +45,8 @@ fn write_npy(path: &std::path::Path, data: &[f32], shape: &[u64]) -> Result<()> 
             .begin_nd()?;
         writer.extend(data.iter().copied())?;
         writer.finish()?;
-        std::fs::rename(&tmp, path).with_context(|| format!("{}: renaming into place", path.display()))?;
+        std::fs::rename(&tmp, path)
+            .with_context(|| format!("{}: renaming into place", path.display()))?;
         Ok(())
     })();
     if result.is_err() {

@@ -44,8 +44,11 @@ pub fn parse_tokens(option: &str, text: &str) -> Result<Vec<u32>> {
     text.split(|c: char| c == ',' || c.is_whitespace())
         .filter(|s| !s.is_empty())
         .map(|s| {
-            s.parse::<u32>()
-                .with_context(|| format!("{option}: `{s}` is not a token id (expected non-negative integers like 1,2,3)"))
+            s.parse::<u32>().with_context(|| {
+                format!(
+                    "{option}: `{s}` is not a token id (expected non-negative integers like 1,2,3)"
+                )
+            })
         })
         .collect()
 }

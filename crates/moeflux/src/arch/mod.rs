@@ -39,7 +39,11 @@ impl Architecture {
     }
 
     pub fn supported_list() -> String {
-        Self::ALL.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        Self::ALL
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     pub fn name(self) -> &'static str {

@@ -12,7 +12,10 @@ use crate::error::Result;
 
 pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
     c.require_silu()?;
-    c.refuse_if_true("attention_bias", "Qwen3-MoE checkpoints have no attention biases")?;
+    c.refuse_if_true(
+        "attention_bias",
+        "Qwen3-MoE checkpoints have no attention biases",
+    )?;
     c.refuse_if_true(
         "use_sliding_window",
         "sliding-window attention is not implemented",
@@ -26,7 +29,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
     };
     let (rope_theta, partial) = c.rope(1.0)?;
     let num_layers = c.usize("num_hidden_layers")?;
-    let num_experts = c.usize_or("num_experts", 0)?;
+    let num_experts = c.num_experts()?;
     let sparse_step = c.usize_or("decoder_sparse_step", 1)?.max(1);
     let mlp_only = c.usize_list("mlp_only_layers")?;
     let layers = (0..num_layers)
@@ -82,12 +85,44 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
         let hf = |t: &str| format!("{p}layers.{i}.{t}");
         let canon = |t: &str| names::layer(i, t);
         let m = TensorRole::Matrix;
-        b.matrix(canon(names::ATTN_Q), m, &hf("self_attn.q_proj.weight"), q_dim, h)?;
-        b.matrix(canon(names::ATTN_K), m, &hf("self_attn.k_proj.weight"), kv_dim, h)?;
-        b.matrix(canon(names::ATTN_V), m, &hf("self_attn.v_proj.weight"), kv_dim, h)?;
-        b.matrix(canon(names::ATTN_O), m, &hf("self_attn.o_proj.weight"), h, q_dim)?;
-        b.vector(canon(names::ATTN_Q_NORM), &hf("self_attn.q_norm.weight"), &[a.head_dim])?;
-        b.vector(canon(names::ATTN_K_NORM), &hf("self_attn.k_norm.weight"), &[a.head_dim])?;
+        b.matrix(
+            canon(names::ATTN_Q),
+            m,
+            &hf("self_attn.q_proj.weight"),
+            q_dim,
+            h,
+        )?;
+        b.matrix(
+            canon(names::ATTN_K),
+            m,
+            &hf("self_attn.k_proj.weight"),
+            kv_dim,
+            h,
+        )?;
+        b.matrix(
+            canon(names::ATTN_V),
+            m,
+            &hf("self_attn.v_proj.weight"),
+            kv_dim,
+            h,
+        )?;
+        b.matrix(
+            canon(names::ATTN_O),
+            m,
+            &hf("self_attn.o_proj.weight"),
+            h,
+            q_dim,
+        )?;
+        b.vector(
+            canon(names::ATTN_Q_NORM),
+            &hf("self_attn.q_norm.weight"),
+            &[a.head_dim],
+        )?;
+        b.vector(
+            canon(names::ATTN_K_NORM),
+            &hf("self_attn.k_norm.weight"),
+            &[a.head_dim],
+        )?;
         feed_forward(&mut b, cfg, p, i, spec.ffn)?;
     }
     Ok(b.finish(&[("mtp.", "multi-token-prediction head")]))
@@ -108,12 +143,21 @@ pub(super) fn common_tensors(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str
     if cfg.tie_word_embeddings {
         b.skip("lm_head.weight", "tied to embed_tokens");
     } else {
-        b.matrix(names::LM_HEAD.into(), TensorRole::Matrix, "lm_head.weight", v, h)?;
+        b.matrix(
+            names::LM_HEAD.into(),
+            TensorRole::Matrix,
+            "lm_head.weight",
+            v,
+            h,
+        )?;
     }
     for i in 0..cfg.num_layers() {
         for (canon, hf) in [
             (names::INPUT_NORM, "input_layernorm.weight"),
-            (names::POST_ATTENTION_NORM, "post_attention_layernorm.weight"),
+            (
+                names::POST_ATTENTION_NORM,
+                "post_attention_layernorm.weight",
+            ),
         ] {
             b.vector(names::layer(i, canon), &format!("{p}layers.{i}.{hf}"), &[h])?;
         }

@@ -23,7 +23,10 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
     let nested = top.object("text_config")?;
     let c = nested.as_ref().unwrap_or(top);
     c.require_silu()?;
-    c.refuse_if_true("attention_bias", "these checkpoints have no attention biases")?;
+    c.refuse_if_true(
+        "attention_bias",
+        "these checkpoints have no attention biases",
+    )?;
     let hidden_size = c.usize("hidden_size")?;
     let num_heads = c.usize("num_attention_heads")?;
     let head_dim = c.usize_or("head_dim", hidden_size / num_heads.max(1))?;
@@ -61,7 +64,7 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             kinds.len()
         )));
     }
-    let num_experts = c.usize_or("num_experts", 0)?;
+    let num_experts = c.num_experts()?;
     let sparse_step = c.usize_or("decoder_sparse_step", 1)?.max(1);
     let mlp_only = c.usize_list("mlp_only_layers")?;
     let layers = kinds
@@ -136,15 +139,17 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
 fn gated_attention(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize) -> Result<()> {
     let a = &cfg.attention;
     let h = cfg.hidden_size;
-    let (hd, q_dim, kv_dim) = (a.head_dim, a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
+    let (hd, q_dim, kv_dim) = (
+        a.head_dim,
+        a.num_heads * a.head_dim,
+        a.num_kv_heads * a.head_dim,
+    );
     let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
     let canon = |t: &str| names::layer(i, t);
     let q_proj = hf("q_proj.weight");
     b.expect(&q_proj, &[2 * q_dim, h])?;
     let sources = (0..2)
-        .flat_map(|part| {
-            (0..a.num_heads).map(move |head| (part, head))
-        })
+        .flat_map(|part| (0..a.num_heads).map(move |head| (part, head)))
         .map(|(part, head)| RowSource {
             tensor: q_proj.clone(),
             row_start: head * 2 * hd + part * hd,
@@ -164,9 +169,17 @@ fn gated_attention(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize
 /// v (the convolution's channels), z, b and a, whichever way the checkpoint
 /// stores them.
 fn gated_delta_net(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize) -> Result<()> {
-    let l = cfg.linear_attention.as_ref().expect("validated: linear layers have settings");
+    let l = cfg
+        .linear_attention
+        .as_ref()
+        .expect("validated: linear layers have settings");
     let h = cfg.hidden_size;
-    let (nk, nv, dk, dv) = (l.num_key_heads, l.num_value_heads, l.key_head_dim, l.value_head_dim);
+    let (nk, nv, dk, dv) = (
+        l.num_key_heads,
+        l.num_value_heads,
+        l.key_head_dim,
+        l.value_head_dim,
+    );
     let hf = |t: &str| format!("{p}layers.{i}.linear_attn.{t}");
     let canon = |t: &str| names::layer(i, t);
     let row = |tensor: &str, row_start, rows| RowSource {
@@ -183,9 +196,7 @@ fn gated_delta_net(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize
         let fused_ba = hf("in_proj_ba.weight");
         b.expect(&fused_qkvz, &[nk * group, h])?;
         b.expect(&fused_ba, &[2 * nv, h])?;
-        let part = |offset: usize, rows: usize| {
-            (0..nk).map(move |g| (g * group + offset, rows))
-        };
+        let part = |offset: usize, rows: usize| (0..nk).map(move |g| (g * group + offset, rows));
         part(0, dk)
             .chain(part(dk, dk))
             .chain(part(2 * dk, r * dv))

@@ -66,7 +66,8 @@ impl<B: Backend> Decoder<B> {
             };
             layers.push(Layer {
                 input_norm: w.f32_tensor(&names::layer(i, names::INPUT_NORM), &[h])?,
-                post_attention_norm: w.f32_tensor(&names::layer(i, names::POST_ATTENTION_NORM), &[h])?,
+                post_attention_norm: w
+                    .f32_tensor(&names::layer(i, names::POST_ATTENTION_NORM), &[h])?,
                 mixer,
                 ffn,
             });
@@ -89,9 +90,9 @@ impl<B: Backend> Decoder<B> {
             .iter()
             .map(|layer| match layer.mixer {
                 Mixer::Attention(_) => LayerState::Attention(b.new_kv_cache(attention::shape(cfg))),
-                Mixer::Linear(_) => LayerState::Linear(b.new_linear_state(
-                    cfg.linear_attention.as_ref().expect("validated"),
-                )),
+                Mixer::Linear(_) => LayerState::Linear(
+                    b.new_linear_state(cfg.linear_attention.as_ref().expect("validated")),
+                ),
             })
             .collect()
     }
@@ -111,7 +112,9 @@ impl<B: Backend> Decoder<B> {
         for (layer, layer_state) in self.layers.iter().zip(state.iter_mut()) {
             let h = b.rms_norm(&x, &layer.input_norm, self.norm);
             let mixed = match (&layer.mixer, layer_state) {
-                (Mixer::Attention(attn), LayerState::Attention(cache)) => attn.forward(b, &h, cache),
+                (Mixer::Attention(attn), LayerState::Attention(cache)) => {
+                    attn.forward(b, &h, cache)
+                }
                 (Mixer::Linear(gdn), LayerState::Linear(s)) => gdn.forward(b, &h, s),
                 _ => unreachable!("state built by new_state for these layers"),
             };
@@ -128,6 +131,9 @@ impl<B: Backend> Decoder<B> {
         }
         let last = b.last_rows(&x, logit_rows);
         let normed = b.rms_norm(&last, &self.final_norm, self.norm);
-        Ok(Some(b.linear(&normed, self.lm_head.as_ref().unwrap_or(&self.embed))))
+        Ok(Some(b.linear(
+            &normed,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+        )))
     }
 }

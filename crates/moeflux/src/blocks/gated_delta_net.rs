@@ -29,12 +29,23 @@ impl<B: Backend> GatedDeltaNet<B> {
             .expect("validated: linear layers have settings");
         let name = |t| names::layer(layer, t);
         Ok(GatedDeltaNet {
-            in_proj: w.matrix(&name(names::LINEAR_IN_PROJ), cfg.in_proj_rows(), model.hidden_size)?,
-            conv: w.f32_tensor(&name(names::LINEAR_CONV), &[cfg.conv_dim(), cfg.conv_kernel])?,
+            in_proj: w.matrix(
+                &name(names::LINEAR_IN_PROJ),
+                cfg.in_proj_rows(),
+                model.hidden_size,
+            )?,
+            conv: w.f32_tensor(
+                &name(names::LINEAR_CONV),
+                &[cfg.conv_dim(), cfg.conv_kernel],
+            )?,
             a_log: w.f32_tensor(&name(names::LINEAR_A_LOG), &[cfg.num_value_heads])?,
             dt_bias: w.f32_tensor(&name(names::LINEAR_DT_BIAS), &[cfg.num_value_heads])?,
             norm: w.f32_tensor(&name(names::LINEAR_NORM), &[cfg.value_head_dim])?,
-            out_proj: w.matrix(&name(names::LINEAR_OUT_PROJ), model.hidden_size, cfg.value_dim())?,
+            out_proj: w.matrix(
+                &name(names::LINEAR_OUT_PROJ),
+                model.hidden_size,
+                cfg.value_dim(),
+            )?,
             eps: model.rms_norm_eps,
             cfg,
         })
@@ -45,7 +56,12 @@ impl<B: Backend> GatedDeltaNet<B> {
         let projected = b.linear(x, &self.in_proj);
         let parts = b.split_cols(
             &projected,
-            &[c.conv_dim(), c.value_dim(), c.num_value_heads, c.num_value_heads],
+            &[
+                c.conv_dim(),
+                c.value_dim(),
+                c.num_value_heads,
+                c.num_value_heads,
+            ],
         );
         let [qkv, z, beta_in, decay_in] = parts.as_slice() else {
             unreachable!("split into four parts")

@@ -39,7 +39,10 @@ impl<B: Backend> Weights<'_, B> {
             return Err(Error::tensor(
                 self.dir.root().join(MANIFEST_FILE),
                 name,
-                format!("stored as {}, the engine needs f32 for this tensor", t.entry.dtype.name()),
+                format!(
+                    "stored as {}, the engine needs f32 for this tensor",
+                    t.entry.dtype.name()
+                ),
             ));
         }
         self.backend.load_weight(&t)

@@ -17,7 +17,12 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Backend> Mlp<B> {
     /// Loads the three projections named `[gate, up, down]` of `layer`.
-    pub fn load(w: &Weights<'_, B>, layer: usize, tensors: [&str; 3], intermediate: usize) -> Result<Self> {
+    pub fn load(
+        w: &Weights<'_, B>,
+        layer: usize,
+        tensors: [&str; 3],
+        intermediate: usize,
+    ) -> Result<Self> {
         let h = w.config().hidden_size;
         let name = |t| names::layer(layer, t);
         Ok(Mlp {
@@ -50,7 +55,12 @@ impl<B: Backend> SparseMoe<B> {
         let name = |t| names::layer(layer, t);
         let shared = match moe.shared_expert_intermediate_size {
             Some(inter) => Some((
-                Mlp::load(w, layer, [names::SHARED_GATE, names::SHARED_UP, names::SHARED_DOWN], inter)?,
+                Mlp::load(
+                    w,
+                    layer,
+                    [names::SHARED_GATE, names::SHARED_UP, names::SHARED_DOWN],
+                    inter,
+                )?,
                 w.matrix(&name(names::SHARED_EXPERT_GATE), 1, h)?,
             )),
             None => None,

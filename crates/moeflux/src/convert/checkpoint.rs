@@ -44,7 +44,8 @@ impl Checkpoint {
             })?;
             // SAFETY: the checkpoint is only read; it must not change while
             // the conversion runs.
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, "memory-mapping", e))?;
+            let map =
+                unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, "memory-mapping", e))?;
             let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
                 Error::bad_file(
                     path,
@@ -105,9 +106,9 @@ impl Checkpoint {
     /// Reads rows of a tensor viewed as `[leading dims product, last dim]`
     /// and converts them to f32, appending to `out`.
     pub fn read_rows(&self, src: &RowSource, out: &mut Vec<f32>) -> Result<()> {
-        let (shard, info) = self
-            .locate(&src.tensor)
-            .ok_or_else(|| Error::tensor(&self.index.dir, &src.tensor, "missing from the checkpoint"))?;
+        let (shard, info) = self.locate(&src.tensor).ok_or_else(|| {
+            Error::tensor(&self.index.dir, &src.tensor, "missing from the checkpoint")
+        })?;
         let cols = *info.shape.last().unwrap_or(&1);
         let width = match info.dtype {
             Dtype::BF16 | Dtype::F16 => 2,
@@ -155,7 +156,10 @@ impl Checkpoint {
 /// The shard files of a checkpoint directory.
 fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
     if !dir.is_dir() {
-        return Err(Error::bad_file(dir, "not a directory: pass a Hugging Face checkpoint directory"));
+        return Err(Error::bad_file(
+            dir,
+            "not a directory: pass a Hugging Face checkpoint directory",
+        ));
     }
     let index = dir.join(INDEX_FILE);
     if index.exists() {
@@ -198,8 +202,8 @@ fn safe_join(dir: &Path, index: &Path, name: &str) -> Result<PathBuf> {
 /// `weight_map` of the index: tensor name -> shard file name.
 fn read_index(index: &Path) -> Result<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(index).map_err(|e| Error::io(index, "reading", e))?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| Error::bad_file(index, format!("malformed JSON: {e}")))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| Error::bad_file(index, format!("malformed JSON: {e}")))?;
     let map = json
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -208,7 +212,9 @@ fn read_index(index: &Path) -> Result<BTreeMap<String, String>> {
         .map(|(k, v)| {
             v.as_str()
                 .map(|s| (k.clone(), s.to_string()))
-                .ok_or_else(|| Error::bad_file(index, format!("`weight_map.{k}` must be a file name")))
+                .ok_or_else(|| {
+                    Error::bad_file(index, format!("`weight_map.{k}` must be a file name"))
+                })
         })
         .collect()
 }
@@ -221,12 +227,17 @@ fn check_index_agrees(dir: &Path, shards: &[Shard]) -> Result<()> {
     }
     for (name, file) in read_index(&index)? {
         let path = dir.join(&file);
-        let shard = shards.iter().find(|s| s.path == path).expect("shards come from the index");
+        let shard = shards
+            .iter()
+            .find(|s| s.path == path)
+            .expect("shards come from the index");
         if !shard.tensors.contains_key(&name) {
             return Err(Error::tensor(
                 &path,
                 &name,
-                format!("listed in `{INDEX_FILE}` but absent from this shard; the download is incomplete"),
+                format!(
+                    "listed in `{INDEX_FILE}` but absent from this shard; the download is incomplete"
+                ),
             ));
         }
     }

@@ -108,20 +108,36 @@ pub fn convert(
         tensors: Default::default(),
         experts: Vec::new(),
     };
-    write_dense(&ckpt, &plan.dense, options.quant, &staging.path, &mut manifest, progress)?;
+    write_dense(
+        &ckpt,
+        &plan.dense,
+        options.quant,
+        &staging.path,
+        &mut manifest,
+        progress,
+    )?;
     let mut expert_files = Vec::with_capacity(plan.experts.len());
     for layer in &plan.experts {
-        let (entry, file) = write_expert_layer(&ckpt, layer, options.quant, &staging.path, progress)?;
+        let (entry, file) =
+            write_expert_layer(&ckpt, layer, options.quant, &staging.path, progress)?;
         manifest.experts.push(entry);
         expert_files.push(file);
     }
     progress.finish();
     copy_side_files(input, &staging.path)?;
     record_files(&staging.path, expert_files, &mut manifest)?;
-    write_atomic(&staging.path.join(MANIFEST_FILE), manifest.to_json().as_bytes())?;
+    write_atomic(
+        &staging.path.join(MANIFEST_FILE),
+        manifest.to_json().as_bytes(),
+    )?;
     // Open the staged directory as a reader would: this checks the manifest
     // against the files, every size and the dense checksum.
-    ModelDir::open(&staging.path, OpenOptions { verify_checksums: true })?;
+    ModelDir::open(
+        &staging.path,
+        OpenOptions {
+            verify_checksums: true,
+        },
+    )?;
     staging.commit(output)?;
     Ok(ConvertSummary {
         tensors: manifest.tensors.len(),
@@ -136,7 +152,10 @@ pub fn convert(
 
 fn read_json(path: &Path) -> Result<serde_json::Value> {
     let text = std::fs::read_to_string(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => Error::bad_file(path, "missing: a Hugging Face checkpoint needs its config.json"),
+        std::io::ErrorKind::NotFound => Error::bad_file(
+            path,
+            "missing: a Hugging Face checkpoint needs its config.json",
+        ),
         _ => Error::io(path, "reading", e),
     })?;
     serde_json::from_str(&text).map_err(|e| Error::config(path, format!("malformed JSON: {e}")))
@@ -167,7 +186,13 @@ fn storage_dtype(role: TensorRole, cols: usize, quant: DType) -> DType {
 }
 
 /// Rows `[start, end)` of a canonical tensor assembled from its sources.
-fn gather_rows(ckpt: &Checkpoint, sources: &[RowSource], start: usize, end: usize, out: &mut Vec<f32>) -> Result<()> {
+fn gather_rows(
+    ckpt: &Checkpoint,
+    sources: &[RowSource],
+    start: usize,
+    end: usize,
+    out: &mut Vec<f32>,
+) -> Result<()> {
     let mut base = 0;
     for src in sources {
         let (lo, hi) = (start.max(base), end.min(base + src.rows));
@@ -207,7 +232,11 @@ fn write_dense(
         let layout = MatrixLayout::new(dtype, t.rows, t.cols).expect("dtype chosen to fit");
         let encoder = RowEncoder::new(layout);
         let offset = align_up(cursor, ALIGN);
-        let groups = if dtype.is_quantized() { t.cols / GROUP_SIZE } else { 0 };
+        let groups = if dtype.is_quantized() {
+            t.cols / GROUP_SIZE
+        } else {
+            0
+        };
         let block_rows = (BLOCK_VALUES / t.cols.max(1)).max(1);
         let mut values = Vec::new();
         for start in (0..t.rows).step_by(block_rows) {
@@ -216,11 +245,21 @@ fn write_dense(
             gather_rows(ckpt, &t.sources, start, end, &mut values)?;
             let enc = encoder.encode(&values);
             write(&enc.codes, offset + start * layout.row_bytes)?;
-            write(&enc.scales, offset + layout.scales_offset + start * groups * 2)?;
-            write(&enc.biases, offset + layout.biases_offset + start * groups * 2)?;
+            write(
+                &enc.scales,
+                offset + layout.scales_offset + start * groups * 2,
+            )?;
+            write(
+                &enc.biases,
+                offset + layout.biases_offset + start * groups * 2,
+            )?;
             progress.advance(((end - start) * t.cols) as u64, &t.name);
         }
-        let shape = if t.is_vector && t.rows == 1 { vec![t.cols] } else { vec![t.rows, t.cols] };
+        let shape = if t.is_vector && t.rows == 1 {
+            vec![t.cols]
+        } else {
+            vec![t.rows, t.cols]
+        };
         manifest.tensors.insert(
             t.name.clone(),
             TensorEntry {
@@ -233,7 +272,8 @@ fn write_dense(
         );
         cursor = offset + layout.total_bytes;
     }
-    file.set_len(cursor as u64).map_err(|e| Error::io(&path, "sizing", e))?;
+    file.set_len(cursor as u64)
+        .map_err(|e| Error::io(&path, "sizing", e))?;
     file.sync_all().map_err(|e| Error::io(&path, "syncing", e))
 }
 
@@ -255,7 +295,12 @@ fn blob_layout(layer: &ExpertLayerPlan, quant: DType) -> ExpertBlobLayout {
     let up = matrix(align_up(size(&gate), ALIGN), i, h);
     let down = matrix(align_up(up.offset as usize + size(&up), ALIGN), h, i);
     let nbytes = down.offset + size(&down) as u64;
-    ExpertBlobLayout { nbytes, gate, up, down }
+    ExpertBlobLayout {
+        nbytes,
+        gate,
+        up,
+        down,
+    }
 }
 
 /// Experts encoded in parallel between sequential writes.
@@ -272,11 +317,16 @@ fn write_expert_layer(
     let stride = align_up(blob.nbytes as usize, EXPERT_ALIGN);
     let rel = expert_file_name(layer.layer);
     let path = dir.join(&rel);
-    std::fs::create_dir_all(path.parent().unwrap()).map_err(|e| Error::io(&path, "creating folder", e))?;
+    std::fs::create_dir_all(path.parent().unwrap())
+        .map_err(|e| Error::io(&path, "creating folder", e))?;
     let file = File::create(&path).map_err(|e| Error::io(&path, "creating", e))?;
     file.set_len((stride * layer.num_experts) as u64)
         .map_err(|e| Error::io(&path, "sizing", e))?;
-    let parts = [(&layer.gate, blob.gate), (&layer.up, blob.up), (&layer.down, blob.down)];
+    let parts = [
+        (&layer.gate, blob.gate),
+        (&layer.up, blob.up),
+        (&layer.down, blob.down),
+    ];
     let encode_expert = |e: usize| -> Result<Vec<u8>> {
         let mut bytes = vec![0u8; blob.nbytes as usize];
         let mut values = Vec::new();
@@ -292,8 +342,14 @@ fn write_expert_layer(
     let mut checksums = Vec::with_capacity(layer.num_experts);
     let what = format!("experts of layer {}", layer.layer);
     let per_expert = (3 * layer.hidden * layer.intermediate) as u64;
-    for batch in (0..layer.num_experts).collect::<Vec<_>>().chunks(EXPERT_BATCH) {
-        let blobs: Vec<Vec<u8>> = batch.par_iter().map(|&e| encode_expert(e)).collect::<Result<_>>()?;
+    for batch in (0..layer.num_experts)
+        .collect::<Vec<_>>()
+        .chunks(EXPERT_BATCH)
+    {
+        let blobs: Vec<Vec<u8>> = batch
+            .par_iter()
+            .map(|&e| encode_expert(e))
+            .collect::<Result<_>>()?;
         for (&e, bytes) in batch.iter().zip(blobs) {
             file.write_all_at(&bytes, (e * stride) as u64)
                 .map_err(|err| Error::io(&path, "writing", err))?;
@@ -301,7 +357,8 @@ fn write_expert_layer(
             progress.advance(per_expert, &what);
         }
     }
-    file.sync_all().map_err(|e| Error::io(&path, "syncing", e))?;
+    file.sync_all()
+        .map_err(|e| Error::io(&path, "syncing", e))?;
     let entry = ExpertLayerEntry {
         layer: layer.layer,
         file: rel.clone(),
@@ -386,7 +443,9 @@ pub fn hash_file(path: &Path) -> Result<(u64, u64)> {
     let mut buf = vec![0u8; 8 << 20];
     let mut size = 0u64;
     loop {
-        let n = file.read(&mut buf).map_err(|e| Error::io(path, "reading", e))?;
+        let n = file
+            .read(&mut buf)
+            .map_err(|e| Error::io(path, "reading", e))?;
         if n == 0 {
             break;
         }
@@ -412,9 +471,12 @@ struct Staging {
 
 impl Staging {
     fn create(output: &Path) -> Result<Staging> {
-        let name = output
-            .file_name()
-            .ok_or_else(|| Error::invalid("-o", format!("`{}` is not a directory name", output.display())))?;
+        let name = output.file_name().ok_or_else(|| {
+            Error::invalid(
+                "-o",
+                format!("`{}` is not a directory name", output.display()),
+            )
+        })?;
         let parent = match output.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
@@ -423,20 +485,28 @@ impl Staging {
         let path = parent.join(format!(".{}.moeflux-partial", name.to_string_lossy()));
         if path.exists() {
             // Left by an interrupted conversion to the same output.
-            std::fs::remove_dir_all(&path).map_err(|e| Error::io(&path, "removing stale staging folder", e))?;
+            std::fs::remove_dir_all(&path)
+                .map_err(|e| Error::io(&path, "removing stale staging folder", e))?;
         }
         std::fs::create_dir(&path).map_err(|e| Error::io(&path, "creating", e))?;
-        Ok(Staging { path, committed: false })
+        Ok(Staging {
+            path,
+            committed: false,
+        })
     }
 
     fn commit(mut self, output: &Path) -> Result<()> {
         if output.exists() {
             let old = self.path.with_extension("moeflux-old");
-            std::fs::rename(output, &old).map_err(|e| Error::io(output, "moving the old output aside", e))?;
-            std::fs::rename(&self.path, output).map_err(|e| Error::io(output, "renaming into place", e))?;
-            std::fs::remove_dir_all(&old).map_err(|e| Error::io(&old, "removing the old output", e))?;
+            std::fs::rename(output, &old)
+                .map_err(|e| Error::io(output, "moving the old output aside", e))?;
+            std::fs::rename(&self.path, output)
+                .map_err(|e| Error::io(output, "renaming into place", e))?;
+            std::fs::remove_dir_all(&old)
+                .map_err(|e| Error::io(&old, "removing the old output", e))?;
         } else {
-            std::fs::rename(&self.path, output).map_err(|e| Error::io(output, "renaming into place", e))?;
+            std::fs::rename(&self.path, output)
+                .map_err(|e| Error::io(output, "renaming into place", e))?;
         }
         self.committed = true;
         Ok(())

@@ -71,7 +71,9 @@ impl ExpertCache {
             self.used -= size;
         }
         while self.used + size > self.budget {
-            let Some((_, oldest)) = self.by_age.pop_first() else { break };
+            let Some((_, oldest)) = self.by_age.pop_first() else {
+                break;
+            };
             if let Some((evicted, _)) = self.entries.remove(&oldest) {
                 self.used -= evicted.size_bytes();
             }

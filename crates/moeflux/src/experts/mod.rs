@@ -111,7 +111,8 @@ impl ExpertStore {
     fn open_layer(dir: &ModelDir, entry: &ExpertLayerEntry) -> Result<LayerFile> {
         let path = dir.path_of(&entry.file)?;
         let file = File::open(&path).map_err(|e| Error::io(&path, "opening expert file", e))?;
-        let matrix = |m: &crate::format::BlobMatrix| (m.offset as usize, m.layout().expect("validated"));
+        let matrix =
+            |m: &crate::format::BlobMatrix| (m.offset as usize, m.layout().expect("validated"));
         let layout = BlobLayout {
             nbytes: entry.blob.nbytes as usize,
             gate: matrix(&entry.blob.gate),
@@ -133,7 +134,9 @@ impl ExpertStore {
 
     /// Size of one expert blob of `layer`.
     pub fn expert_bytes(&self, layer: usize) -> u64 {
-        self.layers[layer].as_ref().map_or(0, |l| l.layout.nbytes as u64)
+        self.layers[layer]
+            .as_ref()
+            .map_or(0, |l| l.layout.nbytes as u64)
     }
 
     pub fn cache_budget(&self) -> u64 {
@@ -169,7 +172,9 @@ impl ExpertStore {
         if missing.is_empty() {
             return Ok(found.into_iter().map(Option::unwrap).collect());
         }
-        self.counters.misses.fetch_add(missing.len() as u64, Ordering::Relaxed);
+        self.counters
+            .misses
+            .fetch_add(missing.len() as u64, Ordering::Relaxed);
         let start = Instant::now();
         let loaded: Vec<Arc<Expert>> = missing
             .par_iter()
@@ -210,7 +215,9 @@ impl ExpertStore {
                 actual,
             });
         }
-        self.counters.bytes_read.fetch_add(nbytes as u64, Ordering::Relaxed);
+        self.counters
+            .bytes_read
+            .fetch_add(nbytes as u64, Ordering::Relaxed);
         Ok(Expert {
             layer,
             index,

@@ -125,7 +125,10 @@ impl Manifest {
         if manifest.format != FORMAT_NAME {
             return Err(Error::bad_file(
                 path,
-                format!("`format` is `{}`, expected `{FORMAT_NAME}`", manifest.format),
+                format!(
+                    "`format` is `{}`, expected `{FORMAT_NAME}`",
+                    manifest.format
+                ),
             ));
         }
         if manifest.version != FORMAT_VERSION {

@@ -177,7 +177,10 @@ impl ModelDir {
             if parse_hex64(&f.xxh3).is_none() {
                 return Err(Error::bad_file(
                     self.manifest_path(),
-                    format!("file `{}`: checksum `{}` is not 16 hex digits", f.path, f.xxh3),
+                    format!(
+                        "file `{}`: checksum `{}` is not 16 hex digits",
+                        f.path, f.xxh3
+                    ),
                 ));
             }
         }
@@ -185,15 +188,12 @@ impl ModelDir {
     }
 
     fn file_size(&self, relative: &str, what: &str) -> Result<u64> {
-        self.manifest
-            .file(relative)
-            .map(|f| f.size)
-            .ok_or_else(|| {
-                Error::bad_file(
-                    self.manifest_path(),
-                    format!("{what} refers to file `{relative}`, which the manifest does not list"),
-                )
-            })
+        self.manifest.file(relative).map(|f| f.size).ok_or_else(|| {
+            Error::bad_file(
+                self.manifest_path(),
+                format!("{what} refers to file `{relative}`, which the manifest does not list"),
+            )
+        })
     }
 
     fn check_tensors(&self) -> Result<()> {
@@ -209,7 +209,10 @@ impl ModelDir {
                 ));
             };
             if t.shape.is_empty() || t.shape.len() > 2 {
-                return bad(format!("shape {:?} must have one or two dimensions", t.shape));
+                return bad(format!(
+                    "shape {:?} must have one or two dimensions",
+                    t.shape
+                ));
             }
             if layout.total_bytes as u64 != t.nbytes {
                 return bad(format!(
@@ -220,7 +223,9 @@ impl ModelDir {
                     layout.total_bytes
                 ));
             }
-            if t.offset % ALIGN as u64 != 0 || t.offset.checked_add(t.nbytes).is_none_or(|end| end > size) {
+            if t.offset % ALIGN as u64 != 0
+                || t.offset.checked_add(t.nbytes).is_none_or(|end| end > size)
+            {
                 return bad(format!(
                     "bytes {}..{} are not {ALIGN}-byte aligned or lie outside `{}` ({size} bytes)",
                     t.offset,
@@ -237,15 +242,25 @@ impl ModelDir {
         let manifest_path = self.manifest_path();
         let (h, inter) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
         for layer in cfg.moe_layers() {
-            let bad = |msg: String| Err(Error::bad_file(&manifest_path, format!("experts of layer {layer}: {msg}")));
+            let bad = |msg: String| {
+                Err(Error::bad_file(
+                    &manifest_path,
+                    format!("experts of layer {layer}: {msg}"),
+                ))
+            };
             let Some(e) = self.manifest.expert_layer(layer) else {
                 return bad("missing from the manifest".into());
             };
             let size = self.file_size(&e.file, &format!("experts of layer {layer}"))?;
             if e.num_experts != cfg.moe.num_experts {
-                return bad(format!("{} experts listed, config.json says {}", e.num_experts, cfg.moe.num_experts));
+                return bad(format!(
+                    "{} experts listed, config.json says {}",
+                    e.num_experts, cfg.moe.num_experts
+                ));
             }
-            if e.checksums.len() != e.num_experts || e.checksums.iter().any(|c| parse_hex64(c).is_none()) {
+            if e.checksums.len() != e.num_experts
+                || e.checksums.iter().any(|c| parse_hex64(c).is_none())
+            {
                 return bad(format!("need {} checksums of 16 hex digits", e.num_experts));
             }
             if e.stride % EXPERT_ALIGN as u64 != 0 || e.stride < e.blob.nbytes {
@@ -254,8 +269,14 @@ impl ModelDir {
                     e.stride, e.blob.nbytes
                 ));
             }
-            if e.stride.checked_mul(e.num_experts as u64).is_none_or(|end| end > size) {
-                return bad(format!("{} experts of {} bytes do not fit in `{}` ({size} bytes)", e.num_experts, e.stride, e.file));
+            if e.stride
+                .checked_mul(e.num_experts as u64)
+                .is_none_or(|end| end > size)
+            {
+                return bad(format!(
+                    "{} experts of {} bytes do not fit in `{}` ({size} bytes)",
+                    e.num_experts, e.stride, e.file
+                ));
             }
             for (part, m, rows, cols) in [
                 ("gate", &e.blob.gate, inter, h),
@@ -263,7 +284,12 @@ impl ModelDir {
                 ("down", &e.blob.down, h, inter),
             ] {
                 let Some(layout) = m.layout() else {
-                    return bad(format!("{part}: {}x{} cannot be stored as {}", m.rows, m.cols, m.dtype.name()));
+                    return bad(format!(
+                        "{part}: {}x{} cannot be stored as {}",
+                        m.rows,
+                        m.cols,
+                        m.dtype.name()
+                    ));
                 };
                 if (m.rows, m.cols) != (rows, cols) {
                     return bad(format!(
@@ -271,8 +297,13 @@ impl ModelDir {
                         m.rows, m.cols
                     ));
                 }
-                if m.offset % ALIGN as u64 != 0 || m.offset + layout.total_bytes as u64 > e.blob.nbytes {
-                    return bad(format!("{part} at offset {} lies outside the {}-byte blob or is misaligned", m.offset, e.blob.nbytes));
+                if m.offset % ALIGN as u64 != 0
+                    || m.offset + layout.total_bytes as u64 > e.blob.nbytes
+                {
+                    return bad(format!(
+                        "{part} at offset {} lies outside the {}-byte blob or is misaligned",
+                        m.offset, e.blob.nbytes
+                    ));
                 }
             }
         }
@@ -280,7 +311,12 @@ impl ModelDir {
     }
 
     fn map_dense(mut self, options: OpenOptions) -> Result<ModelDir> {
-        let mut files: Vec<String> = self.manifest.tensors.values().map(|t| t.file.clone()).collect();
+        let mut files: Vec<String> = self
+            .manifest
+            .tensors
+            .values()
+            .map(|t| t.file.clone())
+            .collect();
         files.sort();
         files.dedup();
         for rel in files {
@@ -288,7 +324,8 @@ impl ModelDir {
             let file = File::open(&path).map_err(|e| Error::io(&path, "opening", e))?;
             // SAFETY: the model directory is treated as read-only while open;
             // writers (the converter) never modify a directory in place.
-            let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, "memory-mapping", e))?;
+            let map =
+                unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, "memory-mapping", e))?;
             if options.verify_checksums {
                 let entry = self.manifest.file(&rel).expect("checked in check_tensors");
                 let expected = parse_hex64(&entry.xxh3).expect("checked in check_files");
@@ -310,13 +347,20 @@ impl ModelDir {
     /// A dense tensor with the shape the model expects.
     pub fn tensor(&self, name: &str, shape: &[usize]) -> Result<TensorData> {
         let entry = self.manifest.tensors.get(name).ok_or_else(|| {
-            Error::tensor(self.manifest_path(), name, format!("missing (expected shape {shape:?})"))
+            Error::tensor(
+                self.manifest_path(),
+                name,
+                format!("missing (expected shape {shape:?})"),
+            )
         })?;
         if entry.shape != shape {
             return Err(Error::tensor(
                 self.manifest_path(),
                 name,
-                format!("shape is {:?}, the model's configuration needs {shape:?}", entry.shape),
+                format!(
+                    "shape is {:?}, the model's configuration needs {shape:?}",
+                    entry.shape
+                ),
             ));
         }
         Ok(TensorData {

@@ -141,9 +141,16 @@ impl<B: Backend> Model<B> {
     fn check_tokens(&self, seq: &Sequence<B>, tokens: &[u32]) -> Result<()> {
         let cfg = self.config();
         if tokens.is_empty() {
-            return Err(Error::invalid("tokens", "the prompt is empty: give at least one token"));
+            return Err(Error::invalid(
+                "tokens",
+                "the prompt is empty: give at least one token",
+            ));
         }
-        if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= cfg.vocab_size) {
+        if let Some((i, &t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= cfg.vocab_size)
+        {
             return Err(Error::invalid(
                 "tokens",
                 format!(
@@ -170,7 +177,12 @@ impl<B: Backend> Model<B> {
 
     /// Appends `tokens` to the sequence, processing them in chunks, and
     /// returns the logits asked for.
-    pub fn forward(&self, seq: &mut Sequence<B>, tokens: &[u32], wanted: LogitsWanted) -> Result<Logits> {
+    pub fn forward(
+        &self,
+        seq: &mut Sequence<B>,
+        tokens: &[u32],
+        wanted: LogitsWanted,
+    ) -> Result<Logits> {
         self.check_tokens(seq, tokens)?;
         let vocab = self.config().vocab_size;
         let mut data = Vec::new();
@@ -181,9 +193,9 @@ impl<B: Backend> Model<B> {
                 LogitsWanted::Last if i + 1 == chunks.len() => 1,
                 LogitsWanted::Last => 0,
             };
-            let logits = self
-                .decoder
-                .forward(&self.backend, chunk, &mut seq.layers, &self.store, rows)?;
+            let logits =
+                self.decoder
+                    .forward(&self.backend, chunk, &mut seq.layers, &self.store, rows)?;
             seq.position += chunk.len();
             if let Some(logits) = logits {
                 data.extend(self.backend.to_host(&logits));

@@ -148,7 +148,10 @@ impl<'a> MatrixView<'a> {
             bytemuck::cast_slice(&self.bytes[l.scales_offset..l.scales_offset + 2 * n]);
         let biases: &[bf16] =
             bytemuck::cast_slice(&self.bytes[l.biases_offset..l.biases_offset + 2 * n]);
-        (&scales[row * g..(row + 1) * g], &biases[row * g..(row + 1) * g])
+        (
+            &scales[row * g..(row + 1) * g],
+            &biases[row * g..(row + 1) * g],
+        )
     }
 
     /// Writes row `row` as f32 into `out` (`cols` long).
@@ -293,7 +296,9 @@ mod tests {
         let mut state = seed;
         (0..n)
             .map(|_| {
-                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((state >> 33) as f32 / (1u64 << 31) as f32) - 0.5
             })
             .collect()
@@ -305,7 +310,9 @@ mod tests {
             let (rows, cols) = (5, 192);
             let values = pseudo_random(rows * cols, 7);
             let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
-            let bytes = crate::util::AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&values));
+            let bytes = crate::util::AlignedBuf::from_slice(
+                &RowEncoder::new(layout).encode_matrix(&values),
+            );
             let view = MatrixView::new(layout, &bytes);
             let mut row = vec![0f32; cols];
             for r in 0..rows {
@@ -315,15 +322,23 @@ mod tests {
                     .zip(values[r * cols..(r + 1) * cols].chunks(GROUP_SIZE))
                     .enumerate()
                 {
-                    let (lo, hi) = want.iter().fold((f32::MAX, f32::MIN), |a, &w| (a.0.min(w), a.1.max(w)));
+                    let (lo, hi) = want
+                        .iter()
+                        .fold((f32::MAX, f32::MIN), |a, &w| (a.0.min(w), a.1.max(w)));
                     let tol = match dtype.bits() {
                         // half a step plus the bf16 rounding of scale and bias
-                        Some(bits) => (hi - lo) / ((1 << bits) - 1) as f32 * 0.51 + hi.abs().max(lo.abs()) * 1e-2,
+                        Some(bits) => {
+                            (hi - lo) / ((1 << bits) - 1) as f32 * 0.51
+                                + hi.abs().max(lo.abs()) * 1e-2
+                        }
                         None if dtype == DType::Bf16 => hi.abs().max(lo.abs()) * 4e-3,
                         None => 0.0,
                     };
                     for (a, b) in got.iter().zip(want) {
-                        assert!((a - b).abs() <= tol, "{dtype:?} row {r} group {g}: {a} vs {b}");
+                        assert!(
+                            (a - b).abs() <= tol,
+                            "{dtype:?} row {r} group {g}: {a} vs {b}"
+                        );
                     }
                 }
             }

@@ -37,21 +37,26 @@ pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) ->
     let start = cache.len();
     cache.keys.extend_from_slice(k);
     cache.values.extend_from_slice(v);
-    let (hd, kv_width, q_width) = (s.head_dim, s.num_kv_heads * s.head_dim, s.num_heads * s.head_dim);
+    let (hd, kv_width, q_width) = (
+        s.head_dim,
+        s.num_kv_heads * s.head_dim,
+        s.num_heads * s.head_dim,
+    );
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; n * q_width];
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, out)| {
+    out.par_chunks_mut(hd).enumerate().for_each_init(
+        Vec::new,
+        |scores: &mut Vec<f32>, (i, out)| {
             let (t, head) = (i / s.num_heads, i % s.num_heads);
             let kv_off = (head / group) * hd;
             let query = &q[t * q_width + head * hd..][..hd];
             let visible = start + t + 1;
             scores.clear();
-            scores.extend((0..visible).map(|j| {
-                dot(query, &cache.keys[j * kv_width + kv_off..][..hd]) * scale
-            }));
+            scores.extend(
+                (0..visible)
+                    .map(|j| dot(query, &cache.keys[j * kv_width + kv_off..][..hd]) * scale),
+            );
             let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut total = 0f32;
             for x in scores.iter_mut() {
@@ -66,14 +71,22 @@ pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) ->
                     *o += w * x;
                 }
             }
-        });
+        },
+    );
     out
 }
 
 /// Rotates the first `rotary_dim` features of each `head_dim` group of
 /// every row, row `t` at position `start_pos + t` (halves rotated against
 /// each other, as transformers' `rotate_half`).
-pub fn rope(x: &mut [f32], cols: usize, head_dim: usize, rotary_dim: usize, theta: f64, start_pos: usize) {
+pub fn rope(
+    x: &mut [f32],
+    cols: usize,
+    head_dim: usize,
+    rotary_dim: usize,
+    theta: f64,
+    start_pos: usize,
+) {
     let half = rotary_dim / 2;
     // Frequencies in f32 like transformers' RotaryEmbedding.
     let inv_freq: Vec<f32> = (0..half)

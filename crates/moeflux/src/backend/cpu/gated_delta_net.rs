@@ -53,7 +53,12 @@ pub struct Inputs<'a> {
     pub dt_bias: &'a [f32],
 }
 
-pub fn forward(state: &mut LinearState, inp: Inputs<'_>, n: usize, cfg: &LinearAttentionConfig) -> Vec<f32> {
+pub fn forward(
+    state: &mut LinearState,
+    inp: Inputs<'_>,
+    n: usize,
+    cfg: &LinearAttentionConfig,
+) -> Vec<f32> {
     let conv_dim = cfg.conv_dim();
     let kernel = cfg.conv_kernel;
     let (dk, dv) = (cfg.key_head_dim, cfg.value_head_dim);
@@ -66,13 +71,18 @@ pub fn forward(state: &mut LinearState, inp: Inputs<'_>, n: usize, cfg: &LinearA
     window.extend_from_slice(&state.conv);
     window.extend_from_slice(&inp.qkv[..n * conv_dim]);
     let mut mixed = vec![0f32; n * conv_dim];
-    mixed.par_chunks_mut(conv_dim).enumerate().for_each(|(t, out)| {
-        for (c, o) in out.iter_mut().enumerate() {
-            let w = &inp.conv_weight[c * kernel..(c + 1) * kernel];
-            let acc: f32 = (0..kernel).map(|i| w[i] * window[(t + i) * conv_dim + c]).sum();
-            *o = silu(acc);
-        }
-    });
+    mixed
+        .par_chunks_mut(conv_dim)
+        .enumerate()
+        .for_each(|(t, out)| {
+            for (c, o) in out.iter_mut().enumerate() {
+                let w = &inp.conv_weight[c * kernel..(c + 1) * kernel];
+                let acc: f32 = (0..kernel)
+                    .map(|i| w[i] * window[(t + i) * conv_dim + c])
+                    .sum();
+                *o = silu(acc);
+            }
+        });
     let keep = window.len() - history * conv_dim;
     state.conv.copy_from_slice(&window[keep..]);
 
@@ -131,7 +141,8 @@ pub fn forward(state: &mut LinearState, inp: Inputs<'_>, n: usize, cfg: &LinearA
     let mut out = vec![0f32; n * value_dim];
     for h in 0..nv {
         for t in 0..n {
-            out[t * value_dim + h * dv..][..dv].copy_from_slice(&out_by_head[(h * n + t) * dv..][..dv]);
+            out[t * value_dim + h * dv..][..dv]
+                .copy_from_slice(&out_by_head[(h * n + t) * dv..][..dv]);
         }
     }
     out

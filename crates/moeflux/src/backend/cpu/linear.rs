@@ -17,20 +17,17 @@ pub fn matmul(x: &[f32], n: usize, w: &MatrixView<'_>) -> Vec<f32> {
     // Computed row-major by weight row ([rows, n]) so each task owns a
     // contiguous slice; transposed afterwards when n > 1.
     let mut by_row = vec![0f32; rows * n];
-    by_row
-        .par_chunks_mut(block * n)
-        .enumerate()
-        .for_each_init(
-            || vec![0f32; cols],
-            |row_buf, (task, out)| {
-                for (i, out_row) in out.chunks_exact_mut(n).enumerate() {
-                    w.dequantize_row(task * block + i, row_buf);
-                    for (t, o) in out_row.iter_mut().enumerate() {
-                        *o = dot(row_buf, &x[t * cols..(t + 1) * cols]);
-                    }
+    by_row.par_chunks_mut(block * n).enumerate().for_each_init(
+        || vec![0f32; cols],
+        |row_buf, (task, out)| {
+            for (i, out_row) in out.chunks_exact_mut(n).enumerate() {
+                w.dequantize_row(task * block + i, row_buf);
+                for (t, o) in out_row.iter_mut().enumerate() {
+                    *o = dot(row_buf, &x[t * cols..(t + 1) * cols]);
                 }
-            },
-        );
+            }
+        },
+    );
     if n == 1 {
         return by_row;
     }
@@ -55,7 +52,10 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (a_chunks, a_tail) = a.split_at(a.len() / LANES * LANES);
     let (b_chunks, b_tail) = b.split_at(a_chunks.len());
-    for (ca, cb) in a_chunks.chunks_exact(LANES).zip(b_chunks.chunks_exact(LANES)) {
+    for (ca, cb) in a_chunks
+        .chunks_exact(LANES)
+        .zip(b_chunks.chunks_exact(LANES))
+    {
         for i in 0..LANES {
             acc[i] += ca[i] * cb[i];
         }
@@ -93,9 +93,14 @@ mod tests {
                 for r in 0..rows {
                     view.dequantize_row(r, &mut row);
                     for t in 0..n {
-                        let want: f64 = (0..cols).map(|c| row[c] as f64 * x[t * cols + c] as f64).sum();
+                        let want: f64 = (0..cols)
+                            .map(|c| row[c] as f64 * x[t * cols + c] as f64)
+                            .sum();
                         let g = got[t * rows + r] as f64;
-                        assert!((g - want).abs() < 1e-4, "{dtype:?} {n}x{rows}x{cols}: {g} vs {want}");
+                        assert!(
+                            (g - want).abs() < 1e-4,
+                            "{dtype:?} {n}x{rows}x{cols}: {g} vs {want}"
+                        );
                     }
                 }
             }

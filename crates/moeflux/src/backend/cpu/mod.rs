@@ -44,7 +44,12 @@ pub struct Weight(TensorData);
 impl Weight {
     /// The values of an f32 tensor (norm weights and other vectors).
     fn f32s(&self) -> &[f32] {
-        assert_eq!(self.0.entry.dtype, DType::F32, "tensor {} must be f32", self.0.name);
+        assert_eq!(
+            self.0.entry.dtype,
+            DType::F32,
+            "tensor {} must be f32",
+            self.0.name
+        );
         bytemuck::cast_slice(self.0.bytes())
     }
 }
@@ -101,7 +106,12 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
         let view = w.0.view();
-        assert_eq!(x.cols, view.cols(), "linear: input width vs weight {}", w.0.name);
+        assert_eq!(
+            x.cols,
+            view.cols(),
+            "linear: input width vs weight {}",
+            w.0.name
+        );
         Tensor::new(x.rows, view.rows(), matmul(&x.data, x.rows, &view))
     }
 
@@ -110,12 +120,14 @@ impl Backend for CpuBackend {
         let g = w.len();
         let offset = if norm.unit_offset { 1.0 } else { 0.0 };
         let mut data = vec![0f32; x.data.len()];
-        data.par_chunks_mut(g).zip(x.data.par_chunks(g)).for_each(|(o, x)| {
-            let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + norm.eps).sqrt();
-            for i in 0..g {
-                o[i] = x[i] * inv * (offset + w[i]);
-            }
-        });
+        data.par_chunks_mut(g)
+            .zip(x.data.par_chunks(g))
+            .for_each(|(o, x)| {
+                let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + norm.eps).sqrt();
+                for i in 0..g {
+                    o[i] = x[i] * inv * (offset + w[i]);
+                }
+            });
         Tensor::new(x.rows, x.cols, data)
     }
 
@@ -161,15 +173,32 @@ impl Backend for CpuBackend {
             }
         } else {
             assert_eq!(x.data.len(), gate.data.len());
-            x.data.iter_mut().zip(&gate.data).for_each(|(v, &g)| *v *= sigmoid(g));
+            x.data
+                .iter_mut()
+                .zip(&gate.data)
+                .for_each(|(v, &g)| *v *= sigmoid(g));
         }
     }
 
     fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) {
-        attention::rope(&mut x.data, x.cols, rope.head_dim, rope.rotary_dim, rope.theta, start_pos);
+        attention::rope(
+            &mut x.data,
+            x.cols,
+            rope.head_dim,
+            rope.rotary_dim,
+            rope.theta,
+            start_pos,
+        );
     }
 
-    fn attention(&self, cache: &mut KvCache, q: &Tensor, k: &Tensor, v: &Tensor, shape: AttentionShape) -> Tensor {
+    fn attention(
+        &self,
+        cache: &mut KvCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        shape: AttentionShape,
+    ) -> Tensor {
         let out = attention::attend(cache, &q.data, &k.data, &v.data, q.rows);
         Tensor::new(q.rows, shape.num_heads * shape.head_dim, out)
     }
@@ -204,7 +233,13 @@ impl Backend for CpuBackend {
         moe::route(&logits.data, logits.cols, top_k, normalize)
     }
 
-    fn routed_experts(&self, x: &Tensor, routing: &Routing, store: &ExpertStore, layer: usize) -> Result<Tensor> {
+    fn routed_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<Tensor> {
         let out = moe::routed_experts(&x.data, x.cols, routing, store, layer)?;
         Ok(Tensor::new(x.rows, x.cols, out))
     }

@@ -37,7 +37,11 @@ pub fn route(logits: &[f32], num_experts: usize, top_k: usize, normalize: bool) 
             .iter()
             .map(|&e| (row[e as usize] - max).exp() / total)
             .collect();
-        let scale = if normalize { 1.0 / probs.iter().sum::<f32>() } else { 1.0 };
+        let scale = if normalize {
+            1.0 / probs.iter().sum::<f32>()
+        } else {
+            1.0
+        };
         experts.extend_from_slice(chosen);
         weights.extend(probs.iter().map(|p| p * scale));
     }

@@ -1,0 +1,96 @@
+//! The engine against itself: prefill against token-by-token decode, and a
+//! one-expert-per-layer cache against an unbounded one.
+
+mod common;
+
+use common::*;
+use moeflux::quant::DType;
+use moeflux::{LogitsWanted, ModelOptions};
+
+#[test]
+fn prefill_logits_equal_token_by_token_decode() {
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let reference = Reference::load(name);
+        let model = open(&converted.dir, ModelOptions::default());
+        let tokens = reference.tokens("tokens_long");
+        let mut seq = model.new_sequence();
+        let prefill = model.forward(&mut seq, &tokens, LogitsWanted::All).unwrap();
+        let mut seq = model.new_sequence();
+        let mut decoded = Vec::with_capacity(prefill.data.len());
+        for &t in &tokens {
+            decoded.extend(
+                model
+                    .forward(&mut seq, &[t], LogitsWanted::Last)
+                    .unwrap()
+                    .data,
+            );
+        }
+        assert_eq!(seq.position(), tokens.len());
+        let errors = row_errors(&decoded, &prefill.data, prefill.vocab);
+        let max = errors.iter().copied().fold(0.0, f64::max);
+        println!(
+            "{name:<22} prefill vs decode over {} tokens: max rel err {max:.2e}",
+            tokens.len()
+        );
+        assert!(
+            max <= 1e-4,
+            "{name}: prefill and decode differ by {max:.3e}"
+        );
+    }
+}
+
+#[test]
+fn one_cached_expert_per_layer_gives_identical_results() {
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let reference = Reference::load(name);
+        let tokens = reference.tokens("tokens_long");
+        let unbounded = open(
+            &converted.dir,
+            ModelOptions {
+                expert_cache_bytes: Some(u64::MAX),
+                ..Default::default()
+            },
+        );
+        let manifest = unbounded.dir().manifest();
+        let one_per_layer = manifest.experts[0].blob.nbytes * manifest.experts.len() as u64;
+        let tiny = open(
+            &converted.dir,
+            ModelOptions {
+                expert_cache_bytes: Some(one_per_layer),
+                ..Default::default()
+            },
+        );
+        let run = |model: &moeflux::Model| {
+            let mut seq = model.new_sequence();
+            let mut logits = model
+                .forward(&mut seq, &tokens, LogitsWanted::All)
+                .unwrap()
+                .data;
+            for t in tokens.iter().take(8) {
+                logits.extend(
+                    model
+                        .forward(&mut seq, &[*t], LogitsWanted::Last)
+                        .unwrap()
+                        .data,
+                );
+            }
+            logits
+        };
+        assert_eq!(
+            run(&tiny),
+            run(&unbounded),
+            "{name}: a small cache changed the results"
+        );
+        let (small, big) = (tiny.expert_stats(), unbounded.expert_stats());
+        println!(
+            "{name:<22} cache of one expert per layer: {} misses vs {} unbounded",
+            small.misses, big.misses
+        );
+        assert!(
+            small.misses > big.misses,
+            "{name}: the small cache should have evicted experts"
+        );
+    }
+}

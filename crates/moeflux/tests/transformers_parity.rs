@@ -1,0 +1,132 @@
+//! The engine against Hugging Face transformers on the fixtures recorded by
+//! `tools/make_fixtures.py`: tiny random models of every supported
+//! architecture, references computed in float32.
+//!
+//! Tolerances (relative L2 error of the logits at every position):
+//! - bf16 weights: 1e-3 (only f32 summation order differs);
+//! - q4: 1e-3 against transformers run on the same quantized-then-
+//!   dequantized weights (the quantizer is reproduced bit for bit);
+//! - q8: 3e-2 against the unquantized reference.
+//!
+//! Run with `--nocapture` to see the measured errors.
+
+mod common;
+
+use common::*;
+use moeflux::quant::DType;
+use moeflux::{LogitsWanted, ModelOptions};
+
+fn options(prefill_chunk: usize) -> ModelOptions {
+    ModelOptions {
+        prefill_chunk,
+        ..ModelOptions::default()
+    }
+}
+
+/// Max relative error over positions of one prefill against a reference.
+fn max_error(model: &moeflux::Model, tokens: &[u32], want: &[f32], vocab: usize) -> (f64, f64) {
+    let mut seq = model.new_sequence();
+    let got = model.forward(&mut seq, tokens, LogitsWanted::All).unwrap();
+    assert_eq!((got.rows, got.vocab), (tokens.len(), vocab));
+    let errors = row_errors(&got.data, want, vocab);
+    let max = errors.iter().copied().fold(0.0, f64::max);
+    (max, top1_agreement(&got.data, want, vocab))
+}
+
+fn check(name: &str, quant: DType, suffix: &str, tolerance: f64) {
+    let converted = convert_fixture(name, quant);
+    let reference = Reference::load(name);
+    for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
+        let model = open(&converted.dir, options(chunk));
+        for length in ["short", "long"] {
+            let tokens = reference.tokens(&format!("tokens_{length}"));
+            let (_, vocab, want) = reference.logits(&format!("logits_{length}{suffix}"));
+            let (err, top1) = max_error(&model, &tokens, &want, vocab);
+            println!(
+                "{name:<22} {:<5} vs ref{suffix:<4} {length:<5} ({} tokens, chunk {chunk:>2}): max rel err {err:.2e}, top-1 {:.0}%",
+                quant.name(),
+                tokens.len(),
+                top1 * 100.0
+            );
+            assert!(
+                err <= tolerance,
+                "{name} {}: relative error {err:.3e} exceeds {tolerance:.0e} ({length}, chunk {chunk})",
+                quant.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn bf16_logits_match_transformers() {
+    for name in FIXTURES {
+        check(name, DType::Bf16, "", 1e-3);
+    }
+}
+
+#[test]
+fn q4_logits_match_transformers_on_the_same_quantized_weights() {
+    for name in FIXTURES {
+        check(name, DType::Q4, "_q4", 1e-3);
+    }
+}
+
+#[test]
+fn q8_logits_are_close_to_the_unquantized_reference() {
+    for name in FIXTURES {
+        check(name, DType::Q8, "", 3e-2);
+    }
+}
+
+/// Not a pass/fail tolerance: q4 against the unquantized model measures the
+/// quantization itself. Printed for the record; sanity-bounded only.
+#[test]
+fn q4_against_unquantized_reference_is_reported() {
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let reference = Reference::load(name);
+        let model = open(&converted.dir, ModelOptions::default());
+        let tokens = reference.tokens("tokens_long");
+        let (_, vocab, want) = reference.logits("logits_long");
+        let (err, top1) = max_error(&model, &tokens, &want, vocab);
+        println!(
+            "{name:<22} q4 vs unquantized: max rel err {err:.2e}, top-1 agreement {:.1}%",
+            top1 * 100.0
+        );
+        assert!(
+            err < 0.5 && top1 > 0.5,
+            "{name}: q4 far from the unquantized model ({err}, {top1})"
+        );
+    }
+}
+
+#[test]
+fn greedy_continuation_matches_transformers_generate() {
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let reference = Reference::load(name);
+        let model = open(&converted.dir, ModelOptions::default());
+        let prompt = reference.tokens("tokens_short");
+        let want = reference.tokens("generate_ids");
+        let got = model.generate_greedy(&prompt, want.len()).unwrap();
+        assert_eq!(got, want, "{name}: greedy continuation differs");
+    }
+}
+
+#[test]
+fn hub_style_sharded_per_expert_checkpoint_converts_to_the_same_model() {
+    let name = "qwen3_5_moe";
+    let converted = convert_checkpoint(
+        &fixtures_root().join(name).join("hf_hub_sharded"),
+        DType::Bf16,
+    );
+    let reference = Reference::load(name);
+    let model = open(&converted.dir, ModelOptions::default());
+    for length in ["short", "long"] {
+        let tokens = reference.tokens(&format!("tokens_{length}"));
+        let (_, vocab, want) = reference.logits(&format!("logits_{length}"));
+        let (err, _) = max_error(&model, &tokens, &want, vocab);
+        println!("{name} hub sharded bf16 {length}: max rel err {err:.2e}");
+        assert!(err <= 1e-3, "hub checkpoint: relative error {err:.3e}");
+    }
+}
