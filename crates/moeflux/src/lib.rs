@@ -27,4 +27,4 @@ pub mod util;
 
 pub use config::ModelConfig;
 pub use error::{Error, Result};
-pub use model::{Logits, LogitsWanted, Model, ModelOptions, Sequence};
+pub use model::{Logits, LogitsWanted, Model, ModelOptions, Session, SessionOptions};

@@ -14,19 +14,13 @@ fn prefill_logits_equal_token_by_token_decode() {
         let reference = Reference::load(name);
         let model = open(&converted.dir, ModelOptions::default());
         let tokens = reference.tokens("tokens_long");
-        let mut seq = model.new_sequence();
-        let prefill = model.forward(&mut seq, &tokens, LogitsWanted::All).unwrap();
-        let mut seq = model.new_sequence();
+        let prefill = model.session().forward(&tokens, LogitsWanted::All).unwrap();
+        let mut session = model.session();
         let mut decoded = Vec::with_capacity(prefill.data.len());
         for &t in &tokens {
-            decoded.extend(
-                model
-                    .forward(&mut seq, &[t], LogitsWanted::Last)
-                    .unwrap()
-                    .data,
-            );
+            decoded.extend(session.decode(t).unwrap());
         }
-        assert_eq!(seq.position(), tokens.len());
+        assert_eq!(session.position(), tokens.len());
         let errors = row_errors(&decoded, &prefill.data, prefill.vocab);
         let max = errors.iter().copied().fold(0.0, f64::max);
         println!(
@@ -62,19 +56,11 @@ fn one_cached_expert_per_layer_gives_identical_results() {
                 ..Default::default()
             },
         );
-        let run = |model: &moeflux::Model| {
-            let mut seq = model.new_sequence();
-            let mut logits = model
-                .forward(&mut seq, &tokens, LogitsWanted::All)
-                .unwrap()
-                .data;
+        let run = |model: &std::sync::Arc<moeflux::Model>| {
+            let mut session = model.session();
+            let mut logits = session.forward(&tokens, LogitsWanted::All).unwrap().data;
             for t in tokens.iter().take(8) {
-                logits.extend(
-                    model
-                        .forward(&mut seq, &[*t], LogitsWanted::Last)
-                        .unwrap()
-                        .data,
-                );
+                logits.extend(session.decode(*t).unwrap());
             }
             logits
         };

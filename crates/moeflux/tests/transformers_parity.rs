@@ -14,7 +14,8 @@ mod common;
 
 use common::*;
 use moeflux::quant::DType;
-use moeflux::{LogitsWanted, ModelOptions};
+use moeflux::{LogitsWanted, Model, ModelOptions};
+use std::sync::Arc;
 
 fn options(prefill_chunk: usize) -> ModelOptions {
     ModelOptions {
@@ -24,9 +25,8 @@ fn options(prefill_chunk: usize) -> ModelOptions {
 }
 
 /// Max relative error over positions of one prefill against a reference.
-fn max_error(model: &moeflux::Model, tokens: &[u32], want: &[f32], vocab: usize) -> (f64, f64) {
-    let mut seq = model.new_sequence();
-    let got = model.forward(&mut seq, tokens, LogitsWanted::All).unwrap();
+fn max_error(model: &Arc<Model>, tokens: &[u32], want: &[f32], vocab: usize) -> (f64, f64) {
+    let got = model.session().forward(tokens, LogitsWanted::All).unwrap();
     assert_eq!((got.rows, got.vocab), (tokens.len(), vocab));
     let errors = row_errors(&got.data, want, vocab);
     let max = errors.iter().copied().fold(0.0, f64::max);

@@ -23,8 +23,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens("--tokens", &args.tokens)?;
     let model = args.model.open()?;
-    let mut seq = model.new_sequence();
-    let logits = model.forward(&mut seq, &tokens, LogitsWanted::All)?;
+    let logits = model.session().forward(&tokens, LogitsWanted::All)?;
     write_npy(
         &args.output,
         &logits.data,

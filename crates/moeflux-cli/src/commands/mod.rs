@@ -6,6 +6,7 @@ pub mod inspect;
 pub mod logits;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use moeflux::{Model, ModelOptions};
@@ -29,13 +30,14 @@ pub struct ModelArgs {
 }
 
 impl ModelArgs {
-    pub fn open(&self) -> Result<Model> {
+    pub fn open(&self) -> Result<Arc<Model>> {
         let options = ModelOptions {
             expert_cache_bytes: self.expert_cache_mb.map(|mb| mb << 20),
             prefill_chunk: self.prefill_chunk,
             verify_checksums: !self.no_verify,
+            kv_limit_bytes: None,
         };
-        Ok(Model::open(&self.model, &options)?)
+        Ok(Arc::new(Model::open(&self.model, &options)?))
     }
 }
 

@@ -46,6 +46,20 @@ pub struct GatedDeltaNetParams<'a, B: Backend> {
     pub dt_bias: &'a B::Weight,
 }
 
+/// A KV cache in host memory (for saving and loading session state).
+pub struct HostKv {
+    pub keys: Vec<f32>,
+    pub values: Vec<f32>,
+}
+
+/// A Gated DeltaNet state in host memory: the convolution history
+/// `[kernel - 1, conv_dim]` and the recurrent state
+/// `[value_heads, key_head_dim, value_head_dim]`.
+pub struct HostLinearState {
+    pub conv: Vec<f32>,
+    pub recurrent: Vec<f32>,
+}
+
 pub trait Backend: Send + Sync + Sized + 'static {
     type Tensor: Send + Sync;
     type Weight: Send + Sync;
@@ -64,7 +78,20 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     fn new_kv_cache(&self, shape: AttentionShape) -> Self::KvCache;
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
+    /// Drops every position at or after `len`.
+    fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
+    /// Keys and values in host memory, each `[len, kv_heads·head_dim]`.
+    fn kv_export(&self, cache: &Self::KvCache) -> HostKv;
+    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Self::KvCache;
+
     fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> Self::LinearState;
+    fn linear_copy(&self, state: &Self::LinearState) -> Self::LinearState;
+    fn linear_export(&self, state: &Self::LinearState) -> HostLinearState;
+    fn linear_import(
+        &self,
+        cfg: &LinearAttentionConfig,
+        host: HostLinearState,
+    ) -> Self::LinearState;
 
     fn rows(&self, x: &Self::Tensor) -> usize;
     /// The last `n` rows of `x`.

@@ -1,16 +1,30 @@
 //! An opened model: validated files, weights on a backend, the expert
-//! store, and the forward pass over sequences.
+//! store, and the forward pass that [`Session`]s drive.
+//!
+//! A [`Model`] is immutable once open and safe to share between threads
+//! (wrap it in an [`Arc`]); each conversation is a [`Session`] holding its
+//! own KV caches and linear-attention states, while all sessions share the
+//! weights and one expert cache.
 
+mod session;
+mod state;
+
+use std::ops::ControlFlow;
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use session::{Session, SessionOptions};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::blocks::Weights;
 use crate::blocks::decoder::{Decoder, LayerState};
-use crate::config::ModelConfig;
+use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{ExpertStats, ExpertStore};
 use crate::format::{ModelDir, OpenOptions};
+use crate::util::human_bytes;
 
 /// Tokens processed together in one prefill step.
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
@@ -22,6 +36,9 @@ pub struct ModelOptions {
     pub expert_cache_bytes: Option<u64>,
     pub prefill_chunk: usize,
     pub verify_checksums: bool,
+    /// Bytes all sessions together may hold in KV caches; `None` is no
+    /// limit beyond each session's context length.
+    pub kv_limit_bytes: Option<u64>,
 }
 
 impl Default for ModelOptions {
@@ -30,6 +47,7 @@ impl Default for ModelOptions {
             expert_cache_bytes: None,
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             verify_checksums: true,
+            kv_limit_bytes: None,
         }
     }
 }
@@ -40,20 +58,8 @@ pub struct Model<B: Backend = CpuBackend> {
     decoder: Decoder<B>,
     store: ExpertStore,
     prefill_chunk: usize,
-}
-
-/// The state of one token sequence: KV caches and linear-attention states
-/// for every layer, and how many tokens it holds.
-pub struct Sequence<B: Backend = CpuBackend> {
-    layers: Vec<LayerState<B>>,
-    position: usize,
-}
-
-impl<B: Backend> Sequence<B> {
-    /// Tokens processed so far.
-    pub fn position(&self) -> usize {
-        self.position
-    }
+    fingerprint: u64,
+    kv: KvBudget,
 }
 
 /// Which positions' logits a forward call returns.
@@ -74,6 +80,48 @@ pub struct Logits {
 impl Logits {
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
+    }
+
+    pub fn last(&self) -> &[f32] {
+        self.row(self.rows - 1)
+    }
+}
+
+/// The KV memory all sessions of a model share.
+struct KvBudget {
+    limit: Option<u64>,
+    used: AtomicU64,
+    bytes_per_position: u64,
+}
+
+impl KvBudget {
+    /// Takes `bytes` more from the budget, or explains why it cannot.
+    fn reserve(&self, bytes: u64) -> Result<()> {
+        let Some(limit) = self.limit else {
+            self.used.fetch_add(bytes, Ordering::Relaxed);
+            return Ok(());
+        };
+        self.used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(bytes).filter(|&total| total <= limit)
+            })
+            .map(|_| ())
+            .map_err(|used| {
+                Error::invalid(
+                    "KV cache limit",
+                    format!(
+                        "{} more would exceed the limit of {} ({} held by open sessions); \
+                         raise the limit, truncate or end sessions",
+                        human_bytes(bytes),
+                        human_bytes(limit),
+                        human_bytes(used)
+                    ),
+                )
+            })
+    }
+
+    fn release(&self, bytes: u64) {
+        self.used.fetch_sub(bytes, Ordering::AcqRel);
     }
 }
 
@@ -102,7 +150,20 @@ impl<B: Backend> Model<B> {
             dir: &dir,
             backend: &backend,
         })?;
+        let cfg = dir.config();
+        let attention_layers = cfg
+            .layers
+            .iter()
+            .filter(|l| l.kind == LayerKind::FullAttention)
+            .count() as u64;
+        let kv_width = (cfg.attention.num_kv_heads * cfg.attention.head_dim) as u64;
         Ok(Model {
+            fingerprint: fingerprint(&dir),
+            kv: KvBudget {
+                limit: options.kv_limit_bytes,
+                used: AtomicU64::new(0),
+                bytes_per_position: attention_layers * 2 * kv_width * 4,
+            },
             dir,
             backend,
             decoder,
@@ -131,97 +192,61 @@ impl<B: Backend> Model<B> {
         self.store.cache_budget()
     }
 
-    pub fn new_sequence(&self) -> Sequence<B> {
-        Sequence {
-            layers: self.decoder.new_state(&self.backend, self.config()),
-            position: 0,
-        }
+    /// Identifies the model's exact weights; saved session states carry it
+    /// so a state is never loaded into another model.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
     }
 
-    fn check_tokens(&self, seq: &Sequence<B>, tokens: &[u32]) -> Result<()> {
-        let cfg = self.config();
-        if tokens.is_empty() {
-            return Err(Error::invalid(
-                "tokens",
-                "the prompt is empty: give at least one token",
-            ));
-        }
-        if let Some((i, &t)) = tokens
+    /// Bytes of KV cache held by all sessions.
+    pub fn kv_bytes_in_use(&self) -> u64 {
+        self.kv.used.load(Ordering::Relaxed)
+    }
+
+    /// A new, empty session with default options.
+    pub fn session(self: &Arc<Self>) -> Session<B> {
+        Session::new(self.clone(), SessionOptions::default())
+    }
+
+    fn has_linear_layers(&self) -> bool {
+        self.config()
+            .layers
             .iter()
-            .enumerate()
-            .find(|(_, t)| **t as usize >= cfg.vocab_size)
-        {
-            return Err(Error::invalid(
-                "tokens",
-                format!(
-                    "token id {t} (at index {i}) is out of range: the vocabulary has {} ids (0..{})",
-                    cfg.vocab_size,
-                    cfg.vocab_size - 1
-                ),
-            ));
-        }
-        let end = seq.position + tokens.len();
-        if end > cfg.max_position_embeddings {
-            return Err(Error::invalid(
-                "tokens",
-                format!(
-                    "{} tokens after position {} exceed the model's context of {} positions",
-                    tokens.len(),
-                    seq.position,
-                    cfg.max_position_embeddings
-                ),
-            ));
-        }
-        Ok(())
+            .any(|l| l.kind == LayerKind::LinearAttention)
     }
 
-    /// Appends `tokens` to the sequence, processing them in chunks, and
-    /// returns the logits asked for.
-    pub fn forward(
+    fn new_layer_states(&self) -> Vec<LayerState<B>> {
+        self.decoder.new_state(&self.backend, self.config())
+    }
+
+    /// Runs one chunk through the decoder, returning the logits of its last
+    /// `logit_rows` tokens.
+    fn run_chunk(
         &self,
-        seq: &mut Sequence<B>,
+        layers: &mut [LayerState<B>],
         tokens: &[u32],
-        wanted: LogitsWanted,
-    ) -> Result<Logits> {
-        self.check_tokens(seq, tokens)?;
-        let vocab = self.config().vocab_size;
-        let mut data = Vec::new();
-        let chunks: Vec<&[u32]> = tokens.chunks(self.prefill_chunk).collect();
-        for (i, chunk) in chunks.iter().enumerate() {
-            let rows = match wanted {
-                LogitsWanted::All => chunk.len(),
-                LogitsWanted::Last if i + 1 == chunks.len() => 1,
-                LogitsWanted::Last => 0,
-            };
-            let logits =
-                self.decoder
-                    .forward(&self.backend, chunk, &mut seq.layers, &self.store, rows)?;
-            seq.position += chunk.len();
-            if let Some(logits) = logits {
-                data.extend(self.backend.to_host(&logits));
-            }
-        }
-        Ok(Logits {
-            rows: data.len() / vocab,
-            vocab,
-            data,
-        })
+        logit_rows: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        let logits =
+            self.decoder
+                .forward(&self.backend, tokens, layers, &self.store, logit_rows)?;
+        Ok(logits.map(|l| self.backend.to_host(&l)))
     }
 
-    /// Greedy continuation of `prompt`: the prompt is prefilled, then each
-    /// new token is fed back one at a time through the decode path.
-    pub fn generate_greedy(&self, prompt: &[u32], max_new_tokens: usize) -> Result<Vec<u32>> {
-        let mut seq = self.new_sequence();
-        let mut logits = self.forward(&mut seq, prompt, LogitsWanted::Last)?;
-        let mut out = Vec::with_capacity(max_new_tokens);
-        for step in 0..max_new_tokens {
-            let next = argmax(logits.row(0));
-            out.push(next);
-            if step + 1 < max_new_tokens {
-                logits = self.forward(&mut seq, &[next], LogitsWanted::Last)?;
-            }
-        }
-        Ok(out)
+    /// Greedy continuation of `prompt` in a fresh session: the prompt is
+    /// prefilled, then each new token is fed back through the decode path.
+    pub fn generate_greedy(
+        self: &Arc<Self>,
+        prompt: &[u32],
+        max_new_tokens: usize,
+    ) -> Result<Vec<u32>> {
+        let mut session = self.session();
+        session.prefill(prompt)?;
+        session.generate(
+            max_new_tokens,
+            |logits, _| argmax(logits),
+            |_| ControlFlow::Continue(()),
+        )
     }
 }
 
@@ -234,6 +259,17 @@ pub fn argmax(values: &[f32]) -> u32 {
         }
     }
     best as u32
+}
+
+/// Hash of every file checksum and the configuration.
+fn fingerprint(dir: &ModelDir) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for f in &dir.manifest().files {
+        h.update(f.path.as_bytes());
+        h.update(f.xxh3.as_bytes());
+    }
+    h.update(dir.manifest().config.to_string().as_bytes());
+    h.digest()
 }
 
 /// Keeps every expert when they fit in half the available memory,

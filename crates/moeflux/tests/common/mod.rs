@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use moeflux::convert::{ConvertOptions, NoProgress, convert};
 use moeflux::quant::DType;
@@ -44,8 +45,10 @@ pub fn convert_fixture(name: &str, quant: DType) -> Converted {
     convert_checkpoint(&fixtures_root().join(name).join("hf"), quant)
 }
 
-pub fn open(dir: &Path, options: ModelOptions) -> Model {
-    Model::open(dir, &options).unwrap_or_else(|e| panic!("opening {}: {e}", dir.display()))
+pub fn open(dir: &Path, options: ModelOptions) -> Arc<Model> {
+    Arc::new(
+        Model::open(dir, &options).unwrap_or_else(|e| panic!("opening {}: {e}", dir.display())),
+    )
 }
 
 /// The reference outputs recorded with transformers.

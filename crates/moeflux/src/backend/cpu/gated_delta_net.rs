@@ -6,6 +6,7 @@ use rayon::prelude::*;
 use crate::config::LinearAttentionConfig;
 
 /// A sequence's state for one linear-attention layer.
+#[derive(Clone)]
 pub struct LinearState {
     /// The last `kernel - 1` inputs of the convolution, oldest first,
     /// `[kernel - 1, conv_dim]`.

@@ -8,7 +8,7 @@ mod moe;
 
 use rayon::prelude::*;
 
-use super::{AttentionShape, Backend, GatedDeltaNetParams, RmsNorm, Rope};
+use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 use crate::experts::ExpertStore;
@@ -77,8 +77,47 @@ impl Backend for CpuBackend {
         cache.len()
     }
 
+    fn kv_truncate(&self, cache: &mut KvCache, len: usize) {
+        let width = cache.shape.num_kv_heads * cache.shape.head_dim;
+        cache.keys.truncate(len * width);
+        cache.values.truncate(len * width);
+    }
+
+    fn kv_export(&self, cache: &KvCache) -> HostKv {
+        HostKv {
+            keys: cache.keys.clone(),
+            values: cache.values.clone(),
+        }
+    }
+
+    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> KvCache {
+        KvCache {
+            shape,
+            keys: host.keys,
+            values: host.values,
+        }
+    }
+
     fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> LinearState {
         LinearState::new(cfg)
+    }
+
+    fn linear_copy(&self, state: &LinearState) -> LinearState {
+        state.clone()
+    }
+
+    fn linear_export(&self, state: &LinearState) -> HostLinearState {
+        HostLinearState {
+            conv: state.conv.clone(),
+            recurrent: state.recurrent.clone(),
+        }
+    }
+
+    fn linear_import(&self, _cfg: &LinearAttentionConfig, host: HostLinearState) -> LinearState {
+        LinearState {
+            conv: host.conv,
+            recurrent: host.recurrent,
+        }
     }
 
     fn rows(&self, x: &Tensor) -> usize {

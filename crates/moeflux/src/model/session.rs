@@ -1,0 +1,482 @@
+//! Sessions: one token sequence each, with its KV caches and
+//! linear-attention states, position checkpoints for prefix reuse, exact
+//! truncation, and state save/load.
+//!
+//! Full-attention KV caches truncate exactly; Gated DeltaNet states cannot
+//! be rewound, so a session keeps its token history and rebuilds a past
+//! state by restoring the nearest checkpoint at or before it and prefilling
+//! the tokens in between.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+
+use super::state;
+use super::{Logits, LogitsWanted, Model};
+use crate::backend::Backend;
+use crate::backend::cpu::CpuBackend;
+use crate::blocks::decoder::LayerState;
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug)]
+pub struct SessionOptions {
+    /// Most positions the session may hold; `None` means the model's
+    /// context length (`max_position_embeddings`).
+    pub context: Option<usize>,
+    /// Checkpoints kept besides the always-available empty state at
+    /// position 0; beyond it the least recently used one goes, never the
+    /// newest.
+    pub max_checkpoints: usize,
+}
+
+impl Default for SessionOptions {
+    fn default() -> Self {
+        SessionOptions {
+            context: None,
+            max_checkpoints: 4,
+        }
+    }
+}
+
+struct Checkpoint<B: Backend> {
+    position: usize,
+    /// Per layer, the linear-attention state (`None` for attention layers,
+    /// whose KV cache is truncated instead).
+    linear: Vec<Option<B::LinearState>>,
+    logits: Option<Vec<f32>>,
+    created: u64,
+    used: u64,
+}
+
+pub struct Session<B: Backend = CpuBackend> {
+    model: Arc<Model<B>>,
+    layers: Vec<LayerState<B>>,
+    tokens: Vec<u32>,
+    capacity: usize,
+    /// Logits after the last token, when known.
+    logits: Option<Vec<f32>>,
+    checkpoints: Vec<Checkpoint<B>>,
+    max_checkpoints: usize,
+    clock: u64,
+    kv_reserved: u64,
+}
+
+impl<B: Backend> Session<B> {
+    pub fn new(model: Arc<Model<B>>, options: SessionOptions) -> Self {
+        let context = model.config().max_position_embeddings;
+        Session {
+            layers: model.new_layer_states(),
+            capacity: options.context.unwrap_or(context).min(context),
+            model,
+            tokens: Vec::new(),
+            logits: None,
+            checkpoints: Vec::new(),
+            max_checkpoints: options.max_checkpoints.max(1),
+            clock: 0,
+            kv_reserved: 0,
+        }
+    }
+
+    pub fn model(&self) -> &Arc<Model<B>> {
+        &self.model
+    }
+
+    /// Tokens held.
+    pub fn position(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Most tokens the session can hold.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Every token the session holds, in order.
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    /// Logits predicting the token after the last one, when known (after a
+    /// forward, a restore, or a load; not after an exact truncation of a
+    /// model without linear attention).
+    pub fn last_logits(&self) -> Option<&[f32]> {
+        self.logits.as_deref()
+    }
+
+    /// Positions of the stored checkpoints, ascending.
+    pub fn checkpoints(&self) -> Vec<usize> {
+        self.checkpoints.iter().map(|c| c.position).collect()
+    }
+
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.model.config().vocab_size;
+        if tokens.is_empty() {
+            return Err(Error::invalid(
+                "tokens",
+                "the prompt is empty: give at least one token",
+            ));
+        }
+        if let Some((i, &t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= vocab)
+        {
+            return Err(Error::invalid(
+                "tokens",
+                format!(
+                    "token id {t} (at index {i}) is out of range: the vocabulary has {vocab} ids (0..{})",
+                    vocab - 1
+                ),
+            ));
+        }
+        if self.position() + tokens.len() > self.capacity {
+            return Err(Error::invalid(
+                "tokens",
+                format!(
+                    "{} more tokens after position {} exceed the session's context of {} positions",
+                    tokens.len(),
+                    self.position(),
+                    self.capacity
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens` and returns the logits asked for. On failure (a
+    /// damaged expert file, say) the session is rebuilt to the position
+    /// before the call where possible, never left half-updated.
+    pub fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Logits> {
+        self.check_tokens(tokens)?;
+        let start = self.position();
+        self.reserve_kv(start + tokens.len())?;
+        match self.run(tokens, wanted) {
+            Ok(logits) => Ok(logits),
+            Err(err) => {
+                let _ = self.rebuild(start);
+                self.sync_kv();
+                Err(err)
+            }
+        }
+    }
+
+    /// Appends a prompt; returns the logits after its last token.
+    pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        Ok(self.forward(tokens, LogitsWanted::Last)?.data)
+    }
+
+    /// Appends one token; returns the logits predicting the next.
+    pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.prefill(&[token])
+    }
+
+    /// Generates up to `max_new_tokens`: each is chosen by `pick` from the
+    /// current logits and the token history, appended to the session (so
+    /// the session always ends with logits for what comes next), and passed
+    /// to `on_token`, which can stop early. Returns the new tokens.
+    pub fn generate(
+        &mut self,
+        max_new_tokens: usize,
+        mut pick: impl FnMut(&[f32], &[u32]) -> u32,
+        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Vec<u32>> {
+        let mut logits = self.current_logits()?;
+        let mut out = Vec::with_capacity(max_new_tokens);
+        for _ in 0..max_new_tokens {
+            let next = pick(&logits, &self.tokens);
+            logits = self.decode(next)?;
+            out.push(next);
+            if on_token(next).is_break() {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The logits after the last token, recomputing them if an exact
+    /// truncation dropped them.
+    fn current_logits(&mut self) -> Result<Vec<f32>> {
+        if let Some(logits) = &self.logits {
+            return Ok(logits.clone());
+        }
+        let Some(&last) = self.tokens.last() else {
+            return Err(Error::invalid(
+                "generate",
+                "the session is empty: prefill a prompt first",
+            ));
+        };
+        self.truncate(self.position() - 1)?;
+        self.decode(last)
+    }
+
+    /// Runs tokens in prefill chunks, extending the history chunk by chunk.
+    fn run(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Logits> {
+        let vocab = self.model.config().vocab_size;
+        let chunks: Vec<&[u32]> = tokens.chunks(self.model.prefill_chunk).collect();
+        let mut data = Vec::new();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let rows = match wanted {
+                LogitsWanted::All => chunk.len(),
+                LogitsWanted::Last if i + 1 == chunks.len() => 1,
+                LogitsWanted::Last => 0,
+            };
+            let logits = self.model.run_chunk(&mut self.layers, chunk, rows)?;
+            self.tokens.extend_from_slice(chunk);
+            if let Some(logits) = logits {
+                data.extend(logits);
+            }
+        }
+        self.logits = Some(data[data.len() - vocab..].to_vec());
+        Ok(Logits {
+            rows: data.len() / vocab,
+            vocab,
+            data,
+        })
+    }
+
+    /// Stores a checkpoint at the current position and returns it. The
+    /// empty state (position 0) needs none.
+    pub fn checkpoint(&mut self) -> usize {
+        let position = self.position();
+        if position == 0 {
+            return 0;
+        }
+        self.clock += 1;
+        let b = self.model.backend();
+        let linear = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear(s) => Some(b.linear_copy(s)),
+                LayerState::Attention(_) => None,
+            })
+            .collect();
+        let checkpoint = Checkpoint {
+            position,
+            linear,
+            logits: self.logits.clone(),
+            created: self.clock,
+            used: self.clock,
+        };
+        match self
+            .checkpoints
+            .binary_search_by_key(&position, |c| c.position)
+        {
+            Ok(i) => self.checkpoints[i] = checkpoint,
+            Err(i) => self.checkpoints.insert(i, checkpoint),
+        }
+        while self.checkpoints.len() > self.max_checkpoints {
+            let newest = self.checkpoints.iter().map(|c| c.created).max().unwrap();
+            let (victim, _) = self
+                .checkpoints
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.created != newest)
+                .min_by_key(|(_, c)| c.used)
+                .expect("more than one checkpoint");
+            self.checkpoints.remove(victim);
+        }
+        position
+    }
+
+    /// Removes the checkpoint at `position`; false if there was none.
+    pub fn forget(&mut self, position: usize) -> bool {
+        let before = self.checkpoints.len();
+        self.checkpoints.retain(|c| c.position != position);
+        before != self.checkpoints.len()
+    }
+
+    /// Returns to a checkpointed position (0 always works; a model without
+    /// linear attention can return to any earlier position). Checkpoints
+    /// after it are dropped.
+    pub fn restore_to(&mut self, position: usize) -> Result<()> {
+        self.check_position(position)?;
+        let exact = position == 0 || self.checkpoints.iter().any(|c| c.position == position);
+        if exact {
+            self.apply_checkpoint(position);
+        } else if !self.model.has_linear_layers() {
+            self.rebuild(position)?;
+        } else {
+            return Err(Error::invalid(
+                "restore_to",
+                format!(
+                    "no checkpoint at position {position} (checkpoints: {:?}); \
+                     truncate({position}) rebuilds from the nearest earlier one",
+                    self.checkpoints()
+                ),
+            ));
+        }
+        self.checkpoints.retain(|c| c.position <= position);
+        self.sync_kv();
+        Ok(())
+    }
+
+    /// Removes every position at or after `position`, as if only the first
+    /// `position` tokens had been given.
+    pub fn truncate(&mut self, position: usize) -> Result<()> {
+        self.check_position(position)?;
+        if position < self.position() {
+            let result = self.rebuild(position);
+            let kept = self.position();
+            self.checkpoints.retain(|c| c.position <= kept);
+            self.sync_kv();
+            result?;
+        }
+        Ok(())
+    }
+
+    /// Empties the session and drops its checkpoints.
+    pub fn clear(&mut self) {
+        self.apply_checkpoint(0);
+        self.checkpoints.clear();
+        self.sync_kv();
+    }
+
+    fn check_position(&self, position: usize) -> Result<()> {
+        if position > self.position() {
+            return Err(Error::invalid(
+                "position",
+                format!(
+                    "{position} is beyond the session's {} tokens",
+                    self.position()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Puts the layer states back to checkpoint `position` (0: empty).
+    fn apply_checkpoint(&mut self, position: usize) {
+        let b = self.model.backend();
+        if position == 0 {
+            self.layers = self.model.new_layer_states();
+            self.tokens.clear();
+            self.logits = None;
+            return;
+        }
+        self.clock += 1;
+        let clock = self.clock;
+        let ckpt = self
+            .checkpoints
+            .iter_mut()
+            .find(|c| c.position == position)
+            .expect("caller checked the checkpoint exists");
+        ckpt.used = clock;
+        for (layer, saved) in self.layers.iter_mut().zip(&ckpt.linear) {
+            match (layer, saved) {
+                (LayerState::Attention(cache), _) => b.kv_truncate(cache, position),
+                (LayerState::Linear(state), Some(saved)) => *state = b.linear_copy(saved),
+                (LayerState::Linear(_), None) => {
+                    unreachable!("checkpoints store every linear layer")
+                }
+            }
+        }
+        self.tokens.truncate(position);
+        self.logits = ckpt.logits.clone();
+    }
+
+    /// Brings the state to exactly the first `target` tokens of the
+    /// history: KV caches are cut; linear-attention states come from the
+    /// nearest checkpoint at or before `target`, then the tokens in between
+    /// are prefilled again.
+    fn rebuild(&mut self, target: usize) -> Result<()> {
+        if !self.model.has_linear_layers() {
+            let b = self.model.backend();
+            for layer in &mut self.layers {
+                if let LayerState::Attention(cache) = layer {
+                    b.kv_truncate(cache, target);
+                }
+            }
+            self.tokens.truncate(target);
+            self.logits = None;
+            return Ok(());
+        }
+        let history = self.tokens[..target].to_vec();
+        let base = self
+            .checkpoints
+            .iter()
+            .map(|c| c.position)
+            .filter(|&p| p <= target)
+            .max()
+            .unwrap_or(0);
+        self.apply_checkpoint(base);
+        if base < target
+            && let Err(err) = self.run(&history[base..], LogitsWanted::Last)
+        {
+            self.apply_checkpoint(base);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// Grows this session's share of the model's KV budget to cover
+    /// `positions`.
+    fn reserve_kv(&mut self, positions: usize) -> Result<()> {
+        let needed = positions as u64 * self.model.kv.bytes_per_position;
+        if needed > self.kv_reserved {
+            self.model.kv.reserve(needed - self.kv_reserved)?;
+            self.kv_reserved = needed;
+        }
+        Ok(())
+    }
+
+    /// Returns what the session no longer holds to the KV budget.
+    fn sync_kv(&mut self) {
+        let held = self.position() as u64 * self.model.kv.bytes_per_position;
+        if held < self.kv_reserved {
+            self.model.kv.release(self.kv_reserved - held);
+            self.kv_reserved = held;
+        }
+    }
+
+    /// The session's tokens, KV caches, linear-attention states and last
+    /// logits, as bytes (versioned, checksummed, tied to this model).
+    pub fn save_state(&self) -> Vec<u8> {
+        state::encode(
+            &self.model,
+            &self.layers,
+            &self.tokens,
+            self.logits.as_deref(),
+        )
+    }
+
+    /// Writes [`Session::save_state`] to a file (through a temporary name).
+    pub fn save_state_file(&self, path: &Path) -> Result<()> {
+        crate::convert::write_atomic(path, &self.save_state())
+    }
+
+    /// Replaces the session's state with a saved one. Checkpoints are
+    /// dropped. A state saved from another model, or damaged, is refused
+    /// and the session left as it was.
+    pub fn load_state(&mut self, bytes: &[u8], source: &Path) -> Result<()> {
+        let loaded = state::decode(&self.model, bytes, source)?;
+        if loaded.tokens.len() > self.capacity {
+            return Err(Error::bad_file(
+                source,
+                format!(
+                    "holds {} tokens, more than the session's context of {}",
+                    loaded.tokens.len(),
+                    self.capacity
+                ),
+            ));
+        }
+        self.reserve_kv(loaded.tokens.len())?;
+        self.layers = loaded.layers;
+        self.tokens = loaded.tokens;
+        self.logits = loaded.logits;
+        self.checkpoints.clear();
+        self.sync_kv();
+        Ok(())
+    }
+
+    pub fn load_state_file(&mut self, path: &Path) -> Result<()> {
+        let bytes = std::fs::read(path).map_err(|e| Error::io(path, "reading session state", e))?;
+        self.load_state(&bytes, path)
+    }
+}
+
+impl<B: Backend> Drop for Session<B> {
+    fn drop(&mut self) {
+        self.model.kv.release(self.kv_reserved);
+    }
+}
