@@ -30,6 +30,8 @@ enum Command {
     Generate(commands::generate::Args),
     /// Describe a moeflux model directory.
     Inspect(commands::inspect::Args),
+    /// Write a model with a real model's shapes and random weights.
+    Synth(commands::synth::Args),
 }
 
 fn main() -> ExitCode {
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
         Command::Logits(args) => commands::logits::run(args),
         Command::Generate(args) => commands::generate::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
+        Command::Synth(args) => commands::synth::run(args),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

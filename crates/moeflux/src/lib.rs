@@ -11,7 +11,8 @@
 //!   written once against [`backend::Backend`];
 //! - [`backend`]: the CPU implementation of those operations;
 //! - [`experts`]: the expert store (positional reads, cache);
-//! - [`model`]: an opened model and its sequences.
+//! - [`model`]: an opened model and its sessions;
+//! - [`synth`]: random-weight models with real models' shapes.
 
 pub mod arch;
 pub mod backend;
@@ -23,6 +24,7 @@ pub mod experts;
 pub mod format;
 pub mod model;
 pub mod quant;
+pub mod synth;
 pub mod util;
 
 pub use config::ModelConfig;

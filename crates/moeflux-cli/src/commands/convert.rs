@@ -9,10 +9,20 @@ use moeflux::quant::DType;
 use moeflux::util::human_bytes;
 
 #[derive(Clone, Copy, clap::ValueEnum)]
-enum Quant {
+pub enum Quant {
     Q4,
     Q8,
     Bf16,
+}
+
+impl Quant {
+    pub fn dtype(self) -> DType {
+        match self {
+            Quant::Q4 => DType::Q4,
+            Quant::Q8 => DType::Q8,
+            Quant::Bf16 => DType::Bf16,
+        }
+    }
 }
 
 #[derive(clap::Args)]
@@ -30,7 +40,17 @@ pub struct Args {
     force: bool,
 }
 
-struct Bar(ProgressBar);
+/// The conversion progress bar (hidden when stderr is not a terminal).
+pub struct Bar(ProgressBar);
+
+pub fn progress_bar() -> Bar {
+    Bar(ProgressBar::new(0).with_style(
+        ProgressStyle::with_template(
+            "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta}  {msg}",
+        )
+        .expect("valid template"),
+    ))
+}
 
 impl Progress for Bar {
     fn start(&self, total: u64) {
@@ -46,22 +66,12 @@ impl Progress for Bar {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let quant = match args.quant {
-        Quant::Q4 => DType::Q4,
-        Quant::Q8 => DType::Q8,
-        Quant::Bf16 => DType::Bf16,
-    };
-    let bar = ProgressBar::new(0).with_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta}  {msg}",
-        )
-        .expect("valid template"),
-    );
+    let quant = args.quant.dtype();
     let options = ConvertOptions {
         quant,
         overwrite: args.force,
     };
-    let summary = convert(&args.input, &args.output, &options, &Bar(bar))?;
+    let summary = convert(&args.input, &args.output, &options, &progress_bar())?;
     let mut skipped: std::collections::BTreeMap<&str, usize> = Default::default();
     for (_, why) in &summary.skipped {
         *skipped.entry(why).or_default() += 1;

@@ -4,6 +4,7 @@ pub mod convert;
 pub mod generate;
 pub mod inspect;
 pub mod logits;
+pub mod synth;
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -10,6 +10,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors, TensorInfo};
 
+use super::TensorSource;
 use super::plan::{CheckpointIndex, CheckpointTensor, RowSource};
 use crate::error::{Error, Result};
 
@@ -85,16 +86,10 @@ impl Checkpoint {
                 dir: dir.to_path_buf(),
                 shards: files,
                 tensors,
+                synthetic: false,
             },
             shards,
         })
-    }
-
-    /// Bytes the checkpoint stores for `name`, for progress accounting.
-    pub fn stored_bytes(&self, name: &str) -> u64 {
-        self.locate(name)
-            .map(|(_, info)| (info.data_offsets.1 - info.data_offsets.0) as u64)
-            .unwrap_or(0)
     }
 
     fn locate(&self, name: &str) -> Option<(&Shard, &TensorInfo)> {
@@ -102,10 +97,12 @@ impl Checkpoint {
         let shard = &self.shards[t.shard];
         Some((shard, &shard.tensors[name]))
     }
+}
 
+impl TensorSource for Checkpoint {
     /// Reads rows of a tensor viewed as `[leading dims product, last dim]`
     /// and converts them to f32, appending to `out`.
-    pub fn read_rows(&self, src: &RowSource, out: &mut Vec<f32>) -> Result<()> {
+    fn read_rows(&self, src: &RowSource, out: &mut Vec<f32>) -> Result<()> {
         let (shard, info) = self.locate(&src.tensor).ok_or_else(|| {
             Error::tensor(&self.index.dir, &src.tensor, "missing from the checkpoint")
         })?;

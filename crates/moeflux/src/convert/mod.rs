@@ -12,6 +12,7 @@ pub mod plan;
 
 use std::fs::File;
 use std::io::Read;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -24,7 +25,7 @@ use crate::format::{
     BlobMatrix, COPIED_FILES, DENSE_FILE, EXPERT_ALIGN, ExpertBlobLayout, ExpertLayerEntry,
     MANIFEST_FILE, Manifest, ModelDir, OpenOptions, TensorEntry, expert_file_name,
 };
-use crate::quant::{ALIGN, DType, GROUP_SIZE, MatrixLayout, RowEncoder, align_up};
+use crate::quant::{ALIGN, DType, EncodedRows, GROUP_SIZE, MatrixLayout, RowEncoder, align_up};
 use crate::util::{hex64, parse_hex64};
 use checkpoint::Checkpoint;
 use plan::{ConversionPlan, DenseTensorPlan, ExpertLayerPlan, RowSource, TensorRole};
@@ -41,6 +42,25 @@ pub trait Progress: Sync {
 /// Reports nothing.
 pub struct NoProgress;
 impl Progress for NoProgress {}
+
+/// Where converted weights come from: a checkpoint, or generated values for
+/// a synthetic model.
+pub trait TensorSource: Sync {
+    /// Appends rows of a source tensor, as f32, to `out`.
+    fn read_rows(&self, src: &RowSource, out: &mut Vec<f32>) -> Result<()>;
+
+    /// Rows `rows` of the stored matrix `name` already encoded, for sources
+    /// that can produce the encoding directly (random weights); `None`
+    /// means read the values and encode them.
+    fn encoded_rows(
+        &self,
+        _name: &str,
+        _layout: &MatrixLayout,
+        _rows: Range<usize>,
+    ) -> Option<EncodedRows> {
+        None
+    }
+}
 
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
@@ -79,6 +99,37 @@ pub fn convert(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
+    let config_path = input.join("config.json");
+    let config_json = read_json(&config_path)?;
+    let config = ModelConfig::from_hf_json(&config_json, &config_path)?;
+    let ckpt = Checkpoint::open(input)?;
+    let plan = config.architecture.conversion_plan(&config, &ckpt.index)?;
+    write_model(
+        &ckpt,
+        plan,
+        config_json,
+        config,
+        Some(input),
+        output,
+        options,
+        progress,
+    )
+}
+
+/// Writes a model directory from a plan and a source of weights, staged
+/// and verified. `side_files` is the checkpoint folder whose tokenizer and
+/// generation files are copied; a synthetic model has none.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_model(
+    source: &dyn TensorSource,
+    plan: ConversionPlan,
+    config_json: serde_json::Value,
+    config: ModelConfig,
+    side_files: Option<&Path>,
+    output: &Path,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
     if !matches!(options.quant, DType::Q4 | DType::Q8 | DType::Bf16) {
         return Err(Error::invalid("--quant", "must be q4, q8 or bf16"));
     }
@@ -88,19 +139,13 @@ pub fn convert(
             "already exists; choose another output or pass --force to replace it",
         ));
     }
-    let config_path = input.join("config.json");
-    let config_json = read_json(&config_path)?;
-    let config = ModelConfig::from_hf_json(&config_json, &config_path)?;
-    let ckpt = Checkpoint::open(input)?;
-    let plan = config.architecture.conversion_plan(&config, &ckpt.index)?;
-
     let staging = Staging::create(output)?;
     progress.start(total_weights(&plan));
     let mut manifest = Manifest {
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         producer: format!("moeflux {}", env!("CARGO_PKG_VERSION")),
-        synthetic: false,
+        synthetic: side_files.is_none(),
         quantization: options.quant,
         group_size: GROUP_SIZE,
         config: config_json,
@@ -109,7 +154,7 @@ pub fn convert(
         experts: Vec::new(),
     };
     write_dense(
-        &ckpt,
+        source,
         &plan.dense,
         options.quant,
         &staging.path,
@@ -119,12 +164,14 @@ pub fn convert(
     let mut expert_files = Vec::with_capacity(plan.experts.len());
     for layer in &plan.experts {
         let (entry, file) =
-            write_expert_layer(&ckpt, layer, options.quant, &staging.path, progress)?;
+            write_expert_layer(source, layer, options.quant, &staging.path, progress)?;
         manifest.experts.push(entry);
         expert_files.push(file);
     }
     progress.finish();
-    copy_side_files(input, &staging.path)?;
+    if let Some(input) = side_files {
+        copy_side_files(input, &staging.path)?;
+    }
     record_files(&staging.path, expert_files, &mut manifest)?;
     write_atomic(
         &staging.path.join(MANIFEST_FILE),
@@ -187,7 +234,7 @@ fn storage_dtype(role: TensorRole, cols: usize, quant: DType) -> DType {
 
 /// Rows `[start, end)` of a canonical tensor assembled from its sources.
 fn gather_rows(
-    ckpt: &Checkpoint,
+    ckpt: &dyn TensorSource,
     sources: &[RowSource],
     start: usize,
     end: usize,
@@ -213,7 +260,7 @@ fn gather_rows(
 const BLOCK_VALUES: usize = 16 << 20;
 
 fn write_dense(
-    ckpt: &Checkpoint,
+    ckpt: &dyn TensorSource,
     tensors: &[DenseTensorPlan],
     quant: DType,
     dir: &Path,
@@ -238,21 +285,32 @@ fn write_dense(
             0
         };
         let block_rows = (BLOCK_VALUES / t.cols.max(1)).max(1);
-        let mut values = Vec::new();
         for start in (0..t.rows).step_by(block_rows) {
             let end = (start + block_rows).min(t.rows);
-            values.clear();
-            gather_rows(ckpt, &t.sources, start, end, &mut values)?;
-            let enc = encoder.encode(&values);
-            write(&enc.codes, offset + start * layout.row_bytes)?;
-            write(
-                &enc.scales,
-                offset + layout.scales_offset + start * groups * 2,
-            )?;
-            write(
-                &enc.biases,
-                offset + layout.biases_offset + start * groups * 2,
-            )?;
+            // Gather and encode slices of the block in parallel, then write
+            // them in order.
+            let slice_rows = (end - start)
+                .div_ceil(rayon::current_num_threads() * 4)
+                .max(1);
+            let slices: Vec<(usize, EncodedRows)> = (start..end)
+                .step_by(slice_rows)
+                .collect::<Vec<_>>()
+                .into_par_iter()
+                .map(|lo| {
+                    let hi = (lo + slice_rows).min(end);
+                    if let Some(enc) = ckpt.encoded_rows(&t.name, &layout, lo..hi) {
+                        return Ok((lo, enc));
+                    }
+                    let mut values = Vec::with_capacity((hi - lo) * t.cols);
+                    gather_rows(ckpt, &t.sources, lo, hi, &mut values)?;
+                    Ok((lo, encoder.encode(&values)))
+                })
+                .collect::<Result<_>>()?;
+            for (lo, enc) in slices {
+                write(&enc.codes, offset + lo * layout.row_bytes)?;
+                write(&enc.scales, offset + layout.scales_offset + lo * groups * 2)?;
+                write(&enc.biases, offset + layout.biases_offset + lo * groups * 2)?;
+            }
             progress.advance(((end - start) * t.cols) as u64, &t.name);
         }
         let shape = if t.is_vector && t.rows == 1 {
@@ -307,7 +365,7 @@ fn blob_layout(layer: &ExpertLayerPlan, quant: DType) -> ExpertBlobLayout {
 const EXPERT_BATCH: usize = 16;
 
 fn write_expert_layer(
-    ckpt: &Checkpoint,
+    ckpt: &dyn TensorSource,
     layer: &ExpertLayerPlan,
     quant: DType,
     dir: &Path,
@@ -330,11 +388,17 @@ fn write_expert_layer(
     let encode_expert = |e: usize| -> Result<Vec<u8>> {
         let mut bytes = vec![0u8; blob.nbytes as usize];
         let mut values = Vec::new();
-        for (source, m) in &parts {
-            values.clear();
-            ckpt.read_rows(&source.source(e, m.rows), &mut values)?;
+        for (name, (source, m)) in ["gate", "up", "down"].iter().zip(&parts) {
             let layout = m.layout().expect("dtype chosen to fit");
-            let encoded = RowEncoder::new(layout).encode_matrix(&values);
+            let stored = format!("layers.{}.experts.{e}.{name}", layer.layer);
+            let encoded = match ckpt.encoded_rows(&stored, &layout, 0..m.rows) {
+                Some(enc) => layout.assemble(&enc),
+                None => {
+                    values.clear();
+                    ckpt.read_rows(&source.source(e, m.rows), &mut values)?;
+                    RowEncoder::new(layout).encode_matrix(&values)
+                }
+            };
             bytes[m.offset as usize..][..encoded.len()].copy_from_slice(&encoded);
         }
         Ok(bytes)

@@ -114,6 +114,15 @@ impl MatrixLayout {
     pub fn groups_per_row(&self) -> usize {
         self.cols / GROUP_SIZE
     }
+
+    /// The bytes of a whole matrix from its encoded rows.
+    pub fn assemble(&self, enc: &EncodedRows) -> Vec<u8> {
+        let mut bytes = vec![0u8; self.total_bytes];
+        bytes[..enc.codes.len()].copy_from_slice(&enc.codes);
+        bytes[self.scales_offset..][..enc.scales.len()].copy_from_slice(&enc.scales);
+        bytes[self.biases_offset..][..enc.biases.len()].copy_from_slice(&enc.biases);
+        bytes
+    }
 }
 
 /// A stored matrix borrowed from a weight file or an expert blob.
@@ -254,13 +263,7 @@ impl RowEncoder {
 
     /// Encodes a whole matrix into its final byte layout.
     pub fn encode_matrix(&self, values: &[f32]) -> Vec<u8> {
-        let l = &self.layout;
-        let enc = self.encode(values);
-        let mut bytes = vec![0u8; l.total_bytes];
-        bytes[..enc.codes.len()].copy_from_slice(&enc.codes);
-        bytes[l.scales_offset..l.scales_offset + enc.scales.len()].copy_from_slice(&enc.scales);
-        bytes[l.biases_offset..l.biases_offset + enc.biases.len()].copy_from_slice(&enc.biases);
-        bytes
+        self.layout.assemble(&self.encode(values))
     }
 }
 
@@ -282,10 +285,23 @@ pub fn quantize_group(group: &[f32], bits: u32, codes: &mut [u8]) -> (bf16, bf16
         *q = if s == 0.0 {
             0
         } else {
-            ((w - b) / s).round_ties_even().clamp(0.0, levels) as u8
+            round_half_even((w - b) / s).clamp(0.0, levels) as u8
         };
     }
     (scale, bias)
+}
+
+/// Rounds to the nearest integer, ties to even, like `f32::round_ties_even`
+/// (and torch.round) but without a libm call on baseline x86-64: adding
+/// and subtracting 1.5·2²³ leaves the float rounded by the FPU's default
+/// mode, exact for |x| < 2²².
+fn round_half_even(x: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0;
+    if x.abs() < 4_194_304.0 {
+        (x + MAGIC) - MAGIC
+    } else {
+        x.round_ties_even()
+    }
 }
 
 #[cfg(test)]
@@ -355,6 +371,17 @@ mod tests {
         let bytes = RowEncoder::new(layout).encode_matrix(&group);
         assert_eq!(bytes[0], 0xf0);
         assert_eq!(bytes[1] & 0x0f, 1);
+    }
+
+    #[test]
+    fn rounding_matches_round_ties_even() {
+        for i in -4000..4000 {
+            let x = i as f32 * 0.25 + 0.0001 * (i % 7) as f32;
+            assert_eq!(round_half_even(x), x.round_ties_even(), "{x}");
+        }
+        for x in [0.5f32, 1.5, 2.5, -0.5, -1.5, 254.5, 7.4999995, 1e7, -3e9] {
+            assert_eq!(round_half_even(x), x.round_ties_even(), "{x}");
+        }
     }
 
     #[test]

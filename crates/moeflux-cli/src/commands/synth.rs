@@ -1,0 +1,60 @@
+//! `moeflux synth --preset NAME [--layers N] -o DIR`
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use moeflux::convert::ConvertOptions;
+use moeflux::synth::{PRESETS, preset, preset_config, synthesize};
+use moeflux::util::human_bytes;
+
+use super::convert::{Quant, progress_bar};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model shape to copy (see --list).
+    #[arg(long, required_unless_present = "list")]
+    preset: Option<String>,
+    /// Keep only the first N layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Weight precision.
+    #[arg(long, value_enum, default_value = "q4")]
+    quant: Quant,
+    /// The model directory to create.
+    #[arg(short = 'o', long = "output", required_unless_present = "list")]
+    output: Option<PathBuf>,
+    /// Replace the output directory if it exists.
+    #[arg(long)]
+    force: bool,
+    /// List the presets.
+    #[arg(long)]
+    list: bool,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    if args.list {
+        for p in PRESETS {
+            println!("{:<20} {}", p.name, p.description);
+        }
+        return Ok(());
+    }
+    let (Some(name), Some(output)) = (args.preset, args.output) else {
+        unreachable!("clap requires --preset and -o without --list")
+    };
+    let config = preset_config(preset(&name)?, args.layers)?;
+    let options = ConvertOptions {
+        quant: args.quant.dtype(),
+        overwrite: args.force,
+    };
+    let summary = synthesize(config, &output, &options, &progress_bar())?;
+    println!(
+        "wrote synthetic {} ({}, {} layers, random weights) to {}: dense {}, experts {}",
+        name,
+        args.quant.dtype().name(),
+        summary.config.num_layers(),
+        output.display(),
+        human_bytes(summary.dense_bytes),
+        human_bytes(summary.expert_bytes)
+    );
+    Ok(())
+}

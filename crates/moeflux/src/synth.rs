@@ -1,0 +1,269 @@
+//! `moeflux synth`: model directories with the exact shapes of real models
+//! and random weights, for measuring speed and streaming at full size
+//! without downloading hundreds of gigabytes.
+//!
+//! The weights go through the converter's own write path (the same
+//! quantization, layout, checksums and verification), generated on the fly
+//! from a seeded hash of each tensor's name and row, so nothing is held in
+//! memory and two runs produce identical files. The manifest marks the
+//! model synthetic.
+
+use std::ops::Range;
+use std::path::Path;
+
+use half::bf16;
+
+use serde_json::{Value, json};
+
+use crate::config::{ModelConfig, NormStyle};
+use crate::convert::plan::{CheckpointIndex, RowSource};
+use crate::convert::{ConvertOptions, ConvertSummary, Progress, TensorSource, write_model};
+use crate::error::{Error, Result};
+use crate::quant::{DType, EncodedRows, MatrixLayout};
+
+/// A real model's shapes, as its Hugging Face `config.json`.
+pub struct Preset {
+    pub name: &'static str,
+    pub description: &'static str,
+    config: fn() -> Value,
+}
+
+pub const PRESETS: &[Preset] = &[
+    Preset {
+        name: "qwen3-30b-a3b",
+        description: "Qwen3-30B-A3B: 48 layers, 128 experts top-8",
+        config: || {
+            json!({
+                "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+                "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
+                "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                "tie_word_embeddings": false, "hidden_act": "silu"
+            })
+        },
+    },
+    Preset {
+        name: "qwen3-235b-a22b",
+        description: "Qwen3-235B-A22B: 94 layers, 128 experts top-8",
+        config: || {
+            json!({
+                "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 4096,
+                "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
+                "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+                "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": true,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "rms_norm_eps": 1e-6,
+                "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+                "tie_word_embeddings": false, "hidden_act": "silu"
+            })
+        },
+    },
+    Preset {
+        name: "qwen3-next-80b-a3b",
+        description: "Qwen3-Next-80B-A3B: 48 hybrid layers, 512 experts top-10 + shared",
+        config: || {
+            json!({
+                "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048,
+                "num_hidden_layers": 48, "num_attention_heads": 16, "num_key_value_heads": 2,
+                "head_dim": 256, "partial_rotary_factor": 0.25, "intermediate_size": 5120,
+                "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                "num_experts": 512, "num_experts_per_tok": 10, "norm_topk_prob": true,
+                "decoder_sparse_step": 1, "mlp_only_layers": [], "full_attention_interval": 4,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
+                "max_position_embeddings": 262144, "tie_word_embeddings": false,
+                "hidden_act": "silu"
+            })
+        },
+    },
+    Preset {
+        name: "qwen3.5-35b-a3b",
+        description: "Qwen3.5-35B-A3B: 40 hybrid layers, 256 experts top-8 + shared",
+        config: || qwen35(2048, 40, 16, 32, 256, 8, 512),
+    },
+    Preset {
+        name: "qwen3.5-397b-a17b",
+        description: "Qwen3.5-397B-A17B: 60 hybrid layers, 512 experts top-10 + shared",
+        config: || qwen35(4096, 60, 32, 64, 512, 10, 1024),
+    },
+];
+
+fn qwen35(
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    value_heads: usize,
+    experts: usize,
+    top_k: usize,
+    expert_inter: usize,
+) -> Value {
+    json!({
+        "model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": hidden,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": 2,
+        "head_dim": 256, "moe_intermediate_size": expert_inter,
+        "shared_expert_intermediate_size": expert_inter, "num_experts": experts,
+        "num_experts_per_tok": top_k, "full_attention_interval": 4,
+        "linear_num_key_heads": 16, "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": false,
+        "hidden_act": "silu",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
+                            "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                            "mrope_interleaved": true}
+    })
+}
+
+pub fn preset(name: &str) -> Result<&'static Preset> {
+    PRESETS.iter().find(|p| p.name == name).ok_or_else(|| {
+        let names: Vec<_> = PRESETS.iter().map(|p| p.name).collect();
+        Error::invalid(
+            "--preset",
+            format!(
+                "unknown preset `{name}`; choose one of {}",
+                names.join(", ")
+            ),
+        )
+    })
+}
+
+/// The preset's `config.json`, keeping only the first `layers` layers when
+/// given (so a large shape fits a small disk).
+pub fn preset_config(preset: &Preset, layers: Option<usize>) -> Result<Value> {
+    let mut config = (preset.config)();
+    if let Some(n) = layers {
+        let full = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
+        if n == 0 || n > full {
+            return Err(Error::invalid(
+                "--layers",
+                format!("must be between 1 and {full}"),
+            ));
+        }
+        config["num_hidden_layers"] = n.into();
+    }
+    Ok(config)
+}
+
+/// Writes a synthetic model directory for `config` (a preset's, possibly
+/// cut to fewer layers).
+pub fn synthesize(
+    config: Value,
+    output: &Path,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
+    let source_path = output.join("config.json");
+    let cfg = ModelConfig::from_hf_json(&config, &source_path)?;
+    let index = CheckpointIndex::synthetic(output);
+    let plan = cfg.architecture.conversion_plan(&cfg, &index)?;
+    let weights = RandomWeights {
+        shapes: plan.source_shapes.clone(),
+        norm: cfg.norm,
+    };
+    write_model(&weights, plan, config, cfg, None, output, options, progress)
+}
+
+/// Deterministic pseudo-random weights at scales that keep activations of
+/// a deep random network finite: matrices uniform with unit-variance
+/// outputs, norms near their identity, decay parameters in their usual
+/// ranges.
+struct RandomWeights {
+    shapes: std::collections::BTreeMap<String, Vec<usize>>,
+    norm: NormStyle,
+}
+
+impl RandomWeights {
+    /// `(centre, half-width)` of the uniform distribution for a tensor.
+    fn distribution(&self, name: &str, cols: usize) -> (f32, f32) {
+        if name.ends_with("A_log") {
+            (1.4, 1.3) // log of decay rates between ~1 and ~15
+        } else if name.ends_with("dt_bias") {
+            (0.0, 1.0)
+        } else if name.contains("conv1d") {
+            (0.0, 0.5)
+        } else if name.ends_with("linear_attn.norm.weight") {
+            (1.0, 0.1) // the gated norm scales by w
+        } else if name.contains("norm") {
+            match self.norm {
+                NormStyle::UnitOffset => (0.0, 0.1),
+                NormStyle::Weight => (1.0, 0.1),
+            }
+        } else {
+            (0.0, (3.0 / cols as f32).sqrt())
+        }
+    }
+}
+
+impl TensorSource for RandomWeights {
+    /// Random codes with the scale and bias of uniform weights in
+    /// ±sqrt(3 / cols), generated directly in the stored encoding so a
+    /// synthetic model is written at disk speed.
+    fn encoded_rows(
+        &self,
+        name: &str,
+        layout: &MatrixLayout,
+        rows: Range<usize>,
+    ) -> Option<EncodedRows> {
+        let n = rows.len();
+        let half_width = (3.0 / layout.cols as f32).sqrt();
+        let mut state = xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+            ^ (rows.start as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut random_bytes = |len: usize| -> Vec<u8> {
+            let mut bytes: Vec<u8> = (0..len.div_ceil(8))
+                .flat_map(|_| splitmix64(&mut state).to_le_bytes())
+                .collect();
+            bytes.truncate(len);
+            bytes
+        };
+        match layout.dtype {
+            DType::Q4 | DType::Q8 => {
+                let levels = ((1u32 << layout.dtype.bits().unwrap()) - 1) as f32;
+                let groups = n * layout.groups_per_row();
+                let repeat = |v: f32| bf16::from_f32(v).to_le_bytes().repeat(groups);
+                Some(EncodedRows {
+                    codes: random_bytes(n * layout.row_bytes),
+                    scales: repeat(2.0 * half_width / levels),
+                    biases: repeat(-half_width),
+                })
+            }
+            DType::Bf16 => {
+                let codes = random_bytes(n * layout.cols * 2)
+                    .chunks_exact(2)
+                    .flat_map(|b| {
+                        let unit = u16::from_le_bytes([b[0], b[1]]) as f32 / 65535.0;
+                        bf16::from_f32(half_width * (2.0 * unit - 1.0)).to_le_bytes()
+                    })
+                    .collect();
+                Some(EncodedRows {
+                    codes,
+                    ..Default::default()
+                })
+            }
+            DType::F32 => None,
+        }
+    }
+
+    fn read_rows(&self, src: &RowSource, out: &mut Vec<f32>) -> Result<()> {
+        let shape = &self.shapes[&src.tensor];
+        let cols = *shape.last().unwrap_or(&1);
+        let (centre, width) = self.distribution(&src.tensor, cols);
+        let seed = xxhash_rust::xxh3::xxh3_64(src.tensor.as_bytes());
+        for row in src.row_start..src.row_start + src.rows {
+            let mut state = seed ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            out.extend((0..cols).map(|_| {
+                let unit = (splitmix64(&mut state) >> 40) as f32 / (1u64 << 24) as f32;
+                centre + width * (2.0 * unit - 1.0)
+            }));
+        }
+        Ok(())
+    }
+}
+
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
