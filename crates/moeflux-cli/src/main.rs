@@ -32,6 +32,8 @@ enum Command {
     Inspect(commands::inspect::Args),
     /// Write a model with a real model's shapes and random weights.
     Synth(commands::synth::Args),
+    /// Measure decode and prefill speed beside the machine's ceilings.
+    Bench(commands::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -42,6 +44,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => commands::generate::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Synth(args) => commands::synth::run(args),
+        Command::Bench(args) => commands::bench::run_command(args),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

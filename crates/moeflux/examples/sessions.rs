@@ -10,8 +10,9 @@ use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use moeflux::convert::{ConvertOptions, NoProgress, convert};
+use moeflux::convert::{ConvertOptions, convert};
 use moeflux::model::argmax;
+use moeflux::util::NoProgress;
 use moeflux::{Model, ModelOptions, Session};
 
 fn greedy(session: &mut Session, n: usize) -> moeflux::Result<Vec<u32>> {

@@ -12,10 +12,12 @@
 //! - [`backend`]: the CPU implementation of those operations;
 //! - [`experts`]: the expert store (positional reads, cache);
 //! - [`model`]: an opened model and its sessions;
+//! - [`bench`]: speed measured beside the machine's ceilings;
 //! - [`synth`]: random-weight models with real models' shapes.
 
 pub mod arch;
 pub mod backend;
+pub mod bench;
 pub mod blocks;
 pub mod config;
 pub mod convert;

@@ -17,9 +17,10 @@ use serde_json::{Value, json};
 
 use crate::config::{ModelConfig, NormStyle};
 use crate::convert::plan::{CheckpointIndex, RowSource};
-use crate::convert::{ConvertOptions, ConvertSummary, Progress, TensorSource, write_model};
+use crate::convert::{ConvertOptions, ConvertSummary, TensorSource, write_model};
 use crate::error::{Error, Result};
 use crate::quant::{DType, EncodedRows, MatrixLayout};
+use crate::util::Progress;
 
 /// A real model's shapes, as its Hugging Face `config.json`.
 pub struct Preset {

@@ -93,3 +93,17 @@ pub fn human_bytes(n: u64) -> String {
         format!("{v:.2} {}", UNITS[unit])
     }
 }
+
+/// Receives progress of long work (conversion, benchmarks); the CLI draws
+/// a bar.
+pub trait Progress: Sync {
+    /// `total` units of work are ahead.
+    fn start(&self, _total: u64) {}
+    /// `done` more units were completed; `what` names the current step.
+    fn advance(&self, _done: u64, _what: &str) {}
+    fn finish(&self) {}
+}
+
+/// Reports nothing.
+pub struct NoProgress;
+impl Progress for NoProgress {}

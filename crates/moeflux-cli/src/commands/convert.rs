@@ -4,8 +4,9 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
-use moeflux::convert::{ConvertOptions, Progress, convert};
+use moeflux::convert::{ConvertOptions, convert};
 use moeflux::quant::DType;
+use moeflux::util::Progress;
 use moeflux::util::human_bytes;
 
 #[derive(Clone, Copy, clap::ValueEnum)]

@@ -1,5 +1,6 @@
 //! One module per subcommand, plus the options they share.
 
+pub mod bench;
 pub mod convert;
 pub mod generate;
 pub mod inspect;

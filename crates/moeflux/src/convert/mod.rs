@@ -26,22 +26,9 @@ use crate::format::{
     MANIFEST_FILE, Manifest, ModelDir, OpenOptions, TensorEntry, expert_file_name,
 };
 use crate::quant::{ALIGN, DType, EncodedRows, GROUP_SIZE, MatrixLayout, RowEncoder, align_up};
-use crate::util::{hex64, parse_hex64};
+use crate::util::{Progress, hex64, parse_hex64};
 use checkpoint::Checkpoint;
 use plan::{ConversionPlan, DenseTensorPlan, ExpertLayerPlan, RowSource, TensorRole};
-
-/// Receives progress of a conversion (the CLI draws a bar).
-pub trait Progress: Sync {
-    /// `total` weights will be converted.
-    fn start(&self, _total: u64) {}
-    /// `done` more weights were converted; `what` names the current tensor.
-    fn advance(&self, _done: u64, _what: &str) {}
-    fn finish(&self) {}
-}
-
-/// Reports nothing.
-pub struct NoProgress;
-impl Progress for NoProgress {}
 
 /// Where converted weights come from: a checkpoint, or generated values for
 /// a synthetic model.

@@ -6,8 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use moeflux::convert::{ConvertOptions, NoProgress, convert};
+use moeflux::convert::{ConvertOptions, convert};
 use moeflux::quant::DType;
+use moeflux::util::NoProgress;
 use moeflux::{Model, ModelOptions};
 use safetensors::SafeTensors;
 use tempfile::TempDir;

@@ -1,0 +1,136 @@
+//! `moeflux bench -m DIR`: decode and prefill speed beside the machine's
+//! memory and disk read bandwidth, measured in the same run.
+
+use anyhow::Result;
+use moeflux::bench::{BenchOptions, BenchReport, run};
+use moeflux::util::human_bytes;
+
+use super::ModelArgs;
+use super::convert::progress_bar;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens before decoding.
+    #[arg(short = 'p', long, default_value_t = 16)]
+    prompt: usize,
+    /// Tokens decoded and timed.
+    #[arg(short = 'n', long, default_value_t = 32)]
+    decode: usize,
+    /// Decode steps before timing (warms the expert cache).
+    #[arg(long, default_value_t = 8)]
+    warmup: usize,
+    /// Tokens of the prefill measurement (0 skips it).
+    #[arg(long, default_value_t = 512)]
+    prefill: usize,
+    /// Skip measuring memory and disk bandwidth.
+    #[arg(long)]
+    no_ceilings: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run_command(args: Args) -> Result<()> {
+    let model = args.model.open()?;
+    let options = BenchOptions {
+        prompt_tokens: args.prompt,
+        decode_tokens: args.decode,
+        warmup_tokens: args.warmup,
+        prefill_tokens: args.prefill,
+        ceilings: !args.no_ceilings,
+    };
+    let report = run(&model, &options, &progress_bar())?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn gb(v: Option<f64>) -> String {
+    v.map_or("-".into(), |v| format!("{v:.2} GB/s"))
+}
+
+fn print_table(r: &BenchReport) {
+    let row = |k: &str, v: String| println!("{k:<34} {v}");
+    row(
+        "model",
+        format!(
+            "{} ({}{}, {}, {} layers)",
+            r.model,
+            r.architecture,
+            if r.synthetic { ", synthetic" } else { "" },
+            r.quantization,
+            r.layers
+        ),
+    );
+    row("backend", r.backend.clone());
+    row(
+        "dense / expert bytes",
+        format!(
+            "{} / {}",
+            human_bytes(r.dense_bytes),
+            human_bytes(r.expert_bytes)
+        ),
+    );
+    row("expert cache budget", human_bytes(r.expert_cache_bytes));
+    if r.prefill_tokens > 0 {
+        row(
+            &format!("prefill (pp{})", r.prefill_tokens),
+            format!("{:.1} tok/s", r.prefill_tok_s),
+        );
+    }
+    row(
+        &format!("time to first token ({} tokens)", r.prompt_tokens),
+        format!("{:.1} ms", r.time_to_first_token_ms),
+    );
+    row(
+        &format!("decode ({} tokens)", r.decode_tokens),
+        format!("{:.2} tok/s", r.decode_tok_s),
+    );
+    row(
+        "weights read per token",
+        human_bytes(r.weight_bytes_per_token),
+    );
+    let share = r
+        .memory_read_gb_s
+        .map(|m| {
+            format!(
+                " = {:.0}% of memory read bandwidth",
+                100.0 * r.achieved_gb_s / m
+            )
+        })
+        .unwrap_or_default();
+    row(
+        "achieved bandwidth",
+        format!("{:.2} GB/s{share}", r.achieved_gb_s),
+    );
+    row("memory read bandwidth (measured)", gb(r.memory_read_gb_s));
+    row(
+        "expert hit rate (decode)",
+        format!("{:.1}%", 100.0 * r.decode_expert_hit_rate),
+    );
+    row(
+        "expert bytes read per token",
+        human_bytes(r.decode_expert_bytes_read_per_token as u64),
+    );
+    let disk_share = match (r.decode_expert_read_gb_s, r.disk_read_gb_s) {
+        (Some(a), Some(d)) => format!(" = {:.0}% of disk read bandwidth", 100.0 * a / d),
+        _ => String::new(),
+    };
+    row(
+        "expert read throughput (decode)",
+        format!("{}{disk_share}", gb(r.decode_expert_read_gb_s)),
+    );
+    row(
+        &format!(
+            "disk read bandwidth ({} reads)",
+            human_bytes(r.disk_read_block_bytes)
+        ),
+        gb(r.disk_read_gb_s),
+    );
+    row("peak RSS", r.peak_rss_bytes.map_or("-".into(), human_bytes));
+}

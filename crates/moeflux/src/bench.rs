@@ -1,0 +1,293 @@
+//! `moeflux bench`: decode and prefill speed of a model on this machine,
+//! reported beside the ceilings measured in the same run (memory read
+//! bandwidth, disk read bandwidth at the expert-blob size), so every figure
+//! says how close to the hardware it is.
+
+use std::fs::File;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use rayon::prelude::*;
+use serde::Serialize;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::experts::ExpertStats;
+use crate::model::{Model, argmax};
+use crate::util::{AlignedBuf, Progress};
+
+#[derive(Clone, Debug)]
+pub struct BenchOptions {
+    /// Tokens of the prompt before decoding (also the time-to-first-token
+    /// prompt).
+    pub prompt_tokens: usize,
+    /// Tokens decoded and timed.
+    pub decode_tokens: usize,
+    /// Decode steps run before timing, to warm the expert cache.
+    pub warmup_tokens: usize,
+    /// Tokens of the prefill measurement (pp512).
+    pub prefill_tokens: usize,
+    /// Measure the memory and disk ceilings too.
+    pub ceilings: bool,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            prompt_tokens: 16,
+            decode_tokens: 32,
+            warmup_tokens: 8,
+            prefill_tokens: 512,
+            ceilings: true,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct BenchReport {
+    pub model: String,
+    pub architecture: String,
+    pub synthetic: bool,
+    pub quantization: String,
+    pub layers: usize,
+    pub backend: String,
+    pub threads: usize,
+    pub expert_cache_bytes: u64,
+    pub expert_bytes: u64,
+    pub dense_bytes: u64,
+
+    pub prefill_tokens: usize,
+    pub prefill_tok_s: f64,
+    pub prompt_tokens: usize,
+    pub time_to_first_token_ms: f64,
+    pub decode_tokens: usize,
+    pub decode_tok_s: f64,
+
+    /// Weights read per decoded token: dense tensors (one embedding row,
+    /// the whole LM head) plus the routed experts.
+    pub weight_bytes_per_token: u64,
+    /// `weight_bytes_per_token × decode_tok_s`.
+    pub achieved_gb_s: f64,
+    pub memory_read_gb_s: Option<f64>,
+    pub decode_expert_hit_rate: f64,
+    pub decode_expert_bytes_read_per_token: f64,
+    /// Expert bytes read from disk per second of read time during decode.
+    pub decode_expert_read_gb_s: Option<f64>,
+    pub disk_read_gb_s: Option<f64>,
+    pub disk_read_block_bytes: u64,
+    pub peak_rss_bytes: Option<u64>,
+}
+
+/// Runs the benchmark; `progress` counts timed and warm-up tokens.
+pub fn run<B: Backend>(
+    model: &Arc<Model<B>>,
+    options: &BenchOptions,
+    progress: &dyn Progress,
+) -> Result<BenchReport> {
+    let cfg = model.config();
+    let manifest = model.dir().manifest();
+    let vocab = cfg.vocab_size;
+    if options.prompt_tokens == 0 || options.decode_tokens == 0 {
+        return Err(Error::invalid(
+            "bench",
+            "prompt and decode token counts must be positive",
+        ));
+    }
+    let steps = options.prefill_tokens
+        + options.prompt_tokens
+        + options.warmup_tokens
+        + options.decode_tokens;
+    progress.start(steps as u64);
+    let tokens = random_tokens(options.prefill_tokens.max(options.prompt_tokens), vocab, 7);
+
+    let mut prefill_tok_s = 0.0;
+    if options.prefill_tokens > 0 {
+        let mut session = model.session();
+        let start = Instant::now();
+        session.prefill(&tokens[..options.prefill_tokens])?;
+        prefill_tok_s = options.prefill_tokens as f64 / start.elapsed().as_secs_f64();
+        progress.advance(options.prefill_tokens as u64, "prefill");
+    }
+
+    let mut session = model.session();
+    let start = Instant::now();
+    let mut logits = session.prefill(&tokens[..options.prompt_tokens])?;
+    let ttft = start.elapsed();
+    progress.advance(options.prompt_tokens as u64, "prompt");
+    for _ in 0..options.warmup_tokens {
+        logits = session.decode(argmax(&logits))?;
+        progress.advance(1, "warm-up");
+    }
+    let before = model.expert_stats();
+    let start = Instant::now();
+    for _ in 0..options.decode_tokens {
+        logits = session.decode(argmax(&logits))?;
+        progress.advance(1, "decode");
+    }
+    let decode_time = start.elapsed();
+    let stats = delta(model.expert_stats(), before);
+    progress.finish();
+
+    let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
+    let weight_bytes_per_token = weight_bytes_per_token(model);
+    let lookups = stats.hits + stats.misses;
+    let (memory_read_gb_s, disk_read_gb_s) = if options.ceilings {
+        (Some(memory_read_bandwidth()), disk_read_bandwidth(model)?)
+    } else {
+        (None, None)
+    };
+    Ok(BenchReport {
+        model: model.dir().root().display().to_string(),
+        architecture: cfg.architecture.name().into(),
+        synthetic: manifest.synthetic,
+        quantization: manifest.quantization.name().into(),
+        layers: cfg.num_layers(),
+        backend: model.backend().name(),
+        threads: rayon::current_num_threads(),
+        expert_cache_bytes: model.expert_cache_budget(),
+        expert_bytes: manifest.expert_bytes(),
+        dense_bytes: manifest.dense_bytes(),
+        prefill_tokens: options.prefill_tokens,
+        prefill_tok_s,
+        prompt_tokens: options.prompt_tokens,
+        time_to_first_token_ms: ttft.as_secs_f64() * 1e3,
+        decode_tokens: options.decode_tokens,
+        decode_tok_s,
+        weight_bytes_per_token,
+        achieved_gb_s: weight_bytes_per_token as f64 * decode_tok_s / 1e9,
+        memory_read_gb_s,
+        decode_expert_hit_rate: if lookups == 0 {
+            1.0
+        } else {
+            stats.hits as f64 / lookups as f64
+        },
+        decode_expert_bytes_read_per_token: stats.bytes_read as f64 / options.decode_tokens as f64,
+        decode_expert_read_gb_s: (stats.read_nanos > 0)
+            .then(|| stats.bytes_read as f64 / stats.read_nanos as f64),
+        disk_read_gb_s,
+        disk_read_block_bytes: manifest.experts.first().map_or(0, |e| e.stride),
+        peak_rss_bytes: peak_rss(),
+    })
+}
+
+fn delta(after: ExpertStats, before: ExpertStats) -> ExpertStats {
+    ExpertStats {
+        hits: after.hits - before.hits,
+        misses: after.misses - before.misses,
+        bytes_read: after.bytes_read - before.bytes_read,
+        read_nanos: after.read_nanos - before.read_nanos,
+    }
+}
+
+fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut state = seed;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
+
+/// Bytes of weights one decoded token reads: every dense tensor except
+/// the embedding table (one row of it), plus `top_k` experts per MoE layer.
+pub fn weight_bytes_per_token<B: Backend>(model: &Model<B>) -> u64 {
+    let cfg = model.config();
+    let manifest = model.dir().manifest();
+    let embed = &manifest.tensors[crate::arch::names::EMBED];
+    let embed_row = embed.nbytes / embed.shape[0] as u64;
+    let mut dense = manifest.dense_bytes() - embed.nbytes + embed_row;
+    if cfg.tie_word_embeddings {
+        dense += embed.nbytes; // the table is also the LM head
+    }
+    let experts: u64 = manifest
+        .experts
+        .iter()
+        .map(|e| e.blob.nbytes * cfg.moe.top_k as u64)
+        .sum();
+    dense + experts
+}
+
+/// Memory read bandwidth in GB/s: the best of several parallel passes over
+/// a buffer far larger than the last-level cache.
+pub fn memory_read_bandwidth() -> f64 {
+    const BYTES: usize = 1 << 30;
+    let data: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
+    let chunk = data.len() / (rayon::current_num_threads() * 4);
+    let mut best = Duration::MAX;
+    for _ in 0..5 {
+        let start = Instant::now();
+        let total: u64 = data
+            .par_chunks(chunk)
+            .map(|c| {
+                let mut acc = [0u64; 8];
+                for block in c.chunks_exact(8) {
+                    for i in 0..8 {
+                        acc[i] = acc[i].wrapping_add(block[i]);
+                    }
+                }
+                acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+            })
+            .reduce(|| 0, u64::wrapping_add);
+        std::hint::black_box(total);
+        best = best.min(start.elapsed());
+    }
+    BYTES as f64 / best.as_secs_f64() / 1e9
+}
+
+/// Disk read bandwidth in GB/s for random reads of one expert blob each,
+/// as many at once as the engine issues, bypassing the page cache where
+/// the file system allows (`O_DIRECT`). `None` for a model without experts.
+pub fn disk_read_bandwidth<B: Backend>(model: &Model<B>) -> Result<Option<f64>> {
+    let manifest = model.dir().manifest();
+    let Some(layer) = manifest.experts.iter().max_by_key(|e| e.num_experts) else {
+        return Ok(None);
+    };
+    let path = model.dir().path_of(&layer.file)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&path)
+        .or_else(|_| File::open(&path))
+        .map_err(|e| Error::io(&path, "opening for the disk benchmark", e))?;
+    let block = layer.stride as usize;
+    let reads = layer.num_experts.clamp(16, 256);
+    let order = random_tokens(reads, layer.num_experts, 11);
+    let next = AtomicUsize::new(0);
+    let start = Instant::now();
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..crate::experts::READ_PARALLELISM)
+            .map(|_| {
+                scope.spawn(|| -> Result<()> {
+                    let mut buf = AlignedBuf::zeroed(block);
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(&expert) = order.get(i) else {
+                            return Ok(());
+                        };
+                        file.read_exact_at(&mut buf, expert as u64 * layer.stride)
+                            .map_err(|e| Error::io(&path, "reading for the disk benchmark", e))?;
+                    }
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .try_for_each(|w| w.join().expect("reader thread"))
+    })?;
+    Ok(Some(
+        (reads * block) as f64 / start.elapsed().as_secs_f64() / 1e9,
+    ))
+}
+
+/// The process's peak resident set size (Linux `VmHWM`).
+pub fn peak_rss() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
