@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::experts::ExpertStats;
+use crate::experts::{CachePolicy, ExpertStats, Prefetch};
 use crate::model::{Model, argmax};
 use crate::util::{AlignedBuf, Progress};
 
@@ -55,6 +55,9 @@ pub struct BenchReport {
     pub backend: String,
     pub threads: usize,
     pub expert_cache_bytes: u64,
+    pub cache_policy: CachePolicy,
+    pub direct_io: bool,
+    pub prefetch: Prefetch,
     pub expert_bytes: u64,
     pub dense_bytes: u64,
 
@@ -72,6 +75,10 @@ pub struct BenchReport {
     pub achieved_gb_s: f64,
     pub memory_read_gb_s: Option<f64>,
     pub decode_expert_hit_rate: f64,
+    /// Share of decode-routed experts each predictor named in advance.
+    pub router_prediction_rate: Option<f64>,
+    pub previous_token_prediction_rate: Option<f64>,
+    pub decode_stats: ExpertStats,
     pub decode_expert_bytes_read_per_token: f64,
     /// Expert bytes read from disk per second of read time during decode.
     pub decode_expert_read_gb_s: Option<f64>,
@@ -127,12 +134,11 @@ pub fn run<B: Backend>(
         progress.advance(1, "decode");
     }
     let decode_time = start.elapsed();
-    let stats = delta(model.expert_stats(), before);
+    let stats = model.expert_stats().since(&before);
     progress.finish();
 
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
     let weight_bytes_per_token = weight_bytes_per_token(model);
-    let lookups = stats.hits + stats.misses;
     let (memory_read_gb_s, disk_read_gb_s) = if options.ceilings {
         (Some(memory_read_bandwidth()), disk_read_bandwidth(model)?)
     } else {
@@ -147,6 +153,9 @@ pub fn run<B: Backend>(
         backend: model.backend().name(),
         threads: rayon::current_num_threads(),
         expert_cache_bytes: model.expert_cache_budget(),
+        cache_policy: model.experts().cache_policy(),
+        direct_io: model.experts().direct_io(),
+        prefetch: model.options().prefetch,
         expert_bytes: manifest.expert_bytes(),
         dense_bytes: manifest.dense_bytes(),
         prefill_tokens: options.prefill_tokens,
@@ -158,11 +167,10 @@ pub fn run<B: Backend>(
         weight_bytes_per_token,
         achieved_gb_s: weight_bytes_per_token as f64 * decode_tok_s / 1e9,
         memory_read_gb_s,
-        decode_expert_hit_rate: if lookups == 0 {
-            1.0
-        } else {
-            stats.hits as f64 / lookups as f64
-        },
+        decode_expert_hit_rate: stats.hit_rate(),
+        router_prediction_rate: stats.router_prediction_rate(),
+        previous_token_prediction_rate: stats.previous_token_prediction_rate(),
+        decode_stats: stats,
         decode_expert_bytes_read_per_token: stats.bytes_read as f64 / options.decode_tokens as f64,
         decode_expert_read_gb_s: (stats.read_nanos > 0)
             .then(|| stats.bytes_read as f64 / stats.read_nanos as f64),
@@ -170,15 +178,6 @@ pub fn run<B: Backend>(
         disk_read_block_bytes: manifest.experts.first().map_or(0, |e| e.stride),
         peak_rss_bytes: peak_rss(),
     })
-}
-
-fn delta(after: ExpertStats, before: ExpertStats) -> ExpertStats {
-    ExpertStats {
-        hits: after.hits - before.hits,
-        misses: after.misses - before.misses,
-        bytes_read: after.bytes_read - before.bytes_read,
-        read_nanos: after.read_nanos - before.read_nanos,
-    }
 }
 
 fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {

@@ -76,7 +76,16 @@ fn print_table(r: &BenchReport) {
             human_bytes(r.expert_bytes)
         ),
     );
-    row("expert cache budget", human_bytes(r.expert_cache_bytes));
+    row(
+        "expert cache",
+        format!(
+            "{} ({:?}), {} reads, prefetch {:?}",
+            human_bytes(r.expert_cache_bytes),
+            r.cache_policy,
+            if r.direct_io { "direct" } else { "buffered" },
+            r.prefetch
+        ),
+    );
     if r.prefill_tokens > 0 {
         row(
             &format!("prefill (pp{})", r.prefill_tokens),
@@ -112,6 +121,15 @@ fn print_table(r: &BenchReport) {
     row(
         "expert hit rate (decode)",
         format!("{:.1}%", 100.0 * r.decode_expert_hit_rate),
+    );
+    let rate = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v));
+    row(
+        "prefetch prediction (router / prev)",
+        format!(
+            "{} / {}",
+            rate(r.router_prediction_rate),
+            rate(r.previous_token_prediction_rate)
+        ),
     );
     row(
         "expert bytes read per token",

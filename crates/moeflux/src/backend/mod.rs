@@ -153,6 +153,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Softmax over router logits, top-k, optionally renormalised.
     fn route(&self, logits: &Self::Tensor, top_k: usize, normalize: bool) -> Self::Routing;
+    /// The experts a routing selected, every token's in order, on the host
+    /// (the expert store reads by these ids).
+    fn selected_experts(&self, routing: &Self::Routing) -> Vec<u32>;
 
     /// Sum over each token's routed experts of `weight · expert(x)`, with
     /// the experts of `layer` fetched from the store.

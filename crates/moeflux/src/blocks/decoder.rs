@@ -11,7 +11,7 @@ use crate::arch::names;
 use crate::backend::{Backend, RmsNorm};
 use crate::config::{FeedForwardKind, LayerKind};
 use crate::error::Result;
-use crate::experts::ExpertStore;
+use crate::experts::{ExpertStore, Prefetch};
 
 enum Mixer<B: Backend> {
     Attention(Attention<B>),
@@ -43,10 +43,13 @@ pub struct Decoder<B: Backend> {
     lm_head: Option<B::Weight>,
     layers: Vec<Layer<B>>,
     norm: RmsNorm,
+    /// For each layer, the next MoE layer after it.
+    next_moe: Vec<Option<usize>>,
+    prefetch: Prefetch,
 }
 
 impl<B: Backend> Decoder<B> {
-    pub fn load(w: &Weights<'_, B>) -> Result<Self> {
+    pub fn load(w: &Weights<'_, B>, prefetch: Prefetch) -> Result<Self> {
         let cfg = w.config();
         let (v, h) = (cfg.vocab_size, cfg.hidden_size);
         let mut layers = Vec::with_capacity(cfg.num_layers());
@@ -79,9 +82,28 @@ impl<B: Backend> Decoder<B> {
                 true => None,
                 false => Some(w.matrix(names::LM_HEAD, v, h)?),
             },
+            next_moe: (0..cfg.num_layers())
+                .map(|i| (i + 1..cfg.num_layers()).find(|&j| cfg.is_moe_layer(j)))
+                .collect(),
             layers,
             norm: attention::norm(cfg),
+            prefetch,
         })
+    }
+
+    /// During decode, predicts the next MoE layer's experts from this
+    /// layer's MoE input and lets the store read them ahead, so the reads
+    /// overlap this layer's compute.
+    fn predict_next_layer(&self, b: &B, layer: usize, h: &B::Tensor, store: &ExpertStore) {
+        if self.prefetch == Prefetch::Off {
+            return;
+        }
+        let Some(next) = self.next_moe[layer] else {
+            return;
+        };
+        if let FeedForward::Sparse(moe) = &self.layers[next].ffn {
+            store.predict(next, moe.predict(b, h), self.prefetch);
+        }
     }
 
     /// Empty caches for a new sequence.
@@ -109,7 +131,7 @@ impl<B: Backend> Decoder<B> {
         logit_rows: usize,
     ) -> Result<Option<B::Tensor>> {
         let mut x = b.embed(&self.embed, tokens);
-        for (layer, layer_state) in self.layers.iter().zip(state.iter_mut()) {
+        for (i, (layer, layer_state)) in self.layers.iter().zip(state.iter_mut()).enumerate() {
             let h = b.rms_norm(&x, &layer.input_norm, self.norm);
             let mixed = match (&layer.mixer, layer_state) {
                 (Mixer::Attention(attn), LayerState::Attention(cache)) => {
@@ -120,6 +142,9 @@ impl<B: Backend> Decoder<B> {
             };
             b.add_assign(&mut x, &mixed);
             let h = b.rms_norm(&x, &layer.post_attention_norm, self.norm);
+            if tokens.len() == 1 {
+                self.predict_next_layer(b, i, &h, store);
+            }
             let ffn = match &layer.ffn {
                 FeedForward::Dense(mlp) => mlp.forward(b, &h),
                 FeedForward::Sparse(moe) => moe.forward(b, &h, store)?,

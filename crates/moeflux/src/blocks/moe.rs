@@ -74,9 +74,20 @@ impl<B: Backend> SparseMoe<B> {
         })
     }
 
+    /// The experts this layer's router would pick for `x`, without
+    /// computing them (prefetch prediction for this layer from an earlier
+    /// layer's input).
+    pub fn predict(&self, b: &B, x: &B::Tensor) -> Vec<u32> {
+        let logits = b.linear(x, &self.router);
+        b.selected_experts(&b.route(&logits, self.top_k, self.normalize))
+    }
+
     pub fn forward(&self, b: &B, x: &B::Tensor, store: &ExpertStore) -> Result<B::Tensor> {
         let logits = b.linear(x, &self.router);
         let routing = b.route(&logits, self.top_k, self.normalize);
+        if b.rows(x) == 1 {
+            store.note_decode_routing(self.layer, &b.selected_experts(&routing));
+        }
         let mut out = b.routed_experts(x, &routing, store, self.layer)?;
         if let Some((mlp, gate)) = &self.shared {
             let mut shared = mlp.forward(b, x);

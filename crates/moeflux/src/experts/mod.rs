@@ -1,23 +1,67 @@
 //! The expert store: routed experts stay on disk and are read on demand,
-//! one positional read per expert, in parallel, into a bounded cache.
+//! one positional read per expert, several in parallel, into a
+//! byte-budgeted cache; reads for the next layer can start early
+//! (prefetch) and overlap the current layer's compute.
+//!
+//! Reads bypass the page cache (`O_DIRECT`) when the experts do not fit in
+//! memory, where caching them twice (page cache and expert cache) would
+//! only evict useful pages; when they fit, buffered reads let the page
+//! cache keep what the expert cache drops.
 
 mod cache;
 
+use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
 use rayon::prelude::*;
+use serde::Serialize;
 
-pub use cache::{ExpertCache, ExpertKey};
+pub use cache::{CachePolicy, ExpertCache, ExpertKey, Weighted, simulate};
 
 use crate::error::{Error, Result};
 use crate::format::{ExpertLayerEntry, ModelDir};
 use crate::quant::{MatrixLayout, MatrixView};
 use crate::util::{AlignedBuf, parse_hex64};
+
+/// Expert reads in flight at once: parallel positional reads keep the
+/// disk's queue full (several times faster than one at a time).
+pub const READ_PARALLELISM: usize = 8;
+
+/// How expert files are read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum IoMode {
+    /// Direct when the experts exceed 3/4 of physical memory, else buffered.
+    #[default]
+    Auto,
+    /// `O_DIRECT`: no page cache.
+    Direct,
+    /// Through the page cache.
+    Buffered,
+}
+
+/// Which experts to read ahead for the next MoE layer while the current
+/// one computes (single-token decode).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum Prefetch {
+    Off,
+    /// The next layer's router applied to the current layer's input.
+    #[default]
+    Router,
+    /// The experts the next layer used for the previous token.
+    PreviousToken,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct StoreOptions {
+    pub cache_bytes: u64,
+    pub policy: CachePolicy,
+    pub io: IoMode,
+}
 
 /// Layouts of the three matrices inside every blob of a layer.
 #[derive(Debug)]
@@ -52,8 +96,10 @@ impl Expert {
     pub fn down(&self) -> MatrixView<'_> {
         self.view(self.layout.down)
     }
+}
 
-    pub fn size_bytes(&self) -> u64 {
+impl Weighted for Arc<Expert> {
+    fn weight(&self) -> u64 {
         self.data.len() as u64
     }
 }
@@ -67,161 +113,327 @@ struct LayerFile {
 }
 
 /// Counters of the store's work since it was opened.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct ExpertStats {
+    /// Requests found in the cache (including experts a prefetch brought).
     pub hits: u64,
+    /// Requests that waited for a prefetch still in flight.
+    pub prefetch_waits: u64,
+    /// Requests read on demand.
     pub misses: u64,
     pub bytes_read: u64,
+    /// Wall time of on-demand read batches.
     pub read_nanos: u64,
+    pub prefetches_issued: u64,
+    /// Decode steps' routed experts that each predictor had named.
+    pub router_predicted: u64,
+    pub previous_token_predicted: u64,
+    pub predicted_out_of: u64,
+}
+
+impl ExpertStats {
+    /// The work done between `earlier` and `self`.
+    pub fn since(&self, earlier: &ExpertStats) -> ExpertStats {
+        ExpertStats {
+            hits: self.hits - earlier.hits,
+            prefetch_waits: self.prefetch_waits - earlier.prefetch_waits,
+            misses: self.misses - earlier.misses,
+            bytes_read: self.bytes_read - earlier.bytes_read,
+            read_nanos: self.read_nanos - earlier.read_nanos,
+            prefetches_issued: self.prefetches_issued - earlier.prefetches_issued,
+            router_predicted: self.router_predicted - earlier.router_predicted,
+            previous_token_predicted: self.previous_token_predicted
+                - earlier.previous_token_predicted,
+            predicted_out_of: self.predicted_out_of - earlier.predicted_out_of,
+        }
+    }
+
+    /// Share of requests served without an on-demand read.
+    pub fn hit_rate(&self) -> f64 {
+        let total = self.hits + self.prefetch_waits + self.misses;
+        if total == 0 {
+            1.0
+        } else {
+            (self.hits + self.prefetch_waits) as f64 / total as f64
+        }
+    }
+
+    /// Share of decode-routed experts the router predictor named.
+    pub fn router_prediction_rate(&self) -> Option<f64> {
+        (self.predicted_out_of > 0)
+            .then(|| self.router_predicted as f64 / self.predicted_out_of as f64)
+    }
+
+    /// Share of decode-routed experts the previous token had also used.
+    pub fn previous_token_prediction_rate(&self) -> Option<f64> {
+        (self.predicted_out_of > 0)
+            .then(|| self.previous_token_predicted as f64 / self.predicted_out_of as f64)
+    }
 }
 
 #[derive(Default)]
 struct Counters {
     hits: AtomicU64,
+    prefetch_waits: AtomicU64,
     misses: AtomicU64,
     bytes_read: AtomicU64,
     read_nanos: AtomicU64,
+    prefetches_issued: AtomicU64,
+    router_predicted: AtomicU64,
+    previous_token_predicted: AtomicU64,
+    predicted_out_of: AtomicU64,
 }
 
-/// Expert reads in flight at once: parallel positional reads keep the
-/// disk's queue full (several times faster than one at a time).
-pub const READ_PARALLELISM: usize = 8;
+/// A read started by a prefetch; requests for the same expert wait on it.
+#[derive(Default)]
+struct Pending {
+    /// `Some(None)`: the read failed (the requester reads again and reports).
+    done: Mutex<Option<Option<Arc<Expert>>>>,
+    ready: Condvar,
+}
+
+struct Shared {
+    layers: Vec<Option<LayerFile>>,
+    cache: Mutex<ExpertCache<Arc<Expert>>>,
+    pending: Mutex<HashMap<ExpertKey, Arc<Pending>>>,
+    counters: Counters,
+    /// Per layer: experts of the last single-token request, and the router
+    /// prediction registered for the next one.
+    last_used: Mutex<Vec<Vec<u32>>>,
+    predicted: Mutex<Vec<Option<Vec<u32>>>>,
+    trace: Mutex<Option<Vec<ExpertKey>>>,
+}
 
 pub struct ExpertStore {
-    layers: Vec<Option<LayerFile>>,
+    shared: Arc<Shared>,
     /// Threads that only read, so blocking I/O never occupies the compute
     /// threads.
     io_pool: rayon::ThreadPool,
-    cache: Mutex<ExpertCache>,
-    counters: Counters,
+    direct: bool,
 }
 
 impl ExpertStore {
     /// Opens every expert file of the model; reads no expert.
-    pub fn open(dir: &ModelDir, cache_budget_bytes: u64) -> Result<ExpertStore> {
+    pub fn open(dir: &ModelDir, options: StoreOptions) -> Result<ExpertStore> {
         let cfg = dir.config();
+        let expert_bytes = dir.manifest().expert_bytes();
+        let direct = match options.io {
+            IoMode::Direct => true,
+            IoMode::Buffered => false,
+            IoMode::Auto => physical_memory().is_some_and(|ram| expert_bytes * 4 > ram * 3),
+        };
         let mut layers: Vec<Option<LayerFile>> = (0..cfg.num_layers()).map(|_| None).collect();
         for layer in cfg.moe_layers() {
             let entry = dir
                 .manifest()
                 .expert_layer(layer)
                 .expect("validated by ModelDir::open");
-            layers[layer] = Some(Self::open_layer(dir, entry)?);
+            layers[layer] = Some(open_layer(dir, entry, direct)?);
         }
         let io_pool = rayon::ThreadPoolBuilder::new()
             .num_threads(READ_PARALLELISM)
             .thread_name(|i| format!("moeflux-io-{i}"))
             .build()
             .map_err(|e| Error::invalid("expert reader threads", e.to_string()))?;
+        let n = cfg.num_layers();
         Ok(ExpertStore {
-            layers,
+            shared: Arc::new(Shared {
+                layers,
+                cache: Mutex::new(ExpertCache::new(options.cache_bytes, options.policy)),
+                pending: Mutex::new(HashMap::new()),
+                counters: Counters::default(),
+                last_used: Mutex::new(vec![Vec::new(); n]),
+                predicted: Mutex::new(vec![None; n]),
+                trace: Mutex::new(None),
+            }),
             io_pool,
-            cache: Mutex::new(ExpertCache::new(cache_budget_bytes)),
-            counters: Counters::default(),
+            direct,
         })
     }
 
-    fn open_layer(dir: &ModelDir, entry: &ExpertLayerEntry) -> Result<LayerFile> {
-        let path = dir.path_of(&entry.file)?;
-        let file = File::open(&path).map_err(|e| Error::io(&path, "opening expert file", e))?;
-        let matrix =
-            |m: &crate::format::BlobMatrix| (m.offset as usize, m.layout().expect("validated"));
-        let layout = BlobLayout {
-            nbytes: entry.blob.nbytes as usize,
-            gate: matrix(&entry.blob.gate),
-            up: matrix(&entry.blob.up),
-            down: matrix(&entry.blob.down),
-        };
-        Ok(LayerFile {
-            path,
-            file,
-            stride: entry.stride,
-            checksums: entry
-                .checksums
-                .iter()
-                .map(|c| parse_hex64(c).expect("validated"))
-                .collect(),
-            layout: Arc::new(layout),
-        })
-    }
-
-    /// Size of one expert blob of `layer`.
-    pub fn expert_bytes(&self, layer: usize) -> u64 {
-        self.layers[layer]
-            .as_ref()
-            .map_or(0, |l| l.layout.nbytes as u64)
+    /// Whether reads bypass the page cache.
+    pub fn direct_io(&self) -> bool {
+        self.direct
     }
 
     pub fn cache_budget(&self) -> u64 {
-        self.cache.lock().unwrap().budget()
+        self.shared.cache.lock().unwrap().budget()
+    }
+
+    pub fn cache_policy(&self) -> CachePolicy {
+        self.shared.cache.lock().unwrap().policy()
     }
 
     pub fn stats(&self) -> ExpertStats {
-        let c = &self.counters;
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
         ExpertStats {
-            hits: c.hits.load(Ordering::Relaxed),
-            misses: c.misses.load(Ordering::Relaxed),
-            bytes_read: c.bytes_read.load(Ordering::Relaxed),
-            read_nanos: c.read_nanos.load(Ordering::Relaxed),
+            hits: get(&c.hits),
+            prefetch_waits: get(&c.prefetch_waits),
+            misses: get(&c.misses),
+            bytes_read: get(&c.bytes_read),
+            read_nanos: get(&c.read_nanos),
+            prefetches_issued: get(&c.prefetches_issued),
+            router_predicted: get(&c.router_predicted),
+            previous_token_predicted: get(&c.previous_token_predicted),
+            predicted_out_of: get(&c.predicted_out_of),
         }
     }
 
-    /// Returns the requested experts of `layer`, reading the ones the cache
+    /// Starts (or stops and returns) recording every expert request, to
+    /// replay against cache policies with [`simulate`].
+    pub fn record_trace(&self, on: bool) -> Option<Vec<ExpertKey>> {
+        let mut trace = self.shared.trace.lock().unwrap();
+        if on {
+            *trace = Some(Vec::new());
+            None
+        } else {
+            trace.take()
+        }
+    }
+
+    /// Returns the requested experts of `layer`, reading those the cache
     /// does not hold with parallel positional reads.
     pub fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<Expert>>> {
-        let file = self.layers[layer]
-            .as_ref()
-            .expect("the forward pass only routes MoE layers");
+        let s = &self.shared;
+        let keys: Vec<ExpertKey> = experts.iter().map(|&e| (layer as u32, e as u32)).collect();
+        if let Some(trace) = s.trace.lock().unwrap().as_mut() {
+            trace.extend(&keys);
+        }
         let mut found: Vec<Option<Arc<Expert>>> = {
-            let mut cache = self.cache.lock().unwrap();
-            experts
-                .iter()
-                .map(|&e| cache.get((layer as u32, e as u32)))
+            let mut cache = s.cache.lock().unwrap();
+            keys.iter().map(|&k| cache.get(k)).collect()
+        };
+        let hits = found.iter().filter(|f| f.is_some()).count() as u64;
+        s.counters.hits.fetch_add(hits, Ordering::Relaxed);
+        // Experts a prefetch is reading: wait for them rather than read twice.
+        let waiting: Vec<(usize, Arc<Pending>)> = {
+            let pending = s.pending.lock().unwrap();
+            (0..keys.len())
+                .filter(|&i| found[i].is_none())
+                .filter_map(|i| pending.get(&keys[i]).map(|p| (i, p.clone())))
                 .collect()
         };
-        let missing: Vec<usize> = (0..experts.len()).filter(|&i| found[i].is_none()).collect();
-        let hits = (experts.len() - missing.len()) as u64;
-        self.counters.hits.fetch_add(hits, Ordering::Relaxed);
-        if missing.is_empty() {
-            return Ok(found.into_iter().map(Option::unwrap).collect());
+        for (i, p) in &waiting {
+            let mut done = p.done.lock().unwrap();
+            while done.is_none() {
+                done = p.ready.wait(done).unwrap();
+            }
+            if let Some(Some(expert)) = done.as_ref() {
+                found[*i] = Some(expert.clone());
+                s.counters.prefetch_waits.fetch_add(1, Ordering::Relaxed);
+            }
         }
-        self.counters
-            .misses
-            .fetch_add(missing.len() as u64, Ordering::Relaxed);
-        let start = Instant::now();
-        let loaded: Vec<Arc<Expert>> = self.io_pool.install(|| {
-            missing
-                .par_iter()
-                .map(|&i| self.read(file, layer, experts[i]).map(Arc::new))
-                .collect::<Result<_>>()
-        })?;
-        self.counters
-            .read_nanos
-            .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let mut cache = self.cache.lock().unwrap();
-        for (&i, expert) in missing.iter().zip(loaded) {
-            cache.insert((layer as u32, experts[i] as u32), expert.clone());
-            found[i] = Some(expert);
+        let missing: Vec<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
+        if !missing.is_empty() {
+            s.counters
+                .misses
+                .fetch_add(missing.len() as u64, Ordering::Relaxed);
+            let start = Instant::now();
+            let loaded: Vec<Arc<Expert>> = self.io_pool.install(|| {
+                missing
+                    .par_iter()
+                    .map(|&i| s.read(layer, experts[i]).map(Arc::new))
+                    .collect::<Result<_>>()
+            })?;
+            s.counters
+                .read_nanos
+                .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let mut cache = s.cache.lock().unwrap();
+            for (&i, expert) in missing.iter().zip(loaded) {
+                cache.insert(keys[i], expert.clone());
+                found[i] = Some(expert);
+            }
         }
-        Ok(found.into_iter().map(Option::unwrap).collect())
+        Ok(found
+            .into_iter()
+            .map(|f| f.expect("every expert found or read"))
+            .collect())
     }
 
-    fn read(&self, file: &LayerFile, layer: usize, index: usize) -> Result<Expert> {
-        let nbytes = file.layout.nbytes;
-        let mut data = AlignedBuf::zeroed(nbytes);
+    /// Records the experts one decode step routed to in `layer`: scores the
+    /// predictions made for it and remembers the set for the next step.
+    pub fn note_decode_routing(&self, layer: usize, experts: &[u32]) {
+        let s = &self.shared;
+        let c = &s.counters;
+        let prediction = s.predicted.lock().unwrap()[layer].take();
+        let mut last = s.last_used.lock().unwrap();
+        if let Some(predicted) = prediction {
+            let previous: HashSet<u32> = last[layer].iter().copied().collect();
+            let predicted: HashSet<u32> = predicted.into_iter().collect();
+            let count =
+                |set: &HashSet<u32>| experts.iter().filter(|e| set.contains(e)).count() as u64;
+            c.router_predicted
+                .fetch_add(count(&predicted), Ordering::Relaxed);
+            c.previous_token_predicted
+                .fetch_add(count(&previous), Ordering::Relaxed);
+            c.predicted_out_of
+                .fetch_add(experts.len() as u64, Ordering::Relaxed);
+        }
+        last[layer] = experts.to_vec();
+    }
+
+    /// Registers the router's prediction for `layer`'s next request and
+    /// starts reading the experts that `mode` names.
+    pub fn predict(&self, layer: usize, router_prediction: Vec<u32>, mode: Prefetch) {
+        let s = &self.shared;
+        let to_read = match mode {
+            Prefetch::Off => Vec::new(),
+            Prefetch::Router => router_prediction.clone(),
+            Prefetch::PreviousToken => s.last_used.lock().unwrap()[layer].clone(),
+        };
+        s.predicted.lock().unwrap()[layer] = Some(router_prediction);
+        self.prefetch(layer, &to_read);
+    }
+
+    /// Starts background reads of the experts of `layer` that are neither
+    /// cached nor already being read.
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let s = &self.shared;
+        let cache = s.cache.lock().unwrap();
+        let mut pending = s.pending.lock().unwrap();
+        for &e in experts {
+            let key = (layer as u32, e);
+            if cache.contains(key) || pending.contains_key(&key) {
+                continue;
+            }
+            let slot = Arc::new(Pending::default());
+            pending.insert(key, slot.clone());
+            s.counters.prefetches_issued.fetch_add(1, Ordering::Relaxed);
+            let shared = self.shared.clone();
+            self.io_pool.spawn(move || {
+                let expert = shared.read(layer, e as usize).ok().map(Arc::new);
+                if let Some(expert) = &expert {
+                    shared.cache.lock().unwrap().insert(key, expert.clone());
+                }
+                *slot.done.lock().unwrap() = Some(expert);
+                slot.ready.notify_all();
+                shared.pending.lock().unwrap().remove(&key);
+            });
+        }
+    }
+}
+
+impl Shared {
+    fn read(&self, layer: usize, index: usize) -> Result<Expert> {
+        let file = self.layers[layer]
+            .as_ref()
+            .expect("only MoE layers route to experts");
+        // Whole strides, so the length stays block-aligned for O_DIRECT.
+        let mut data = AlignedBuf::zeroed(file.stride as usize);
         let offset = index as u64 * file.stride;
         file.file.read_exact_at(&mut data, offset).map_err(|e| match e.kind() {
             std::io::ErrorKind::UnexpectedEof => Error::bad_file(
                 &file.path,
                 format!(
                     "truncated: expert {index} of layer {layer} (bytes {offset}..{}) lies past the end of the file; convert the model again",
-                    offset + nbytes as u64
+                    offset + file.stride
                 ),
             ),
             _ => Error::io(&file.path, "reading an expert", e),
         })?;
         let expected = file.checksums[index];
-        let actual = xxhash_rust::xxh3::xxh3_64(&data);
+        let actual = xxhash_rust::xxh3::xxh3_64(&data[..file.layout.nbytes]);
         if actual != expected {
             return Err(Error::Checksum {
                 path: file.path.clone(),
@@ -232,7 +444,7 @@ impl ExpertStore {
         }
         self.counters
             .bytes_read
-            .fetch_add(nbytes as u64, Ordering::Relaxed);
+            .fetch_add(file.stride, Ordering::Relaxed);
         Ok(Expert {
             layer,
             index,
@@ -240,4 +452,58 @@ impl ExpertStore {
             data,
         })
     }
+}
+
+fn open_layer(dir: &ModelDir, entry: &ExpertLayerEntry, direct: bool) -> Result<LayerFile> {
+    let path = dir.path_of(&entry.file)?;
+    let mut options = std::fs::OpenOptions::new();
+    options.read(true);
+    // Some file systems (tmpfs) refuse O_DIRECT; they have no disk to
+    // bypass, so a buffered open serves the same purpose there.
+    let file = if direct {
+        options
+            .clone()
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .or_else(|_| options.open(&path))
+    } else {
+        options.open(&path)
+    }
+    .map_err(|e| Error::io(&path, "opening expert file", e))?;
+    let matrix =
+        |m: &crate::format::BlobMatrix| (m.offset as usize, m.layout().expect("validated"));
+    let layout = BlobLayout {
+        nbytes: entry.blob.nbytes as usize,
+        gate: matrix(&entry.blob.gate),
+        up: matrix(&entry.blob.up),
+        down: matrix(&entry.blob.down),
+    };
+    Ok(LayerFile {
+        path,
+        file,
+        stride: entry.stride,
+        checksums: entry
+            .checksums
+            .iter()
+            .map(|c| parse_hex64(c).expect("validated"))
+            .collect(),
+        layout: Arc::new(layout),
+    })
+}
+
+/// Physical memory (Linux `MemTotal`).
+pub fn physical_memory() -> Option<u64> {
+    meminfo("MemTotal:")
+}
+
+/// Memory available to new allocations (Linux `MemAvailable`).
+pub fn available_memory() -> Option<u64> {
+    meminfo("MemAvailable:")
+}
+
+fn meminfo(key: &str) -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with(key))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

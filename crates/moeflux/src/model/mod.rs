@@ -22,7 +22,9 @@ use crate::blocks::Weights;
 use crate::blocks::decoder::{Decoder, LayerState};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
-use crate::experts::{ExpertStats, ExpertStore};
+use crate::experts::{
+    CachePolicy, ExpertStats, ExpertStore, IoMode, Prefetch, StoreOptions, available_memory,
+};
 use crate::format::{ModelDir, OpenOptions};
 use crate::util::human_bytes;
 
@@ -32,8 +34,11 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 #[derive(Clone, Debug)]
 pub struct ModelOptions {
     /// Bytes of experts kept in memory; `None` picks a default from the
-    /// model size and available memory.
+    /// model size and available memory ([`default_cache_budget`]).
     pub expert_cache_bytes: Option<u64>,
+    pub cache_policy: CachePolicy,
+    pub io: IoMode,
+    pub prefetch: Prefetch,
     pub prefill_chunk: usize,
     pub verify_checksums: bool,
     /// Bytes all sessions together may hold in KV caches; `None` is no
@@ -45,6 +50,9 @@ impl Default for ModelOptions {
     fn default() -> Self {
         ModelOptions {
             expert_cache_bytes: None,
+            cache_policy: CachePolicy::default(),
+            io: IoMode::default(),
+            prefetch: Prefetch::default(),
             prefill_chunk: DEFAULT_PREFILL_CHUNK,
             verify_checksums: true,
             kv_limit_bytes: None,
@@ -60,6 +68,7 @@ pub struct Model<B: Backend = CpuBackend> {
     prefill_chunk: usize,
     fingerprint: u64,
     kv: KvBudget,
+    options: ModelOptions,
 }
 
 /// Which positions' logits a forward call returns.
@@ -142,14 +151,23 @@ impl<B: Backend> Model<B> {
                 verify_checksums: options.verify_checksums,
             },
         )?;
-        let budget = options
-            .expert_cache_bytes
-            .unwrap_or_else(|| default_cache_budget(dir.manifest().expert_bytes()));
-        let store = ExpertStore::open(&dir, budget)?;
-        let decoder = Decoder::load(&Weights {
-            dir: &dir,
-            backend: &backend,
-        })?;
+        let store = ExpertStore::open(
+            &dir,
+            StoreOptions {
+                cache_bytes: options
+                    .expert_cache_bytes
+                    .unwrap_or_else(|| default_cache_budget(dir.manifest())),
+                policy: options.cache_policy,
+                io: options.io,
+            },
+        )?;
+        let decoder = Decoder::load(
+            &Weights {
+                dir: &dir,
+                backend: &backend,
+            },
+            options.prefetch,
+        )?;
         let cfg = dir.config();
         let attention_layers = cfg
             .layers
@@ -169,11 +187,17 @@ impl<B: Backend> Model<B> {
             decoder,
             store,
             prefill_chunk: options.prefill_chunk,
+            options: options.clone(),
         })
     }
 
     pub fn config(&self) -> &ModelConfig {
         self.dir.config()
+    }
+
+    /// The options the model was opened with.
+    pub fn options(&self) -> &ModelOptions {
+        &self.options
     }
 
     pub fn dir(&self) -> &ModelDir {
@@ -190,6 +214,11 @@ impl<B: Backend> Model<B> {
 
     pub fn expert_cache_budget(&self) -> u64 {
         self.store.cache_budget()
+    }
+
+    /// The expert store (cache, reads, prefetch, statistics).
+    pub fn experts(&self) -> &ExpertStore {
+        &self.store
     }
 
     /// Identifies the model's exact weights; saved session states carry it
@@ -272,16 +301,17 @@ fn fingerprint(dir: &ModelDir) -> u64 {
     h.digest()
 }
 
-/// Keeps every expert when they fit in half the available memory,
-/// otherwise half the available memory.
-fn default_cache_budget(expert_bytes: u64) -> u64 {
+/// The default expert cache: every expert when they fit in half the
+/// memory available now, otherwise half of it less the dense weights
+/// (which are mapped and compete for the same memory).
+pub fn default_cache_budget(manifest: &crate::format::Manifest) -> u64 {
     let available = available_memory().unwrap_or(4 << 30);
-    expert_bytes.min(available / 2)
-}
-
-fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let experts = manifest.expert_bytes();
+    if experts <= available / 2 {
+        experts
+    } else {
+        (available / 2)
+            .saturating_sub(manifest.dense_bytes())
+            .max(available / 8)
+    }
 }

@@ -5,6 +5,7 @@ mod attention;
 mod gated_delta_net;
 mod linear;
 mod moe;
+mod simd;
 
 use rayon::prelude::*;
 
@@ -270,6 +271,10 @@ impl Backend for CpuBackend {
 
     fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Routing {
         moe::route(&logits.data, logits.cols, top_k, normalize)
+    }
+
+    fn selected_experts(&self, routing: &Routing) -> Vec<u32> {
+        routing.experts.clone()
     }
 
     fn routed_experts(
