@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::experts::{CachePolicy, ExpertStats, Prefetch};
+use crate::experts::{CachePolicy, ExpertKey, ExpertStats, Prefetch, simulate};
 use crate::model::{Model, argmax};
 use crate::util::{AlignedBuf, Progress};
 
@@ -31,6 +31,9 @@ pub struct BenchOptions {
     pub prefill_tokens: usize,
     /// Measure the memory and disk ceilings too.
     pub ceilings: bool,
+    /// Record the expert requests and replay them against each cache
+    /// policy at several cache sizes.
+    pub compare_policies: bool,
 }
 
 impl Default for BenchOptions {
@@ -41,6 +44,7 @@ impl Default for BenchOptions {
             warmup_tokens: 8,
             prefill_tokens: 512,
             ceilings: true,
+            compare_policies: false,
         }
     }
 }
@@ -85,6 +89,8 @@ pub struct BenchReport {
     pub disk_read_gb_s: Option<f64>,
     pub disk_read_block_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
+    /// Replayed hit rates of each cache policy (`compare_policies`).
+    pub policy_comparison: Vec<PolicyHitRate>,
 }
 
 /// Runs the benchmark; `progress` counts timed and warm-up tokens.
@@ -118,6 +124,9 @@ pub fn run<B: Backend>(
         progress.advance(options.prefill_tokens as u64, "prefill");
     }
 
+    if options.compare_policies {
+        model.experts().record_trace(true);
+    }
     let mut session = model.session();
     let start = Instant::now();
     let mut logits = session.prefill(&tokens[..options.prompt_tokens])?;
@@ -136,6 +145,12 @@ pub fn run<B: Backend>(
     let decode_time = start.elapsed();
     let stats = model.expert_stats().since(&before);
     progress.finish();
+    let policy_comparison = match model.experts().record_trace(false) {
+        Some(trace) => {
+            compare_policies(&trace, manifest.experts.iter().map(|e| e.num_experts).sum())
+        }
+        None => Vec::new(),
+    };
 
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
     let weight_bytes_per_token = weight_bytes_per_token(model);
@@ -177,7 +192,32 @@ pub fn run<B: Backend>(
         disk_read_gb_s,
         disk_read_block_bytes: manifest.experts.first().map_or(0, |e| e.stride),
         peak_rss_bytes: peak_rss(),
+        policy_comparison,
     })
+}
+
+/// Hit rate of each policy replaying `trace`, with room for 10%, 25% and
+/// 50% of the model's experts.
+fn compare_policies(trace: &[ExpertKey], total_experts: usize) -> Vec<PolicyHitRate> {
+    [0.10, 0.25, 0.50]
+        .into_iter()
+        .flat_map(|share| {
+            let capacity = ((total_experts as f64 * share) as usize).max(1);
+            [CachePolicy::Lru, CachePolicy::Lfu].map(|policy| PolicyHitRate {
+                policy,
+                cache_share: share,
+                hit_rate: simulate(trace, policy, capacity),
+            })
+        })
+        .collect()
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct PolicyHitRate {
+    pub policy: CachePolicy,
+    /// Cache size as a share of all the model's experts.
+    pub cache_share: f64,
+    pub hit_rate: f64,
 }
 
 fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {

@@ -27,6 +27,10 @@ pub struct Args {
     /// Skip measuring memory and disk bandwidth.
     #[arg(long)]
     no_ceilings: bool,
+    /// Record expert requests and replay them against LRU and LFU at 10%,
+    /// 25% and 50% of the experts.
+    #[arg(long)]
+    compare_policies: bool,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -40,6 +44,7 @@ pub fn run_command(args: Args) -> Result<()> {
         warmup_tokens: args.warmup,
         prefill_tokens: args.prefill,
         ceilings: !args.no_ceilings,
+        compare_policies: args.compare_policies,
     };
     let report = run(&model, &options, &progress_bar())?;
     if args.json {
@@ -151,4 +156,14 @@ fn print_table(r: &BenchReport) {
         gb(r.disk_read_gb_s),
     );
     row("peak RSS", r.peak_rss_bytes.map_or("-".into(), human_bytes));
+    for p in &r.policy_comparison {
+        row(
+            &format!(
+                "replayed hit rate {:?} @ {:.0}%",
+                p.policy,
+                100.0 * p.cache_share
+            ),
+            format!("{:.1}%", 100.0 * p.hit_rate),
+        );
+    }
 }
