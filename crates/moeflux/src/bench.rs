@@ -71,6 +71,8 @@ pub struct BenchReport {
     pub time_to_first_token_ms: f64,
     pub decode_tokens: usize,
     pub decode_tok_s: f64,
+    /// `greedy`, or `random` tokens for synthetic models.
+    pub decode_input: &'static str,
 
     /// Weights read per decoded token: dense tensors (one embedding row,
     /// the whole LM head) plus the routed experts.
@@ -132,14 +134,27 @@ pub fn run<B: Backend>(
     let mut logits = session.prefill(&tokens[..options.prompt_tokens])?;
     let ttft = start.elapsed();
     progress.advance(options.prompt_tokens as u64, "prompt");
+    // Greedy decoding of random weights falls into repeating one token,
+    // which would make every step route alike; a synthetic model is fed
+    // random tokens instead, the streaming worst case.
+    let synthetic = manifest.synthetic;
+    let mut feed =
+        random_tokens(options.warmup_tokens + options.decode_tokens, vocab, 13).into_iter();
+    let mut next = |logits: &[f32]| {
+        if synthetic {
+            feed.next().unwrap()
+        } else {
+            argmax(logits)
+        }
+    };
     for _ in 0..options.warmup_tokens {
-        logits = session.decode(argmax(&logits))?;
+        logits = session.decode(next(&logits))?;
         progress.advance(1, "warm-up");
     }
     let before = model.expert_stats();
     let start = Instant::now();
     for _ in 0..options.decode_tokens {
-        logits = session.decode(argmax(&logits))?;
+        logits = session.decode(next(&logits))?;
         progress.advance(1, "decode");
     }
     let decode_time = start.elapsed();
@@ -179,6 +194,7 @@ pub fn run<B: Backend>(
         time_to_first_token_ms: ttft.as_secs_f64() * 1e3,
         decode_tokens: options.decode_tokens,
         decode_tok_s,
+        decode_input: if synthetic { "random" } else { "greedy" },
         weight_bytes_per_token,
         achieved_gb_s: weight_bytes_per_token as f64 * decode_tok_s / 1e9,
         memory_read_gb_s,

@@ -191,8 +191,25 @@ impl RandomWeights {
                 NormStyle::Weight => (1.0, 0.1),
             }
         } else {
-            (0.0, (3.0 / cols as f32).sqrt())
+            (0.0, matrix_half_width(name, cols))
         }
+    }
+}
+
+/// Half-width of the uniform distribution of a weight matrix: unit-variance
+/// outputs for unit-variance inputs, except embeddings (unit-variance
+/// entries) and projections back into the residual stream (damped).
+fn matrix_half_width(name: &str, cols: usize) -> f32 {
+    let unit = (3.0 / cols as f32).sqrt();
+    if name.contains("embed_tokens") {
+        3f32.sqrt()
+    } else if ["o_proj", "out_proj", "down"]
+        .iter()
+        .any(|p| name.contains(p))
+    {
+        unit / 4.0
+    } else {
+        unit
     }
 }
 

@@ -102,7 +102,7 @@ fn print_table(r: &BenchReport) {
         format!("{:.1} ms", r.time_to_first_token_ms),
     );
     row(
-        &format!("decode ({} tokens)", r.decode_tokens),
+        &format!("decode ({} {} tokens)", r.decode_tokens, r.decode_input),
         format!("{:.2} tok/s", r.decode_tok_s),
     );
     row(

@@ -147,7 +147,9 @@ impl<B: Backend> Decoder<B> {
             }
             let ffn = match &layer.ffn {
                 FeedForward::Dense(mlp) => mlp.forward(b, &h),
-                FeedForward::Sparse(moe) => moe.forward(b, &h, store)?,
+                FeedForward::Sparse(moe) => {
+                    moe.forward(b, &h, store, self.prefetch != Prefetch::Off)?
+                }
             };
             b.add_assign(&mut x, &ffn);
         }

@@ -82,10 +82,18 @@ impl<B: Backend> SparseMoe<B> {
         b.selected_experts(&b.route(&logits, self.top_k, self.normalize))
     }
 
-    pub fn forward(&self, b: &B, x: &B::Tensor, store: &ExpertStore) -> Result<B::Tensor> {
+    /// `track_routing`: tell the store which experts a decode step used
+    /// (for prefetch prediction; costs a device-to-host copy on a GPU).
+    pub fn forward(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        store: &ExpertStore,
+        track_routing: bool,
+    ) -> Result<B::Tensor> {
         let logits = b.linear(x, &self.router);
         let routing = b.route(&logits, self.top_k, self.normalize);
-        if b.rows(x) == 1 {
+        if track_routing && b.rows(x) == 1 {
             store.note_decode_routing(self.layer, &b.selected_experts(&routing));
         }
         let mut out = b.routed_experts(x, &routing, store, self.layer)?;
