@@ -31,7 +31,7 @@ fn fails(cmd: &mut Command) -> String {
     );
     assert!(!stderr.contains("panicked"), "panicked:\n{stderr}");
     assert!(
-        stderr.starts_with("error: "),
+        stderr.lines().any(|l| l.starts_with("error: ")),
         "unexpected stderr:\n{stderr}"
     );
     stderr

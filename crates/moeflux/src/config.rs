@@ -147,13 +147,13 @@ impl ModelConfig {
         if self.vocab_size == 0 || self.hidden_size == 0 || self.layers.is_empty() {
             return fail("vocab_size, hidden_size and num_hidden_layers must be positive".into());
         }
-        if a.num_heads == 0 || a.num_kv_heads == 0 || a.num_heads % a.num_kv_heads != 0 {
+        if a.num_heads == 0 || a.num_kv_heads == 0 || !a.num_heads.is_multiple_of(a.num_kv_heads) {
             return fail(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
                 a.num_heads, a.num_kv_heads
             ));
         }
-        if a.head_dim == 0 || a.rotary_dim > a.head_dim || a.rotary_dim % 2 != 0 {
+        if a.head_dim == 0 || a.rotary_dim > a.head_dim || !a.rotary_dim.is_multiple_of(2) {
             return fail(format!(
                 "rotary dimension {} must be even and at most head_dim {}",
                 a.rotary_dim, a.head_dim

@@ -212,7 +212,7 @@ fn storage_dtype(role: TensorRole, cols: usize, quant: DType) -> DType {
         TensorRole::Router if quant == DType::Q4 => DType::Q8,
         _ => quant,
     };
-    if dtype.is_quantized() && cols % GROUP_SIZE != 0 {
+    if dtype.is_quantized() && !cols.is_multiple_of(GROUP_SIZE) {
         DType::Bf16
     } else {
         dtype

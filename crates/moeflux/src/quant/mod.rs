@@ -90,7 +90,7 @@ impl MatrixLayout {
                 (cols * width, bytes, bytes, bytes)
             }
             Some(bits) => {
-                if cols % GROUP_SIZE != 0 {
+                if !cols.is_multiple_of(GROUP_SIZE) {
                     return None;
                 }
                 let row_bytes = cols * bits as usize / 8;

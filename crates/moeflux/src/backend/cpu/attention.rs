@@ -2,7 +2,7 @@
 
 use rayon::prelude::*;
 
-use super::linear::dot;
+use super::simd::{Isa, dot};
 use crate::backend::AttentionShape;
 
 /// Keys and values of every position seen so far, `[len, kv_heads·head_dim]`.
@@ -37,43 +37,64 @@ pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) ->
     let start = cache.len();
     cache.keys.extend_from_slice(k);
     cache.values.extend_from_slice(v);
-    let (hd, kv_width, q_width) = (
-        s.head_dim,
-        s.num_kv_heads * s.head_dim,
-        s.num_heads * s.head_dim,
-    );
+    let (hd, q_width) = (s.head_dim, s.num_heads * s.head_dim);
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; n * q_width];
+    let isa = Isa::get();
+    let cache = &*cache;
     out.par_chunks_mut(hd).enumerate().for_each_init(
         Vec::new,
         |scores: &mut Vec<f32>, (i, out)| {
             let (t, head) = (i / s.num_heads, i % s.num_heads);
-            let kv_off = (head / group) * hd;
-            let query = &q[t * q_width + head * hd..][..hd];
-            let visible = start + t + 1;
-            scores.clear();
-            scores.extend(
-                (0..visible)
-                    .map(|j| dot(query, &cache.keys[j * kv_width + kv_off..][..hd]) * scale),
-            );
-            let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut total = 0f32;
-            for x in scores.iter_mut() {
-                *x = (*x - max).exp();
-                total += *x;
-            }
-            let inv = 1.0 / total;
-            for (j, &p) in scores.iter().enumerate() {
-                let value = &cache.values[j * kv_width + kv_off..][..hd];
-                let w = p * inv;
-                for (o, &x) in out.iter_mut().zip(value) {
-                    *o += w * x;
-                }
-            }
+            let head = Head {
+                query: &q[t * q_width + head * hd..][..hd],
+                offset: (head / group) * hd,
+                visible: start + t + 1,
+                scale,
+            };
+            isa.vectorize(|| head.attend(cache, scores, out));
         },
     );
     out
+}
+
+/// One query head at one position.
+struct Head<'a> {
+    query: &'a [f32],
+    /// Column of its KV head in a cache row.
+    offset: usize,
+    /// Cached positions it sees.
+    visible: usize,
+    scale: f32,
+}
+
+impl Head<'_> {
+    /// Softmax-weighted sum of the visible values into `out`; plain loops,
+    /// vectorised by [`Isa::vectorize`].
+    #[inline(always)]
+    fn attend(&self, cache: &KvCache, scores: &mut Vec<f32>, out: &mut [f32]) {
+        let hd = self.query.len();
+        let width = cache.shape.num_kv_heads * hd;
+        let at = |j: usize| j * width + self.offset;
+        scores.clear();
+        scores.extend(
+            (0..self.visible).map(|j| dot(self.query, &cache.keys[at(j)..][..hd]) * self.scale),
+        );
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        for x in scores.iter_mut() {
+            *x = (*x - max).exp();
+            total += *x;
+        }
+        let inv = 1.0 / total;
+        for (j, &p) in scores.iter().enumerate() {
+            let w = p * inv;
+            for (o, &v) in out.iter_mut().zip(&cache.values[at(j)..][..hd]) {
+                *o += w * v;
+            }
+        }
+    }
 }
 
 /// Rotates the first `rotary_dim` features of each `head_dim` group of

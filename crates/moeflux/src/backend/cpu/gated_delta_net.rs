@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use super::simd::Isa;
+
 use crate::config::LinearAttentionConfig;
 
 /// A sequence's state for one linear-attention layer.
@@ -97,6 +99,7 @@ pub fn forward(
     });
 
     // The recurrence, one value head per task.
+    let isa = Isa::get();
     let value_dim = cfg.value_dim();
     let heads_per_key = nv / nk;
     let mut out_by_head = vec![0f32; nv * n * dv];
@@ -105,38 +108,24 @@ pub fn forward(
         .zip(state.recurrent.par_chunks_mut(dk * dv))
         .enumerate()
         .for_each(|(h, (out, s))| {
-            let kh = h / heads_per_key;
+            let key = (h / heads_per_key) * dk;
+            let head = Recurrence {
+                mixed: &mixed,
+                conv_dim,
+                q: key,
+                k: key_dim + key,
+                v: 2 * key_dim + h * dv,
+                dk,
+                dv,
+            };
             let decay_rate = -inp.a_log[h].exp();
-            let mut kv_mem = vec![0f32; dv];
-            for t in 0..n {
-                let row = &mixed[t * conv_dim..(t + 1) * conv_dim];
-                let q = &row[kh * dk..(kh + 1) * dk];
-                let k = &row[key_dim + kh * dk..key_dim + (kh + 1) * dk];
-                let v = &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
-                let decay = (decay_rate * softplus(inp.a[t * nv + h] + inp.dt_bias[h])).exp();
-                let beta = sigmoid(inp.b[t * nv + h]);
-                s.iter_mut().for_each(|x| *x *= decay);
-                kv_mem.fill(0.0);
-                for (i, &ki) in k.iter().enumerate() {
-                    for (m, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
-                        *m += sv * ki;
-                    }
-                }
-                for (m, &vj) in kv_mem.iter_mut().zip(v) {
-                    *m = (vj - *m) * beta; // now the delta
-                }
-                let o = &mut out[t * dv..(t + 1) * dv];
-                o.fill(0.0);
-                for i in 0..dk {
-                    let srow = &mut s[i * dv..(i + 1) * dv];
-                    for (sv, &d) in srow.iter_mut().zip(kv_mem.iter()) {
-                        *sv += k[i] * d;
-                    }
-                    for (ov, &sv) in o.iter_mut().zip(srow.iter()) {
-                        *ov += sv * q[i];
-                    }
-                }
-            }
+            let gates: Vec<(f32, f32)> = (0..n)
+                .map(|t| {
+                    let decay = (decay_rate * softplus(inp.a[t * nv + h] + inp.dt_bias[h])).exp();
+                    (decay, sigmoid(inp.b[t * nv + h]))
+                })
+                .collect();
+            isa.vectorize(|| head.run(s, &gates, out));
         });
     // [heads, n, dv] -> [n, heads·dv]
     let mut out = vec![0f32; n * value_dim];
@@ -147,6 +136,59 @@ pub fn forward(
         }
     }
     out
+}
+
+/// The delta rule of one value head over a run of tokens.
+struct Recurrence<'a> {
+    /// Convolved inputs, `[n, conv_dim]`.
+    mixed: &'a [f32],
+    conv_dim: usize,
+    /// Columns of this head's query, key and value in a row of `mixed`.
+    q: usize,
+    k: usize,
+    v: usize,
+    dk: usize,
+    dv: usize,
+}
+
+impl Recurrence<'_> {
+    /// Updates the state `s` (`[dk, dv]`) token by token with each token's
+    /// (decay, beta) and writes the outputs (`[n, dv]`); plain loops over
+    /// `dv`, vectorised by [`Isa::vectorize`].
+    #[inline(always)]
+    fn run(&self, s: &mut [f32], gates: &[(f32, f32)], out: &mut [f32]) {
+        let (dk, dv) = (self.dk, self.dv);
+        let mut kv_mem = vec![0f32; dv];
+        for (t, &(decay, beta)) in gates.iter().enumerate() {
+            let row = &self.mixed[t * self.conv_dim..(t + 1) * self.conv_dim];
+            let (q, k, v) = (
+                &row[self.q..][..dk],
+                &row[self.k..][..dk],
+                &row[self.v..][..dv],
+            );
+            s.iter_mut().for_each(|x| *x *= decay);
+            kv_mem.fill(0.0);
+            for (i, &ki) in k.iter().enumerate() {
+                for (m, &sv) in kv_mem.iter_mut().zip(&s[i * dv..(i + 1) * dv]) {
+                    *m += sv * ki;
+                }
+            }
+            for (m, &vj) in kv_mem.iter_mut().zip(v) {
+                *m = (vj - *m) * beta; // now the delta
+            }
+            let o = &mut out[t * dv..(t + 1) * dv];
+            o.fill(0.0);
+            for i in 0..dk {
+                let srow = &mut s[i * dv..(i + 1) * dv];
+                for (sv, &d) in srow.iter_mut().zip(kv_mem.iter()) {
+                    *sv += k[i] * d;
+                }
+                for (ov, &sv) in o.iter_mut().zip(srow.iter()) {
+                    *ov += sv * q[i];
+                }
+            }
+        }
+    }
 }
 
 /// RMSNorm over each `weight.len()` group, times weight, times silu(gate).

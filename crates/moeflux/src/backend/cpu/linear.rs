@@ -1,107 +1,202 @@
 //! Matrix products against stored (possibly quantized) weights.
 //!
-//! Each weight row is dequantized once into a thread-local f32 buffer and
-//! then dotted with every token of the batch, so a prefill chunk pays the
-//! dequantization once per row, and rows are spread across threads.
+//! Rows are computed in tiles of a few rows × a few tokens by the kernels
+//! of [`super::simd`], so each weight is read from memory once per call
+//! and unpacked once per tile of tokens. Blocks of rows become rayon tasks
+//! only when each has enough work to pay for the split: the small matrices
+//! of experts computed in parallel with each other stay mostly on their
+//! thread instead of flooding the pool.
 
 use rayon::prelude::*;
 
-use crate::quant::MatrixView;
+use super::simd::{Acts, FloatRows, Isa, QuantRows};
+use crate::quant::{DType, MatrixView};
+
+pub use super::simd::dot;
 
 /// `out[t, r] = Σ_c x[t, c] · w[r, c]`; `x` is `[n, cols]`, the result
 /// `[n, rows]`.
 pub fn matmul(x: &[f32], n: usize, w: &MatrixView<'_>) -> Vec<f32> {
+    matmul_with(Isa::get(), x, n, w)
+}
+
+/// Products below this many multiply-adds per task are not split further
+/// (about 25 us of one core, well above a rayon task's overhead).
+const MIN_TASK_MACS: usize = 1 << 19;
+
+/// [`matmul`] with the kernels of `isa`.
+pub fn matmul_with(isa: Isa, x: &[f32], n: usize, w: &MatrixView<'_>) -> Vec<f32> {
     let (rows, cols) = (w.rows(), w.cols());
-    debug_assert_eq!(x.len(), n * cols);
-    let block = rows_per_task(rows);
-    // Computed row-major by weight row ([rows, n]) so each task owns a
-    // contiguous slice; transposed afterwards when n > 1.
-    let mut by_row = vec![0f32; rows * n];
-    by_row.par_chunks_mut(block * n).enumerate().for_each_init(
-        || vec![0f32; cols],
-        |row_buf, (task, out)| {
-            for (i, out_row) in out.chunks_exact_mut(n).enumerate() {
-                w.dequantize_row(task * block + i, row_buf);
-                for (t, o) in out_row.iter_mut().enumerate() {
-                    *o = dot(row_buf, &x[t * cols..(t + 1) * cols]);
-                }
+    assert_eq!(x.len(), n * cols, "matmul: input is not [n, cols]");
+    let l = &w.layout;
+    let acts = Acts::new(isa, x, n, cols, l.dtype.bits());
+    // Rows [first, first + len) into `out` ([len, n]).
+    let block = |first: usize, len: usize, out: &mut [f32]| {
+        let data = &w.bytes[first * l.row_bytes..(first + len) * l.row_bytes];
+        match l.dtype.bits() {
+            Some(bits) => {
+                let groups = l.groups_per_row();
+                let params = |offset: usize| {
+                    let bytes = &w.bytes[offset + 2 * first * groups..][..2 * len * groups];
+                    bytemuck::cast_slice(bytes)
+                };
+                let rows = QuantRows {
+                    bits,
+                    rows: len,
+                    codes: data,
+                    row_bytes: l.row_bytes,
+                    scales: params(l.scales_offset),
+                    biases: params(l.biases_offset),
+                };
+                isa.quant_rows(&rows, &acts, out);
             }
-        },
-    );
+            None => {
+                let rows = FloatRows {
+                    bf16: l.dtype == DType::Bf16,
+                    rows: len,
+                    cols,
+                    data,
+                };
+                isa.float_rows(&rows, &acts, out);
+            }
+        }
+    };
+
+    // Computed by weight row ([rows, n]) so each task owns a contiguous
+    // slice; transposed afterwards when n > 1.
+    let mut by_row = vec![0f32; rows * n];
+    let per_task = rows_per_task(rows, cols * n);
+    if per_task >= rows {
+        block(0, rows, &mut by_row);
+    } else {
+        by_row
+            .par_chunks_mut(per_task * n)
+            .enumerate()
+            .for_each(|(i, out)| block(i * per_task, out.len() / n, out));
+    }
     if n == 1 {
         return by_row;
     }
     let mut out = vec![0f32; n * rows];
-    for r in 0..rows {
-        for t in 0..n {
-            out[t * rows + r] = by_row[r * n + t];
+    for (r, row) in by_row.chunks_exact(n).enumerate() {
+        for (t, &v) in row.iter().enumerate() {
+            out[t * rows + r] = v;
         }
     }
     out
 }
 
-fn rows_per_task(rows: usize) -> usize {
-    (rows / (rayon::current_num_threads() * 8)).clamp(1, 64)
-}
-
-/// f32 dot product with independent partial sums, which the compiler
-/// vectorises.
-pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    debug_assert_eq!(a.len(), b.len());
-    const LANES: usize = 16;
-    let mut acc = [0f32; LANES];
-    let (a_chunks, a_tail) = a.split_at(a.len() / LANES * LANES);
-    let (b_chunks, b_tail) = b.split_at(a_chunks.len());
-    for (ca, cb) in a_chunks
-        .chunks_exact(LANES)
-        .zip(b_chunks.chunks_exact(LANES))
-    {
-        for i in 0..LANES {
-            acc[i] += ca[i] * cb[i];
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for (x, y) in a_tail.iter().zip(b_tail) {
-        sum += x * y;
-    }
-    sum
+/// Rows per task: at least [`MIN_TASK_MACS`] of work, at most 8 tasks per
+/// thread (enough to balance), a multiple of the 4-row tile.
+fn rows_per_task(rows: usize, macs_per_row: usize) -> usize {
+    let min_rows = MIN_TASK_MACS.div_ceil(macs_per_row.max(1));
+    let balanced = rows.div_ceil(8 * rayon::current_num_threads());
+    min_rows.max(balanced).next_multiple_of(4)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::{DType, MatrixLayout, RowEncoder};
+    use crate::quant::{MatrixLayout, RowEncoder};
     use crate::util::AlignedBuf;
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut state = seed;
         (0..n)
-            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 1000.0 - 0.5)
+            .map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
             .collect()
     }
 
+    /// Every dtype, every available instruction set, awkward sizes: the
+    /// product matches an f64 reference on the dequantized weights within
+    /// f32 rounding.
     #[test]
     fn matmul_matches_reference_on_awkward_sizes() {
-        for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
-            for (n, rows, cols) in [(1, 1, 64), (3, 37, 128), (5, 130, 192), (2, 7, 64)] {
-                let w = values(rows * cols, 3);
-                let x = values(n * cols, 11);
+        let shapes = [
+            (1, 1, 64),
+            (2, 5, 128),
+            (3, 7, 192),
+            (7, 13, 64),
+            (1, 37, 2048),
+            (64, 9, 128),
+            (5, 130, 192),
+            (64, 66, 320),
+        ];
+        for isa in Isa::available() {
+            for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+                for &(n, rows, cols) in &shapes {
+                    // Unquantized types also take widths of no whole group.
+                    let cols = if dtype.is_quantized() { cols } else { cols + 3 };
+                    check(isa, dtype, n, rows, cols);
+                }
+            }
+        }
+    }
+
+    /// A matrix large enough to be split into tasks.
+    #[test]
+    fn matmul_splits_large_matrices_correctly() {
+        for isa in Isa::available() {
+            check(isa, DType::Q4, 1, 4100, 256);
+            check(isa, DType::Bf16, 3, 1030, 200);
+        }
+    }
+
+    fn check(isa: Isa, dtype: DType, n: usize, rows: usize, cols: usize) {
+        let w = values(rows * cols, (rows * cols) as u64);
+        let mut x = values(n * cols, n as u64 + 7);
+        // An outlier, as real activations have.
+        x[cols / 3] = 9.0;
+        let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
+        let bytes = AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&w));
+        let view = MatrixView::new(layout, &bytes);
+        let got = matmul_with(isa, &x, n, &view);
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            view.dequantize_row(r, &mut row);
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                let want: f64 = row.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let scale: f64 = row
+                    .iter()
+                    .zip(xt)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum();
+                let tol = scale * 1e-6;
+                let g = got[t * rows + r] as f64;
+                assert!(
+                    (g - want).abs() <= tol,
+                    "{isa:?} {dtype:?} n={n} {rows}x{cols} [{t},{r}]: {g} vs {want} (tol {tol:.2e})"
+                );
+            }
+        }
+    }
+
+    /// One token at a time gives exactly the same numbers as a batch, so
+    /// prefill and decode agree bit for bit.
+    #[test]
+    fn batched_and_single_token_products_are_identical() {
+        let (rows, cols, n) = (11, 192, 7);
+        for isa in Isa::available() {
+            for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+                let w = values(rows * cols, 5);
+                let x = values(n * cols, 6);
                 let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
                 let bytes = AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&w));
                 let view = MatrixView::new(layout, &bytes);
-                let got = matmul(&x, n, &view);
-                let mut row = vec![0f32; cols];
-                for r in 0..rows {
-                    view.dequantize_row(r, &mut row);
-                    for t in 0..n {
-                        let want: f64 = (0..cols)
-                            .map(|c| row[c] as f64 * x[t * cols + c] as f64)
-                            .sum();
-                        let g = got[t * rows + r] as f64;
-                        assert!(
-                            (g - want).abs() < 1e-4,
-                            "{dtype:?} {n}x{rows}x{cols}: {g} vs {want}"
-                        );
-                    }
+                let batch = matmul_with(isa, &x, n, &view);
+                for t in 0..n {
+                    let one = matmul_with(isa, &x[t * cols..(t + 1) * cols], 1, &view);
+                    assert_eq!(
+                        one,
+                        batch[t * rows..(t + 1) * rows],
+                        "{isa:?} {dtype:?} token {t}"
+                    );
                 }
             }
         }

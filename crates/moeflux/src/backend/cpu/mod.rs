@@ -2,6 +2,8 @@
 //! memory-mapped model files, threads via rayon.
 
 mod attention;
+#[cfg(test)]
+mod bench;
 mod gated_delta_net;
 mod linear;
 mod moe;

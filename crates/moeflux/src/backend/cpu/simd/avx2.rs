@@ -1,0 +1,189 @@
+//! AVX2 + FMA kernels: 8 lanes, each code converted and dequantized with
+//! one FMA.
+
+use std::arch::x86_64::*;
+
+use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use crate::quant::GROUP_SIZE;
+
+struct Avx2;
+
+/// Rows and tokens of a tile, within the 16 registers.
+const MAX_ROWS: usize = 2;
+const MAX_TOKENS: usize = 2;
+
+/// How far ahead of its reads each row prefetches its codes.
+const PREFETCH_BYTES: usize = 1024;
+
+/// Sum of the lanes, in a fixed order.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum(v: __m256) -> f32 {
+    let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)))
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+fn sums<const R: usize, const T: usize>(acc: &[[__m256; T]; R]) -> [[f32; T]; R] {
+    let mut out = [[0f32; T]; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, &a) in o.iter_mut().zip(a) {
+            *o = hsum(a);
+        }
+    }
+    out
+}
+
+/// Adds `w[r] · x[t]` for a chunk of 8 inputs to every pair of the tile.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn accumulate<const R: usize, const T: usize>(
+    acc: &mut [[__m256; T]; R],
+    w: &[__m256; R],
+    x: *const f32,
+    cols: usize,
+) {
+    // SAFETY: the caller passes a chunk of 8 inputs of T tokens.
+    let xs: [__m256; T] = std::array::from_fn(|t| unsafe { _mm256_loadu_ps(x.add(t * cols)) });
+    for (acc, &w) in acc.iter_mut().zip(w) {
+        for (a, &xv) in acc.iter_mut().zip(&xs) {
+            *a = _mm256_fmadd_ps(w, xv, *a);
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+    scales: &[f32],
+    biases: &[f32],
+) -> [[f32; T]; R] {
+    let (cols, groups) = (x.cols, x.cols / GROUP_SIZE);
+    assert!(scales.len() >= R * groups && biases.len() >= R * groups);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist; prefetches
+    // may point past them (they never fault).
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xs = x.x.as_ptr().add(t0 * cols);
+        for g in 0..groups {
+            let s = std::array::from_fn::<_, R, _>(|r| _mm256_set1_ps(scales[r * groups + g]));
+            let b = std::array::from_fn::<_, R, _>(|r| _mm256_set1_ps(biases[r * groups + g]));
+            let dequantize =
+                |q: __m256i, r: usize| _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s[r], b[r]);
+            let xg = xs.add(g * GROUP_SIZE);
+            let bytes = GROUP_SIZE * BITS as usize / 8;
+            for &row in &codes {
+                let p = row.add(g * bytes).wrapping_add(PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            }
+            // Runs of 8 code bytes: 16 inputs for 4 bits (low nibbles, then
+            // high ones), 8 for 8 bits.
+            for k in 0..bytes / 8 {
+                let q: [__m256i; R] = std::array::from_fn(|r| {
+                    let p = codes[r].add(g * bytes + k * 8) as *const __m128i;
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(p))
+                });
+                if BITS == 4 {
+                    let lo = std::array::from_fn(|r| {
+                        dequantize(_mm256_and_si256(q[r], _mm256_set1_epi32(15)), r)
+                    });
+                    accumulate::<R, T>(&mut acc, &lo, xg.add(k * 16), cols);
+                    let hi = std::array::from_fn(|r| dequantize(_mm256_srli_epi32::<4>(q[r]), r));
+                    accumulate::<R, T>(&mut acc, &hi, xg.add(k * 16 + 8), cols);
+                } else {
+                    let wk = std::array::from_fn(|r| dequantize(q[r], r));
+                    accumulate::<R, T>(&mut acc, &wk, xg.add(k * 8), cols);
+                }
+            }
+        }
+    }
+    sums(&acc)
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
+    w: &FloatRows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+) -> [[f32; T]; R] {
+    let cols = w.cols;
+    let whole = cols / 8 * 8;
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist.
+    unsafe {
+        for c in (0..whole).step_by(8) {
+            let wc = rows.map(|r| {
+                let at = r * cols + c;
+                if BF16 {
+                    let h = _mm_loadu_si128(w.data.as_ptr().add(2 * at) as *const __m128i);
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                } else {
+                    _mm256_loadu_ps(w.data.as_ptr().add(4 * at) as *const f32)
+                }
+            });
+            accumulate::<R, T>(&mut acc, &wc, x.x.as_ptr().add(t0 * cols + c), cols);
+        }
+    }
+    let mut out = sums(&acc);
+    for (&r, out) in rows.iter().zip(&mut out) {
+        for (t, out) in out.iter_mut().enumerate() {
+            for c in whole..cols {
+                *out += w.value(r * cols + c) * x.x[(t0 + t) * cols + c];
+            }
+        }
+    }
+    out
+}
+
+impl Kernels for Avx2 {
+    #[inline(always)]
+    unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        scales: &[f32],
+        biases: &[f32],
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { quant_tile::<BITS, R, T>(w, rows, x, t0, scales, biases) }
+    }
+
+    #[inline(always)]
+    unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
+        w: &FloatRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { float_tile::<BF16, R, T>(w, rows, x, t0) }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { quant_rows_with::<Avx2>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { float_rows_with::<Avx2>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+/// Runs `f` with AVX2 enabled (see [`super::Isa::vectorize`]).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn vectorize<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}

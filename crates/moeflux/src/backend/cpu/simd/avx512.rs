@@ -1,0 +1,213 @@
+//! AVX-512 kernels (F, BW, VL): 16 lanes. A 4-bit group is dequantized
+//! through a 16-entry table of its values (`vpermps`), cheaper than
+//! converting each code.
+
+use std::arch::x86_64::*;
+
+use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use crate::quant::GROUP_SIZE;
+
+struct Avx512;
+
+/// Rows and tokens of a tile: 16 accumulators, and room for 4 rows'
+/// tables, codes and weights.
+const MAX_ROWS: usize = 4;
+const MAX_TOKENS: usize = 4;
+
+/// How far ahead of its reads each row prefetches its codes: a tile's
+/// rows are four streams, too few for the hardware prefetcher alone to
+/// keep memory busy.
+const PREFETCH_BYTES: usize = 1024;
+
+/// Sum of the lanes, in a fixed order.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn hsum(v: __m512) -> f32 {
+    let high = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+    let h = _mm256_add_ps(_mm512_castps512_ps256(v), high);
+    let q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+    let p = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    _mm_cvtss_f32(_mm_add_ss(p, _mm_movehdup_ps(p)))
+}
+
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn sums<const R: usize, const T: usize>(acc: &[[__m512; T]; R]) -> [[f32; T]; R] {
+    let mut out = [[0f32; T]; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, &a) in o.iter_mut().zip(a) {
+            *o = hsum(a);
+        }
+    }
+    out
+}
+
+/// Adds `w[r] · x[t]` for chunk `k` (16 inputs) of group `g` to every
+/// pair of the tile.
+#[inline]
+#[target_feature(enable = "avx512f,fma")]
+unsafe fn accumulate<const R: usize, const T: usize>(
+    acc: &mut [[__m512; T]; R],
+    w: &[__m512; R],
+    x: *const f32,
+    cols: usize,
+) {
+    // SAFETY: the caller passes a chunk of 16 inputs of T tokens.
+    let xs: [__m512; T] = std::array::from_fn(|t| unsafe { _mm512_loadu_ps(x.add(t * cols)) });
+    for (acc, &w) in acc.iter_mut().zip(w) {
+        for (a, &xv) in acc.iter_mut().zip(&xs) {
+            *a = _mm512_fmadd_ps(w, xv, *a);
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+    scales: &[f32],
+    biases: &[f32],
+) -> [[f32; T]; R] {
+    let (cols, groups) = (x.cols, x.cols / GROUP_SIZE);
+    assert!(scales.len() >= R * groups && biases.len() >= R * groups);
+    let iota = _mm512_setr_ps(
+        0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0,
+    );
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist; prefetches
+    // may point past them (they never fault).
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xs = x.x.as_ptr().add(t0 * cols);
+        for g in 0..groups {
+            let s = std::array::from_fn::<_, R, _>(|r| _mm512_set1_ps(scales[r * groups + g]));
+            let b = std::array::from_fn::<_, R, _>(|r| _mm512_set1_ps(biases[r * groups + g]));
+            let xg = xs.add(g * GROUP_SIZE);
+            if BITS == 4 {
+                // The group's 16 possible values, exact: q·s needs no rounding.
+                let table: [__m512; R] = std::array::from_fn(|r| _mm512_fmadd_ps(iota, s[r], b[r]));
+                for h in 0..2 {
+                    let mut codes16 = [_mm512_setzero_si512(); R];
+                    for r in 0..R {
+                        let p = codes[r].add(g * GROUP_SIZE / 2 + h * 16);
+                        if h == 0 && g % 2 == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                        }
+                        codes16[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                    }
+                    // `vpermps` reads the low 4 bits: the low nibbles as they are.
+                    let lo = std::array::from_fn(|r| _mm512_permutexvar_ps(codes16[r], table[r]));
+                    accumulate::<R, T>(&mut acc, &lo, xg.add(h * 32), cols);
+                    let hi = std::array::from_fn(|r| {
+                        _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes16[r]), table[r])
+                    });
+                    accumulate::<R, T>(&mut acc, &hi, xg.add(h * 32 + 16), cols);
+                }
+            } else {
+                for k in 0..4 {
+                    let wk = std::array::from_fn(|r| {
+                        let p = codes[r].add(g * GROUP_SIZE + k * 16);
+                        if k == 0 {
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                        }
+                        let q = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s[r], b[r])
+                    });
+                    accumulate::<R, T>(&mut acc, &wk, xg.add(k * 16), cols);
+                }
+            }
+        }
+    }
+    sums(&acc)
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
+    w: &FloatRows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+) -> [[f32; T]; R] {
+    let cols = w.cols;
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist; the masks
+    // keep the loads within them.
+    unsafe {
+        let mut c = 0;
+        while c < cols {
+            let mask = if cols - c >= 16 {
+                !0
+            } else {
+                ((1u32 << (cols - c)) - 1) as __mmask16
+            };
+            let wc = rows.map(|r| {
+                let at = r * cols + c;
+                if BF16 {
+                    let p = w.data.as_ptr().add(2 * at) as *const i16;
+                    let h = _mm256_maskz_loadu_epi16(mask, p);
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+                } else {
+                    _mm512_maskz_loadu_ps(mask, w.data.as_ptr().add(4 * at) as *const f32)
+                }
+            });
+            let xs: [__m512; T] = std::array::from_fn(|t| {
+                _mm512_maskz_loadu_ps(mask, x.x.as_ptr().add((t0 + t) * cols + c))
+            });
+            for (acc, &w) in acc.iter_mut().zip(&wc) {
+                for (a, &xv) in acc.iter_mut().zip(&xs) {
+                    *a = _mm512_fmadd_ps(w, xv, *a);
+                }
+            }
+            c += 16;
+        }
+    }
+    sums(&acc)
+}
+
+impl Kernels for Avx512 {
+    #[inline(always)]
+    unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        scales: &[f32],
+        biases: &[f32],
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { quant_tile::<BITS, R, T>(w, rows, x, t0, scales, biases) }
+    }
+
+    #[inline(always)]
+    unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
+        w: &FloatRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { float_tile::<BF16, R, T>(w, rows, x, t0) }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { quant_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub unsafe fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { float_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+/// Runs `f` with AVX-512 enabled (see [`super::Isa::vectorize`]).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub unsafe fn vectorize<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}

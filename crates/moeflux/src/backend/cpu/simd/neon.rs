@@ -1,0 +1,152 @@
+//! NEON kernels (baseline on aarch64): 4 lanes, each code widened,
+//! converted and dequantized with one FMA.
+
+use std::arch::aarch64::*;
+
+use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use crate::quant::GROUP_SIZE;
+
+struct Neon;
+
+const MAX_ROWS: usize = 2;
+const MAX_TOKENS: usize = 2;
+
+/// Adds `w[r] · x[t]` for a chunk of 4 inputs to every pair of the tile.
+#[inline(always)]
+unsafe fn accumulate<const R: usize, const T: usize>(
+    acc: &mut [[float32x4_t; T]; R],
+    w: &[float32x4_t; R],
+    x: *const f32,
+    cols: usize,
+) {
+    // SAFETY: the caller passes a chunk of 4 inputs of T tokens.
+    let xs: [float32x4_t; T] = std::array::from_fn(|t| unsafe { vld1q_f32(x.add(t * cols)) });
+    for (acc, &w) in acc.iter_mut().zip(w) {
+        for (a, &xv) in acc.iter_mut().zip(&xs) {
+            // SAFETY: NEON is baseline on aarch64.
+            *a = unsafe { vfmaq_f32(*a, w, xv) };
+        }
+    }
+}
+
+/// Sums of the lanes (pairwise, a fixed order).
+#[inline(always)]
+unsafe fn sums<const R: usize, const T: usize>(acc: &[[float32x4_t; T]; R]) -> [[f32; T]; R] {
+    let mut out = [[0f32; T]; R];
+    for (o, a) in out.iter_mut().zip(acc) {
+        for (o, &a) in o.iter_mut().zip(a) {
+            // SAFETY: NEON is baseline on aarch64.
+            *o = unsafe { vaddvq_f32(a) };
+        }
+    }
+    out
+}
+
+impl Kernels for Neon {
+    #[inline(always)]
+    unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        scales: &[f32],
+        biases: &[f32],
+    ) -> [[f32; T]; R] {
+        let (cols, groups) = (x.cols, x.cols / GROUP_SIZE);
+        assert!(scales.len() >= R * groups && biases.len() >= R * groups);
+        // SAFETY: the caller checked that the rows and tokens exist.
+        unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); T]; R];
+            let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+            let xs = x.x.as_ptr().add(t0 * cols);
+            let bytes = GROUP_SIZE * BITS as usize / 8;
+            for g in 0..groups {
+                let s: [float32x4_t; R] =
+                    std::array::from_fn(|r| vdupq_n_f32(scales[r * groups + g]));
+                let b: [float32x4_t; R] =
+                    std::array::from_fn(|r| vdupq_n_f32(biases[r * groups + g]));
+                // q·s + b for 8 codes widened to u16, as two vectors of 4.
+                let dequantize = |q: uint16x8_t, r: usize| {
+                    let lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(q)));
+                    let hi = vcvtq_f32_u32(vmovl_high_u16(q));
+                    [vfmaq_f32(b[r], lo, s[r]), vfmaq_f32(b[r], hi, s[r])]
+                };
+                let xg = xs.add(g * GROUP_SIZE);
+                // Runs of 8 code bytes: 16 inputs for 4 bits (low nibbles,
+                // then high ones), 8 for 8 bits.
+                for k in 0..bytes / 8 {
+                    let q: [uint16x8_t; R] =
+                        std::array::from_fn(|r| vmovl_u8(vld1_u8(codes[r].add(g * bytes + k * 8))));
+                    let parts: [[[float32x4_t; 2]; R]; 2] = if BITS == 4 {
+                        [
+                            std::array::from_fn(|r| {
+                                dequantize(vandq_u16(q[r], vdupq_n_u16(15)), r)
+                            }),
+                            std::array::from_fn(|r| dequantize(vshrq_n_u16::<4>(q[r]), r)),
+                        ]
+                    } else {
+                        [
+                            std::array::from_fn(|r| dequantize(q[r], r)),
+                            [[vdupq_n_f32(0.0); 2]; R],
+                        ]
+                    };
+                    let (count, width) = if BITS == 4 { (2, 16) } else { (1, 8) };
+                    for (p, part) in parts.iter().enumerate().take(count) {
+                        for half in 0..2 {
+                            let wv = std::array::from_fn(|r| part[r][half]);
+                            let at = xg.add(k * width + p * 8 + half * 4);
+                            accumulate::<R, T>(&mut acc, &wv, at, cols);
+                        }
+                    }
+                }
+            }
+            sums(&acc)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
+        w: &FloatRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        let cols = w.cols;
+        let whole = cols / 4 * 4;
+        // SAFETY: the caller checked that the rows and tokens exist.
+        let mut out = unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); T]; R];
+            for c in (0..whole).step_by(4) {
+                let wc = rows.map(|r| {
+                    let at = r * cols + c;
+                    if BF16 {
+                        let h = vld1_u16(w.data.as_ptr().add(2 * at) as *const u16);
+                        vreinterpretq_f32_u32(vshll_n_u16::<16>(h))
+                    } else {
+                        vld1q_f32(w.data.as_ptr().add(4 * at) as *const f32)
+                    }
+                });
+                accumulate::<R, T>(&mut acc, &wc, x.x.as_ptr().add(t0 * cols + c), cols);
+            }
+            sums(&acc)
+        };
+        for (&r, out) in rows.iter().zip(&mut out) {
+            for (t, out) in out.iter_mut().enumerate() {
+                for c in whole..cols {
+                    *out += w.value(r * cols + c) * x.x[(t0 + t) * cols + c];
+                }
+            }
+        }
+        out
+    }
+}
+
+pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { quant_rows_with::<Neon>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+pub unsafe fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { float_rows_with::<Neon>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}

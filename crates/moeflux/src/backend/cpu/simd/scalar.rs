@@ -1,0 +1,68 @@
+//! Portable kernels: the fallback, and the plainest statement of what the
+//! vector kernels compute (in another summation order).
+
+use super::{Acts, FloatRows, Kernels, QuantRows, dot, float_rows_with, quant_rows_with};
+use crate::quant::GROUP_SIZE;
+
+struct Scalar;
+
+impl Kernels for Scalar {
+    unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        scales: &[f32],
+        biases: &[f32],
+    ) -> [[f32; T]; R] {
+        let (cols, groups) = (x.cols, x.cols / GROUP_SIZE);
+        let mut row = vec![0f32; cols];
+        let mut out = [[0f32; T]; R];
+        for (i, (&r, out)) in rows.iter().zip(&mut out).enumerate() {
+            let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
+            for (c, v) in row.iter_mut().enumerate() {
+                let q = if BITS == 4 {
+                    (codes[c / 2] >> (4 * (c % 2))) & 15
+                } else {
+                    codes[c]
+                };
+                let g = i * groups + c / GROUP_SIZE;
+                *v = q as f32 * scales[g] + biases[g];
+            }
+            for (t, out) in out.iter_mut().enumerate() {
+                *out = dot(&row, &x.x[(t0 + t) * cols..][..cols]);
+            }
+        }
+        out
+    }
+
+    unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
+        w: &FloatRows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        let cols = w.cols;
+        let mut row = vec![0f32; cols];
+        let mut out = [[0f32; T]; R];
+        for (&r, out) in rows.iter().zip(&mut out) {
+            for (c, v) in row.iter_mut().enumerate() {
+                *v = w.value(r * cols + c);
+            }
+            for (t, out) in out.iter_mut().enumerate() {
+                *out = dot(&row, &x.x[(t0 + t) * cols..][..cols]);
+            }
+        }
+        out
+    }
+}
+
+pub fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: the scalar kernels index with bounds checks.
+    unsafe { quant_rows_with::<Scalar>(w, x, out, 1, 4) }
+}
+
+pub fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { float_rows_with::<Scalar>(w, x, out, 1, 4) }
+}
