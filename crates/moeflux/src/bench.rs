@@ -7,9 +7,8 @@ use std::fs::File;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use rayon::prelude::*;
 use serde::Serialize;
 
 use crate::backend::Backend;
@@ -170,7 +169,10 @@ pub fn run<B: Backend>(
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
     let weight_bytes_per_token = weight_bytes_per_token(model);
     let (memory_read_gb_s, disk_read_gb_s) = if options.ceilings {
-        (Some(memory_read_bandwidth()), disk_read_bandwidth(model)?)
+        (
+            Some(crate::backend::cpu::memory_read_bandwidth()),
+            disk_read_bandwidth(model)?,
+        )
     } else {
         (None, None)
     };
@@ -265,33 +267,6 @@ pub fn weight_bytes_per_token<B: Backend>(model: &Model<B>) -> u64 {
         .map(|e| e.blob.nbytes * cfg.moe.top_k as u64)
         .sum();
     dense + experts
-}
-
-/// Memory read bandwidth in GB/s: the best of several parallel passes over
-/// a buffer far larger than the last-level cache.
-pub fn memory_read_bandwidth() -> f64 {
-    const BYTES: usize = 1 << 30;
-    let data: Vec<u64> = (0..BYTES / 8).map(|i| i as u64).collect();
-    let chunk = data.len() / (rayon::current_num_threads() * 4);
-    let mut best = Duration::MAX;
-    for _ in 0..5 {
-        let start = Instant::now();
-        let total: u64 = data
-            .par_chunks(chunk)
-            .map(|c| {
-                let mut acc = [0u64; 8];
-                for block in c.chunks_exact(8) {
-                    for i in 0..8 {
-                        acc[i] = acc[i].wrapping_add(block[i]);
-                    }
-                }
-                acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
-            })
-            .reduce(|| 0, u64::wrapping_add);
-        std::hint::black_box(total);
-        best = best.min(start.elapsed());
-    }
-    BYTES as f64 / best.as_secs_f64() / 1e9
 }
 
 /// Disk read bandwidth in GB/s for random reads of one expert blob each,

@@ -2,11 +2,9 @@
 //! bandwidth. Ignored by default; run with
 //! `cargo test --release -p moeflux --lib matmul_throughput -- --ignored --nocapture`.
 
-use std::time::Instant;
-
 use half::bf16;
-use rayon::prelude::*;
 
+use super::bandwidth::{best_of, read_bandwidth};
 use super::linear::matmul_with;
 use super::simd::Isa;
 use crate::quant::{DType, MatrixLayout, MatrixView};
@@ -39,42 +37,6 @@ fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> (MatrixLayout, A
         pair.copy_from_slice(&small(next()));
     }
     (layout, bytes)
-}
-
-/// Best time of `reps` runs of `f`.
-fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
-    (0..reps)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64()
-        })
-        .fold(f64::INFINITY, f64::min)
-}
-
-/// Sum with 64 independent lanes, so only memory limits it.
-#[inline(always)]
-fn sum(data: &[f32]) -> f32 {
-    let mut acc = [0f32; 64];
-    for c in data.chunks_exact(64) {
-        for (a, v) in acc.iter_mut().zip(c) {
-            *a += v;
-        }
-    }
-    acc.iter().sum()
-}
-
-/// Read bandwidth: all threads summing disjoint parts of a 512 MiB array.
-fn read_bandwidth(isa: Isa, data: &[f32]) -> f64 {
-    let parts = data.len().div_ceil(4 * rayon::current_num_threads());
-    let secs = best_of(5, || {
-        let s: f32 = data
-            .par_chunks(parts)
-            .map(|c| isa.vectorize(|| sum(c)))
-            .sum();
-        std::hint::black_box(s);
-    });
-    std::mem::size_of_val(data) as f64 / secs / 1e9
 }
 
 #[test]

@@ -2,6 +2,7 @@
 //! memory-mapped model files, threads via rayon.
 
 mod attention;
+mod bandwidth;
 #[cfg(test)]
 mod bench;
 mod gated_delta_net;
@@ -19,6 +20,7 @@ use crate::format::TensorData;
 use crate::quant::DType;
 
 pub use attention::KvCache;
+pub use bandwidth::memory_read_bandwidth;
 pub use gated_delta_net::LinearState;
 pub use linear::{dot, matmul};
 pub use moe::Routing;
