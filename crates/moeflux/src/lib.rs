@@ -26,7 +26,9 @@ pub mod experts;
 pub mod format;
 pub mod model;
 pub mod quant;
+pub mod sampling;
 pub mod synth;
+pub mod text;
 pub mod util;
 
 pub use config::ModelConfig;

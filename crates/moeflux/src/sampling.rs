@@ -1,0 +1,816 @@
+//! Choosing the next token from a row of logits, and deciding when
+//! generation stops.
+//!
+//! [`Sampler`] follows transformers' `generate`: the repetition penalty,
+//! then (OpenAI's) presence and frequency penalties, then greedy argmax, or
+//! temperature, top-k, top-p and min-p in that order and a draw from what
+//! is left. [`SamplerConfig::from_generation_config`] reads a model's
+//! defaults with transformers' meaning for each field. [`StopCondition`]
+//! ends generation on an end-of-sequence id or a stop string in the
+//! streamed text.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::text::{GENERATION_CONFIG_FILE, read_json_if_present};
+
+/// How the next token is chosen. Each filter's "off" value leaves the
+/// distribution as it is.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplerConfig {
+    /// Divides the logits; 0 picks the most likely token (greedy).
+    pub temperature: f32,
+    /// Keep the `top_k` most likely tokens (ties included); 0 = off.
+    pub top_k: usize,
+    /// Keep the smallest set of most likely tokens whose probability adds
+    /// up to at least `top_p`; 1 = off.
+    pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one; 0 = off.
+    pub min_p: f32,
+    /// Logits of tokens already in the prompt or the output are divided by
+    /// it when positive and multiplied by it when negative; 1 = off.
+    pub repetition_penalty: f32,
+    /// Subtracted once from the logit of every token already generated; 0 = off.
+    pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it was generated; 0 = off.
+    pub frequency_penalty: f32,
+    /// Seed of the random draws; `None` takes one from the operating system
+    /// (see [`Sampler::seed`] to repeat a run).
+    pub seed: Option<u64>,
+}
+
+/// transformers' defaults (`GenerationConfig._get_default_generation_params`):
+/// no sampling, and top-k 50 once sampling is turned on.
+impl Default for SamplerConfig {
+    fn default() -> Self {
+        SamplerConfig {
+            temperature: 0.0,
+            top_k: 50,
+            top_p: 1.0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+        }
+    }
+}
+
+impl SamplerConfig {
+    /// The model's defaults from `dir/generation_config.json`, read as
+    /// transformers reads them: a missing file or field takes transformers'
+    /// default, and `do_sample` false (or absent) means greedy whatever the
+    /// temperature. `presence_penalty` and `frequency_penalty`, not
+    /// transformers fields, are read where a file has them.
+    pub fn from_generation_config(dir: &Path) -> Result<SamplerConfig> {
+        let Some((path, cfg)) = read_json_if_present(&dir.join(GENERATION_CONFIG_FILE))? else {
+            return Ok(SamplerConfig::default());
+        };
+        let number = |key: &str, default: f32| -> Result<f32> {
+            match cfg.get(key) {
+                None | Some(Value::Null) => Ok(default),
+                Some(v) => v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                    Error::bad_file(&path, format!("\"{key}\" should be a number, found {v}"))
+                }),
+            }
+        };
+        let do_sample = match cfg.get("do_sample") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(Error::bad_file(
+                    &path,
+                    format!("\"do_sample\" should be true or false, found {v}"),
+                ));
+            }
+        };
+        let top_k = match cfg.get("top_k") {
+            None | Some(Value::Null) => 50,
+            Some(v) => v
+                .as_u64()
+                .and_then(|k| usize::try_from(k).ok())
+                .ok_or_else(|| {
+                    Error::bad_file(
+                        &path,
+                        format!("\"top_k\" should be a whole number ≥ 0, found {v}"),
+                    )
+                })?,
+        };
+        let temperature = number("temperature", 1.0)?;
+        let config = SamplerConfig {
+            temperature: if do_sample { temperature } else { 0.0 },
+            top_k,
+            top_p: number("top_p", 1.0)?,
+            min_p: number("min_p", 0.0)?,
+            repetition_penalty: number("repetition_penalty", 1.0)?,
+            presence_penalty: number("presence_penalty", 0.0)?,
+            frequency_penalty: number("frequency_penalty", 0.0)?,
+            seed: None,
+        };
+        config
+            .validate()
+            .map_err(|e| Error::bad_file(&path, e.to_string()))?;
+        Ok(config)
+    }
+
+    /// Checks every field's range.
+    pub fn validate(&self) -> Result<()> {
+        let (t, p, m, r) = (
+            self.temperature,
+            self.top_p,
+            self.min_p,
+            self.repetition_penalty,
+        );
+        let checks = [
+            (
+                "temperature",
+                t,
+                t.is_finite() && t >= 0.0,
+                "≥ 0 (0 = greedy)",
+            ),
+            ("top_p", p, p > 0.0 && p <= 1.0, "in (0, 1] (1 = off)"),
+            ("min_p", m, (0.0..=1.0).contains(&m), "in [0, 1] (0 = off)"),
+            (
+                "repetition_penalty",
+                r,
+                r.is_finite() && r > 0.0,
+                "> 0 (1 = off)",
+            ),
+            (
+                "presence_penalty",
+                self.presence_penalty,
+                self.presence_penalty.is_finite(),
+                "finite (0 = off)",
+            ),
+            (
+                "frequency_penalty",
+                self.frequency_penalty,
+                self.frequency_penalty.is_finite(),
+                "finite (0 = off)",
+            ),
+        ];
+        match checks.into_iter().find(|&(_, _, ok, _)| !ok) {
+            Some((option, got, _, want)) => {
+                Err(Error::invalid(option, format!("must be {want}, got {got}")))
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the next token is the most likely one, with no draw.
+    pub fn is_greedy(&self) -> bool {
+        self.temperature == 0.0
+    }
+}
+
+/// Picks next tokens; seeded, so a run repeats exactly with the same seed.
+pub struct Sampler {
+    config: SamplerConfig,
+    seed: u64,
+    /// ChaCha8: the same stream on every platform and `rand` version.
+    rng: ChaCha8Rng,
+}
+
+impl Sampler {
+    pub fn new(config: SamplerConfig) -> Result<Sampler> {
+        config.validate()?;
+        let seed = config.seed.unwrap_or_else(rand::random);
+        Ok(Sampler {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            seed,
+            config,
+        })
+    }
+
+    pub fn config(&self) -> &SamplerConfig {
+        &self.config
+    }
+
+    /// The seed in use (drawn from the OS when the config gave none).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// The next token, given the logits of the last position, the prompt
+    /// and the tokens generated so far. The repetition penalty looks at
+    /// both (as transformers does); presence and frequency penalties at the
+    /// generated tokens only (as OpenAI defines them).
+    pub fn sample(&mut self, logits: &[f32], prompt: &[u32], generated: &[u32]) -> Result<u32> {
+        let scores = self.penalized(logits, prompt, generated)?;
+        if self.config.is_greedy() {
+            return argmax(&scores);
+        }
+        let dist = self.distribution(&scores)?;
+        let mut u = self.rng.random::<f64>();
+        for &(id, p) in &dist {
+            if u < p {
+                return Ok(id);
+            }
+            u -= p;
+        }
+        // Rounding left u just past the total: the least likely kept token.
+        Ok(dist[dist.len() - 1].0)
+    }
+
+    /// The logits with the repetition, presence and frequency penalties.
+    fn penalized(&self, logits: &[f32], prompt: &[u32], generated: &[u32]) -> Result<Vec<f32>> {
+        if logits.is_empty() {
+            return Err(Error::invalid("logits", "the row is empty"));
+        }
+        let mut scores = logits.to_vec();
+        if let Some(&id) = prompt
+            .iter()
+            .chain(generated)
+            .find(|&&id| id as usize >= scores.len())
+        {
+            return Err(Error::invalid(
+                "token history",
+                format!("token id {id} is out of range for {} logits", scores.len()),
+            ));
+        }
+        let c = &self.config;
+        if c.repetition_penalty != 1.0 {
+            let mut seen = vec![false; scores.len()];
+            for &id in prompt.iter().chain(generated) {
+                let id = id as usize;
+                if !std::mem::replace(&mut seen[id], true) {
+                    let s = &mut scores[id];
+                    *s = if *s < 0.0 {
+                        *s * c.repetition_penalty
+                    } else {
+                        *s / c.repetition_penalty
+                    };
+                }
+            }
+        }
+        if c.presence_penalty != 0.0 || c.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &id in generated {
+                *counts.entry(id).or_default() += 1;
+            }
+            for (id, n) in counts {
+                scores[id as usize] -= c.presence_penalty + c.frequency_penalty * n as f32;
+            }
+        }
+        Ok(scores)
+    }
+
+    /// The distribution drawn from: `(id, probability)`, most likely first,
+    /// after temperature, top-k, top-p and min-p.
+    fn distribution(&self, scores: &[f32]) -> Result<Vec<(u32, f64)>> {
+        let c = &self.config;
+        // In f64: a tiny temperature must not overflow the scaled logits.
+        let t = f64::from(c.temperature);
+        let mut cand: Vec<(u32, f64)> = scores
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_finite())
+            .map(|(i, &s)| (i as u32, f64::from(s) / t))
+            .collect();
+        if cand.is_empty() {
+            return Err(Error::invalid("logits", "no token has a finite logit"));
+        }
+        if c.top_k > 0 && c.top_k < cand.len() {
+            // Partition first: sorting 150k logits every token is slow.
+            cand.select_nth_unstable_by(c.top_k - 1, |a, b| b.1.total_cmp(&a.1));
+            let kth = cand[c.top_k - 1].1;
+            cand.retain(|&(_, s)| s >= kth);
+        }
+        cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = cand[0].1;
+        let mut dist: Vec<(u32, f64)> = cand.iter().map(|&(id, s)| (id, (s - max).exp())).collect();
+        normalize(&mut dist);
+        if c.top_p < 1.0 {
+            // transformers: drop the least likely tokens while their
+            // cumulative probability stays ≤ 1 - top_p; keep at least one.
+            let limit = 1.0 - f64::from(c.top_p);
+            let mut cum = 0.0;
+            let mut keep = dist.len();
+            while keep > 1 {
+                cum += dist[keep - 1].1;
+                if cum > limit {
+                    break;
+                }
+                keep -= 1;
+            }
+            dist.truncate(keep);
+            normalize(&mut dist);
+        }
+        if c.min_p > 0.0 {
+            let threshold = f64::from(c.min_p) * dist[0].1;
+            dist.retain(|&(_, p)| p >= threshold);
+            normalize(&mut dist);
+        }
+        Ok(dist)
+    }
+}
+
+fn normalize(dist: &mut [(u32, f64)]) {
+    let total: f64 = dist.iter().map(|(_, p)| p).sum();
+    for (_, p) in dist.iter_mut() {
+        *p /= total;
+    }
+}
+
+/// Index of the largest score, the first on ties; NaN never wins.
+fn argmax(scores: &[f32]) -> Result<u32> {
+    let mut best: Option<usize> = None;
+    for (i, &s) in scores.iter().enumerate() {
+        if !s.is_nan() && best.is_none_or(|b| s > scores[b]) {
+            best = Some(i);
+        }
+    }
+    best.map(|i| i as u32)
+        .ok_or_else(|| Error::invalid("logits", "every logit is NaN"))
+}
+
+/// Ends generation on an end-of-sequence id or on a stop string in the
+/// streamed text.
+///
+/// Text is pushed piece by piece as it is decoded. A stop string may span
+/// pieces, so text that could be the start of one is held back until the
+/// following text settles it; the text before a stop string is emitted,
+/// the stop string itself and anything after it are not.
+#[derive(Clone, Debug)]
+pub struct StopCondition {
+    eos_ids: Vec<u32>,
+    stop_strings: Vec<String>,
+    held: String,
+}
+
+/// What pushing a piece of text gives.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StopStep {
+    /// Text that can be shown: it is no part of a stop string.
+    pub text: String,
+    /// The stop string that was completed: generation ends here.
+    pub stopped_by: Option<String>,
+}
+
+impl StopCondition {
+    pub fn new(eos_ids: Vec<u32>, stop_strings: Vec<String>) -> Result<StopCondition> {
+        if stop_strings.iter().any(String::is_empty) {
+            return Err(Error::invalid(
+                "stop strings",
+                "an empty stop string would stop at once",
+            ));
+        }
+        Ok(StopCondition {
+            eos_ids,
+            stop_strings,
+            held: String::new(),
+        })
+    }
+
+    /// Whether `id` ends generation. Its text is not pushed; call
+    /// [`finish`](Self::finish) for the text still held back.
+    pub fn is_eos(&self, id: u32) -> bool {
+        self.eos_ids.contains(&id)
+    }
+
+    /// Adds decoded text; returns what can be shown and whether a stop
+    /// string was completed.
+    pub fn push(&mut self, text: &str) -> StopStep {
+        self.held.push_str(text);
+        let first_stop = self
+            .stop_strings
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|&(at, _)| at);
+        if let Some((at, stop)) = first_stop {
+            let stop = stop.clone();
+            self.held.truncate(at);
+            return StopStep {
+                text: std::mem::take(&mut self.held),
+                stopped_by: Some(stop),
+            };
+        }
+        // Hold back the longest tail that a stop string starts with.
+        let tail = self
+            .held
+            .char_indices()
+            .map(|(i, _)| i)
+            .find(|&i| {
+                let tail = &self.held[i..];
+                self.stop_strings.iter().any(|s| s.starts_with(tail))
+            })
+            .unwrap_or(self.held.len());
+        let rest = self.held.split_off(tail);
+        StopStep {
+            text: std::mem::replace(&mut self.held, rest),
+            stopped_by: None,
+        }
+    }
+
+    /// Generation ended otherwise (EOS, length): the text held back, which
+    /// turned out to be no stop string.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.held)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::tests::bundled_tokenizer;
+
+    fn sampler(config: SamplerConfig) -> Sampler {
+        Sampler::new(config).unwrap()
+    }
+
+    fn sampling(temperature: f32) -> SamplerConfig {
+        SamplerConfig {
+            temperature,
+            top_k: 0,
+            seed: Some(7),
+            ..SamplerConfig::default()
+        }
+    }
+
+    /// Logits whose softmax is `probs`.
+    fn logits_of(probs: &[f64]) -> Vec<f32> {
+        probs.iter().map(|p| p.ln() as f32).collect()
+    }
+
+    fn ids(dist: &[(u32, f64)]) -> Vec<u32> {
+        dist.iter().map(|&(id, _)| id).collect()
+    }
+
+    #[test]
+    fn the_same_seed_repeats_the_same_draws() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let draw = |seed| {
+            let mut s = sampler(SamplerConfig {
+                seed: Some(seed),
+                ..sampling(1.0)
+            });
+            (0..64)
+                .map(|_| s.sample(&logits, &[], &[]).unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(draw(42), draw(42));
+        assert_ne!(draw(42), draw(43));
+        // No seed: one is drawn and reported, and replays the run.
+        let mut s = sampler(SamplerConfig {
+            seed: None,
+            ..sampling(1.0)
+        });
+        let run: Vec<u32> = (0..64)
+            .map(|_| s.sample(&logits, &[], &[]).unwrap())
+            .collect();
+        assert_eq!(run, draw(s.seed()));
+    }
+
+    #[test]
+    fn greedy_takes_the_first_largest_logit() {
+        let mut s = sampler(SamplerConfig::default());
+        assert!(s.config().is_greedy());
+        assert_eq!(s.sample(&[0.1, 3.0, -1.0, 3.0], &[], &[]).unwrap(), 1);
+        assert_eq!(s.sample(&[f32::NAN, -5.0, f32::NAN], &[], &[]).unwrap(), 1);
+        assert!(s.sample(&[f32::NAN], &[], &[]).is_err());
+        assert!(s.sample(&[], &[], &[]).is_err());
+    }
+
+    #[test]
+    fn temperature_scales_the_logits() {
+        let logits = [2.0f32, 1.0, 0.0];
+        let dist = sampler(sampling(0.5)).distribution(&logits).unwrap();
+        let z: f64 = [4.0f64, 2.0, 0.0].iter().map(|x| x.exp()).sum();
+        for (&(id, p), want) in dist.iter().zip([4.0f64, 2.0, 0.0]) {
+            assert!((p - want.exp() / z).abs() < 1e-6, "{id}: {p}");
+        }
+    }
+
+    #[test]
+    fn a_tiny_temperature_is_nearly_greedy_not_nan() {
+        let mut s = sampler(sampling(1e-30));
+        for _ in 0..20 {
+            assert_eq!(
+                s.sample(&[1.0, 3.0e38, -3.0e38, 2.9e38], &[], &[]).unwrap(),
+                1
+            );
+        }
+    }
+
+    #[test]
+    fn top_k_keeps_the_k_most_likely_and_ties() {
+        let logits = [0.5f32, 3.0, 1.0, 2.0, -1.0, 2.0];
+        let top = |k| {
+            let s = sampler(SamplerConfig {
+                top_k: k,
+                ..sampling(1.0)
+            });
+            ids(&s.distribution(&logits).unwrap())
+        };
+        assert_eq!(top(1), [1]);
+        assert_eq!(top(2), [1, 3, 5]); // the 2nd and 3rd tie
+        assert_eq!(top(4), [1, 3, 5, 2]);
+        assert_eq!(top(0).len(), 6);
+        assert_eq!(top(99).len(), 6);
+    }
+
+    #[test]
+    fn top_p_keeps_the_smallest_set_reaching_p() {
+        let logits = logits_of(&[0.05, 0.5, 0.15, 0.3]);
+        let top = |p| {
+            let s = sampler(SamplerConfig {
+                top_p: p,
+                ..sampling(1.0)
+            });
+            s.distribution(&logits).unwrap()
+        };
+        assert_eq!(ids(&top(0.75)), [1, 3]); // 0.8 ≥ 0.75; 0.5 alone is not
+        assert_eq!(ids(&top(0.85)), [1, 3, 2]);
+        assert_eq!(ids(&top(0.96)), [1, 3, 2, 0]);
+        assert_eq!(ids(&top(0.01)), [1]);
+        let kept = top(0.75);
+        assert!(
+            (kept[0].1 - 0.5 / 0.8).abs() < 1e-6,
+            "renormalized: {kept:?}"
+        );
+    }
+
+    #[test]
+    fn min_p_is_relative_to_the_most_likely_token() {
+        let logits = logits_of(&[0.05, 0.5, 0.15, 0.3]);
+        let min = |m| {
+            let s = sampler(SamplerConfig {
+                min_p: m,
+                ..sampling(1.0)
+            });
+            ids(&s.distribution(&logits).unwrap())
+        };
+        assert_eq!(min(0.2), [1, 3, 2]); // threshold 0.1
+        assert_eq!(min(0.5), [1, 3]); // threshold 0.25
+        assert_eq!(min(1.0), [1]);
+    }
+
+    #[test]
+    fn filters_apply_in_transformers_order() {
+        // top-k 3 leaves {0.4, 0.3, 0.2} (renormalized 4/9, 3/9, 2/9); top-p
+        // 0.7 then keeps the first two (7/9 ≥ 0.7), where top-p on the full
+        // distribution would have kept the same two out of four.  min-p 0.8
+        // then drops 3/7 < 0.8 * 4/7.
+        let logits = logits_of(&[0.4, 0.3, 0.2, 0.1]);
+        let s = sampler(SamplerConfig {
+            top_k: 3,
+            top_p: 0.7,
+            min_p: 0.8,
+            ..sampling(1.0)
+        });
+        assert_eq!(ids(&s.distribution(&logits).unwrap()), [0]);
+        let s = sampler(SamplerConfig {
+            top_k: 3,
+            top_p: 0.7,
+            ..sampling(1.0)
+        });
+        assert_eq!(ids(&s.distribution(&logits).unwrap()), [0, 1]);
+    }
+
+    #[test]
+    fn draws_follow_the_distribution() {
+        let probs = [0.6, 0.3, 0.1];
+        let logits = logits_of(&probs);
+        let mut s = sampler(sampling(1.0));
+        let mut counts = [0usize; 3];
+        let n = 20_000;
+        for _ in 0..n {
+            counts[s.sample(&logits, &[], &[]).unwrap() as usize] += 1;
+        }
+        for (c, p) in counts.iter().zip(probs) {
+            let f = *c as f64 / n as f64;
+            assert!((f - p).abs() < 0.015, "{counts:?}");
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
+        let s = sampler(SamplerConfig {
+            repetition_penalty: 2.0,
+            ..sampling(1.0)
+        });
+        let logits = [2.0f32, -2.0, 1.0, 4.0];
+        // Prompt and output both count, each token once.
+        let got = s.penalized(&logits, &[0, 1], &[1, 1]).unwrap();
+        assert_eq!(got, [1.0, -4.0, 1.0, 4.0]);
+        // Greedy decoding too: token 0 (2 -> 0.25) falls below token 2.
+        let mut g = sampler(SamplerConfig {
+            repetition_penalty: 8.0,
+            ..SamplerConfig::default()
+        });
+        assert_eq!(g.sample(&[2.0, -2.0, 1.0], &[0], &[]).unwrap(), 2);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_follow_openai() {
+        let s = sampler(SamplerConfig {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..sampling(1.0)
+        });
+        let logits = [1.0f32, 1.0, 1.0, 1.0];
+        // Prompt tokens do not count; token 2 was generated 3 times, 1 once.
+        let got = s.penalized(&logits, &[0, 3], &[2, 1, 2, 2]).unwrap();
+        assert_eq!(got, [1.0, 0.25, -0.25, 1.0]);
+    }
+
+    #[test]
+    fn history_out_of_range_is_an_error() {
+        let s = sampler(sampling(1.0));
+        let err = s.penalized(&[0.0; 4], &[9], &[]).unwrap_err().to_string();
+        assert!(err.contains("token id 9"), "{err}");
+    }
+
+    #[test]
+    fn invalid_settings_are_refused() {
+        for bad in [
+            SamplerConfig {
+                temperature: -1.0,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                temperature: f32::NAN,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                top_p: 0.0,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                top_p: 1.5,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                min_p: 2.0,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                repetition_penalty: 0.0,
+                ..SamplerConfig::default()
+            },
+            SamplerConfig {
+                frequency_penalty: f32::INFINITY,
+                ..SamplerConfig::default()
+            },
+        ] {
+            assert!(Sampler::new(bad.clone()).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn generation_config_gives_the_defaults() {
+        let dir = tempfile::tempdir().unwrap();
+        // No file: transformers' defaults, i.e. greedy.
+        assert_eq!(
+            SamplerConfig::from_generation_config(dir.path()).unwrap(),
+            SamplerConfig::default()
+        );
+        let write =
+            |json: &str| std::fs::write(dir.path().join("generation_config.json"), json).unwrap();
+        write(
+            r#"{"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0, "repetition_penalty": 1.1, "eos_token_id": [1, 2]}"#,
+        );
+        let got = SamplerConfig::from_generation_config(dir.path()).unwrap();
+        assert_eq!(
+            got,
+            SamplerConfig {
+                temperature: 0.6,
+                top_k: 20,
+                top_p: 0.95,
+                min_p: 0.0,
+                repetition_penalty: 1.1,
+                ..SamplerConfig::default()
+            }
+        );
+        // Sampling without a temperature: 1, with transformers' top-k 50.
+        write(r#"{"do_sample": true, "top_k": null}"#);
+        let got = SamplerConfig::from_generation_config(dir.path()).unwrap();
+        assert_eq!((got.temperature, got.top_k), (1.0, 50));
+        // do_sample false: greedy whatever the temperature says.
+        write(r#"{"temperature": 0.7, "presence_penalty": 1.5}"#);
+        let got = SamplerConfig::from_generation_config(dir.path()).unwrap();
+        assert!(got.is_greedy());
+        assert_eq!(got.presence_penalty, 1.5);
+        for bad in [
+            r#"{"top_k": -1}"#,
+            r#"{"top_p": "high"}"#,
+            r#"{"do_sample": 1}"#,
+            r#"{"top_p": 2}"#,
+            "{",
+        ] {
+            write(bad);
+            let err = SamplerConfig::from_generation_config(dir.path())
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("generation_config.json"), "{bad}: {err}");
+        }
+    }
+
+    #[test]
+    fn bundled_generation_config_samples() {
+        let dir = crate::text::tests::bundled_dir();
+        let got = SamplerConfig::from_generation_config(&dir).unwrap();
+        assert!(
+            !got.is_greedy() && got.top_k > 0 && got.top_p < 1.0,
+            "{got:?}"
+        );
+    }
+
+    fn pushes(stop: &mut StopCondition, pieces: &[&str]) -> (Vec<String>, Option<String>) {
+        let mut out = Vec::new();
+        for p in pieces {
+            let step = stop.push(p);
+            out.push(step.text);
+            if step.stopped_by.is_some() {
+                return (out, step.stopped_by);
+            }
+        }
+        (out, None)
+    }
+
+    #[test]
+    fn a_stop_string_across_pieces_stops_and_is_not_emitted() {
+        let mut stop = StopCondition::new(vec![], vec!["</s>".into()]).unwrap();
+        let (out, by) = pushes(&mut stop, &["Hello <", "/", "s> never shown"]);
+        assert_eq!(out, ["Hello ", "", ""]);
+        assert_eq!(by.as_deref(), Some("</s>"));
+    }
+
+    #[test]
+    fn held_text_is_released_once_it_cannot_start_a_stop_string() {
+        let mut stop = StopCondition::new(vec![], vec!["</s>".into()]).unwrap();
+        let (out, by) = pushes(&mut stop, &["a <", "/", "b", " c"]);
+        assert_eq!(out, ["a ", "", "</b", " c"]);
+        assert_eq!(by, None);
+        // At the end of generation the held text comes out.
+        assert_eq!(stop.push("x </").text, "x ");
+        assert_eq!(stop.finish(), "</");
+    }
+
+    #[test]
+    fn the_earliest_stop_string_wins() {
+        let mut stop = StopCondition::new(vec![], vec!["World".into(), "lo W".into()]).unwrap();
+        let (out, by) = pushes(&mut stop, &["Hel", "lo World"]);
+        assert_eq!(out.concat(), "Hel");
+        assert_eq!(by.as_deref(), Some("lo W"));
+        // A stop string inside a single piece: text after it is dropped.
+        let mut stop = StopCondition::new(vec![], vec!["\n\n".into()]).unwrap();
+        let step = stop.push("One.\n\nTwo.");
+        assert_eq!(
+            (step.text.as_str(), step.stopped_by.as_deref()),
+            ("One.", Some("\n\n"))
+        );
+    }
+
+    #[test]
+    fn non_ascii_stop_strings_hold_whole_characters() {
+        let mut stop = StopCondition::new(vec![], vec!["éé!".into()]).unwrap();
+        let (out, by) = pushes(&mut stop, &["caf", "é", "é", "?"]);
+        assert_eq!(out, ["caf", "", "", "éé?"]);
+        assert_eq!(by, None);
+    }
+
+    #[test]
+    fn eos_ids_and_empty_stop_strings() {
+        let stop = StopCondition::new(vec![2, 0], vec![]).unwrap();
+        assert!(stop.is_eos(0) && stop.is_eos(2) && !stop.is_eos(1));
+        assert!(StopCondition::new(vec![], vec![String::new()]).is_err());
+    }
+
+    #[test]
+    fn stop_strings_on_streamed_tokens() {
+        // Real tokens: the stop string spans several of them and starts in
+        // the middle of one piece.
+        let tok = bundled_tokenizer();
+        let text = "\"I am sure,\" said she. THE END of all.";
+        let ids = tok.encode(text, false).unwrap();
+        let mut dec = tok.stream_decoder(true);
+        let mut stop = StopCondition::new(vec![], vec!["THE END".into()]).unwrap();
+        let start = text.find("THE END").unwrap();
+        let end = start + "THE END".len();
+        let (mut decoded, mut shown, mut by, mut pieces_in_stop) =
+            (String::new(), String::new(), None, 0);
+        for &id in &ids {
+            let piece = dec.step(id).unwrap();
+            let at = decoded.len();
+            if !piece.is_empty() && at < end && at + piece.len() > start {
+                pieces_in_stop += 1;
+            }
+            decoded += &piece;
+            let step = stop.push(&piece);
+            shown += &step.text;
+            if step.stopped_by.is_some() {
+                by = step.stopped_by;
+                break;
+            }
+        }
+        assert_eq!(shown, "\"I am sure,\" said she. ");
+        assert_eq!(by.as_deref(), Some("THE END"));
+        assert!(pieces_in_stop >= 2, "the stop string should span tokens");
+    }
+}
