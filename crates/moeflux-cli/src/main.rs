@@ -1,5 +1,6 @@
 //! The `moeflux` command line.
 
+mod bundled;
 mod commands;
 
 use std::process::ExitCode;
@@ -28,6 +29,10 @@ enum Command {
     Logits(commands::logits::Args),
     /// Generate a continuation of a prompt.
     Generate(commands::generate::Args),
+    /// Chat with a model (interactive, or through stdin).
+    Chat(commands::chat::Args),
+    /// Perplexity of a text file.
+    Perplexity(commands::perplexity::Args),
     /// Describe a moeflux model directory.
     Inspect(commands::inspect::Args),
     /// Write a model with a real model's shapes and random weights.
@@ -42,6 +47,8 @@ fn main() -> ExitCode {
         Command::Convert(args) => commands::convert::run(args),
         Command::Logits(args) => commands::logits::run(args),
         Command::Generate(args) => commands::generate::run(args),
+        Command::Chat(args) => commands::chat::run(args),
+        Command::Perplexity(args) => commands::perplexity::run(args),
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Synth(args) => commands::synth::run(args),
         Command::Bench(args) => commands::bench::run_command(args),

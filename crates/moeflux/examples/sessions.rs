@@ -18,8 +18,8 @@ use moeflux::{Model, ModelOptions, Session};
 fn greedy(session: &mut Session, n: usize) -> moeflux::Result<Vec<u32>> {
     session.generate(
         n,
-        |logits, _history| argmax(logits),
-        |_token| ControlFlow::Continue(()),
+        |logits, _prompt, _generated| Ok(argmax(logits)),
+        |_token| Ok(ControlFlow::Continue(())),
     )
 }
 

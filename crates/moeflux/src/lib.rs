@@ -25,6 +25,7 @@ pub mod error;
 pub mod experts;
 pub mod format;
 pub mod model;
+pub mod perplexity;
 pub mod quant;
 pub mod sampling;
 pub mod synth;

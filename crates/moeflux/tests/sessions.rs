@@ -138,14 +138,14 @@ fn generation_after_exact_truncation_recovers_the_logits() {
     let mut session = model.session();
     session.prefill(&tokens[..30]).unwrap();
     session.truncate(12).unwrap();
-    let greedy = |l: &[f32], _: &[u32]| moeflux::model::argmax(l);
+    let greedy = |l: &[f32], _: &[u32], _: &[u32]| Ok(moeflux::model::argmax(l));
     let got = session
-        .generate(5, greedy, |_| ControlFlow::Continue(()))
+        .generate(5, greedy, |_| Ok(ControlFlow::Continue(())))
         .unwrap();
     let mut fresh = model.session();
     fresh.prefill(&tokens[..12]).unwrap();
     let want = fresh
-        .generate(5, greedy, |_| ControlFlow::Continue(()))
+        .generate(5, greedy, |_| Ok(ControlFlow::Continue(())))
         .unwrap();
     assert_eq!(got, want);
     assert_eq!(session.position(), 17);

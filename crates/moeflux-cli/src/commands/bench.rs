@@ -37,7 +37,7 @@ pub struct Args {
 }
 
 pub fn run_command(args: Args) -> Result<()> {
-    let model = args.model.open()?;
+    let model = args.model.open(false)?;
     let options = BenchOptions {
         prompt_tokens: args.prompt,
         decode_tokens: args.decode,

@@ -22,7 +22,7 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens("--tokens", &args.tokens)?;
-    let model = args.model.open()?;
+    let model = args.model.open(true)?;
     let logits = model.session().forward(&tokens, LogitsWanted::All)?;
     write_npy(
         &args.output,

@@ -273,8 +273,8 @@ impl<B: Backend> Model<B> {
         session.prefill(prompt)?;
         session.generate(
             max_new_tokens,
-            |logits, _| argmax(logits),
-            |_| ControlFlow::Continue(()),
+            |logits, _, _| Ok(argmax(logits)),
+            |_| Ok(ControlFlow::Continue(())),
         )
     }
 }

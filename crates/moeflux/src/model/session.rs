@@ -170,23 +170,25 @@ impl<B: Backend> Session<B> {
         self.prefill(&[token])
     }
 
-    /// Generates up to `max_new_tokens`: each is chosen by `pick` from the
-    /// current logits and the token history, appended to the session (so
-    /// the session always ends with logits for what comes next), and passed
-    /// to `on_token`, which can stop early. Returns the new tokens.
+    /// Generates up to `max_new_tokens`. Each token is chosen by `pick`
+    /// from the current logits, the tokens before this call (the prompt)
+    /// and those generated so far; it is appended to the session (so the
+    /// session always ends with the logits of what comes next) and passed
+    /// to `on_token`, which can stop generation. Returns the new tokens.
     pub fn generate(
         &mut self,
         max_new_tokens: usize,
-        mut pick: impl FnMut(&[f32], &[u32]) -> u32,
-        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+        mut pick: impl FnMut(&[f32], &[u32], &[u32]) -> Result<u32>,
+        mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
     ) -> Result<Vec<u32>> {
         let mut logits = self.current_logits()?;
+        let prompt_len = self.position();
         let mut out = Vec::with_capacity(max_new_tokens);
         for _ in 0..max_new_tokens {
-            let next = pick(&logits, &self.tokens);
+            let next = pick(&logits, &self.tokens[..prompt_len], &out)?;
             logits = self.decode(next)?;
             out.push(next);
-            if on_token(next).is_break() {
+            if on_token(next)?.is_break() {
                 break;
             }
         }
