@@ -1,5 +1,11 @@
 //! The `moeflux` command line.
 
+/// mimalloc keeps freed large blocks for reuse, where the system allocator
+/// returns them to the kernel and page-faults them back in on every token
+/// (logits, layer outputs).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bundled;
 mod commands;
 

@@ -33,6 +33,12 @@ pub struct BenchOptions {
     /// Record the expert requests and replay them against each cache
     /// policy at several cache sizes.
     pub compare_policies: bool,
+    /// Real text to run on (tokenized): prefill and prompt take its first
+    /// tokens and decoding is fed the tokens that follow (teacher forcing),
+    /// so routing is the model's routing on real text. Without it, prompts
+    /// are random tokens and decoding is greedy (random for synthetic
+    /// models).
+    pub text_tokens: Option<Vec<u32>>,
 }
 
 impl Default for BenchOptions {
@@ -44,6 +50,7 @@ impl Default for BenchOptions {
             prefill_tokens: 512,
             ceilings: true,
             compare_policies: false,
+            text_tokens: None,
         }
     }
 }
@@ -70,8 +77,7 @@ pub struct BenchReport {
     pub time_to_first_token_ms: f64,
     pub decode_tokens: usize,
     pub decode_tok_s: f64,
-    /// `greedy`, or `random` tokens for synthetic models.
-    pub decode_input: &'static str,
+    pub decode_input: DecodeInput,
 
     /// Weights read per decoded token: dense tensors (one embedding row,
     /// the whole LM head) plus the routed experts.
@@ -114,7 +120,17 @@ pub fn run<B: Backend>(
         + options.warmup_tokens
         + options.decode_tokens;
     progress.start(steps as u64);
-    let tokens = random_tokens(options.prefill_tokens.max(options.prompt_tokens), vocab, 7);
+    let needed = options.prefill_tokens.max(options.prompt_tokens + options.warmup_tokens + options.decode_tokens);
+    let tokens = match &options.text_tokens {
+        Some(text) if text.len() < needed => {
+            return Err(Error::invalid(
+                "--text",
+                format!("has {} tokens; this run needs {needed}", text.len()),
+            ));
+        }
+        Some(text) => text.clone(),
+        None => random_tokens(options.prefill_tokens.max(options.prompt_tokens), vocab, 7),
+    };
 
     let mut prefill_tok_s = 0.0;
     if options.prefill_tokens > 0 {
@@ -136,15 +152,19 @@ pub fn run<B: Backend>(
     // Greedy decoding of random weights falls into repeating one token,
     // which would make every step route alike; a synthetic model is fed
     // random tokens instead, the streaming worst case.
-    let synthetic = manifest.synthetic;
-    let mut feed =
-        random_tokens(options.warmup_tokens + options.decode_tokens, vocab, 13).into_iter();
-    let mut next = |logits: &[f32]| {
-        if synthetic {
-            feed.next().unwrap()
-        } else {
-            argmax(logits)
-        }
+    let input = match (&options.text_tokens, manifest.synthetic) {
+        (Some(_), _) => DecodeInput::Text,
+        (None, true) => DecodeInput::Random,
+        (None, false) => DecodeInput::Greedy,
+    };
+    let mut feed = match input {
+        DecodeInput::Text => tokens[options.prompt_tokens..].to_vec(),
+        _ => random_tokens(options.warmup_tokens + options.decode_tokens, vocab, 13),
+    }
+    .into_iter();
+    let mut next = |logits: &[f32]| match input {
+        DecodeInput::Greedy => argmax(logits),
+        _ => feed.next().expect("enough tokens checked above"),
     };
     for _ in 0..options.warmup_tokens {
         logits = session.decode(next(&logits))?;
@@ -196,7 +216,7 @@ pub fn run<B: Backend>(
         time_to_first_token_ms: ttft.as_secs_f64() * 1e3,
         decode_tokens: options.decode_tokens,
         decode_tok_s,
-        decode_input: if synthetic { "random" } else { "greedy" },
+        decode_input: input,
         weight_bytes_per_token,
         achieved_gb_s: weight_bytes_per_token as f64 * decode_tok_s / 1e9,
         memory_read_gb_s,
@@ -236,6 +256,18 @@ pub struct PolicyHitRate {
     /// Cache size as a share of all the model's experts.
     pub cache_share: f64,
     pub hit_rate: f64,
+}
+
+/// What decoding is fed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecodeInput {
+    /// The model's own greedy choices.
+    Greedy,
+    /// Random tokens (synthetic models, whose greedy output repeats).
+    Random,
+    /// The following tokens of a real text.
+    Text,
 }
 
 fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {

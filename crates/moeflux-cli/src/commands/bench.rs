@@ -1,7 +1,8 @@
 //! `moeflux bench -m DIR`: decode and prefill speed beside the machine's
 //! memory and disk read bandwidth, measured in the same run.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
+use moeflux::text::Tokenizer;
 use moeflux::bench::{BenchOptions, BenchReport, run};
 use moeflux::util::human_bytes;
 
@@ -31,6 +32,10 @@ pub struct Args {
     /// 25% and 50% of the experts.
     #[arg(long)]
     compare_policies: bool,
+    /// Run on this text file (prompt from its start, decoding fed the text
+    /// that follows) instead of random tokens.
+    #[arg(long)]
+    text: Option<std::path::PathBuf>,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -45,6 +50,14 @@ pub fn run_command(args: Args) -> Result<()> {
         prefill_tokens: args.prefill,
         ceilings: !args.no_ceilings,
         compare_policies: args.compare_policies,
+        text_tokens: match &args.text {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("{}: reading the benchmark text", path.display()))?;
+                Some(Tokenizer::from_dir(model.dir().root())?.encode(&text, false)?)
+            }
+            None => None,
+        },
     };
     let report = run(&model, &options, &progress_bar())?;
     if args.json {
@@ -102,7 +115,7 @@ fn print_table(r: &BenchReport) {
         format!("{:.1} ms", r.time_to_first_token_ms),
     );
     row(
-        &format!("decode ({} {} tokens)", r.decode_tokens, r.decode_input),
+        &format!("decode ({} {:?} tokens)", r.decode_tokens, r.decode_input),
         format!("{:.2} tok/s", r.decode_tok_s),
     );
     row(
