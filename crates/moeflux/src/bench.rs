@@ -120,7 +120,9 @@ pub fn run<B: Backend>(
         + options.warmup_tokens
         + options.decode_tokens;
     progress.start(steps as u64);
-    let needed = options.prefill_tokens.max(options.prompt_tokens + options.warmup_tokens + options.decode_tokens);
+    let needed = options
+        .prefill_tokens
+        .max(options.prompt_tokens + options.warmup_tokens + options.decode_tokens);
     let tokens = match &options.text_tokens {
         Some(text) if text.len() < needed => {
             return Err(Error::invalid(

@@ -2,8 +2,8 @@
 //! memory and disk read bandwidth, measured in the same run.
 
 use anyhow::{Context, Result};
-use moeflux::text::Tokenizer;
 use moeflux::bench::{BenchOptions, BenchReport, run};
+use moeflux::text::Tokenizer;
 use moeflux::util::human_bytes;
 
 use super::ModelArgs;

@@ -44,8 +44,10 @@ pub struct ModelArgs {
     /// when the experts exceed 3/4 of memory).
     #[arg(long, value_enum, default_value = "auto")]
     pub io: IoArg,
-    /// Which experts to read ahead during decode.
-    #[arg(long, value_enum, default_value = "router")]
+    /// Which experts to read ahead during decode (router: the next layer's
+    /// router on this layer's input; previous-token: what the next layer
+    /// used last time).
+    #[arg(long, value_enum, default_value = "off")]
     pub prefetch: PrefetchArg,
 }
 

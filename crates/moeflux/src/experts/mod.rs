@@ -18,7 +18,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
-use rayon::prelude::*;
 use serde::Serialize;
 
 pub use cache::{CachePolicy, ExpertCache, ExpertKey, Weighted, simulate};
@@ -45,12 +44,14 @@ pub enum IoMode {
 }
 
 /// Which experts to read ahead for the next MoE layer while the current
-/// one computes (single-token decode).
+/// one computes (single-token decode). Off by default: on the machines
+/// measured so far (docs/PERFORMANCE.md) the wrongly predicted experts cost
+/// more disk time than the early reads save.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub enum Prefetch {
+    #[default]
     Off,
     /// The next layer's router applied to the current layer's input.
-    #[default]
     Router,
     /// The experts the next layer used for the previous token.
     PreviousToken,
@@ -117,12 +118,12 @@ struct LayerFile {
 pub struct ExpertStats {
     /// Requests found in the cache (including experts a prefetch brought).
     pub hits: u64,
-    /// Requests that waited for a prefetch still in flight.
+    /// Requests served by a prefetch (finished or still in flight).
     pub prefetch_waits: u64,
     /// Requests read on demand.
     pub misses: u64,
     pub bytes_read: u64,
-    /// Wall time of on-demand read batches.
+    /// Time during which at least one read was in flight.
     pub read_nanos: u64,
     pub prefetches_issued: u64,
     /// Decode steps' routed experts that each predictor had named.
@@ -184,9 +185,27 @@ struct Counters {
     predicted_out_of: AtomicU64,
 }
 
-/// A read started by a prefetch; requests for the same expert wait on it.
+/// An expert being fetched.
+pub enum Fetch {
+    Ready(Arc<Expert>),
+    Reading {
+        layer: usize,
+        index: usize,
+        slot: Arc<Pending>,
+        /// Started by a prefetch rather than by this request.
+        prefetched: bool,
+    },
+}
+
+impl Fetch {
+    pub fn is_ready(&self) -> bool {
+        matches!(self, Fetch::Ready(_))
+    }
+}
+
+/// A read in flight on an I/O thread.
 #[derive(Default)]
-struct Pending {
+pub struct Pending {
     /// `Some(None)`: the read failed (the requester reads again and reports).
     done: Mutex<Option<Option<Arc<Expert>>>>,
     ready: Condvar,
@@ -202,6 +221,9 @@ struct Shared {
     last_used: Mutex<Vec<Vec<u32>>>,
     predicted: Mutex<Vec<Option<Vec<u32>>>>,
     trace: Mutex<Option<Vec<ExpertKey>>>,
+    /// Reads in flight and since when at least one has been, to count the
+    /// time the disk is busy (`read_nanos`).
+    in_flight: Mutex<(usize, Option<Instant>)>,
 }
 
 pub struct ExpertStore {
@@ -245,6 +267,7 @@ impl ExpertStore {
                 last_used: Mutex::new(vec![Vec::new(); n]),
                 predicted: Mutex::new(vec![None; n]),
                 trace: Mutex::new(None),
+                in_flight: Mutex::new((0, None)),
             }),
             io_pool,
             direct,
@@ -292,63 +315,108 @@ impl ExpertStore {
         }
     }
 
-    /// Returns the requested experts of `layer`, reading those the cache
-    /// does not hold with parallel positional reads.
-    pub fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<Expert>>> {
+    /// Starts fetching experts of `layer`: those the cache holds (or a
+    /// prefetch brought) are ready; the others are read in the background,
+    /// in parallel, so the caller can compute with the ready ones
+    /// meanwhile. [`ExpertStore::wait`] completes each fetch.
+    pub fn request(&self, layer: usize, experts: &[usize]) -> Vec<Fetch> {
         let s = &self.shared;
         let keys: Vec<ExpertKey> = experts.iter().map(|&e| (layer as u32, e as u32)).collect();
         if let Some(trace) = s.trace.lock().unwrap().as_mut() {
             trace.extend(&keys);
         }
-        let mut found: Vec<Option<Arc<Expert>>> = {
+        let cached: Vec<Option<Arc<Expert>>> = {
             let mut cache = s.cache.lock().unwrap();
             keys.iter().map(|&k| cache.get(k)).collect()
         };
-        let hits = found.iter().filter(|f| f.is_some()).count() as u64;
-        s.counters.hits.fetch_add(hits, Ordering::Relaxed);
-        // Experts a prefetch is reading: wait for them rather than read twice.
-        let waiting: Vec<(usize, Arc<Pending>)> = {
-            let pending = s.pending.lock().unwrap();
-            (0..keys.len())
-                .filter(|&i| found[i].is_none())
-                .filter_map(|i| pending.get(&keys[i]).map(|p| (i, p.clone())))
-                .collect()
-        };
-        for (i, p) in &waiting {
-            let mut done = p.done.lock().unwrap();
-            while done.is_none() {
-                done = p.ready.wait(done).unwrap();
-            }
-            if let Some(Some(expert)) = done.as_ref() {
-                found[*i] = Some(expert.clone());
-                s.counters.prefetch_waits.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        let missing: Vec<usize> = (0..keys.len()).filter(|&i| found[i].is_none()).collect();
-        if !missing.is_empty() {
-            s.counters
-                .misses
-                .fetch_add(missing.len() as u64, Ordering::Relaxed);
-            let start = Instant::now();
-            let loaded: Vec<Arc<Expert>> = self.io_pool.install(|| {
-                missing
-                    .par_iter()
-                    .map(|&i| s.read(layer, experts[i]).map(Arc::new))
-                    .collect::<Result<_>>()
-            })?;
-            s.counters
-                .read_nanos
-                .fetch_add(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
-            let mut cache = s.cache.lock().unwrap();
-            for (&i, expert) in missing.iter().zip(loaded) {
-                cache.insert(keys[i], expert.clone());
-                found[i] = Some(expert);
-            }
-        }
-        Ok(found
+        let mut pending = s.pending.lock().unwrap();
+        let fetches: Vec<Fetch> = cached
             .into_iter()
-            .map(|f| f.expect("every expert found or read"))
-            .collect())
+            .zip(experts)
+            .zip(&keys)
+            .map(
+                |((cached, &index), key)| match (cached, pending.remove(key)) {
+                    (Some(expert), _) => {
+                        s.counters.hits.fetch_add(1, Ordering::Relaxed);
+                        Fetch::Ready(expert)
+                    }
+                    (None, Some(slot)) => Fetch::Reading {
+                        layer,
+                        index,
+                        slot,
+                        prefetched: true,
+                    },
+                    (None, None) => {
+                        s.counters.misses.fetch_add(1, Ordering::Relaxed);
+                        Fetch::Reading {
+                            layer,
+                            index,
+                            slot: self.start_read(layer, index),
+                            prefetched: false,
+                        }
+                    }
+                },
+            )
+            .collect();
+        fetches
+    }
+
+    /// Completes a fetch: waits for its read and offers the expert to the
+    /// cache. A failed background read is repeated here, so its error is
+    /// reported to the caller.
+    pub fn wait(&self, fetch: Fetch) -> Result<Arc<Expert>> {
+        let (layer, index, slot, prefetched) = match fetch {
+            Fetch::Ready(expert) => return Ok(expert),
+            Fetch::Reading {
+                layer,
+                index,
+                slot,
+                prefetched,
+            } => (layer, index, slot, prefetched),
+        };
+        let s = &self.shared;
+        let read = {
+            let mut done = slot.done.lock().unwrap();
+            while done.is_none() {
+                done = slot.ready.wait(done).unwrap();
+            }
+            done.clone().flatten()
+        };
+        let expert = match read {
+            Some(expert) => expert,
+            None => Arc::new(s.read(layer, index)?),
+        };
+        if prefetched {
+            s.counters.prefetch_waits.fetch_add(1, Ordering::Relaxed);
+        }
+        s.cache
+            .lock()
+            .unwrap()
+            .insert((layer as u32, index as u32), expert.clone());
+        Ok(expert)
+    }
+
+    /// Returns the requested experts of `layer` once all are in memory.
+    pub fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<Expert>>> {
+        self.request(layer, experts)
+            .into_iter()
+            .map(|f| self.wait(f))
+            .collect()
+    }
+
+    /// Reads an expert on an I/O thread; the slot receives it (or `None`
+    /// if the read failed).
+    fn start_read(&self, layer: usize, index: usize) -> Arc<Pending> {
+        let slot = Arc::new(Pending::default());
+        let (shared, done) = (self.shared.clone(), slot.clone());
+        shared.reads_started();
+        self.io_pool.spawn(move || {
+            let expert = shared.read(layer, index).ok().map(Arc::new);
+            shared.reads_finished();
+            *done.done.lock().unwrap() = Some(expert);
+            done.ready.notify_all();
+        });
+        slot
     }
 
     /// Records the experts one decode step routed to in `layer`: scores the
@@ -387,34 +455,46 @@ impl ExpertStore {
     }
 
     /// Starts background reads of the experts of `layer` that are neither
-    /// cached nor already being read.
+    /// cached nor already being read; a finished read waits in `pending`
+    /// until a request takes it. Finished reads of earlier predictions for
+    /// this layer that no request took are dropped.
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let s = &self.shared;
         let cache = s.cache.lock().unwrap();
         let mut pending = s.pending.lock().unwrap();
+        pending.retain(|&(l, _), p| l as usize != layer || p.done.lock().unwrap().is_none());
         for &e in experts {
             let key = (layer as u32, e);
             if cache.contains(key) || pending.contains_key(&key) {
                 continue;
             }
-            let slot = Arc::new(Pending::default());
-            pending.insert(key, slot.clone());
+            pending.insert(key, self.start_read(layer, e as usize));
             s.counters.prefetches_issued.fetch_add(1, Ordering::Relaxed);
-            let shared = self.shared.clone();
-            self.io_pool.spawn(move || {
-                let expert = shared.read(layer, e as usize).ok().map(Arc::new);
-                if let Some(expert) = &expert {
-                    shared.cache.lock().unwrap().insert(key, expert.clone());
-                }
-                *slot.done.lock().unwrap() = Some(expert);
-                slot.ready.notify_all();
-                shared.pending.lock().unwrap().remove(&key);
-            });
         }
     }
 }
 
 impl Shared {
+    fn reads_started(&self) {
+        let mut f = self.in_flight.lock().unwrap();
+        if f.0 == 0 {
+            f.1 = Some(Instant::now());
+        }
+        f.0 += 1;
+    }
+
+    fn reads_finished(&self) {
+        let mut f = self.in_flight.lock().unwrap();
+        f.0 -= 1;
+        if f.0 == 0
+            && let Some(since) = f.1.take()
+        {
+            self.counters
+                .read_nanos
+                .fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+    }
+
     fn read(&self, layer: usize, index: usize) -> Result<Expert> {
         let file = self.layers[layer]
             .as_ref()

@@ -75,12 +75,20 @@ pub fn routed_experts(
         }
     }
     let order: Vec<usize> = assigned.keys().copied().collect();
+    let batches: Vec<&[usize]> = order.chunks(EXPERTS_IN_FLIGHT).collect();
     let mut out = vec![0f32; n * hidden];
-    for batch in order.chunks(EXPERTS_IN_FLIGHT) {
-        let experts = store.fetch(layer, batch)?;
-        let results: Vec<Vec<f32>> = experts
-            .par_iter()
-            .map(|expert| {
+    // The next batch's reads start before this batch computes, and within
+    // a batch the experts already in memory compute while the others are
+    // read: disk time hides behind compute.
+    let mut next = batches.first().map(|b| store.request(layer, b));
+    for i in 0..batches.len() {
+        let mut current = next.take().expect("requested ahead");
+        next = batches.get(i + 1).map(|b| store.request(layer, b));
+        current.sort_by_key(|f| !f.is_ready());
+        let results: Vec<(usize, Vec<f32>)> = current
+            .into_par_iter()
+            .map(|fetch| {
+                let expert = store.wait(fetch)?;
                 let tokens = &assigned[&expert.index];
                 let xs: Vec<f32> = tokens
                     .iter()
@@ -95,11 +103,15 @@ pub fn routed_experts(
                     .zip(&up)
                     .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
                     .collect();
-                matmul(&act, m, &expert.down())
+                Ok((expert.index, matmul(&act, m, &expert.down())))
             })
-            .collect();
-        for (expert, y) in experts.iter().zip(results) {
-            for (&(t, w), row) in assigned[&expert.index].iter().zip(y.chunks_exact(hidden)) {
+            .collect::<Result<_>>()?;
+        // Summed in ascending expert order whatever finished first, so the
+        // result does not depend on read timing.
+        let mut results = results;
+        results.sort_by_key(|(index, _)| *index);
+        for (index, y) in results {
+            for (&(t, w), row) in assigned[&index].iter().zip(y.chunks_exact(hidden)) {
                 for (o, v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
                     *o += w * v;
                 }
