@@ -15,7 +15,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::experts::{CachePolicy, ExpertKey, ExpertStats, Prefetch, simulate};
 use crate::model::{Model, argmax};
-use crate::util::{AlignedBuf, Progress};
+use crate::util::{AlignedBuf, Progress, SplitMix64};
 
 #[derive(Clone, Debug)]
 pub struct BenchOptions {
@@ -273,15 +273,8 @@ pub enum DecodeInput {
 }
 
 fn random_tokens(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut state = seed;
-    (0..n)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((state >> 33) % vocab as u64) as u32
-        })
-        .collect()
+    let mut rng = SplitMix64(seed);
+    (0..n).map(|_| rng.below(vocab as u64) as u32).collect()
 }
 
 /// Bytes of weights one decoded token reads: every dense tensor except

@@ -376,6 +376,24 @@ impl<'a> ConfigReader<'a> {
         })
     }
 
+    /// Each layer's feed-forward kind: MoE unless listed in
+    /// `mlp_only_layers` or skipped by `decoder_sparse_step` (layer `i` is
+    /// sparse when `(i + 1) % step == 0`), as transformers decides it.
+    pub fn feed_forward_kinds(&self, num_layers: usize) -> Result<Vec<FeedForwardKind>> {
+        let num_experts = self.num_experts()?;
+        let sparse_step = self.usize_or("decoder_sparse_step", 1)?.max(1);
+        let mlp_only = self.usize_list("mlp_only_layers")?;
+        Ok((0..num_layers)
+            .map(|i| {
+                if !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % sparse_step == 0 {
+                    FeedForwardKind::Moe
+                } else {
+                    FeedForwardKind::Dense
+                }
+            })
+            .collect())
+    }
+
     /// Only SiLU-gated MLPs are implemented.
     pub fn require_silu(&self) -> Result<()> {
         match self.get("hidden_act").and_then(Value::as_str) {

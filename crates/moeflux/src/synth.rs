@@ -21,6 +21,7 @@ use crate::convert::{ConvertOptions, ConvertSummary, TensorSource, write_model};
 use crate::error::{Error, Result};
 use crate::quant::{DType, EncodedRows, MatrixLayout};
 use crate::util::Progress;
+use crate::util::SplitMix64;
 
 /// A real model's shapes, as its Hugging Face `config.json`.
 pub struct Preset {
@@ -214,9 +215,9 @@ fn matrix_half_width(name: &str, cols: usize) -> f32 {
 }
 
 impl TensorSource for RandomWeights {
-    /// Random codes with the scale and bias of uniform weights in
-    /// ±sqrt(3 / cols), generated directly in the stored encoding so a
-    /// synthetic model is written at disk speed.
+    /// Random codes of uniform weights (widths from [`matrix_half_width`]),
+    /// generated directly in the stored encoding so a synthetic model is
+    /// written at disk speed.
     fn encoded_rows(
         &self,
         name: &str,
@@ -224,12 +225,14 @@ impl TensorSource for RandomWeights {
         rows: Range<usize>,
     ) -> Option<EncodedRows> {
         let n = rows.len();
-        let half_width = (3.0 / layout.cols as f32).sqrt();
-        let mut state = xxhash_rust::xxh3::xxh3_64(name.as_bytes())
-            ^ (rows.start as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let half_width = matrix_half_width(name, layout.cols);
+        let mut rng = SplitMix64(
+            xxhash_rust::xxh3::xxh3_64(name.as_bytes())
+                ^ (rows.start as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+        );
         let mut random_bytes = |len: usize| -> Vec<u8> {
             let mut bytes: Vec<u8> = (0..len.div_ceil(8))
-                .flat_map(|_| splitmix64(&mut state).to_le_bytes())
+                .flat_map(|_| rng.next_u64().to_le_bytes())
                 .collect();
             bytes.truncate(len);
             bytes
@@ -268,20 +271,9 @@ impl TensorSource for RandomWeights {
         let (centre, width) = self.distribution(&src.tensor, cols);
         let seed = xxhash_rust::xxh3::xxh3_64(src.tensor.as_bytes());
         for row in src.row_start..src.row_start + src.rows {
-            let mut state = seed ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            out.extend((0..cols).map(|_| {
-                let unit = (splitmix64(&mut state) >> 40) as f32 / (1u64 << 24) as f32;
-                centre + width * (2.0 * unit - 1.0)
-            }));
+            let mut rng = SplitMix64(seed ^ (row as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            out.extend((0..cols).map(|_| centre + width * (2.0 * rng.next_unit() - 1.0)));
         }
         Ok(())
     }
-}
-
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }

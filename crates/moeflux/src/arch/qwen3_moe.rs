@@ -30,16 +30,12 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
     let (rope_theta, partial) = c.rope(1.0)?;
     let num_layers = c.usize("num_hidden_layers")?;
     let num_experts = c.num_experts()?;
-    let sparse_step = c.usize_or("decoder_sparse_step", 1)?.max(1);
-    let mlp_only = c.usize_list("mlp_only_layers")?;
-    let layers = (0..num_layers)
-        .map(|i| LayerSpec {
+    let layers = c
+        .feed_forward_kinds(num_layers)?
+        .into_iter()
+        .map(|ffn| LayerSpec {
             kind: LayerKind::FullAttention,
-            ffn: if !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % sparse_step == 0 {
-                FeedForwardKind::Moe
-            } else {
-                FeedForwardKind::Dense
-            },
+            ffn,
         })
         .collect();
     Ok(ModelConfig {

@@ -12,8 +12,8 @@
 use crate::arch::qwen3_moe::{common_tensors, feed_forward};
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, FeedForwardKind, LayerKind, LayerSpec, LinearAttentionConfig,
-    ModelConfig, MoeConfig, NormStyle,
+    AttentionConfig, ConfigReader, LayerKind, LayerSpec, LinearAttentionConfig, ModelConfig,
+    MoeConfig, NormStyle,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, RowSource, TensorRole};
 use crate::error::Result;
@@ -65,19 +65,10 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
         )));
     }
     let num_experts = c.num_experts()?;
-    let sparse_step = c.usize_or("decoder_sparse_step", 1)?.max(1);
-    let mlp_only = c.usize_list("mlp_only_layers")?;
     let layers = kinds
         .into_iter()
-        .enumerate()
-        .map(|(i, kind)| LayerSpec {
-            kind,
-            ffn: if !mlp_only.contains(&i) && num_experts > 0 && (i + 1) % sparse_step == 0 {
-                FeedForwardKind::Moe
-            } else {
-                FeedForwardKind::Dense
-            },
-        })
+        .zip(c.feed_forward_kinds(num_layers)?)
+        .map(|(kind, ffn)| LayerSpec { kind, ffn })
         .collect();
     Ok(ModelConfig {
         architecture: arch,

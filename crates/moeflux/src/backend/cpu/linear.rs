@@ -101,15 +101,8 @@ mod tests {
     use crate::util::AlignedBuf;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut state = seed;
-        (0..n)
-            .map(|_| {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((state >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
+        let mut rng = crate::util::SplitMix64(seed);
+        (0..n).map(|_| rng.next_unit() - 0.5).collect()
     }
 
     /// Every dtype, every available instruction set, awkward sizes: the
