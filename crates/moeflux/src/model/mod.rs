@@ -256,10 +256,17 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         logit_rows: usize,
     ) -> Result<Option<Vec<f32>>> {
-        let logits =
-            self.decoder
-                .forward(&self.backend, tokens, layers, &self.store, logit_rows)?;
-        Ok(logits.map(|l| self.backend.to_host(&l)))
+        // Run on a worker of the thread pool: the CPU backend's parallel
+        // operations then fork from inside the pool instead of each being
+        // injected from outside and waited for (hundreds per token).
+        let (logits, ()) = rayon::join(
+            || {
+                self.decoder
+                    .forward(&self.backend, tokens, layers, &self.store, logit_rows)
+            },
+            || (),
+        );
+        Ok(logits?.map(|l| self.backend.to_host(&l)))
     }
 
     /// Greedy continuation of `prompt` in a fresh session: the prompt is
