@@ -9,7 +9,7 @@
 //! - [`arch`]: per-family configuration parsing and checkpoint mapping;
 //! - [`blocks`]: the forward pass (attention, Gated DeltaNet, MoE, decoder),
 //!   written once against [`backend::Backend`];
-//! - [`backend`]: the CPU implementation of those operations;
+//! - [`backend`]: the implementations of those operations (CPU, CUDA);
 //! - [`experts`]: the expert store (positional reads, cache);
 //! - [`model`]: an opened model and its sessions;
 //! - [`bench`]: speed measured beside the machine's ceilings;

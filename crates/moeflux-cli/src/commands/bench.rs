@@ -1,7 +1,11 @@
 //! `moeflux bench -m DIR`: decode and prefill speed beside the machine's
 //! memory and disk read bandwidth, measured in the same run.
 
+use std::sync::Arc;
+
 use anyhow::{Context, Result};
+use moeflux::Model;
+use moeflux::backend::Backend;
 use moeflux::bench::{BenchOptions, BenchReport, run};
 use moeflux::text::Tokenizer;
 use moeflux::util::human_bytes;
@@ -42,7 +46,10 @@ pub struct Args {
 }
 
 pub fn run_command(args: Args) -> Result<()> {
-    let model = args.model.open(false)?;
+    with_model!(args.model.open(false)?, |model| bench(&model, &args))
+}
+
+fn bench<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
     let options = BenchOptions {
         prompt_tokens: args.prompt,
         decode_tokens: args.decode,
@@ -59,7 +66,7 @@ pub fn run_command(args: Args) -> Result<()> {
             None => None,
         },
     };
-    let report = run(&model, &options, &progress_bar())?;
+    let report = run(model, &options, &progress_bar())?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {

@@ -12,6 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Result;
+use moeflux::Model;
+use moeflux::backend::Backend;
 use moeflux::text::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
 
 use super::text::{TextGeneration, rate};
@@ -66,8 +68,11 @@ impl Interrupt {
 }
 
 pub fn run(args: Args) -> Result<()> {
+    with_model!(args.model.open(args.quiet)?, |model| chat(&model, &args))
+}
+
+fn chat<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
     let interactive = std::io::stdin().is_terminal();
-    let model = args.model.open(args.quiet)?;
     let dir = model.dir().root().to_path_buf();
     let tokenizer = Tokenizer::from_dir(&dir)?;
     let template = ChatTemplate::from_dir(&dir, tokenizer.special_tokens(), None)?;

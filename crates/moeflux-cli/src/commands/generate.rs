@@ -4,9 +4,12 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Result, bail};
+use moeflux::Model;
+use moeflux::backend::Backend;
 use moeflux::text::{ChatMessage, ChatOptions, ChatTemplate, TOKENIZER_FILE, Tokenizer};
 
 use super::text::{TextGeneration, rate};
@@ -56,7 +59,12 @@ pub fn run(args: Args) -> Result<()> {
             "give a prompt: -p \"text\" or --prompt-tokens 1,2,3 (or --load-state FILE to continue)"
         );
     }
-    let model = args.model.open(args.quiet)?;
+    with_model!(args.model.open(args.quiet)?, |model| generate(
+        &model, &args
+    ))
+}
+
+fn generate<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
     let dir = model.dir().root().to_path_buf();
     let mut sampler = args.sampling.sampler(&dir)?;
     let mut session = model.session();
@@ -148,7 +156,7 @@ pub fn run(args: Args) -> Result<()> {
         }
     }
     if args.stats {
-        super::print_expert_stats(&model);
+        super::print_expert_stats(model);
     }
     Ok(())
 }

@@ -22,8 +22,9 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens("--tokens", &args.tokens)?;
-    let model = args.model.open(true)?;
-    let logits = model.session().forward(&tokens, LogitsWanted::All)?;
+    let logits = with_model!(args.model.open(true)?, |model| model
+        .session()
+        .forward(&tokens, LogitsWanted::All))?;
     write_npy(
         &args.output,
         &logits.data,

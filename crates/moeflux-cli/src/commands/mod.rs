@@ -1,5 +1,17 @@
 //! One module per subcommand, plus the options they share.
 
+/// Runs `$body` with `$model` bound to the opened model (an
+/// `Arc<Model<B>>`) whatever its backend, so each command's logic is one
+/// function generic over the backend.
+macro_rules! with_model {
+    ($opened:expr, |$model:ident| $body:expr) => {
+        match $opened {
+            $crate::commands::OpenedModel::Cpu($model) => $body,
+            $crate::commands::OpenedModel::Cuda($model) => $body,
+        }
+    };
+}
+
 pub mod bench;
 pub mod chat;
 pub mod convert;
@@ -13,8 +25,10 @@ pub mod text;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use moeflux::backend::Backend;
+use moeflux::backend::cpu::CpuBackend;
+use moeflux::backend::cuda::{CudaBackend, CudaOptions, device_count};
 use moeflux::experts::{CachePolicy, IoMode, Prefetch};
 use moeflux::sampling::{Sampler, SamplerConfig};
 use moeflux::util::human_bytes;
@@ -49,6 +63,39 @@ pub struct ModelArgs {
     /// used last time).
     #[arg(long, value_enum, default_value = "off")]
     pub prefetch: PrefetchArg,
+    /// Where to compute: auto (the first CUDA device if there is one, else
+    /// the CPU), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = parse_device)]
+    pub device: Device,
+    /// Device memory for cached experts on a GPU, in MiB (default: half the
+    /// memory still free after loading the model).
+    #[arg(long)]
+    pub gpu_expert_cache_mb: Option<u64>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+fn parse_device(text: &str) -> Result<Device> {
+    Ok(match text {
+        "auto" => Device::Auto,
+        "cpu" => Device::Cpu,
+        "cuda" => Device::Cuda(0),
+        _ => match text.strip_prefix("cuda:").map(str::parse) {
+            Some(Ok(ordinal)) => Device::Cuda(ordinal),
+            _ => bail!("expected auto, cpu, cuda or cuda:N (N a device number)"),
+        },
+    })
+}
+
+/// An opened model on the backend `--device` chose; see `with_model!`.
+pub enum OpenedModel {
+    Cpu(Arc<Model<CpuBackend>>),
+    Cuda(Arc<Model<CudaBackend>>),
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -72,9 +119,9 @@ pub enum PrefetchArg {
 }
 
 impl ModelArgs {
-    /// Opens the model, printing a one-line description to stderr unless
-    /// `quiet`.
-    pub fn open(&self, quiet: bool) -> Result<Arc<Model>> {
+    /// Opens the model on the chosen device, printing a one-line
+    /// description to stderr unless `quiet`.
+    pub fn open(&self, quiet: bool) -> Result<OpenedModel> {
         let dir = match &self.model {
             Some(dir) => dir.clone(),
             None => crate::bundled::default_model_dir(quiet)?,
@@ -99,34 +146,70 @@ impl ModelArgs {
             verify_checksums: !self.no_verify,
             kv_limit_bytes: None,
         };
-        let model = Model::open(&dir, &options)?;
-        let manifest = model.dir().manifest();
-        let experts = model.experts();
+        let opened = match self.cuda_backend()? {
+            Some(cuda) => OpenedModel::Cuda(Arc::new(Model::open_with(cuda, &dir, &options)?)),
+            None => OpenedModel::Cpu(Arc::new(Model::open(&dir, &options)?)),
+        };
         if !quiet {
-            eprintln!(
-                "moeflux: {} ({}, {}{}) on {}; expert cache {} of {} ({:?}, {} reads, prefetch {:?})",
-                dir.display(),
-                model.config().architecture.name(),
-                manifest.quantization.name(),
-                if manifest.synthetic {
-                    ", synthetic: random weights"
-                } else {
-                    ""
-                },
-                model.backend().name(),
-                human_bytes(experts.cache_budget()),
-                human_bytes(manifest.expert_bytes()),
-                experts.cache_policy(),
-                if experts.direct_io() {
-                    "direct"
-                } else {
-                    "buffered"
-                },
-                options.prefetch,
-            );
+            with_model!(&opened, |model| describe(&**model, &dir, &options));
         }
-        Ok(Arc::new(model))
+        Ok(opened)
     }
+
+    /// The CUDA backend `--device` asks for, or `None` for the CPU. `auto`
+    /// falls back to the CPU, with a warning, when a GPU is there but
+    /// unusable; `cuda` makes that an error.
+    fn cuda_backend(&self) -> Result<Option<CudaBackend>> {
+        let options = CudaOptions {
+            expert_cache_bytes: self.gpu_expert_cache_mb.map(|mb| mb << 20),
+        };
+        match self.device {
+            Device::Cpu => Ok(None),
+            Device::Cuda(ordinal) => Ok(Some(
+                CudaBackend::with_options(ordinal, options).context("--device")?,
+            )),
+            Device::Auto => match device_count().and_then(|n| match n {
+                0 => Ok(None),
+                _ => CudaBackend::with_options(0, options).map(Some),
+            }) {
+                Ok(backend) => Ok(backend),
+                Err(e) => {
+                    eprintln!(
+                        "moeflux: warning: the GPU is unusable ({e}); computing on the CPU \
+                         (--device cuda makes this an error, --device cpu silences it)"
+                    );
+                    Ok(None)
+                }
+            },
+        }
+    }
+}
+
+/// The one-line description of an opened model, to stderr.
+fn describe<B: Backend>(model: &Model<B>, dir: &std::path::Path, options: &ModelOptions) {
+    let manifest = model.dir().manifest();
+    let experts = model.experts();
+    eprintln!(
+        "moeflux: {} ({}, {}{}) on {}; expert cache {} of {} ({:?}, {} reads, prefetch {:?})",
+        dir.display(),
+        model.config().architecture.name(),
+        manifest.quantization.name(),
+        if manifest.synthetic {
+            ", synthetic: random weights"
+        } else {
+            ""
+        },
+        model.backend().name(),
+        human_bytes(experts.cache_budget()),
+        human_bytes(manifest.expert_bytes()),
+        experts.cache_policy(),
+        if experts.direct_io() {
+            "direct"
+        } else {
+            "buffered"
+        },
+        options.prefetch,
+    );
 }
 
 /// Sampling and stopping, with the model's `generation_config.json` as the
@@ -186,7 +269,7 @@ impl SamplingArgs {
 }
 
 /// Expert-store counters since the model was opened, to stderr.
-pub fn print_expert_stats(model: &Model) {
+pub fn print_expert_stats<B: Backend>(model: &Model<B>) {
     let s = model.expert_stats();
     let rate = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v));
     eprintln!(
@@ -219,4 +302,20 @@ pub fn parse_tokens(option: &str, text: &str) -> Result<Vec<u32>> {
             })
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_names_parse() {
+        assert_eq!(parse_device("auto").unwrap(), Device::Auto);
+        assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
+        assert_eq!(parse_device("cuda").unwrap(), Device::Cuda(0));
+        assert_eq!(parse_device("cuda:3").unwrap(), Device::Cuda(3));
+        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+            assert!(parse_device(bad).is_err(), "{bad}");
+        }
+    }
 }

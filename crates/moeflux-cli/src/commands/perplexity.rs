@@ -2,10 +2,13 @@
 //! windows (see `moeflux::perplexity` for the exact definition).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use moeflux::perplexity::perplexity;
+use moeflux::Model;
+use moeflux::backend::Backend;
+use moeflux::perplexity::{Perplexity, perplexity};
 use moeflux::text::Tokenizer;
 
 use super::ModelArgs;
@@ -33,12 +36,8 @@ pub fn run(args: Args) -> Result<()> {
             args.file.display()
         )
     })?;
-    let model = args.model.open(args.json)?;
-    let tokenizer = Tokenizer::from_dir(model.dir().root())?;
-    let tokens = tokenizer.encode(&text, false)?;
-    let start = Instant::now();
-    let result = perplexity(&model, &tokens, args.ctx, &progress_bar())?;
-    let seconds = start.elapsed().as_secs_f64();
+    let opened = args.model.open(args.json)?;
+    let (tokens, result, seconds) = with_model!(opened, |model| score(&model, &text, args.ctx))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
     } else {
@@ -54,4 +53,17 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The text's tokens, their perplexity and the seconds it took to compute.
+fn score<B: Backend>(
+    model: &Arc<Model<B>>,
+    text: &str,
+    ctx: usize,
+) -> Result<(Vec<u32>, Perplexity, f64)> {
+    let tokenizer = Tokenizer::from_dir(model.dir().root())?;
+    let tokens = tokenizer.encode(text, false)?;
+    let start = Instant::now();
+    let result = perplexity(model, &tokens, ctx, &progress_bar())?;
+    Ok((tokens, result, start.elapsed().as_secs_f64()))
 }

@@ -8,6 +8,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use moeflux::Session;
+use moeflux::backend::Backend;
 use moeflux::sampling::{Sampler, StopCondition};
 use moeflux::text::Tokenizer;
 
@@ -31,7 +32,11 @@ pub struct TextGeneration<'a> {
 
 impl TextGeneration<'_> {
     /// Generates from the session's current state, writing text to `out`.
-    pub fn run(&mut self, session: &mut Session, out: &mut dyn Write) -> Result<Streamed> {
+    pub fn run<B: Backend>(
+        &mut self,
+        session: &mut Session<B>,
+        out: &mut dyn Write,
+    ) -> Result<Streamed> {
         let mut stop = StopCondition::new(
             self.tokenizer.special_tokens().stop_ids.clone(),
             self.stop_strings.to_vec(),

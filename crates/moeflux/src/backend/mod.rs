@@ -1,5 +1,5 @@
-//! The operations a model's forward pass is written in. Each backend (CPU
-//! today, CUDA next) implements them over its own tensor and weight types;
+//! The operations a model's forward pass is written in. Each backend (CPU,
+//! CUDA) implements them over its own tensor and weight types;
 //! the model definition in [`crate::blocks`] is written once against this
 //! trait, so backends differ in how they compute, never in what.
 //!
@@ -7,6 +7,7 @@
 //! are contiguous column ranges of a row.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;

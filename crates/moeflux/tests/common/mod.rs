@@ -20,8 +20,14 @@ pub const FIXTURES: &[&str] = &[
     "qwen3_5_moe",
 ];
 
+/// The repository's fixtures: under `$MOEFLUX_REPO` when set (a test
+/// binary run from another checkout, e.g. on a GPU machine), else beside
+/// the crate the tests were built from.
 pub fn fixtures_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures")
+    match std::env::var_os("MOEFLUX_REPO").filter(|v| !v.is_empty()) {
+        Some(repo) => PathBuf::from(repo).join("fixtures"),
+        None => Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures"),
+    }
 }
 
 /// A converted fixture; the directory lives as long as this value.

@@ -47,7 +47,8 @@ impl Tensor {
 pub struct Weight(TensorData);
 
 impl Weight {
-    /// The values of an f32 tensor (norm weights and other vectors).
+    /// The values of an f32 tensor (norm weights and other vectors),
+    /// without the padding that aligns the next tensor in the file.
     fn f32s(&self) -> &[f32] {
         assert_eq!(
             self.0.entry.dtype,
@@ -55,7 +56,8 @@ impl Weight {
             "tensor {} must be f32",
             self.0.name
         );
-        bytemuck::cast_slice(self.0.bytes())
+        let values: &[f32] = bytemuck::cast_slice(self.0.bytes());
+        &values[..self.0.layout.rows * self.0.layout.cols]
     }
 }
 

@@ -1,0 +1,223 @@
+//! The kernels: CUDA C sources compiled by NVRTC for the device's exact
+//! architecture on first use and cached on disk, so later runs load the
+//! binary in milliseconds.
+//!
+//! The cache key hashes the sources, the compile options, the compute
+//! capability and the NVRTC version: any change compiles afresh. Files go
+//! to `$MOEFLUX_CACHE/kernels` (else `$XDG_CACHE_HOME/moeflux/kernels`,
+//! else `~/.cache/moeflux/kernels`); a cache that cannot be written only
+//! costs the compile next time.
+
+use std::ffi::{CStr, CString, c_char};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
+use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
+
+/// The sources, compiled as one program in this order (common.cuh first:
+/// NVRTC is given no include paths).
+const SOURCES: [(&str, &str); 7] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("linear.cu", include_str!("kernels/linear.cu")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    (
+        "gated_delta_net.cu",
+        include_str!("kernels/gated_delta_net.cu"),
+    ),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+];
+
+/// Declares the kernels the backend launches; each is looked up by its
+/// `extern "C"` name once, when the module loads.
+macro_rules! kernels {
+    ($($name:ident),* $(,)?) => {
+        pub(super) struct Kernels {
+            $(pub $name: CudaFunction,)*
+        }
+
+        /// The kernels' names, for the test that they are all defined.
+        #[cfg(test)]
+        const NAMES: &[&str] = &[$(stringify!($name)),*];
+
+        impl Kernels {
+            fn load(module: &Arc<CudaModule>) -> Result<Kernels, String> {
+                Ok(Kernels {
+                    $($name: module
+                        .load_function(stringify!($name))
+                        .map_err(|e| format!("kernel `{}` missing from the module: {e}", stringify!($name)))?,)*
+                })
+            }
+        }
+    };
+}
+
+kernels!(
+    embed,
+    linear_f32_t1,
+    linear_f32_t8,
+    linear_bf16_t1,
+    linear_bf16_t8,
+    linear_q8_t1,
+    linear_q8_t8,
+    linear_q4_t1,
+    linear_q4_t8,
+    rms_norm,
+    gated_rms_norm,
+    add_assign,
+    silu_mul,
+    mul_sigmoid,
+    mul_sigmoid_rows,
+    copy_cols,
+    rope,
+    attention,
+    gdn_conv,
+    gdn_conv_history,
+    gdn_qk_norm,
+    gdn_recurrence,
+    route,
+    gather_rows,
+    scatter_add_rows,
+);
+
+/// The program text: every file after a `#line` directive, so compiler
+/// messages name the file and line they come from.
+fn program() -> String {
+    SOURCES
+        .iter()
+        .map(|(name, text)| format!("#line 1 \"{name}\"\n{text}\n"))
+        .collect()
+}
+
+/// Loads the kernels for the context's device, compiling them if the disk
+/// cache has no binary for this device, source and compiler.
+pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
+    // SAFETY: only probes whether the library can be opened.
+    if !unsafe { nvrtc_sys::is_culib_present() } {
+        return Err(
+            "the NVRTC library (libnvrtc.so) was not found: install CUDA's runtime \
+                    compiler or add its directory (e.g. /usr/local/cuda/lib64) to LD_LIBRARY_PATH"
+                .into(),
+        );
+    }
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| format!("reading the compute capability: {e}"))?;
+    let arch = format!("sm_{major}{minor}");
+    let options = vec![format!("--gpu-architecture={arch}")];
+    let (nvrtc_major, nvrtc_minor) = nvrtc_version()?;
+    let source = program();
+    let mut key = xxhash_rust::xxh3::Xxh3::new();
+    key.update(source.as_bytes());
+    key.update(options.join(" ").as_bytes());
+    key.update(format!("{arch} nvrtc {nvrtc_major}.{nvrtc_minor}").as_bytes());
+    let path = cache_dir().join(format!("moeflux-{arch}-{:016x}.cubin", key.digest()));
+
+    let cached = std::fs::read(&path)
+        .ok()
+        .and_then(|cubin| ctx.load_module(Ptx::from_binary(cubin)).ok());
+    let module = match cached {
+        Some(module) => module,
+        None => {
+            let cubin = compile(&source, &options).map_err(|e| {
+                format!(
+                    "compiling the kernels for {arch} with NVRTC {nvrtc_major}.{nvrtc_minor}: {e}"
+                )
+            })?;
+            store(&path, &cubin);
+            ctx.load_module(Ptx::from_binary(cubin))
+                .map_err(|e| format!("loading the compiled kernels: {e}"))?
+        }
+    };
+    Kernels::load(&module)
+}
+
+fn nvrtc_version() -> Result<(i32, i32), String> {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: writes two ints.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| format!("querying the NVRTC version: {e}"))?;
+    Ok((major, minor))
+}
+
+/// Compiles `source` to a CUBIN for the architecture named in `options`.
+fn compile(source: &str, options: &[String]) -> Result<Vec<u8>, String> {
+    let src = CString::new(source).expect("kernel sources contain no NUL");
+    let name = CString::new("moeflux.cu").expect("no NUL");
+    let prog = nvrtc::create_program(&src, Some(&name)).map_err(|e| e.to_string())?;
+    // SAFETY: `prog` is a live program until destroyed below; the buffers
+    // passed to NVRTC are sized by the sizes it reports.
+    let result = unsafe {
+        match nvrtc::compile_program(prog, options) {
+            Err(e) => {
+                let log = nvrtc::get_program_log(prog)
+                    .map(|log| CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                Err(format!("{e}\n{log}"))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| format!("reading the binary size: {e}"))
+                    .and_then(|()| {
+                        let mut cubin = vec![0u8; size];
+                        nvrtc_sys::nvrtcGetCUBIN(prog, cubin.as_mut_ptr() as *mut c_char)
+                            .result()
+                            .map_err(|e| format!("reading the binary: {e}"))
+                            .map(|()| cubin)
+                    })
+            }
+        }
+    };
+    // SAFETY: created above, destroyed once.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    result
+}
+
+/// Where compiled kernels are kept (see the module documentation).
+fn cache_dir() -> PathBuf {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("MOEFLUX_CACHE")
+        .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("moeflux")))
+        .or_else(|| var("HOME").map(|p| p.join(".cache/moeflux")))
+        .unwrap_or_else(|| std::env::temp_dir().join("moeflux-cache"))
+        .join("kernels")
+}
+
+/// Writes through a temporary name, so a concurrent reader never loads a
+/// partial binary. Failures are ignored: the cache only saves time.
+fn store(path: &std::path::Path, cubin: &[u8]) {
+    let Some(dir) = path.parent() else { return };
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let written = std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::write(&tmp, cubin))
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel the backend looks up is defined by the sources (on a
+    /// machine without a GPU nothing else resolves the names).
+    #[test]
+    fn every_declared_kernel_is_defined_in_the_sources() {
+        let source = program();
+        for name in NAMES {
+            let defined = source.contains(&format!(" {name}("))
+                || source.contains(&format!("LINEAR_KERNEL({name},"));
+            assert!(defined, "kernel {name} is not defined in kernels/");
+        }
+    }
+}

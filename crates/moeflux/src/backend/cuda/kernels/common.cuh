@@ -1,0 +1,99 @@
+// Helpers shared by every moeflux kernel. NVRTC compiles the kernel files
+// as one program with no headers: compile.rs puts this file first and the
+// others after it, so nothing here may depend on the CUDA runtime headers.
+//
+// Conventions: activations are row-major f32 `[rows, cols]`; sizes that can
+// exceed 2^31 elements are `long long`; every kernel bounds-checks its
+// indices and loops grid-stride where the grid is capped.
+
+typedef long long i64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define WARP_SIZE 32
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+// Storage types of a stored matrix (DType in Rust; see docs/FORMAT.md).
+#define DT_F32 0
+#define DT_BF16 1
+#define DT_Q8 2
+#define DT_Q4 3
+// Input weights sharing one scale and bias in q8 and q4.
+#define GROUP_SIZE 64
+
+__device__ __forceinline__ float bf16_to_float(u16 v) {
+    return __int_as_float(((u32)v) << 16);
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+// torch's softplus (beta 1, threshold 20).
+__device__ __forceinline__ float softplus(float x) {
+    return x > 20.0f ? x : log1pf(expf(x));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(FULL_MASK, v, offset);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, offset));
+    }
+    return v;
+}
+
+// Sum over the block, returned to every thread. blockDim.x must be a
+// multiple of 32; `scratch` is 32 floats of shared memory. Every thread of
+// the block must call it (it synchronises).
+__device__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x % WARP_SIZE;
+    int warp = threadIdx.x / WARP_SIZE;
+    int warps = blockDim.x / WARP_SIZE;
+    v = warp_sum(v);
+    __syncthreads();  // an earlier call may still be reading scratch
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_sum(lane < warps ? scratch[lane] : 0.0f);
+}
+
+// Maximum over the block; same contract as block_sum.
+__device__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x % WARP_SIZE;
+    int warp = threadIdx.x / WARP_SIZE;
+    int warps = blockDim.x / WARP_SIZE;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    return warp_max(lane < warps ? scratch[lane] : NEG_INF);
+}
+
+// Element (row, col) of a stored matrix as f32: `q * scale + bias` for the
+// quantized types (q * scale is exact, so one fma rounds like the CPU's
+// multiply then add).
+__device__ __forceinline__ float dequantize(const u8* codes, const u16* scales,
+                                            const u16* biases, int dtype, i64 row,
+                                            int col, int cols) {
+    i64 at = row * cols + col;
+    if (dtype == DT_F32) return ((const float*)codes)[at];
+    if (dtype == DT_BF16) return bf16_to_float(((const u16*)codes)[at]);
+    i64 group = row * (cols / GROUP_SIZE) + col / GROUP_SIZE;
+    float scale = bf16_to_float(scales[group]);
+    float bias = bf16_to_float(biases[group]);
+    u32 q;
+    if (dtype == DT_Q8) {
+        q = codes[at];
+    } else {
+        u8 pair = codes[at / 2];
+        q = (col & 1) ? (u32)(pair >> 4) : (u32)(pair & 15);
+    }
+    return fmaf((float)q, scale, bias);
+}

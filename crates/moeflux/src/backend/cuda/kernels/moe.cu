@@ -1,0 +1,112 @@
+// Routing and the gather/scatter around each routed expert.
+
+#define ROUTE_THREADS 256
+
+// Per token: softmax over the router logits, the top_k experts (ties to
+// the lower index, like the CPU's stable sort) and their probabilities,
+// renormalised to sum to one when `normalize`. One block per token;
+// dynamic shared memory: one byte per expert (chosen flags).
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
+    route(const float* logits, u32* experts, float* weights, int n, int num_experts,
+          int top_k, int normalize) {
+    extern __shared__ u8 chosen[];
+    __shared__ float scratch[32];
+    __shared__ float best_value[32];
+    __shared__ int best_index[32];
+    int lane = threadIdx.x % WARP_SIZE;
+    int warp = threadIdx.x / WARP_SIZE;
+    int warps = blockDim.x / WARP_SIZE;
+    const int none = 0x7fffffff;
+    for (int t = blockIdx.x; t < n; t += gridDim.x) {
+        const float* row = logits + (i64)t * num_experts;
+        float max_logit = NEG_INF;
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            max_logit = fmaxf(max_logit, row[e]);
+            chosen[e] = 0;
+        }
+        max_logit = block_max(max_logit, scratch);
+        float total = 0.0f;
+        for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+            total += expf(row[e] - max_logit);
+        }
+        total = block_sum(total, scratch);  // also orders the chosen[] resets
+        u32* out_experts = experts + (i64)t * top_k;
+        float* out_weights = weights + (i64)t * top_k;
+        for (int k = 0; k < top_k; ++k) {
+            float value = NEG_INF;
+            int index = none;
+            for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+                float v = row[e];
+                if (!chosen[e] && (v > value || (v == value && e < index))) {
+                    value = v;
+                    index = e;
+                }
+            }
+            for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+                float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
+                int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
+                if (other_value > value || (other_value == value && other_index < index)) {
+                    value = other_value;
+                    index = other_index;
+                }
+            }
+            if (lane == 0) {
+                best_value[warp] = value;
+                best_index[warp] = index;
+            }
+            __syncthreads();
+            if (threadIdx.x == 0) {
+                for (int w = 1; w < warps; ++w) {
+                    if (best_value[w] > value ||
+                        (best_value[w] == value && best_index[w] < index)) {
+                        value = best_value[w];
+                        index = best_index[w];
+                    }
+                }
+                // Only NaN logits leave nothing chosen: take the first free one.
+                for (int e = 0; index == none && e < num_experts; ++e) {
+                    if (!chosen[e]) index = e;
+                }
+                chosen[index] = 1;
+                out_experts[k] = (u32)index;
+                out_weights[k] = expf(row[index] - max_logit) / total;
+            }
+            __syncthreads();
+        }
+        if (threadIdx.x == 0 && normalize) {
+            float sum = 0.0f;
+            for (int k = 0; k < top_k; ++k) sum += out_weights[k];
+            float scale = 1.0f / sum;
+            for (int k = 0; k < top_k; ++k) out_weights[k] *= scale;
+        }
+        __syncthreads();
+    }
+}
+
+// xs[i] = x[slots[i] / top_k]: the rows of the tokens routed to one expert
+// (a slot is token · top_k + rank).
+extern "C" __global__ void gather_rows(const float* x, const u32* slots, float* xs, int m,
+                                       int cols, int top_k) {
+    i64 total = (i64)m * cols;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x) {
+        i64 row = i / cols;
+        int c = (int)(i % cols);
+        xs[i] = x[(i64)(slots[row] / top_k) * cols + c];
+    }
+}
+
+// out[slots[i] / top_k] += weights[slots[i]] · y[i]. A token routes to an
+// expert at most once, so no two rows of one launch write the same output.
+extern "C" __global__ void scatter_add_rows(float* out, const float* y, const u32* slots,
+                                            const float* weights, int m, int cols,
+                                            int top_k) {
+    i64 total = (i64)m * cols;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x) {
+        i64 row = i / cols;
+        int c = (int)(i % cols);
+        u32 slot = slots[row];
+        out[(i64)(slot / top_k) * cols + c] += weights[slot] * y[i];
+    }
+}

@@ -1,0 +1,1043 @@
+//! The CUDA backend: the operations of [`Backend`] as our own CUDA C
+//! kernels (`kernels/`), compiled by NVRTC for the device at first use and
+//! cached on disk (`compile.rs`). The CUDA libraries are loaded at run
+//! time, so the same binary runs without CUDA and uses a GPU where there
+//! is one ([`device_count`] tells which).
+//!
+//! Residency: weights are copied to device memory when the model opens;
+//! activations, KV caches and Gated DeltaNet states live there and every
+//! operation runs on one stream, in order. Data crosses to the host only
+//! where the trait asks for it: logits ([`Backend::to_host`]), saved
+//! session state, and each MoE layer's selected expert ids, which the
+//! expert store needs to read experts (see `experts.rs`).
+//!
+//! Numerics follow the CPU backend: f32 activations and accumulation,
+//! weights dequantized exactly as stored, rotary frequencies computed on
+//! the host in f32. Only summation orders differ.
+//!
+//! The trait's operations cannot fail, so a device failure inside one (a
+//! kernel fault, memory exhausted even after emptying the expert cache)
+//! stops the program with a message naming the operation; opening a model
+//! and the routed experts report errors normally.
+
+/// Launches a kernel on the backend's stream:
+/// `launch!(backend, "what", &kernel, config, args...)`, each argument a
+/// reference (`&slice`, `&mut slice`, `&view`, `&scalar`) in the order of
+/// the kernel's parameters.
+macro_rules! launch {
+    ($backend:expr, $op:expr, $kernel:expr, $config:expr, $($arg:expr),+ $(,)?) => {{
+        let mut builder = $backend.stream.launch_builder($kernel);
+        $(cudarc::driver::PushKernelArg::arg(&mut builder, $arg);)+
+        // SAFETY: the arguments follow the kernel's parameter list in
+        // kernels/, and the callers size every buffer for what the kernel
+        // reads and writes.
+        let launched = unsafe { builder.launch($config) };
+        $crate::backend::cuda::ok($op, launched);
+    }};
+}
+
+mod compile;
+mod experts;
+mod state;
+
+use std::collections::HashMap;
+use std::fmt::Display;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::driver::sys::CUresult;
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError, LaunchConfig,
+    ValidAsZeroBits,
+};
+
+pub use experts::ExpertCacheStats;
+pub use state::{KvCache, LinearState};
+
+use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
+use crate::config::LinearAttentionConfig;
+use crate::error::{Error, Result};
+use crate::experts::ExpertStore;
+use crate::format::TensorData;
+use crate::quant::{DType, MatrixLayout};
+use crate::util::human_bytes;
+use compile::Kernels;
+use experts::VramCache;
+
+/// Threads per block of the grid-stride kernels.
+const THREADS: u32 = 256;
+/// Most blocks of a grid-stride launch (they loop over the rest).
+const MAX_BLOCKS: usize = 65_535;
+/// Warps per block of the linear kernels (`LINEAR_WARPS` in linear.cu).
+const LINEAR_WARPS: usize = 4;
+/// Threads per block of the attention kernel (`ATTN_WARPS` warps).
+const ATTENTION_THREADS: u32 = 128;
+/// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
+const MAX_HEAD_DIM: usize = 512;
+/// Threads per block of the Gated DeltaNet recurrence (`GDN_THREADS`).
+const GDN_THREADS: usize = 128;
+/// Shared memory a block may use without opting in to more.
+const MAX_SHARED_BYTES: usize = 48 * 1024;
+
+/// CUDA devices this process can use: 0 when there is no driver library
+/// or no device, an error when a driver is installed but fails.
+pub fn device_count() -> Result<usize> {
+    // SAFETY: only probes whether the driver library can be opened.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Ok(0);
+    }
+    match cudarc::driver::result::init() {
+        Ok(()) => {}
+        Err(e) if e.0 == CUresult::CUDA_ERROR_NO_DEVICE => return Ok(0),
+        Err(e) => {
+            return Err(Error::invalid(
+                "CUDA",
+                format!("the driver is installed but failed to initialise: {e}"),
+            ));
+        }
+    }
+    let count = cudarc::driver::result::device::get_count()
+        .map_err(|e| Error::invalid("CUDA", format!("counting devices: {e}")))?;
+    Ok(count.max(0) as usize)
+}
+
+/// Rotary inverse frequencies on the device, shared by the layers.
+type RopeFrequencies = Arc<CudaSlice<f32>>;
+
+/// Options of a [`CudaBackend`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CudaOptions {
+    /// Bytes of device memory for cached experts; `None`: half the device
+    /// memory still free when the first expert is uploaded (after the
+    /// weights). The cache also gives memory back when an allocation
+    /// fails.
+    pub expert_cache_bytes: Option<u64>,
+}
+
+/// Computes on one CUDA device (see the module documentation). Each model
+/// owns its backend: the VRAM expert cache is keyed by layer and expert.
+pub struct CudaBackend {
+    ordinal: usize,
+    description: String,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: Kernels,
+    /// Rotary frequencies by (rotary_dim, theta bits).
+    rope_frequencies: Mutex<HashMap<(usize, u64), RopeFrequencies>>,
+    experts: Mutex<VramCache>,
+}
+
+/// A row-major `[rows, cols]` f32 matrix in device memory.
+pub struct Tensor {
+    rows: usize,
+    cols: usize,
+    data: CudaSlice<f32>,
+}
+
+/// A stored tensor copied to device memory in its stored encoding.
+pub struct Weight {
+    name: String,
+    layout: MatrixLayout,
+    data: CudaSlice<u8>,
+}
+
+impl Weight {
+    fn matrix(&self) -> Matrix<'_> {
+        Matrix {
+            name: &self.name,
+            layout: self.layout,
+            data: &self.data,
+            offset: 0,
+        }
+    }
+
+    /// The length of an f32 vector (norm weights and other parameters).
+    fn vector_len(&self, op: &str) -> usize {
+        assert_eq!(
+            self.layout.dtype,
+            DType::F32,
+            "{op}: tensor {} must be f32",
+            self.name
+        );
+        self.layout.rows * self.layout.cols
+    }
+}
+
+/// A stored matrix at `offset` in a device buffer (a dense weight, or a
+/// part of an expert).
+struct Matrix<'a> {
+    name: &'a str,
+    layout: MatrixLayout,
+    data: &'a CudaSlice<u8>,
+    offset: usize,
+}
+
+/// Each token's selected experts and weights on the device, and the ids on
+/// the host once something asked for them (the expert store reads by id).
+pub struct Routing {
+    top_k: usize,
+    rows: usize,
+    experts: CudaSlice<u32>,
+    weights: CudaSlice<f32>,
+    host_experts: OnceLock<Vec<u32>>,
+}
+
+impl Routing {
+    fn experts_on_host(&self) -> &[u32] {
+        self.host_experts.get_or_init(|| {
+            let stream = self.experts.stream();
+            let ids = ok(
+                "reading the selected experts",
+                stream.clone_dtoh(&self.experts),
+            );
+            ok("reading the selected experts", stream.synchronize());
+            ids
+        })
+    }
+
+    /// Every token's expert weights, in the order of the selected experts.
+    pub fn weights_to_host(&self) -> Vec<f32> {
+        let stream = self.weights.stream();
+        let weights = ok(
+            "reading the routing weights",
+            stream.clone_dtoh(&self.weights),
+        );
+        ok("reading the routing weights", stream.synchronize());
+        weights
+    }
+}
+
+/// Unwraps the result of a device call inside an operation that cannot
+/// fail (see the module documentation).
+pub(crate) fn ok<T>(op: &str, result: std::result::Result<T, DriverError>) -> T {
+    result.unwrap_or_else(|e| panic!("CUDA failed in {op}: {e}"))
+}
+
+/// A size passed to a kernel as `int`.
+fn int(value: usize, what: &str) -> i32 {
+    i32::try_from(value)
+        .unwrap_or_else(|_| panic!("{what} = {value} exceeds the CUDA kernels' 32-bit sizes"))
+}
+
+fn long(value: usize) -> i64 {
+    value as i64
+}
+
+fn device_error(ordinal: usize, what: impl Display, e: impl Display) -> Error {
+    Error::invalid(format!("cuda:{ordinal}"), format!("{what}: {e}"))
+}
+
+/// Lets the device's stream-ordered memory pool keep freed memory instead
+/// of returning it to the driver at every synchronisation: each token
+/// allocates and frees many small buffers.
+fn keep_freed_memory(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold = u64::MAX;
+    // SAFETY: `pool` receives the device's default pool, which lives as long
+    // as the context; the attribute value is a u64 as the driver expects.
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut threshold as *mut u64 as *mut std::ffi::c_void,
+        )
+        .result()
+    }
+}
+
+/// A grid-stride launch over `total` elements.
+fn grid_stride(total: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (
+            total.div_ceil(THREADS as usize).clamp(1, MAX_BLOCKS) as u32,
+            1,
+            1,
+        ),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// One block of `threads` per item, up to [`MAX_BLOCKS`] (the kernels loop
+/// over the rest).
+fn block_per_item(items: usize, threads: u32, shared_mem_bytes: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (items.clamp(1, MAX_BLOCKS) as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes,
+    }
+}
+
+impl CudaBackend {
+    /// The backend on device `ordinal` with default options.
+    pub fn new(ordinal: usize) -> Result<CudaBackend> {
+        CudaBackend::with_options(ordinal, CudaOptions::default())
+    }
+
+    pub fn with_options(ordinal: usize, options: CudaOptions) -> Result<CudaBackend> {
+        let count = device_count()?;
+        if ordinal >= count {
+            return Err(Error::invalid(
+                format!("cuda:{ordinal}"),
+                match count {
+                    0 => "no CUDA device found (no NVIDIA driver, or no GPU visible)".to_string(),
+                    n => format!("no such device: there are {n} (cuda:0 to cuda:{})", n - 1),
+                },
+            ));
+        }
+        let fail = |what: &str, e: DriverError| device_error(ordinal, what, e);
+        let ctx = CudaContext::new(ordinal).map_err(|e| fail("creating a context", e))?;
+        // SAFETY: the backend uses a single stream, so no buffer is ever
+        // shared between streams and cudarc's cross-stream events are not
+        // needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| fail("creating a stream", e))?;
+        if ctx.has_async_alloc() {
+            keep_freed_memory(&ctx).map_err(|e| fail("configuring the memory pool", e))?;
+        }
+        let kernels = compile::load(&ctx).map_err(|e| device_error(ordinal, "kernels", e))?;
+        let name = ctx.name().map_err(|e| fail("reading the device name", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| fail("reading the compute capability", e))?;
+        let memory = ctx
+            .total_mem()
+            .map_err(|e| fail("reading the memory size", e))?;
+        let cache = match options.expert_cache_bytes {
+            Some(bytes) => human_bytes(bytes),
+            None => "auto".to_string(),
+        };
+        Ok(CudaBackend {
+            ordinal,
+            description: format!(
+                "cuda:{ordinal} ({name}, sm_{major}{minor}, {}; VRAM expert cache {cache})",
+                human_bytes(memory as u64)
+            ),
+            ctx,
+            stream,
+            kernels,
+            rope_frequencies: Mutex::new(HashMap::new()),
+            experts: Mutex::new(VramCache::new(options.expert_cache_bytes)),
+        })
+    }
+
+    /// What the VRAM expert cache has done so far.
+    pub fn expert_cache_stats(&self) -> ExpertCacheStats {
+        self.experts.lock().unwrap().stats()
+    }
+
+    /// A device tensor holding `data` (`[rows, cols]`, row-major).
+    pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Tensor {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "tensor_from_host: data is not [rows, cols]"
+        );
+        Tensor {
+            rows,
+            cols,
+            data: self.upload("tensor_from_host", data),
+        }
+    }
+
+    /// Uninitialised device memory for `len` values (at least one, so that
+    /// empty tensors are valid buffers too). When memory runs out, cached
+    /// experts are dropped until the allocation fits or none is left.
+    fn try_alloc<T: DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> std::result::Result<CudaSlice<T>, DriverError> {
+        loop {
+            // SAFETY: callers write the memory before it is read (or zero it).
+            match unsafe { self.stream.alloc::<T>(len.max(1)) } {
+                Err(e)
+                    if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+                        && self.experts.lock().unwrap().evict_one() => {}
+                result => return result,
+            }
+        }
+    }
+
+    fn alloc<T: DeviceRepr>(&self, op: &str, len: usize) -> CudaSlice<T> {
+        ok(op, self.try_alloc(len))
+    }
+
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, op: &str, len: usize) -> CudaSlice<T> {
+        let mut data = self.alloc(op, len);
+        ok(op, self.stream.memset_zeros(&mut data));
+        data
+    }
+
+    fn upload<T: DeviceRepr>(&self, op: &str, data: &[T]) -> CudaSlice<T> {
+        let mut buffer = self.alloc(op, data.len());
+        if !data.is_empty() {
+            ok(
+                op,
+                self.stream
+                    .memcpy_htod(data, &mut buffer.slice_mut(..data.len())),
+            );
+        }
+        buffer
+    }
+
+    /// The first `len` values of `data`, on the host.
+    fn download<T: DeviceRepr + Default + Clone>(
+        &self,
+        op: &str,
+        data: &CudaSlice<T>,
+        len: usize,
+    ) -> Vec<T> {
+        if len == 0 {
+            return Vec::new();
+        }
+        let host = ok(op, self.stream.clone_dtoh(&data.slice(..len)));
+        ok(op, self.stream.synchronize());
+        ok(op, self.ctx.check_err());
+        host
+    }
+
+    fn tensor(&self, op: &str, rows: usize, cols: usize) -> Tensor {
+        Tensor {
+            rows,
+            cols,
+            data: self.alloc(op, rows * cols),
+        }
+    }
+
+    /// `x · wᵀ` for `x` `[n, cols]` in device memory.
+    fn matmul(&self, x: &CudaSlice<f32>, n: usize, cols: usize, w: &Matrix<'_>) -> CudaSlice<f32> {
+        let l = w.layout;
+        assert_eq!(
+            cols, l.cols,
+            "linear: input width {cols} vs weight {} [{}, {}]",
+            w.name, l.rows, l.cols
+        );
+        let single = n == 1;
+        let (op, kernel) = match (l.dtype, single) {
+            (DType::F32, true) => ("linear f32", &self.kernels.linear_f32_t1),
+            (DType::F32, false) => ("linear f32", &self.kernels.linear_f32_t8),
+            (DType::Bf16, true) => ("linear bf16", &self.kernels.linear_bf16_t1),
+            (DType::Bf16, false) => ("linear bf16", &self.kernels.linear_bf16_t8),
+            (DType::Q8, true) => ("linear q8", &self.kernels.linear_q8_t1),
+            (DType::Q8, false) => ("linear q8", &self.kernels.linear_q8_t8),
+            (DType::Q4, true) => ("linear q4", &self.kernels.linear_q4_t1),
+            (DType::Q4, false) => ("linear q4", &self.kernels.linear_q4_t8),
+        };
+        let tile = if single { 1 } else { 8 };
+        let token_tiles = n.div_ceil(tile);
+        assert!(
+            token_tiles <= MAX_BLOCKS,
+            "linear: {n} tokens in one call is too many"
+        );
+        let (codes, scales, biases) = w.sections();
+        let mut out = self.alloc::<f32>(op, n * l.rows);
+        let (rows, cols, n_i) = (int(l.rows, "rows"), int(cols, "columns"), int(n, "tokens"));
+        let config = LaunchConfig {
+            grid_dim: (l.rows.div_ceil(LINEAR_WARPS) as u32, token_tiles as u32, 1),
+            block_dim: ((LINEAR_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self, op, kernel, config, &codes, &scales, &biases, x, &mut out, &rows, &cols, &n_i
+        );
+        out
+    }
+
+    fn silu_mul_raw(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        len: usize,
+    ) -> CudaSlice<f32> {
+        let mut out = self.alloc::<f32>("silu_mul", len);
+        let n = long(len);
+        launch!(
+            self,
+            "silu_mul",
+            &self.kernels.silu_mul,
+            grid_stride(len),
+            gate,
+            up,
+            &mut out,
+            &n
+        );
+        out
+    }
+
+    /// Rotary frequencies, computed in f32 exactly as the CPU backend does
+    /// (transformers' RotaryEmbedding), uploaded once per shape.
+    fn rope_frequencies(&self, rotary_dim: usize, theta: f64) -> RopeFrequencies {
+        let mut cache = self.rope_frequencies.lock().unwrap();
+        cache
+            .entry((rotary_dim, theta.to_bits()))
+            .or_insert_with(|| {
+                let inv_freq: Vec<f32> = (0..rotary_dim / 2)
+                    .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
+                    .collect();
+                Arc::new(self.upload("rope", &inv_freq))
+            })
+            .clone()
+    }
+
+    /// RMSNorm of each group of `weight`'s length; `z` adds the gate of
+    /// Gated DeltaNet's norm.
+    fn norm(
+        &self,
+        x: &Tensor,
+        weight: &Weight,
+        z: Option<&Tensor>,
+        eps: f32,
+        offset: f32,
+    ) -> Tensor {
+        let op = if z.is_some() {
+            "gated_rms_norm"
+        } else {
+            "rms_norm"
+        };
+        let group = weight.vector_len(op);
+        let total = x.rows * x.cols;
+        assert!(
+            group > 0 && total.is_multiple_of(group),
+            "{op}: {} values are not groups of {group} ({})",
+            total,
+            weight.name
+        );
+        let groups = total / group;
+        let threads = if group <= 128 { 128 } else { 256 };
+        let config = block_per_item(groups, threads, 0);
+        let mut out = self.tensor(op, x.rows, x.cols);
+        let (groups, group) = (long(groups), int(group, "norm group"));
+        match z {
+            None => launch!(
+                self,
+                op,
+                &self.kernels.rms_norm,
+                config,
+                &x.data,
+                &weight.data,
+                &mut out.data,
+                &groups,
+                &group,
+                &eps,
+                &offset
+            ),
+            Some(z) => {
+                assert_eq!(z.rows * z.cols, total, "gated_rms_norm: gate shape");
+                launch!(
+                    self,
+                    op,
+                    &self.kernels.gated_rms_norm,
+                    config,
+                    &x.data,
+                    &z.data,
+                    &weight.data,
+                    &mut out.data,
+                    &groups,
+                    &group,
+                    &eps
+                )
+            }
+        }
+        out
+    }
+}
+
+impl<'a> Matrix<'a> {
+    /// Views of the codes (or plain values), scales and biases; the
+    /// unquantized types have no scales or biases and pass the values
+    /// again in their place.
+    fn sections(&self) -> (CudaView<'a, u8>, CudaView<'a, u8>, CudaView<'a, u8>) {
+        let l = self.layout;
+        let data: &'a CudaSlice<u8> = self.data;
+        let start = self.offset;
+        let at = |offset: usize| data.slice(start + offset..start + l.total_bytes);
+        if l.dtype.is_quantized() {
+            (at(0), at(l.scales_offset), at(l.biases_offset))
+        } else {
+            (at(0), at(0), at(0))
+        }
+    }
+}
+
+impl Backend for CudaBackend {
+    type Tensor = Tensor;
+    type Weight = Weight;
+    type KvCache = KvCache;
+    type LinearState = LinearState;
+    type Routing = Routing;
+
+    fn name(&self) -> String {
+        self.description.clone()
+    }
+
+    fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
+        let bytes = tensor.bytes();
+        let fail = |e: DriverError| {
+            device_error(self.ordinal, format!("uploading tensor {}", tensor.name), e)
+        };
+        let mut data = self.try_alloc::<u8>(bytes.len()).map_err(fail)?;
+        if !bytes.is_empty() {
+            self.stream
+                .memcpy_htod(bytes, &mut data.slice_mut(..bytes.len()))
+                .map_err(fail)?;
+        }
+        Ok(Weight {
+            name: tensor.name.clone(),
+            layout: tensor.layout,
+            data,
+        })
+    }
+
+    fn new_kv_cache(&self, shape: AttentionShape) -> KvCache {
+        self.kv_new(shape)
+    }
+
+    fn kv_len(&self, cache: &KvCache) -> usize {
+        cache.len()
+    }
+
+    fn kv_truncate(&self, cache: &mut KvCache, len: usize) {
+        self.kv_truncate_to(cache, len);
+    }
+
+    fn kv_export(&self, cache: &KvCache) -> HostKv {
+        self.kv_to_host(cache)
+    }
+
+    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> KvCache {
+        self.kv_from_host(shape, host)
+    }
+
+    fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> LinearState {
+        self.linear_new(cfg)
+    }
+
+    fn linear_copy(&self, state: &LinearState) -> LinearState {
+        self.linear_clone(state)
+    }
+
+    fn linear_export(&self, state: &LinearState) -> HostLinearState {
+        self.linear_to_host(state)
+    }
+
+    fn linear_import(&self, cfg: &LinearAttentionConfig, host: HostLinearState) -> LinearState {
+        self.linear_from_host(cfg, host)
+    }
+
+    fn rows(&self, x: &Tensor) -> usize {
+        x.rows
+    }
+
+    fn last_rows(&self, x: &Tensor, n: usize) -> Tensor {
+        let n = n.min(x.rows);
+        let mut out = self.tensor("last_rows", n, x.cols);
+        let (from, to) = ((x.rows - n) * x.cols, x.rows * x.cols);
+        if to > from {
+            ok(
+                "last_rows",
+                self.stream.memcpy_dtod(
+                    &x.data.slice(from..to),
+                    &mut out.data.slice_mut(..to - from),
+                ),
+            );
+        }
+        out
+    }
+
+    fn to_host(&self, x: &Tensor) -> Vec<f32> {
+        self.download("to_host", &x.data, x.rows * x.cols)
+    }
+
+    fn embed(&self, table: &Weight, tokens: &[u32]) -> Tensor {
+        let l = table.layout;
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= l.rows) {
+            panic!(
+                "embed: token {bad} is outside table {} of {} rows",
+                table.name, l.rows
+            );
+        }
+        let ids = self.upload("embed", tokens);
+        let mut out = self.tensor("embed", tokens.len(), l.cols);
+        let (codes, scales, biases) = table.matrix().sections();
+        let dtype: i32 = match l.dtype {
+            DType::F32 => 0,
+            DType::Bf16 => 1,
+            DType::Q8 => 2,
+            DType::Q4 => 3,
+        };
+        let (n, rows, cols) = (
+            int(tokens.len(), "tokens"),
+            int(l.rows, "embedding rows"),
+            int(l.cols, "embedding width"),
+        );
+        launch!(
+            self,
+            "embed",
+            &self.kernels.embed,
+            grid_stride(tokens.len() * l.cols),
+            &codes,
+            &scales,
+            &biases,
+            &dtype,
+            &ids,
+            &mut out.data,
+            &n,
+            &rows,
+            &cols
+        );
+        out
+    }
+
+    fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
+        let data = self.matmul(&x.data, x.rows, x.cols, &w.matrix());
+        Tensor {
+            rows: x.rows,
+            cols: w.layout.rows,
+            data,
+        }
+    }
+
+    fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Tensor {
+        let offset = if norm.unit_offset { 1.0 } else { 0.0 };
+        self.norm(x, weight, None, norm.eps, offset)
+    }
+
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Vec<Tensor> {
+        assert_eq!(widths.iter().sum::<usize>(), x.cols, "split_cols widths");
+        let (rows, src_cols) = (long(x.rows), int(x.cols, "columns"));
+        let mut start = 0;
+        widths
+            .iter()
+            .map(|&width| {
+                let mut part = self.tensor("split_cols", x.rows, width);
+                let (start_i, width_i) = (int(start, "column"), int(width, "width"));
+                launch!(
+                    self,
+                    "copy_cols",
+                    &self.kernels.copy_cols,
+                    grid_stride(x.rows * width),
+                    &x.data,
+                    &mut part.data,
+                    &rows,
+                    &src_cols,
+                    &start_i,
+                    &width_i
+                );
+                start += width;
+                part
+            })
+            .collect()
+    }
+
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) {
+        let len = x.rows * x.cols;
+        assert_eq!(len, y.rows * y.cols, "add_assign: shapes differ");
+        let n = long(len);
+        launch!(
+            self,
+            "add_assign",
+            &self.kernels.add_assign,
+            grid_stride(len),
+            &mut x.data,
+            &y.data,
+            &n
+        );
+    }
+
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+        let len = gate.rows * gate.cols;
+        assert_eq!(len, up.rows * up.cols, "silu_mul: shapes differ");
+        Tensor {
+            rows: gate.rows,
+            cols: gate.cols,
+            data: self.silu_mul_raw(&gate.data, &up.data, len),
+        }
+    }
+
+    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) {
+        let len = x.rows * x.cols;
+        if gate.cols == 1 {
+            assert_eq!(gate.rows, x.rows, "mul_sigmoid: one gate per row");
+            let (rows, cols) = (long(x.rows), int(x.cols, "columns"));
+            launch!(
+                self,
+                "mul_sigmoid_rows",
+                &self.kernels.mul_sigmoid_rows,
+                grid_stride(len),
+                &mut x.data,
+                &gate.data,
+                &rows,
+                &cols
+            );
+        } else {
+            assert_eq!(len, gate.rows * gate.cols, "mul_sigmoid: shapes differ");
+            let n = long(len);
+            launch!(
+                self,
+                "mul_sigmoid",
+                &self.kernels.mul_sigmoid,
+                grid_stride(len),
+                &mut x.data,
+                &gate.data,
+                &n
+            );
+        }
+    }
+
+    fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) {
+        assert!(
+            rope.head_dim > 0
+                && x.cols.is_multiple_of(rope.head_dim)
+                && rope.rotary_dim <= rope.head_dim
+                && rope.rotary_dim.is_multiple_of(2),
+            "rope: {} columns, head_dim {}, rotary_dim {}",
+            x.cols,
+            rope.head_dim,
+            rope.rotary_dim
+        );
+        let half = rope.rotary_dim / 2;
+        if half == 0 {
+            return;
+        }
+        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
+        let total = x.rows * (x.cols / rope.head_dim) * half;
+        let (rows, cols, head_dim, half, start) = (
+            long(x.rows),
+            int(x.cols, "columns"),
+            int(rope.head_dim, "head_dim"),
+            int(half, "rotary half"),
+            long(start_pos),
+        );
+        launch!(
+            self,
+            "rope",
+            &self.kernels.rope,
+            grid_stride(total),
+            &mut x.data,
+            &*frequencies,
+            &rows,
+            &cols,
+            &head_dim,
+            &half,
+            &start
+        );
+    }
+
+    fn attention(
+        &self,
+        cache: &mut KvCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        shape: AttentionShape,
+    ) -> Tensor {
+        let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let n = q.rows;
+        assert!(
+            kv_heads > 0 && heads.is_multiple_of(kv_heads) && head_dim <= MAX_HEAD_DIM,
+            "attention: {heads} heads over {kv_heads} KV heads of {head_dim} (at most {MAX_HEAD_DIM})"
+        );
+        assert_eq!(q.cols, heads * head_dim, "attention: query width");
+        assert!(
+            k.cols == kv_heads * head_dim && v.cols == k.cols && k.rows == n && v.rows == n,
+            "attention: key/value shapes"
+        );
+        let start = cache.len();
+        self.kv_append(cache, &k.data, &v.data, n);
+        let mut out = self.tensor("attention", n, heads * head_dim);
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
+            int(n, "tokens"),
+            int(heads, "heads"),
+            int(kv_heads, "KV heads"),
+            int(head_dim, "head_dim"),
+            long(start),
+        );
+        launch!(
+            self,
+            "attention",
+            &self.kernels.attention,
+            block_per_item(n * heads, ATTENTION_THREADS, 0),
+            &q.data,
+            cache.keys(),
+            cache.values(),
+            &mut out.data,
+            &n_i,
+            &heads_i,
+            &kv_heads_i,
+            &head_dim_i,
+            &start_l,
+            &scale
+        );
+        out
+    }
+
+    fn gated_delta_net(
+        &self,
+        state: &mut LinearState,
+        qkv: &Tensor,
+        b: &Tensor,
+        a: &Tensor,
+        params: GatedDeltaNetParams<'_, Self>,
+        cfg: &LinearAttentionConfig,
+    ) -> Tensor {
+        let n = qkv.rows;
+        let channels = cfg.conv_dim();
+        let (nk, nv, dk, dv) = (
+            cfg.num_key_heads,
+            cfg.num_value_heads,
+            cfg.key_head_dim,
+            cfg.value_head_dim,
+        );
+        let kernel = cfg.conv_kernel;
+        assert_eq!(qkv.cols, channels, "gated_delta_net: q|k|v width");
+        assert!(
+            b.cols == nv && a.cols == nv && b.rows == n && a.rows == n,
+            "gated_delta_net: b and a must be [tokens, value_heads]"
+        );
+        assert!(
+            nk > 0 && nv.is_multiple_of(nk) && 2 * dk * 4 <= MAX_SHARED_BYTES,
+            "gated_delta_net: {nv} value heads over {nk} key heads of {dk}"
+        );
+        assert_eq!(
+            params.conv.vector_len("gated_delta_net"),
+            channels * kernel,
+            "gated_delta_net: convolution taps"
+        );
+        assert!(
+            params.a_log.vector_len("gated_delta_net") == nv
+                && params.dt_bias.vector_len("gated_delta_net") == nv,
+            "gated_delta_net: A_log and dt_bias need one value per value head"
+        );
+        let (n_i, channels_i, kernel_i) = (
+            int(n, "tokens"),
+            int(channels, "convolution channels"),
+            int(kernel, "convolution kernel"),
+        );
+        let (nk_i, nv_i, dk_i, dv_i) = (
+            int(nk, "key heads"),
+            int(nv, "value heads"),
+            int(dk, "key head dim"),
+            int(dv, "value head dim"),
+        );
+        let mut mixed = self.alloc::<f32>("gated_delta_net", n * channels);
+        launch!(
+            self,
+            "gdn_conv",
+            &self.kernels.gdn_conv,
+            grid_stride(n * channels),
+            &qkv.data,
+            &state.conv,
+            &params.conv.data,
+            &mut mixed,
+            &n_i,
+            &channels_i,
+            &kernel_i
+        );
+        launch!(
+            self,
+            "gdn_conv_history",
+            &self.kernels.gdn_conv_history,
+            grid_stride(channels),
+            &qkv.data,
+            &mut state.conv,
+            &n_i,
+            &channels_i,
+            &kernel_i
+        );
+        let q_scale = 1.0 / (dk as f32).sqrt();
+        launch!(
+            self,
+            "gdn_qk_norm",
+            &self.kernels.gdn_qk_norm,
+            grid_stride(n * 2 * nk * 32),
+            &mut mixed,
+            &n_i,
+            &channels_i,
+            &nk_i,
+            &dk_i,
+            &q_scale
+        );
+        let mut out = self.tensor("gated_delta_net", n, cfg.value_dim());
+        let config = LaunchConfig {
+            grid_dim: (nv as u32, dv.div_ceil(GDN_THREADS) as u32, 1),
+            block_dim: (GDN_THREADS as u32, 1, 1),
+            shared_mem_bytes: (2 * dk * 4) as u32,
+        };
+        launch!(
+            self,
+            "gdn_recurrence",
+            &self.kernels.gdn_recurrence,
+            config,
+            &mixed,
+            &b.data,
+            &a.data,
+            &params.a_log.data,
+            &params.dt_bias.data,
+            &mut state.recurrent,
+            &mut out.data,
+            &n_i,
+            &channels_i,
+            &nk_i,
+            &nv_i,
+            &dk_i,
+            &dv_i
+        );
+        out
+    }
+
+    fn gated_rms_norm(&self, x: &Tensor, gate: &Tensor, weight: &Weight, eps: f32) -> Tensor {
+        self.norm(x, weight, Some(gate), eps, 0.0)
+    }
+
+    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Routing {
+        let (n, experts) = (logits.rows, logits.cols);
+        assert!(
+            top_k >= 1 && top_k <= experts && experts + 1024 <= MAX_SHARED_BYTES,
+            "route: top-{top_k} of {experts} experts"
+        );
+        let mut ids = self.alloc::<u32>("route", n * top_k);
+        let mut weights = self.alloc::<f32>("route", n * top_k);
+        let (n_i, experts_i, top_k_i, normalize_i) = (
+            int(n, "tokens"),
+            int(experts, "experts"),
+            int(top_k, "top-k"),
+            i32::from(normalize),
+        );
+        launch!(
+            self,
+            "route",
+            &self.kernels.route,
+            block_per_item(n, THREADS, experts as u32),
+            &logits.data,
+            &mut ids,
+            &mut weights,
+            &n_i,
+            &experts_i,
+            &top_k_i,
+            &normalize_i
+        );
+        Routing {
+            top_k,
+            rows: n,
+            experts: ids,
+            weights,
+            host_experts: OnceLock::new(),
+        }
+    }
+
+    fn selected_experts(&self, routing: &Routing) -> Vec<u32> {
+        routing.experts_on_host().to_vec()
+    }
+
+    fn routed_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<Tensor> {
+        self.compute_routed_experts(x, routing, store, layer)
+    }
+}

@@ -1,0 +1,237 @@
+//! A sequence's per-layer state on the device: KV caches and Gated
+//! DeltaNet states, created, grown, copied, truncated, saved and restored
+//! without leaving device memory except when saved.
+
+use cudarc::driver::CudaSlice;
+
+use super::{CudaBackend, ok};
+use crate::backend::{AttentionShape, HostKv, HostLinearState};
+use crate::config::LinearAttentionConfig;
+
+/// Positions a KV cache holds at least once it holds any.
+const MIN_KV_POSITIONS: usize = 256;
+
+/// Keys and values of every position seen so far, each `[capacity,
+/// kv_heads·head_dim]` of which the first `len` rows are valid.
+///
+/// Growth: when an append does not fit, the capacity at least doubles (to
+/// at least [`MIN_KV_POSITIONS`]) and the valid rows move to the new
+/// buffers, so appending one token at a time costs amortised O(1) copies.
+/// Truncation keeps the capacity: a session that rewinds and grows again
+/// reuses it.
+pub struct KvCache {
+    shape: AttentionShape,
+    len: usize,
+    capacity: usize,
+    keys: CudaSlice<f32>,
+    values: CudaSlice<f32>,
+}
+
+impl KvCache {
+    fn width(&self) -> usize {
+        self.shape.num_kv_heads * self.shape.head_dim
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub(super) fn keys(&self) -> &CudaSlice<f32> {
+        &self.keys
+    }
+
+    pub(super) fn values(&self) -> &CudaSlice<f32> {
+        &self.values
+    }
+}
+
+/// Convolution history `[kernel - 1, conv_dim]` and recurrent state
+/// `[value_heads, key_head_dim, value_head_dim]` of one Gated DeltaNet layer.
+pub struct LinearState {
+    pub(super) conv: CudaSlice<f32>,
+    pub(super) recurrent: CudaSlice<f32>,
+    conv_len: usize,
+    recurrent_len: usize,
+}
+
+fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
+    (
+        (cfg.conv_kernel - 1) * cfg.conv_dim(),
+        cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim,
+    )
+}
+
+impl CudaBackend {
+    pub(super) fn kv_new(&self, shape: AttentionShape) -> KvCache {
+        KvCache {
+            shape,
+            len: 0,
+            capacity: 0,
+            keys: self.alloc("new KV cache", 0),
+            values: self.alloc("new KV cache", 0),
+        }
+    }
+
+    /// Makes room for `positions` in total (see [`KvCache`] on growth).
+    fn kv_reserve(&self, cache: &mut KvCache, positions: usize) {
+        if positions <= cache.capacity {
+            return;
+        }
+        let capacity = positions.max(2 * cache.capacity).max(MIN_KV_POSITIONS);
+        let width = cache.width();
+        let valid = cache.len * width;
+        let grow = |old: &CudaSlice<f32>| {
+            let mut new = self.alloc::<f32>("growing a KV cache", capacity * width);
+            if valid > 0 {
+                ok(
+                    "growing a KV cache",
+                    self.stream
+                        .memcpy_dtod(&old.slice(..valid), &mut new.slice_mut(..valid)),
+                );
+            }
+            new
+        };
+        let keys = grow(&cache.keys);
+        let values = grow(&cache.values);
+        cache.keys = keys;
+        cache.values = values;
+        cache.capacity = capacity;
+    }
+
+    /// Appends `n` rows of keys and values (`[n, width]` each).
+    pub(super) fn kv_append(
+        &self,
+        cache: &mut KvCache,
+        keys: &CudaSlice<f32>,
+        values: &CudaSlice<f32>,
+        n: usize,
+    ) {
+        self.kv_reserve(cache, cache.len + n);
+        let width = cache.width();
+        let (from, to) = (cache.len * width, (cache.len + n) * width);
+        ok(
+            "appending to a KV cache",
+            self.stream.memcpy_dtod(
+                &keys.slice(..n * width),
+                &mut cache.keys.slice_mut(from..to),
+            ),
+        );
+        ok(
+            "appending to a KV cache",
+            self.stream.memcpy_dtod(
+                &values.slice(..n * width),
+                &mut cache.values.slice_mut(from..to),
+            ),
+        );
+        cache.len += n;
+    }
+
+    pub(super) fn kv_truncate_to(&self, cache: &mut KvCache, len: usize) {
+        cache.len = cache.len.min(len);
+    }
+
+    pub(super) fn kv_to_host(&self, cache: &KvCache) -> HostKv {
+        let valid = cache.len * cache.width();
+        HostKv {
+            keys: self.download("saving a KV cache", &cache.keys, valid),
+            values: self.download("saving a KV cache", &cache.values, valid),
+        }
+    }
+
+    pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> KvCache {
+        let width = shape.num_kv_heads * shape.head_dim;
+        assert!(
+            host.keys.len() == host.values.len() && host.keys.len().is_multiple_of(width),
+            "KV import: {} keys and {} values are not whole rows of {width}",
+            host.keys.len(),
+            host.values.len()
+        );
+        let len = host.keys.len() / width;
+        let mut cache = self.kv_new(shape);
+        self.kv_reserve(&mut cache, len);
+        let n = len * width;
+        if n > 0 {
+            ok(
+                "loading a KV cache",
+                self.stream
+                    .memcpy_htod(&host.keys, &mut cache.keys.slice_mut(..n)),
+            );
+            ok(
+                "loading a KV cache",
+                self.stream
+                    .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
+            );
+        }
+        cache.len = len;
+        cache
+    }
+
+    pub(super) fn linear_new(&self, cfg: &LinearAttentionConfig) -> LinearState {
+        let (conv_len, recurrent_len) = linear_sizes(cfg);
+        LinearState {
+            conv: self.zeros("new linear-attention state", conv_len),
+            recurrent: self.zeros("new linear-attention state", recurrent_len),
+            conv_len,
+            recurrent_len,
+        }
+    }
+
+    pub(super) fn linear_clone(&self, state: &LinearState) -> LinearState {
+        let copy = |src: &CudaSlice<f32>, len: usize| {
+            let mut dst = self.alloc::<f32>("copying a linear-attention state", len);
+            if len > 0 {
+                ok(
+                    "copying a linear-attention state",
+                    self.stream
+                        .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(..len)),
+                );
+            }
+            dst
+        };
+        LinearState {
+            conv: copy(&state.conv, state.conv_len),
+            recurrent: copy(&state.recurrent, state.recurrent_len),
+            conv_len: state.conv_len,
+            recurrent_len: state.recurrent_len,
+        }
+    }
+
+    pub(super) fn linear_to_host(&self, state: &LinearState) -> HostLinearState {
+        HostLinearState {
+            conv: self.download(
+                "saving a linear-attention state",
+                &state.conv,
+                state.conv_len,
+            ),
+            recurrent: self.download(
+                "saving a linear-attention state",
+                &state.recurrent,
+                state.recurrent_len,
+            ),
+        }
+    }
+
+    pub(super) fn linear_from_host(
+        &self,
+        cfg: &LinearAttentionConfig,
+        host: HostLinearState,
+    ) -> LinearState {
+        let (conv_len, recurrent_len) = linear_sizes(cfg);
+        assert!(
+            host.conv.len() == conv_len && host.recurrent.len() == recurrent_len,
+            "linear-attention state import: sizes {} and {} do not match the layer's {conv_len} and {recurrent_len}",
+            host.conv.len(),
+            host.recurrent.len()
+        );
+        LinearState {
+            conv: self.upload("loading a linear-attention state", &host.conv),
+            recurrent: self.upload("loading a linear-attention state", &host.recurrent),
+            conv_len,
+            recurrent_len,
+        }
+    }
+}

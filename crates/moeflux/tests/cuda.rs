@@ -1,0 +1,809 @@
+//! The CUDA backend against the CPU backend (the reference for every
+//! operation) and against transformers.
+//!
+//! Tolerances:
+//! - whole models, CUDA against CPU on the same converted weights: relative
+//!   L2 error of the logits ≤ 1e-3 at every position, for bf16, q8 and q4
+//!   alike: both backends dequantize the same stored codes to the same f32
+//!   weights and accumulate in f32, so quantization cancels out and only
+//!   the summation order differs (the error the bf16 bound was set for);
+//! - whole models against transformers: the CPU suite's bounds (bf16 1e-3;
+//!   q4 1e-3 against transformers on the same quantized weights; q8 3e-2
+//!   against the unquantized model, the quantization error itself);
+//! - single operations: 1e-5 of the output's scale (f32 rounding in another
+//!   order), exact where no arithmetic reorders (embedding rows, copies,
+//!   expert selection).
+//!
+//! Without a CUDA device every test prints "skipped: no CUDA device" and
+//! passes; `MOEFLUX_REQUIRE_CUDA=1` turns that into a failure (the GPU suite
+//! sets it). A device that is there but fails to initialise always fails.
+//! Run with `--nocapture` to see the measured errors.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use common::*;
+use moeflux::backend::cpu::{
+    CpuBackend, KvCache as CpuKv, LinearState as CpuLinear, Tensor as CpuTensor,
+};
+use moeflux::backend::cuda::{
+    CudaBackend, CudaOptions, KvCache as CudaKv, LinearState as CudaLinear, Tensor as CudaTensor,
+    device_count,
+};
+use moeflux::backend::{AttentionShape, Backend, GatedDeltaNetParams, RmsNorm, Rope};
+use moeflux::config::LinearAttentionConfig;
+use moeflux::experts::{CachePolicy, ExpertStore, IoMode, StoreOptions};
+use moeflux::format::{ModelDir, OpenOptions};
+use moeflux::quant::{DType, MatrixLayout, RowEncoder};
+use moeflux::{LogitsWanted, Model, ModelOptions};
+
+/// The CUDA backend on device 0, or `None` (after saying so) when this
+/// machine has no CUDA device.
+fn cuda_with(options: CudaOptions) -> Option<CudaBackend> {
+    match device_count() {
+        Ok(0) => {
+            assert!(
+                std::env::var_os("MOEFLUX_REQUIRE_CUDA").is_none(),
+                "no CUDA device found, but MOEFLUX_REQUIRE_CUDA is set"
+            );
+            println!("skipped: no CUDA device");
+            None
+        }
+        Ok(_) => Some(CudaBackend::with_options(0, options).unwrap_or_else(|e| {
+            panic!("a CUDA device is present but the backend failed to initialise: {e}")
+        })),
+        Err(e) => panic!("the CUDA driver is installed but failing: {e}"),
+    }
+}
+
+fn cuda() -> Option<CudaBackend> {
+    cuda_with(CudaOptions::default())
+}
+
+fn open_cuda(dir: &Path, options: ModelOptions, backend: CudaBackend) -> Arc<Model<CudaBackend>> {
+    Arc::new(
+        Model::open_with(backend, dir, &options)
+            .unwrap_or_else(|e| panic!("opening {} on CUDA: {e}", dir.display())),
+    )
+}
+
+fn chunked(prefill_chunk: usize) -> ModelOptions {
+    ModelOptions {
+        prefill_chunk,
+        ..ModelOptions::default()
+    }
+}
+
+fn max_error(got: &[f32], want: &[f32], vocab: usize) -> f64 {
+    row_errors(got, want, vocab).into_iter().fold(0.0, f64::max)
+}
+
+/// Every fixture, converted to `quant`, on CUDA against the CPU and against
+/// the transformers reference `logits_{length}{suffix}`.
+fn check_fixtures(quant: DType, suffix: &str, reference_tolerance: f64) {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, quant);
+        let reference = Reference::load(name);
+        for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
+            let cpu = open(&converted.dir, chunked(chunk));
+            let gpu = open_cuda(&converted.dir, chunked(chunk), cuda().expect("a device"));
+            for length in ["short", "long"] {
+                let tokens = reference.tokens(&format!("tokens_{length}"));
+                let (_, vocab, want) = reference.logits(&format!("logits_{length}{suffix}"));
+                let got = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+                let on_cpu = cpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+                assert_eq!((got.rows, got.vocab), (tokens.len(), vocab));
+                assert!(
+                    got.data.iter().all(|v| v.is_finite()),
+                    "{name}: non-finite logits"
+                );
+                let vs_cpu = max_error(&got.data, &on_cpu.data, vocab);
+                let vs_reference = max_error(&got.data, &want, vocab);
+                println!(
+                    "{name:<22} {:<5} {length:<5} ({} tokens, chunk {chunk:>2}): cuda vs cpu {vs_cpu:.2e}, vs ref{suffix} {vs_reference:.2e}, top-1 {:.0}%",
+                    quant.name(),
+                    tokens.len(),
+                    100.0 * top1_agreement(&got.data, &want, vocab)
+                );
+                assert!(
+                    vs_cpu <= 1e-3,
+                    "{name} {}: CUDA differs from the CPU by {vs_cpu:.3e} ({length}, chunk {chunk})",
+                    quant.name()
+                );
+                assert!(
+                    vs_reference <= reference_tolerance,
+                    "{name} {}: CUDA differs from transformers by {vs_reference:.3e} ({length}, chunk {chunk})",
+                    quant.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn bf16_logits_match_cpu_and_transformers() {
+    check_fixtures(DType::Bf16, "", 1e-3);
+}
+
+#[test]
+fn q8_logits_match_cpu_and_transformers() {
+    check_fixtures(DType::Q8, "", 3e-2);
+}
+
+#[test]
+fn q4_logits_match_cpu_and_transformers_on_the_same_quantized_weights() {
+    check_fixtures(DType::Q4, "_q4", 1e-3);
+}
+
+#[test]
+fn greedy_continuation_matches_transformers_generate() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let reference = Reference::load(name);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let prompt = reference.tokens("tokens_short");
+        let want = reference.tokens("generate_ids");
+        let got = gpu.generate_greedy(&prompt, want.len()).unwrap();
+        assert_eq!(got, want, "{name}: greedy continuation on CUDA differs");
+    }
+}
+
+#[test]
+fn prefill_logits_equal_token_by_token_decode() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let prefill = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+        let mut session = gpu.session();
+        let decoded: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&t| session.decode(t).unwrap())
+            .collect();
+        let max = max_error(&decoded, &prefill.data, prefill.vocab);
+        println!(
+            "{name:<22} CUDA prefill vs decode over {} tokens: max rel err {max:.2e}",
+            tokens.len()
+        );
+        assert!(
+            max <= 1e-4,
+            "{name}: prefill and decode differ by {max:.3e}"
+        );
+    }
+}
+
+#[test]
+fn tiny_expert_caches_give_identical_results() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let unbounded = ModelOptions {
+            expert_cache_bytes: Some(u64::MAX),
+            ..Default::default()
+        };
+        let big = open_cuda(
+            &converted.dir,
+            unbounded.clone(),
+            cuda_with(CudaOptions {
+                expert_cache_bytes: Some(u64::MAX),
+            })
+            .unwrap(),
+        );
+        let manifest = big.dir().manifest();
+        let one_per_layer = manifest.experts[0].blob.nbytes * manifest.experts.len() as u64;
+        // One expert per layer in host memory, none at all in VRAM.
+        let small = open_cuda(
+            &converted.dir,
+            ModelOptions {
+                expert_cache_bytes: Some(one_per_layer),
+                ..Default::default()
+            },
+            cuda_with(CudaOptions {
+                expert_cache_bytes: Some(1),
+            })
+            .unwrap(),
+        );
+        let run = |model: &Arc<Model<CudaBackend>>| {
+            let mut session = model.session();
+            let mut logits = session.forward(&tokens, LogitsWanted::All).unwrap().data;
+            for &t in tokens.iter().take(8) {
+                logits.extend(session.decode(t).unwrap());
+            }
+            logits
+        };
+        assert_eq!(
+            run(&small),
+            run(&big),
+            "{name}: small caches changed the results"
+        );
+        let (s, b) = (
+            small.backend().expert_cache_stats(),
+            big.backend().expert_cache_stats(),
+        );
+        println!(
+            "{name:<22} VRAM uploads: {} with no cache, {} unbounded ({} hits); host misses {} vs {}",
+            s.uploads,
+            b.uploads,
+            b.hits,
+            small.expert_stats().misses,
+            big.expert_stats().misses
+        );
+        assert!(s.uploads > b.uploads && s.hits == 0 && b.hits > 0);
+        assert!(small.expert_stats().misses > big.expert_stats().misses);
+    }
+}
+
+/// Saving and loading state, truncation and checkpoints exercise the
+/// export, import, truncate and copy operations; a state saved on CUDA
+/// also continues on the CPU.
+#[test]
+fn sessions_save_truncate_and_restore_on_cuda() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in ["qwen3_5_moe", "qwen3_moe"] {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let cpu = open(&converted.dir, ModelOptions::default());
+        let (prefix, rest) = tokens.split_at(37);
+        let decode_all = |session: &mut moeflux::Session<CudaBackend>, tokens: &[u32]| {
+            tokens
+                .iter()
+                .flat_map(|&t| session.decode(t).unwrap())
+                .collect::<Vec<f32>>()
+        };
+        let vocab = gpu.config().vocab_size;
+
+        let mut uninterrupted = gpu.session();
+        uninterrupted.prefill(prefix).unwrap();
+        let want = decode_all(&mut uninterrupted, rest);
+
+        let mut first = gpu.session();
+        first.prefill(prefix).unwrap();
+        let bytes = first.save_state();
+        let mut second = gpu.session();
+        second.load_state(&bytes, Path::new("<memory>")).unwrap();
+        assert_eq!(
+            decode_all(&mut second, rest),
+            want,
+            "{name}: load_state on CUDA"
+        );
+
+        let mut on_cpu = cpu.session();
+        on_cpu.load_state(&bytes, Path::new("<memory>")).unwrap();
+        let continued: Vec<f32> = rest
+            .iter()
+            .flat_map(|&t| on_cpu.decode(t).unwrap())
+            .collect();
+        let err = max_error(&continued, &want, vocab);
+        println!("{name:<22} CUDA state continued on the CPU: max rel err {err:.2e}");
+        assert!(
+            err <= 1e-3,
+            "{name}: CUDA state continued on the CPU differs by {err:.3e}"
+        );
+
+        let mut session = gpu.session();
+        session.prefill(&tokens[..20]).unwrap();
+        let at20 = session.checkpoint();
+        session.prefill(&tokens[20..]).unwrap();
+        session.truncate(20).unwrap();
+        session.restore_to(at20).unwrap();
+        let again = decode_all(&mut session, &tokens[20..]);
+        let mut fresh = gpu.session();
+        fresh.prefill(&tokens[..20]).unwrap();
+        let expected = decode_all(&mut fresh, &tokens[20..]);
+        assert_eq!(again, expected, "{name}: truncate and restore on CUDA");
+    }
+}
+
+// ---------------------------------------------------------------------
+// Single operations, CUDA against the CPU backend on random inputs of
+// awkward sizes.
+
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `got` equals `want` within `tolerance` of the largest `|want|`.
+fn assert_close(what: &str, got: &[f32], want: &[f32], tolerance: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    assert!(
+        got.iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
+    let scale = want
+        .iter()
+        .fold(0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-30);
+    let worst = got
+        .iter()
+        .zip(want)
+        .fold(0f64, |m, (g, w)| m.max((g - w).abs() as f64));
+    assert!(
+        worst <= tolerance * scale,
+        "{what}: max error {worst:.3e} exceeds {tolerance:.0e} of {scale:.3e}"
+    );
+}
+
+/// A converted fixture with test tensors added to its manifest, so that
+/// both backends can load them through the normal path.
+struct TestWeights {
+    _converted: Converted,
+    dir: ModelDir,
+}
+
+impl TestWeights {
+    fn new(tensors: &[(&str, DType, Vec<usize>, Vec<f32>)]) -> TestWeights {
+        let converted = convert_fixture("qwen3_moe", DType::Bf16);
+        let mut bytes: Vec<u8> = Vec::new();
+        let mut entries = serde_json::Map::new();
+        for (name, dtype, shape, data) in tensors {
+            let (rows, cols) = match shape.as_slice() {
+                [n] => (1, *n),
+                [r, c] => (*r, *c),
+                _ => panic!("{name}: one or two dimensions"),
+            };
+            let layout = MatrixLayout::new(*dtype, rows, cols).expect("storable");
+            bytes.resize(bytes.len().next_multiple_of(64), 0);
+            let offset = bytes.len();
+            bytes.extend(RowEncoder::new(layout).encode_matrix(data));
+            entries.insert(
+                name.to_string(),
+                serde_json::json!({
+                    "file": "test.bin", "offset": offset, "nbytes": layout.total_bytes,
+                    "shape": shape, "dtype": dtype.name(),
+                }),
+            );
+        }
+        std::fs::write(converted.dir.join("test.bin"), &bytes).unwrap();
+        let manifest_path = converted.dir.join("manifest.json");
+        let mut manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&manifest_path).unwrap()).unwrap();
+        manifest["tensors"].as_object_mut().unwrap().extend(entries);
+        manifest["files"]
+            .as_array_mut()
+            .unwrap()
+            .push(serde_json::json!({
+                "path": "test.bin", "size": bytes.len(),
+                "xxh3": format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)),
+            }));
+        std::fs::write(&manifest_path, manifest.to_string()).unwrap();
+        let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
+        TestWeights {
+            _converted: converted,
+            dir,
+        }
+    }
+
+    fn load<B: Backend>(&self, backend: &B, name: &str, shape: &[usize]) -> B::Weight {
+        backend
+            .load_weight(&self.dir.tensor(name, shape).unwrap())
+            .unwrap()
+    }
+}
+
+/// The same host matrix on both backends.
+fn both(gpu: &CudaBackend, rows: usize, cols: usize, data: Vec<f32>) -> (CpuTensor, CudaTensor) {
+    let on_gpu = gpu.tensor_from_host(rows, cols, &data);
+    (CpuTensor::new(rows, cols, data), on_gpu)
+}
+
+#[test]
+fn linear_and_embed_match_cpu_for_every_dtype() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    let shapes = [
+        (1, 1, 64),
+        (2, 5, 128),
+        (3, 7, 192),
+        (9, 13, 64),
+        (1, 37, 2048),
+        (64, 9, 128),
+        (5, 130, 192),
+        (17, 66, 320),
+    ];
+    let mut tensors = Vec::new();
+    for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+        for (i, &(_, rows, cols)) in shapes.iter().enumerate() {
+            // Unquantized types also take widths of no whole group.
+            let cols = if dtype.is_quantized() { cols } else { cols + 3 };
+            let name = format!("test.{}.{i}", dtype.name());
+            tensors.push((name, dtype, [rows, cols], values(rows * cols, i as u64 + 1)));
+        }
+    }
+    let specs: Vec<(&str, DType, Vec<usize>, Vec<f32>)> = tensors
+        .iter()
+        .map(|(n, d, s, v)| (n.as_str(), *d, s.to_vec(), v.clone()))
+        .collect();
+    let weights = TestWeights::new(&specs);
+    for (name, dtype, shape, _) in &tensors {
+        let (rows, cols) = (shape[0], shape[1]);
+        let w_cpu = weights.load(&cpu, name, shape);
+        let w_gpu = weights.load(&gpu, name, shape);
+        let n = shapes.iter().find(|s| s.1 == rows).unwrap().0;
+        let mut x = values(n * cols, (n * cols) as u64);
+        x[cols / 3] = 9.0; // an outlier, as real activations have
+        let (x_cpu, x_gpu) = both(&gpu, n, cols, x.clone());
+        let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu));
+        let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu));
+        // Per output, f32 rounding of the terms' magnitudes.
+        let view = weights.dir.tensor(name, shape).unwrap();
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            view.view().dequantize_row(r, &mut row);
+            for t in 0..n {
+                let magnitude: f64 = row
+                    .iter()
+                    .zip(&x[t * cols..(t + 1) * cols])
+                    .map(|(&w, &v)| (w as f64 * v as f64).abs())
+                    .sum();
+                let (g, w) = (got[t * rows + r], want[t * rows + r]);
+                assert!(
+                    ((g - w).abs() as f64) <= 1e-5 * magnitude + 1e-30,
+                    "linear {} n={n} {rows}x{cols} [{t},{r}]: {g} vs {w}",
+                    dtype.name()
+                );
+            }
+        }
+        let tokens: Vec<u32> = (0..2 * rows as u32 + 1)
+            .map(|i| (i * 7) % rows as u32)
+            .collect();
+        assert_eq!(
+            gpu.to_host(&gpu.embed(&w_gpu, &tokens)),
+            cpu.to_host(&cpu.embed(&w_cpu, &tokens)),
+            "embed {}",
+            dtype.name()
+        );
+    }
+}
+
+#[test]
+fn norms_match_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    let weights = TestWeights::new(&[
+        ("test.norm208", DType::F32, vec![208], values(208, 3)),
+        ("test.norm48", DType::F32, vec![48], values(48, 4)),
+        ("test.norm80", DType::F32, vec![80], values(80, 5)),
+    ]);
+    for (name, group, rows, cols) in [
+        ("test.norm208", 208, 5, 208),
+        ("test.norm48", 48, 3, 48 * 5),
+        ("test.norm80", 80, 1, 80),
+    ] {
+        let (w_cpu, w_gpu) = (
+            weights.load(&cpu, name, &[group]),
+            weights.load(&gpu, name, &[group]),
+        );
+        let (x_cpu, x_gpu) = both(&gpu, rows, cols, values(rows * cols, group as u64));
+        for unit_offset in [false, true] {
+            let norm = RmsNorm {
+                eps: 1e-6,
+                unit_offset,
+            };
+            assert_close(
+                &format!("rms_norm {name} unit_offset={unit_offset}"),
+                &gpu.to_host(&gpu.rms_norm(&x_gpu, &w_gpu, norm)),
+                &cpu.to_host(&cpu.rms_norm(&x_cpu, &w_cpu, norm)),
+                1e-5,
+            );
+        }
+        let (z_cpu, z_gpu) = both(&gpu, rows, cols, values(rows * cols, 99));
+        assert_close(
+            &format!("gated_rms_norm {name}"),
+            &gpu.to_host(&gpu.gated_rms_norm(&x_gpu, &z_gpu, &w_gpu, 1e-6)),
+            &cpu.to_host(&cpu.gated_rms_norm(&x_cpu, &z_cpu, &w_cpu, 1e-6)),
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn elementwise_ops_match_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    let (rows, cols) = (7, 61);
+    let (x_cpu, x_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
+    let (y_cpu, y_gpu) = both(&gpu, rows, cols, values(rows * cols, 2));
+    assert_eq!(gpu.to_host(&x_gpu), x_cpu.data, "to_host");
+    assert_eq!(gpu.rows(&x_gpu), rows);
+
+    let widths = [13, 40, 8];
+    for (g, c) in gpu
+        .split_cols(&x_gpu, &widths)
+        .iter()
+        .zip(cpu.split_cols(&x_cpu, &widths))
+    {
+        assert_eq!(gpu.to_host(g), c.data, "split_cols");
+    }
+    for n in [1, 3, rows, rows + 2] {
+        assert_eq!(
+            gpu.to_host(&gpu.last_rows(&x_gpu, n)),
+            cpu.last_rows(&x_cpu, n).data,
+            "last_rows {n}"
+        );
+    }
+
+    let (mut a_cpu, mut a_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
+    cpu.add_assign(&mut a_cpu, &y_cpu);
+    gpu.add_assign(&mut a_gpu, &y_gpu);
+    assert_close("add_assign", &gpu.to_host(&a_gpu), &a_cpu.data, 1e-7);
+
+    assert_close(
+        "silu_mul",
+        &gpu.to_host(&gpu.silu_mul(&x_gpu, &y_gpu)),
+        &cpu.silu_mul(&x_cpu, &y_cpu).data,
+        1e-6,
+    );
+
+    let (mut m_cpu, mut m_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
+    cpu.mul_sigmoid(&mut m_cpu, &y_cpu);
+    gpu.mul_sigmoid(&mut m_gpu, &y_gpu);
+    assert_close("mul_sigmoid", &gpu.to_host(&m_gpu), &m_cpu.data, 1e-6);
+
+    let (g_cpu, g_gpu) = both(&gpu, rows, 1, values(rows, 5));
+    let (mut r_cpu, mut r_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
+    cpu.mul_sigmoid(&mut r_cpu, &g_cpu);
+    gpu.mul_sigmoid(&mut r_gpu, &g_gpu);
+    assert_close(
+        "mul_sigmoid per row",
+        &gpu.to_host(&r_gpu),
+        &r_cpu.data,
+        1e-6,
+    );
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    for (head_dim, rotary_dim, theta, start) in [
+        (40, 24, 10_000.0, 0),
+        (40, 40, 1_000_000.0, 1000),
+        (64, 16, 10_000_000.0, 123_457),
+    ] {
+        let rope = Rope {
+            head_dim,
+            rotary_dim,
+            theta,
+        };
+        let (rows, cols) = (5, 3 * head_dim);
+        let (mut x_cpu, mut x_gpu) = both(&gpu, rows, cols, values(rows * cols, head_dim as u64));
+        cpu.rope(&mut x_cpu, rope, start);
+        gpu.rope(&mut x_gpu, rope, start);
+        assert_close(
+            &format!("rope {head_dim}/{rotary_dim} at {start}"),
+            &gpu.to_host(&x_gpu),
+            &x_cpu.data,
+            1e-5,
+        );
+    }
+}
+
+#[test]
+fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    let shape = AttentionShape {
+        num_heads: 6,
+        num_kv_heads: 2,
+        head_dim: 40,
+    };
+    let (q_width, kv_width) = (6 * 40, 2 * 40);
+    let mut cache_cpu = cpu.new_kv_cache(shape);
+    let mut cache_gpu = gpu.new_kv_cache(shape);
+    let step = |n: usize, seed: u64, cache_cpu: &mut CpuKv, cache_gpu: &mut CudaKv| {
+        let (q_cpu, q_gpu) = both(&gpu, n, q_width, values(n * q_width, seed));
+        let (k_cpu, k_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 1));
+        let (v_cpu, v_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 2));
+        let want = cpu.attention(cache_cpu, &q_cpu, &k_cpu, &v_cpu, shape).data;
+        let got = gpu.to_host(&gpu.attention(cache_gpu, &q_gpu, &k_gpu, &v_gpu, shape));
+        assert_close(
+            &format!("attention chunk of {n} (seed {seed})"),
+            &got,
+            &want,
+            1e-5,
+        );
+    };
+    // 309 positions: past the first capacity of 256, so the cache grows.
+    for (i, n) in [5, 1, 300, 3].into_iter().enumerate() {
+        step(n, 10 * i as u64, &mut cache_cpu, &mut cache_gpu);
+    }
+    assert_eq!(gpu.kv_len(&cache_gpu), 309);
+    let (exported, reference) = (gpu.kv_export(&cache_gpu), cpu.kv_export(&cache_cpu));
+    assert_eq!(exported.keys, reference.keys, "kv_export keys");
+    assert_eq!(exported.values, reference.values, "kv_export values");
+
+    cpu.kv_truncate(&mut cache_cpu, 100);
+    gpu.kv_truncate(&mut cache_gpu, 100);
+    assert_eq!(gpu.kv_len(&cache_gpu), 100);
+    step(4, 77, &mut cache_cpu, &mut cache_gpu);
+
+    let mut imported = gpu.kv_import(shape, cpu.kv_export(&cache_cpu));
+    assert_eq!(gpu.kv_len(&imported), 104);
+    step(2, 91, &mut cache_cpu, &mut imported);
+}
+
+#[test]
+fn gated_delta_net_matches_cpu_across_chunks_copies_and_import() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    let cfg = LinearAttentionConfig {
+        num_key_heads: 2,
+        num_value_heads: 4,
+        key_head_dim: 24,
+        value_head_dim: 40,
+        conv_kernel: 4,
+    };
+    let (channels, nv) = (cfg.conv_dim(), cfg.num_value_heads);
+    let weights = TestWeights::new(&[
+        (
+            "test.conv",
+            DType::F32,
+            vec![channels, 4],
+            values(channels * 4, 1),
+        ),
+        ("test.a_log", DType::F32, vec![nv], values(nv, 2)),
+        ("test.dt_bias", DType::F32, vec![nv], values(nv, 3)),
+    ]);
+    let conv = (
+        weights.load(&cpu, "test.conv", &[channels, 4]),
+        weights.load(&gpu, "test.conv", &[channels, 4]),
+    );
+    let a_log = (
+        weights.load(&cpu, "test.a_log", &[nv]),
+        weights.load(&gpu, "test.a_log", &[nv]),
+    );
+    let dt_bias = (
+        weights.load(&cpu, "test.dt_bias", &[nv]),
+        weights.load(&gpu, "test.dt_bias", &[nv]),
+    );
+    let mut state_cpu = cpu.new_linear_state(&cfg);
+    let mut state_gpu = gpu.new_linear_state(&cfg);
+    let step = |n: usize, seed: u64, state_cpu: &mut CpuLinear, state_gpu: &mut CudaLinear| {
+        let (qkv_cpu, qkv_gpu) = both(&gpu, n, channels, values(n * channels, seed));
+        let (b_cpu, b_gpu) = both(&gpu, n, nv, values(n * nv, seed + 1));
+        let (a_cpu, a_gpu) = both(&gpu, n, nv, values(n * nv, seed + 2));
+        let want = cpu.gated_delta_net(
+            state_cpu,
+            &qkv_cpu,
+            &b_cpu,
+            &a_cpu,
+            GatedDeltaNetParams {
+                conv: &conv.0,
+                a_log: &a_log.0,
+                dt_bias: &dt_bias.0,
+            },
+            &cfg,
+        );
+        let got = gpu.gated_delta_net(
+            state_gpu,
+            &qkv_gpu,
+            &b_gpu,
+            &a_gpu,
+            GatedDeltaNetParams {
+                conv: &conv.1,
+                a_log: &a_log.1,
+                dt_bias: &dt_bias.1,
+            },
+            &cfg,
+        );
+        assert_close(
+            &format!("gated_delta_net chunk of {n} (seed {seed})"),
+            &gpu.to_host(&got),
+            &want.data,
+            1e-5,
+        );
+    };
+    let compare_states = |what: &str, got: &CudaLinear, want: &CpuLinear| {
+        let (g, w) = (gpu.linear_export(got), cpu.linear_export(want));
+        assert_close(
+            &format!("{what}: convolution history"),
+            &g.conv,
+            &w.conv,
+            1e-6,
+        );
+        assert_close(
+            &format!("{what}: recurrent state"),
+            &g.recurrent,
+            &w.recurrent,
+            1e-5,
+        );
+    };
+    for (i, n) in [5, 1, 2, 9].into_iter().enumerate() {
+        step(n, 10 * i as u64, &mut state_cpu, &mut state_gpu);
+        compare_states(&format!("after chunk {i}"), &state_gpu, &state_cpu);
+    }
+    let mut copy_cpu = cpu.linear_copy(&state_cpu);
+    let mut copy_gpu = gpu.linear_copy(&state_gpu);
+    step(3, 50, &mut copy_cpu, &mut copy_gpu);
+    // The originals did not move with their copies.
+    compare_states("original after its copy ran", &state_gpu, &state_cpu);
+    let mut imported = gpu.linear_import(&cfg, cpu.linear_export(&state_cpu));
+    step(2, 60, &mut state_cpu, &mut imported);
+}
+
+#[test]
+fn routing_matches_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    for (n, experts, top_k) in [(9, 37, 5), (1, 8, 2), (4, 300, 10), (3, 512, 1)] {
+        let (l_cpu, l_gpu) = both(&gpu, n, experts, values(n * experts, experts as u64));
+        for normalize in [false, true] {
+            let want = cpu.route(&l_cpu, top_k, normalize);
+            let got = gpu.route(&l_gpu, top_k, normalize);
+            assert_eq!(
+                gpu.selected_experts(&got),
+                cpu.selected_experts(&want),
+                "route {n}x{experts} top-{top_k}"
+            );
+            assert_close(
+                &format!("route weights {n}x{experts} top-{top_k} normalize={normalize}"),
+                &got.weights_to_host(),
+                &want.weights,
+                1e-6,
+            );
+        }
+    }
+}
+
+#[test]
+fn routed_experts_match_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend;
+    for quant in [DType::Bf16, DType::Q4] {
+        let converted = convert_fixture("qwen3_5_moe", quant);
+        let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
+        let store = ExpertStore::open(
+            &dir,
+            StoreOptions {
+                cache_bytes: 1 << 30,
+                policy: CachePolicy::Lfu,
+                io: IoMode::Buffered,
+            },
+        )
+        .unwrap();
+        let cfg = dir.config();
+        let (hidden, experts, top_k) = (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.top_k);
+        let layer = cfg.moe_layers().next().expect("an MoE layer");
+        for n in [1, 9] {
+            let (x_cpu, x_gpu) = both(&gpu, n, hidden, values(n * hidden, n as u64));
+            let (l_cpu, l_gpu) = both(&gpu, n, experts, values(n * experts, 7 + n as u64));
+            let want = cpu
+                .routed_experts(&x_cpu, &cpu.route(&l_cpu, top_k, true), &store, layer)
+                .unwrap();
+            let got = gpu
+                .routed_experts(&x_gpu, &gpu.route(&l_gpu, top_k, true), &store, layer)
+                .unwrap();
+            assert_close(
+                &format!("routed experts {} n={n}", quant.name()),
+                &gpu.to_host(&got),
+                &want.data,
+                1e-5,
+            );
+        }
+    }
+}

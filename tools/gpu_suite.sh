@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The CUDA test suite and benchmarks, built on a development machine and
+# run on a GPU machine that has CUDA but no Rust (the device tool's):
+#
+#   tools/gpu_suite.sh        build the release `moeflux` binary and the CUDA
+#                             test binary into .device/gpu-suite/ (git-ignored)
+#                             and print the command to run on the GPU machine
+#   tools/gpu_suite.sh run    on the GPU machine, from the repository root:
+#                             run the CUDA tests, a CUDA-vs-CPU generation and
+#                             `moeflux bench --device cuda` on the bundled and
+#                             a synthetic model, logging to $OUT
+#
+# The device tool copies the working tree (fixtures included) plus the
+# carried folder, 64 MiB in all, so the binaries are stripped of debug info.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SUITE=.device/gpu-suite
+
+build() {
+    cargo build --release --locked -p moeflux-cli
+    local tests
+    tests=$(cargo test --release --locked -p moeflux --test cuda --no-run --message-format=json |
+        grep '"name":"cuda"' | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | tail -n 1)
+    if [[ -z "$tests" ]]; then
+        echo "error: cargo did not report the cuda test binary" >&2
+        exit 1
+    fi
+    rm -rf "$SUITE"
+    mkdir -p "$SUITE"
+    strip --strip-debug -o "$SUITE/moeflux" target/release/moeflux
+    strip --strip-debug -o "$SUITE/cuda-tests" "$tests"
+    du -sh "$SUITE"/* >&2
+    cat <<EOF
+
+Built $SUITE. On the GPU machine, run with the device tool:
+
+  command: bash tools/gpu_suite.sh run
+  carry:   ["$SUITE"]
+
+Logs come back under \$OUT: summary.txt first, then one log per step.
+EOF
+}
+
+run() {
+    : "${OUT:?run this on the GPU machine through the device tool, which sets OUT}"
+    [[ -x "$SUITE/moeflux" && -x "$SUITE/cuda-tests" ]] || {
+        echo "error: $SUITE is missing: run tools/gpu_suite.sh on the development machine first" >&2
+        exit 1
+    }
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # Fixtures from this checkout; skipping for want of a device is a failure here.
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
+    # A fresh cache: the first backend compiles the kernels, the rest load them.
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" synthetic=/tmp/moeflux-synth-q30-4
+    local deadline=$((SECONDS + 570))
+
+    # step NAME LIMIT_S COMMAND...: runs COMMAND into $OUT/NAME.log within
+    # LIMIT_S and before the overall deadline; records its status and time.
+    step() {
+        local name=$1 limit=$2 left=$((deadline - SECONDS)) start rc
+        shift 2
+        if ((left < 10)); then
+            echo "$name: skipped (out of time)" | tee -a "$OUT/summary.txt"
+            return
+        fi
+        ((limit < left)) || limit=$left
+        start=$(date +%s%N)
+        set +e
+        timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+        rc=$?
+        set -e
+        printf '%-18s rc=%-3s %7.1f s\n' "$name" "$rc" "$((($(date +%s%N) - start) / 1000000))e-3" |
+            tee -a "$OUT/summary.txt"
+    }
+
+    step nvidia-smi 20 nvidia-smi
+    step cuda-tests 300 "$SUITE/cuda-tests" --nocapture
+    local prompt="It is a truth universally acknowledged, that"
+    step generate-cuda 60 "$moeflux" generate -p "$prompt" -n 48 --temp 0 --device cuda
+    step generate-cpu 60 "$moeflux" generate -p "$prompt" -n 48 --temp 0 --device cpu
+    if diff <(grep -v '^moeflux:\|^prompt:' "$OUT/generate-cuda.log") \
+        <(grep -v '^moeflux:\|^prompt:' "$OUT/generate-cpu.log") >/dev/null; then
+        echo "generate: CUDA and CPU texts are identical" | tee -a "$OUT/summary.txt"
+    else
+        echo "generate: CUDA and CPU texts DIFFER" | tee -a "$OUT/summary.txt"
+    fi
+    step bench-bundled 120 "$moeflux" bench --device cuda
+    step synth 120 "$moeflux" synth --preset qwen3-30b-a3b --layers 4 -o "$synthetic" --force
+    step bench-synthetic 180 "$moeflux" bench -m "$synthetic" --device cuda
+
+    echo "--- tests"
+    grep -E '^test result|^test .*FAILED|skipped|cuda vs cpu|prefill vs decode|VRAM uploads|state continued' \
+        "$OUT/cuda-tests.log" | head -n 80 || true
+    grep -A 3 'panicked' "$OUT/cuda-tests.log" | head -n 60 || true
+    for log in generate-cuda generate-cpu bench-bundled bench-synthetic; do
+        echo "--- $log"
+        tail -n 30 "$OUT/$log.log" 2>/dev/null || true
+    done
+}
+
+case "${1:-build}" in
+build) build ;;
+run) run ;;
+*)
+    echo "usage: tools/gpu_suite.sh [build|run]" >&2
+    exit 2
+    ;;
+esac
