@@ -54,7 +54,7 @@ run() {
     MOEFLUX_CACHE=$(mktemp -d)
     export MOEFLUX_CACHE
     local moeflux="$SUITE/moeflux" synthetic=/tmp/moeflux-synth-q30-4
-    local deadline=$((SECONDS + 570))
+    local deadline=$((SECONDS + 530))
 
     # step NAME LIMIT_S COMMAND...: runs COMMAND into $OUT/NAME.log within
     # LIMIT_S and before the overall deadline; records its status and time.
