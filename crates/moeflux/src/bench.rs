@@ -84,7 +84,7 @@ pub struct BenchReport {
     pub weight_bytes_per_token: u64,
     /// `weight_bytes_per_token × decode_tok_s`.
     pub achieved_gb_s: f64,
-    pub memory_read_gb_s: Option<f64>,
+    pub memory_bandwidth_gb_s: Option<f64>,
     pub decode_expert_hit_rate: f64,
     /// Share of decode-routed experts each predictor named in advance.
     pub router_prediction_rate: Option<f64>,
@@ -190,9 +190,9 @@ pub fn run<B: Backend>(
 
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
     let weight_bytes_per_token = weight_bytes_per_token(model);
-    let (memory_read_gb_s, disk_read_gb_s) = if options.ceilings {
+    let (memory_bandwidth_gb_s, disk_read_gb_s) = if options.ceilings {
         (
-            Some(crate::backend::cpu::memory_read_bandwidth()),
+            Some(model.backend().memory_bandwidth()),
             disk_read_bandwidth(model)?,
         )
     } else {
@@ -221,7 +221,7 @@ pub fn run<B: Backend>(
         decode_input: input,
         weight_bytes_per_token,
         achieved_gb_s: weight_bytes_per_token as f64 * decode_tok_s / 1e9,
-        memory_read_gb_s,
+        memory_bandwidth_gb_s,
         decode_expert_hit_rate: stats.hit_rate(),
         router_prediction_rate: stats.router_prediction_rate(),
         previous_token_prediction_rate: stats.previous_token_prediction_rate(),

@@ -130,19 +130,14 @@ fn print_table(r: &BenchReport) {
         human_bytes(r.weight_bytes_per_token),
     );
     let share = r
-        .memory_read_gb_s
-        .map(|m| {
-            format!(
-                " = {:.0}% of memory read bandwidth",
-                100.0 * r.achieved_gb_s / m
-            )
-        })
+        .memory_bandwidth_gb_s
+        .map(|m| format!(" = {:.0}% of memory bandwidth", 100.0 * r.achieved_gb_s / m))
         .unwrap_or_default();
     row(
         "achieved bandwidth",
         format!("{:.2} GB/s{share}", r.achieved_gb_s),
     );
-    row("memory read bandwidth (measured)", gb(r.memory_read_gb_s));
+    row("memory bandwidth (measured)", gb(r.memory_bandwidth_gb_s));
     row(
         "expert hit rate (decode)",
         format!("{:.1}%", 100.0 * r.decode_expert_hit_rate),

@@ -74,6 +74,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     fn name(&self) -> String;
 
+    /// The bandwidth, in GB/s, of the memory this backend streams weights
+    /// from, measured now: the ceiling decode speed is reported against
+    /// (host RAM read bandwidth on the CPU; a device-to-device copy,
+    /// bytes read plus written, on a GPU).
+    fn memory_bandwidth(&self) -> f64;
+
     /// Makes a stored tensor usable by this backend.
     fn load_weight(&self, tensor: &TensorData) -> Result<Self::Weight>;
 

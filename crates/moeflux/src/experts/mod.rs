@@ -227,6 +227,9 @@ struct Shared {
 }
 
 pub struct ExpertStore {
+    /// Unique within the process: caches beyond the store (a GPU's) key
+    /// experts by it.
+    id: u64,
     shared: Arc<Shared>,
     /// Threads that only read, so blocking I/O never occupies the compute
     /// threads.
@@ -258,7 +261,9 @@ impl ExpertStore {
             .build()
             .map_err(|e| Error::invalid("expert reader threads", e.to_string()))?;
         let n = cfg.num_layers();
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Ok(ExpertStore {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             shared: Arc::new(Shared {
                 layers,
                 cache: Mutex::new(ExpertCache::new(options.cache_bytes, options.policy)),
@@ -272,6 +277,10 @@ impl ExpertStore {
             io_pool,
             direct,
         })
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Whether reads bypass the page cache.

@@ -72,6 +72,10 @@ impl Backend for CpuBackend {
         format!("cpu ({} threads)", rayon::current_num_threads())
     }
 
+    fn memory_bandwidth(&self) -> f64 {
+        memory_read_bandwidth()
+    }
+
     fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
         Ok(Weight(tensor.clone()))
     }

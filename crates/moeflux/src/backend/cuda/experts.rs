@@ -1,7 +1,9 @@
 //! Routed experts on the GPU. Experts come from the host [`ExpertStore`]
 //! (its reads, checksums and host cache) and are uploaded into a VRAM
-//! cache keyed by (layer, expert) with a byte budget, least recently used
-//! out first; an expert found there needs no upload and no host request.
+//! cache keyed by (store, layer, expert) with a byte budget, least
+//! recently used out first; an expert found there needs no upload and no
+//! host request. The store is part of the key because one backend may
+//! serve several models.
 //!
 //! Tokens are grouped by expert; experts are computed one after another in
 //! ascending order, each adding its weighted output to the tokens that
@@ -16,7 +18,10 @@ use cudarc::driver::{CudaSlice, CudaView};
 
 use super::{CudaBackend, Matrix, Routing, Tensor, device_error, grid_stride, int};
 use crate::error::Result;
-use crate::experts::{Expert, ExpertKey, ExpertStore, Fetch};
+use crate::experts::{Expert, ExpertStore, Fetch};
+
+/// (expert store, layer, expert)
+type VramKey = (u64, u32, u32);
 use crate::quant::MatrixLayout;
 
 /// Experts whose host reads are requested together: a batch is requested
@@ -72,9 +77,9 @@ pub(super) struct VramCache {
     budget: Option<u64>,
     used: u64,
     clock: u64,
-    entries: HashMap<ExpertKey, Entry>,
+    entries: HashMap<VramKey, Entry>,
     /// Resident keys by last use, oldest first.
-    by_use: BTreeMap<u64, ExpertKey>,
+    by_use: BTreeMap<u64, VramKey>,
     stats: ExpertCacheStats,
 }
 
@@ -94,7 +99,7 @@ impl VramCache {
         self.budget
     }
 
-    fn get(&mut self, key: ExpertKey) -> Option<Arc<DeviceExpert>> {
+    fn get(&mut self, key: VramKey) -> Option<Arc<DeviceExpert>> {
         self.clock += 1;
         let entry = self.entries.get_mut(&key)?;
         self.by_use.remove(&entry.last_use);
@@ -106,7 +111,7 @@ impl VramCache {
 
     /// Keeps `expert` if it fits in the budget, evicting the least recently
     /// used experts to make room.
-    fn insert(&mut self, key: ExpertKey, expert: Arc<DeviceExpert>, bytes: u64, budget: u64) {
+    fn insert(&mut self, key: VramKey, expert: Arc<DeviceExpert>, bytes: u64, budget: u64) {
         self.budget = Some(budget);
         self.stats.uploads += 1;
         self.stats.uploaded_bytes += bytes;
@@ -189,7 +194,9 @@ impl CudaBackend {
             for ((_, expert_slots), source) in batches[i].iter().zip(current) {
                 let expert = match source {
                     Source::Resident(expert) => expert,
-                    Source::Fetching(fetch) => self.upload_expert(layer, &*store.wait(fetch)?)?,
+                    Source::Fetching(fetch) => {
+                        self.upload_expert(store.id(), layer, &*store.wait(fetch)?)?
+                    }
                 };
                 let m = expert_slots.len();
                 let rows = slots.slice(offset..offset + m);
@@ -216,7 +223,7 @@ impl CudaBackend {
             let mut cache = self.experts.lock().unwrap();
             batch
                 .iter()
-                .map(|&(e, _)| cache.get((layer as u32, e)))
+                .map(|&(e, _)| cache.get((store.id(), layer as u32, e)))
                 .collect()
         };
         let missing: Vec<usize> = batch
@@ -237,7 +244,7 @@ impl CudaBackend {
 
     /// Copies an expert read by the host store into device memory and
     /// offers it to the VRAM cache.
-    fn upload_expert(&self, layer: usize, host: &Expert) -> Result<Arc<DeviceExpert>> {
+    fn upload_expert(&self, store: u64, layer: usize, host: &Expert) -> Result<Arc<DeviceExpert>> {
         let views = [host.gate(), host.up(), host.down()];
         let mut offsets = [0usize; 3];
         let mut total = 0;
@@ -280,7 +287,7 @@ impl CudaBackend {
             }
         };
         cache.insert(
-            (layer as u32, host.index as u32),
+            (store, layer as u32, host.index as u32),
             expert.clone(),
             total as u64,
             budget,

@@ -571,6 +571,20 @@ impl Backend for CudaBackend {
         self.description.clone()
     }
 
+    fn memory_bandwidth(&self) -> f64 {
+        const BYTES: usize = 1 << 30;
+        let src = self.alloc::<u8>("bandwidth probe", BYTES);
+        let mut dst = self.alloc::<u8>("bandwidth probe", BYTES);
+        let mut best = f64::INFINITY;
+        for _ in 0..6 {
+            let start = std::time::Instant::now();
+            ok("bandwidth probe", self.stream.memcpy_dtod(&src, &mut dst));
+            ok("bandwidth probe", self.stream.synchronize());
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+        2.0 * BYTES as f64 / best / 1e9
+    }
+
     fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
         let bytes = tensor.bytes();
         let fail = |e: DriverError| {
