@@ -33,20 +33,6 @@ const FILES: &[(&str, &[u8])] = &[
     bundled_file!("tokenizer_config.json"),
 ];
 
-/// Where converted models are cached: `$MOEFLUX_CACHE`, else
-/// `$XDG_CACHE_HOME/moeflux`, else `~/.cache/moeflux`.
-fn cache_root() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("MOEFLUX_CACHE")
-        .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("moeflux")))
-        .or_else(|| var("HOME").map(|p| p.join(".cache/moeflux")))
-        .unwrap_or_else(|| std::env::temp_dir().join("moeflux-cache"))
-}
-
 /// The converted bundled model, converting it on first use. The directory
 /// name carries a hash of the embedded files, so a newer build never picks
 /// up an older conversion.
@@ -56,7 +42,7 @@ pub fn default_model_dir(quiet: bool) -> Result<PathBuf> {
         hasher.update(name.as_bytes());
         hasher.update(bytes);
     }
-    let root = cache_root();
+    let root = moeflux::util::cache_dir();
     let dir = root.join(format!("qwen35-tiny-bf16-{:016x}", hasher.digest()));
     if dir.join("manifest.json").is_file() {
         return Ok(dir);

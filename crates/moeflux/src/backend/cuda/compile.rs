@@ -180,16 +180,7 @@ fn compile(source: &str, options: &[String]) -> Result<Vec<u8>, String> {
 
 /// Where compiled kernels are kept (see the module documentation).
 fn cache_dir() -> PathBuf {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("MOEFLUX_CACHE")
-        .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("moeflux")))
-        .or_else(|| var("HOME").map(|p| p.join(".cache/moeflux")))
-        .unwrap_or_else(|| std::env::temp_dir().join("moeflux-cache"))
-        .join("kernels")
+    crate::util::cache_dir().join("kernels")
 }
 
 /// Writes through a temporary name, so a concurrent reader never loads a
