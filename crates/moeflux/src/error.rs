@@ -46,6 +46,10 @@ pub enum Error {
         actual: u64,
     },
 
+    /// A compute device (GPU) failed an operation.
+    #[error("{device}: {msg}")]
+    Device { device: String, msg: String },
+
     /// A user-supplied option or argument is out of range.
     #[error("{option}: {msg}")]
     InvalidArgument { option: String, msg: String },

@@ -223,7 +223,10 @@ fn long(value: usize) -> i64 {
 }
 
 fn device_error(ordinal: usize, what: impl Display, e: impl Display) -> Error {
-    Error::invalid(format!("cuda:{ordinal}"), format!("{what}: {e}"))
+    Error::Device {
+        device: format!("cuda:{ordinal}"),
+        msg: format!("{what}: {e}"),
+    }
 }
 
 /// Lets the device's stream-ordered memory pool keep freed memory instead
