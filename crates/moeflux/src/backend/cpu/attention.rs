@@ -43,55 +43,73 @@ pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) ->
     let mut out = vec![0f32; n * q_width];
     let isa = Isa::get();
     let cache = &*cache;
-    out.par_chunks_mut(hd).enumerate().for_each_init(
+    // One task per (position, KV head): the query heads that share a KV
+    // head read each cached key and value once between them. Each head's
+    // arithmetic is the same as attending it alone.
+    out.par_chunks_mut(group * hd).enumerate().for_each_init(
         Vec::new,
         |scores: &mut Vec<f32>, (i, out)| {
-            let (t, head) = (i / s.num_heads, i % s.num_heads);
-            let head = Head {
-                query: &q[t * q_width + head * hd..][..hd],
-                offset: (head / group) * hd,
+            let (t, kv_head) = (i / s.num_kv_heads, i % s.num_kv_heads);
+            let heads = HeadGroup {
+                queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
+                offset: kv_head * hd,
                 visible: start + t + 1,
                 scale,
             };
-            isa.vectorize(|| head.attend(cache, scores, out));
+            isa.vectorize(|| heads.attend(cache, scores, out));
         },
     );
     out
 }
 
-/// One query head at one position.
-struct Head<'a> {
-    query: &'a [f32],
-    /// Column of its KV head in a cache row.
+/// The query heads of one position that share a KV head.
+struct HeadGroup<'a> {
+    /// `[heads, head_dim]`.
+    queries: &'a [f32],
+    /// Column of the KV head in a cache row.
     offset: usize,
-    /// Cached positions it sees.
+    /// Cached positions they see.
     visible: usize,
     scale: f32,
 }
 
-impl Head<'_> {
-    /// Softmax-weighted sum of the visible values into `out`; plain loops,
-    /// vectorised by [`Isa::vectorize`].
+impl HeadGroup<'_> {
+    /// Softmax-weighted sums of the visible values into `out`
+    /// (`[heads, head_dim]`); plain loops, vectorised by
+    /// [`Isa::vectorize`].
     #[inline(always)]
     fn attend(&self, cache: &KvCache, scores: &mut Vec<f32>, out: &mut [f32]) {
-        let hd = self.query.len();
+        let hd = cache.shape.head_dim;
+        let heads = self.queries.len() / hd;
         let width = cache.shape.num_kv_heads * hd;
         let at = |j: usize| j * width + self.offset;
+        let n = self.visible;
+        // scores[h * n + j]
         scores.clear();
-        scores.extend(
-            (0..self.visible).map(|j| dot(self.query, &cache.keys[at(j)..][..hd]) * self.scale),
-        );
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0f32;
-        for x in scores.iter_mut() {
-            *x = (*x - max).exp();
-            total += *x;
+        scores.resize(heads * n, 0.0);
+        for j in 0..n {
+            let key = &cache.keys[at(j)..][..hd];
+            for (h, query) in self.queries.chunks_exact(hd).enumerate() {
+                scores[h * n + j] = dot(query, key) * self.scale;
+            }
         }
-        let inv = 1.0 / total;
-        for (j, &p) in scores.iter().enumerate() {
-            let w = p * inv;
-            for (o, &v) in out.iter_mut().zip(&cache.values[at(j)..][..hd]) {
-                *o += w * v;
+        let mut inv = vec![0f32; heads];
+        for (h, row) in scores.chunks_exact_mut(n).enumerate() {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut total = 0f32;
+            for x in row.iter_mut() {
+                *x = (*x - max).exp();
+                total += *x;
+            }
+            inv[h] = 1.0 / total;
+        }
+        for j in 0..n {
+            let value = &cache.values[at(j)..][..hd];
+            for (h, out) in out.chunks_exact_mut(hd).enumerate() {
+                let w = scores[h * n + j] * inv[h];
+                for (o, &v) in out.iter_mut().zip(value) {
+                    *o += w * v;
+                }
             }
         }
     }
