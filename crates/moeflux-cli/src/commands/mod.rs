@@ -61,7 +61,7 @@ pub struct ModelArgs {
     /// Which experts to read ahead during decode (router: the next layer's
     /// router on this layer's input; previous-token: what the next layer
     /// used last time).
-    #[arg(long, value_enum, default_value = "off")]
+    #[arg(long, value_enum, default_value = "router")]
     pub prefetch: PrefetchArg,
     /// Where to compute: auto (the first CUDA device if there is one, else
     /// the CPU), cpu, cuda or cuda:N.
