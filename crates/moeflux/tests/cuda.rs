@@ -807,3 +807,84 @@ fn routed_experts_match_cpu() {
         }
     }
 }
+
+/// The tensor-core kernels (gemm.cu, which `linear` takes from 16 tokens
+/// on for q4, q8 and bf16 weights) against the CPU, on shapes that leave
+/// partial tiles everywhere: rows not a multiple of the 128-row tile,
+/// token counts around the 64-token tile, a bf16 width of no whole
+/// 64-column stage. Some rows are offset (large biases, all-positive
+/// groups), and tokens differ in scale by orders of magnitude, as real
+/// activations do. Same per-output bound as
+/// `linear_and_embed_match_cpu_for_every_dtype`.
+#[test]
+fn tensor_core_linear_matches_cpu_on_awkward_shapes() {
+    let Some(gpu) = cuda() else { return };
+    let cpu: CpuBackend = Default::default();
+    // (rows, cols); 72 columns only for bf16 (the quantized types need
+    // whole 64-column groups).
+    let shapes: [(usize, usize); 4] = [(130, 64), (37, 192), (200, 2048), (129, 72)];
+    let mut tensors = Vec::new();
+    for dtype in [DType::Bf16, DType::Q8, DType::Q4] {
+        for (i, &(rows, cols)) in shapes.iter().enumerate() {
+            if dtype.is_quantized() && !cols.is_multiple_of(64) {
+                continue;
+            }
+            let mut data = values(rows * cols, 100 + i as u64);
+            for row in data.chunks_mut(cols).skip(1).step_by(4) {
+                row.iter_mut().for_each(|w| *w += 2.5);
+            }
+            let name = format!("test.tc.{}.{i}", dtype.name());
+            tensors.push((name, dtype, vec![rows, cols], data));
+        }
+    }
+    let specs: Vec<(&str, DType, Vec<usize>, Vec<f32>)> = tensors
+        .iter()
+        .map(|(n, d, s, v)| (n.as_str(), *d, s.clone(), v.clone()))
+        .collect();
+    let weights = TestWeights::new(&specs);
+    for (name, dtype, shape, _) in &tensors {
+        let (rows, cols) = (shape[0], shape[1]);
+        let w_cpu = weights.load(&cpu, name, shape);
+        let w_gpu = weights.load(&gpu, name, shape);
+        let view = weights.dir.tensor(name, shape).unwrap();
+        let mut dequantized = vec![0f32; rows * cols];
+        for (r, row) in dequantized.chunks_mut(cols).enumerate() {
+            view.view().dequantize_row(r, row);
+        }
+        for n in [16, 17, 63, 64, 130, 512] {
+            let mut x = values(n * cols, (n * cols + rows) as u64);
+            x[cols / 3] = 9.0; // an outlier, as real activations have
+            for (t, token) in x.chunks_mut(cols).enumerate() {
+                let scale = [1.0, 1e-3, 30.0][t % 3];
+                token.iter_mut().for_each(|v| *v *= scale);
+            }
+            let (x_cpu, x_gpu) = both(&gpu, n, cols, x.clone());
+            let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu));
+            let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu));
+            assert_eq!(got.len(), n * rows);
+            // The worst error as a fraction of its output's bound.
+            let mut worst = 0f64;
+            for (t, token) in x.chunks(cols).enumerate() {
+                for (r, row) in dequantized.chunks(cols).enumerate() {
+                    let magnitude: f64 = row
+                        .iter()
+                        .zip(token)
+                        .map(|(&w, &v)| (w as f64 * v as f64).abs())
+                        .sum();
+                    let (g, w) = (got[t * rows + r], want[t * rows + r]);
+                    let bound = 1e-5 * magnitude + 1e-30;
+                    assert!(
+                        g.is_finite() && ((g - w).abs() as f64) <= bound,
+                        "tensor-core linear {} n={n} {rows}x{cols} [{t},{r}]: {g} vs {w}",
+                        dtype.name()
+                    );
+                    worst = worst.max((g - w).abs() as f64 / bound);
+                }
+            }
+            println!(
+                "tensor-core linear {:<4} n={n:<3} {rows}x{cols}: worst error {worst:.3} of the bound",
+                dtype.name()
+            );
+        }
+    }
+}

@@ -17,7 +17,7 @@ use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 7] = [
+const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -27,6 +27,7 @@ const SOURCES: [(&str, &str); 7] = [
         "gated_delta_net.cu",
         include_str!("kernels/gated_delta_net.cu"),
     ),
+    ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
 ];
 
@@ -64,6 +65,9 @@ kernels!(
     linear_q8_t8,
     linear_q4_t1,
     linear_q4_t8,
+    linear_tc_q4,
+    linear_tc_q8,
+    linear_tc_bf16,
     rms_norm,
     gated_rms_norm,
     add_assign,

@@ -38,6 +38,7 @@ macro_rules! launch {
 
 mod compile;
 mod experts;
+mod gemm;
 mod state;
 
 use std::collections::HashMap;
@@ -416,6 +417,9 @@ impl CudaBackend {
             "linear: input width {cols} vs weight {} [{}, {}]",
             w.name, l.rows, l.cols
         );
+        if let Some(out) = self.matmul_tensor_cores(x, n, cols, w) {
+            return out;
+        }
         let single = n == 1;
         let (op, kernel) = match (l.dtype, single) {
             (DType::F32, true) => ("linear f32", &self.kernels.linear_f32_t1),

@@ -1,0 +1,423 @@
+// Tensor-core products `x · wᵀ` for many tokens at once (prefill):
+// out[t, r] = Σ_c x[t, c] · w[r, c] for x f32 [n, cols] and w stored as q4,
+// q8 or bf16 [rows, cols]; out is f32 [n, rows]. gemm.rs decides when these
+// run instead of linear.cu's kernels.
+//
+// Accuracy (the results must stay within f32 rounding of the CPU's exact
+// f32 sums) comes from keeping every operand exact or nearly so:
+// - activations are split x = hi + lo with hi = bf16(x) and lo = bf16(x - hi)
+//   (both rounded to nearest): 16 significant bits, |x - hi - lo| ≤ 2^-17 |x|.
+//   Each step runs two MMAs, (w, hi) and (w, lo), into one f32 accumulator;
+// - q4 and q8 weights enter the MMAs as their integer codes, centred (q - 8,
+//   q - 128: exact in bf16), and the affine map is applied per 64-column
+//   group in f32:  Σ w·x = scale · Σ (q - c)·x + (bias + c·scale) · Σ x
+//   (c·scale is exact, c being a power of two). Centring keeps the
+//   integer sums, and so their rounding, near the size of Σ |w·x|;
+// - bf16 weights are exact as they are.
+// The MMA products are exact; the tensor cores accumulate in f32. Each
+// 64-column stage accumulates into fresh registers that are then added to
+// the running sums in ordinary f32 arithmetic, which bounds how long an
+// accumulation runs inside the tensor cores.
+//
+// Tiles: a block computes 128 weight rows (the MMA's M) × 64 tokens (N),
+// 64 columns (K, one quantization group) per stage; 8 warps as 4 (rows) ×
+// 2 (tokens), each 32 rows × 32 tokens = 2 × 4 MMA tiles of m16n8k16.
+// Stages pass through registers into one shared-memory buffer: the global
+// loads of stage k+1 are issued before the MMAs of stage k and stored
+// (converted to bf16) after them. Weights and activations are converted
+// once per block as they are stored, so the MMA loop is ldmatrix + mma.
+//
+// Column order: inside every aligned run of 8 columns c..c+7, shared memory
+// holds them in the order c, c+4, c+1, c+5, c+2, c+6, c+3, c+7 (position p
+// holds column c + p/2 + 4·(p%2)), for weights and activations alike; a
+// product over k does not depend on the order of k. This order lets eight
+// 4-bit codes of one 32-bit word become four bf16 pairs with two logic ops
+// each (nibbles j and j+4 are 16 bits apart).
+//
+// Fragments of mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (PTX
+// ISA, "Matrix Fragments for mma.m16n8k16"), with g = lane / 4 and
+// i = lane % 4; a 32-bit register holds two bf16, the lower k in its low
+// half:
+//   A (16 × 16, rows × k): a0 = (g, 2i..2i+1), a1 = (g+8, 2i..2i+1),
+//                          a2 = (g, 2i+8..2i+9), a3 = (g+8, 2i+8..2i+9)
+//   B (16 × 8, k × n):     b0 = (k 2i..2i+1, n g), b1 = (k 2i+8..2i+9, n g)
+//   C (16 × 8, f32):       c0 = (g, 2i), c1 = (g, 2i+1),
+//                          c2 = (g+8, 2i), c3 = (g+8, 2i+1)
+// ldmatrix.x4 (no .trans) loads four 8 × 8 b16 matrices whose row
+// addresses come from lanes 0-7, 8-15, 16-23 and 24-31; lane l receives in
+// register j the pair (row l/4, columns 2(l%4), 2(l%4)+1) of matrix j. So
+// with weights stored [row][k]: matrices (rows 0-7, k 0-7), (rows 8-15,
+// k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15) give a0..a3; and with
+// activations stored [token][k] (B's columns are tokens): (tokens 0-7, k 0-7),
+// (tokens 0-7, k 8-15), (tokens 8-15, k 0-7), (tokens 8-15, k 8-15) give b0,
+// b1 of two neighbouring 8-token tiles.
+//
+// sm_80+ only (bf16 mma and conversions); on older devices the kernels are
+// empty and gemm.rs never launches them.
+
+#define GEMM_BM 128            // weight rows per block
+#define GEMM_BN 64             // tokens per block
+#define GEMM_BK 64             // columns per stage (GROUP_SIZE)
+#define GEMM_THREADS 256       // 8 warps: 4 along the rows, 2 along the tokens
+// Shared row stride in bf16: 144 bytes, so the eight 16-byte rows an
+// ldmatrix matrix reads start 4 banks apart and hit all 32 banks once.
+#define GEMM_LD (GEMM_BK + 8)
+
+struct GemmShared {
+    u16 w[GEMM_BM][GEMM_LD];   // weights as bf16: centred codes, or values
+    u16 hi[GEMM_BN][GEMM_LD];  // bf16(x)
+    u16 lo[GEMM_BN][GEMM_LD];  // bf16(x - hi)
+    float scale[GEMM_BM];      // the stage's group: scale of each row
+    float bias[GEMM_BM];       // and bias + centre · scale
+    float xsum[GEMM_BN];       // Σ x over the stage's columns, per token
+};
+
+#if __CUDA_ARCH__ >= 800
+
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p))
+                 : "memory");
+}
+
+// c += a · b for one m16n8k16 tile (fragments as in the header).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (first, second) rounded to nearest bf16, first in the low half.
+// cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower.
+__device__ __forceinline__ u32 bf16x2_rn(float first, float second) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(second), "f"(first));
+    return r;
+}
+
+// The upper halves of two f32 whose lower halves are zero (so the bf16 is
+// exact), first in the low half.
+__device__ __forceinline__ u32 bf16x2_exact(float first, float second) {
+    return __byte_perm(__float_as_uint(first), __float_as_uint(second), 0x7632);
+}
+
+// Splits a pair of activations into hi = bf16(x) and lo = bf16(x - hi);
+// x - hi is exact in f32.
+__device__ __forceinline__ void split_pair(float first, float second, u32& hi, u32& lo) {
+    hi = bf16x2_rn(first, second);
+    float h0 = __uint_as_float(hi << 16);
+    float h1 = __uint_as_float(hi & 0xffff0000u);
+    lo = bf16x2_rn(first - h0, second - h1);
+}
+
+// Eight 4-bit codes (lowest nibble first: columns c..c+7) as bf16 q - 8 in
+// the shared column order. (v & 0x000f000f) | 0x4300_4300 holds nibbles j
+// and j+4 as the bf16 128 + q (exponent 2^7, the nibble in the low
+// mantissa bits); one fma (· 1 - 136, exact) centres both.
+__device__ __forceinline__ u32 q4_pair(u32 v) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+        : "=r"(r)
+        : "r"((v & 0x000f000fu) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+
+__device__ __forceinline__ uint4 q4_chunk(u32 word) {
+    return make_uint4(q4_pair(word), q4_pair(word >> 4), q4_pair(word >> 8),
+                      q4_pair(word >> 12));
+}
+
+// Byte `selector & 3` of `word` as the f32 q - 128: the bytes
+// (q, 0, 0, 0x4b) are the f32 2^23 + q, and subtracting 2^23 + 128 is exact.
+__device__ __forceinline__ float q8_centred(u32 word, u32 selector) {
+    return __uint_as_float(__byte_perm(word, 0x4b000000u, selector)) - 8388736.0f;
+}
+
+// Eight 8-bit codes (columns c..c+3 in `a`, c+4..c+7 in `b`, lowest byte
+// first) as bf16 q - 128 in the shared column order.
+__device__ __forceinline__ uint4 q8_chunk(u32 a, u32 b) {
+    return make_uint4(bf16x2_exact(q8_centred(a, 0x7440), q8_centred(b, 0x7440)),
+                      bf16x2_exact(q8_centred(a, 0x7441), q8_centred(b, 0x7441)),
+                      bf16x2_exact(q8_centred(a, 0x7442), q8_centred(b, 0x7442)),
+                      bf16x2_exact(q8_centred(a, 0x7443), q8_centred(b, 0x7443)));
+}
+
+// Eight bf16 values (columns c..c+7, two per word) in the shared column
+// order.
+__device__ __forceinline__ uint4 bf16_chunk(uint4 v) {
+    return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
+
+__device__ __forceinline__ void store16(u16* p, uint4 v) { *(uint4*)p = v; }
+
+// One stage in flight between global and shared memory, held in registers.
+template <int DT>
+struct GemmStage {
+    // 16-byte vectors of a stage's weight row (64 columns) and per thread.
+    static constexpr int ROW_VECS = DT == DT_Q4 ? 2 : DT == DT_Q8 ? 4 : 8;
+    static constexpr int VECS = GEMM_BM * ROW_VECS / GEMM_THREADS;
+    static constexpr int VEC_COLS = GEMM_BK / ROW_VECS;
+    // The centre subtracted from the codes.
+    static constexpr float CENTRE = DT == DT_Q4 ? 8.0f : 128.0f;
+    static constexpr bool QUANTIZED = DT == DT_Q4 || DT == DT_Q8;
+
+    uint4 w[VECS];
+    // Two runs of 8 activations per thread: tokens tid/8 and tid/8 + 32,
+    // columns 8·(tid%8)..+7 of the stage, as two float4 each.
+    float4 x[2][2];
+    u16 scale, bias;  // row tid's (threads < GEMM_BM), quantized only
+
+    // Reads the stage starting at column k0; what lies outside the matrix
+    // (rows ≥ rows, tokens ≥ n, columns ≥ cols) reads as zero.
+    __device__ __forceinline__ void load(const u8* codes, const u16* scales,
+                                         const u16* biases, const float* x_in, int rows,
+                                         int cols, int n, int r0, int t0, int k0) {
+        const int tid = threadIdx.x;
+        const i64 row_bytes = DT == DT_Q4 ? cols / 2 : DT == DT_Q8 ? cols : 2 * (i64)cols;
+        const int k0_bytes = DT == DT_Q4 ? k0 / 2 : DT == DT_Q8 ? k0 : 2 * k0;
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) {
+            int i = tid + j * GEMM_THREADS;
+            int row = i / ROW_VECS, part = i % ROW_VECS;
+            bool inside = r0 + row < rows && k0 + part * VEC_COLS < cols;
+            w[j] = inside ? *(const uint4*)(codes + (r0 + row) * row_bytes + k0_bytes +
+                                            part * 16)
+                          : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            int token = tid / 8 + 32 * j;
+            int c = k0 + 8 * (tid % 8);
+            if (t0 + token < n && c < cols) {
+                const float4* p = (const float4*)(x_in + (i64)(t0 + token) * cols + c);
+                x[j][0] = p[0];
+                x[j][1] = p[1];
+            } else {
+                x[j][0] = x[j][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+        if (QUANTIZED) {
+            scale = bias = 0;
+            if (tid < GEMM_BM && r0 + tid < rows) {
+                i64 at = (i64)(r0 + tid) * (cols / GROUP_SIZE) + k0 / GROUP_SIZE;
+                scale = scales[at];
+                bias = biases[at];
+            }
+        }
+    }
+
+    // Converts the stage to bf16 in shared memory (column order as in the
+    // header) with the group's parameters and activation sums.
+    __device__ __forceinline__ void store(GemmShared& sm) const {
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) {
+            int i = tid + j * GEMM_THREADS;
+            int row = i / ROW_VECS, part = i % ROW_VECS;
+            u16* dst = &sm.w[row][part * VEC_COLS];
+            if (DT == DT_Q4) {
+                store16(dst, q4_chunk(w[j].x));
+                store16(dst + 8, q4_chunk(w[j].y));
+                store16(dst + 16, q4_chunk(w[j].z));
+                store16(dst + 24, q4_chunk(w[j].w));
+            } else if (DT == DT_Q8) {
+                store16(dst, q8_chunk(w[j].x, w[j].y));
+                store16(dst + 8, q8_chunk(w[j].z, w[j].w));
+            } else {
+                store16(dst, bf16_chunk(w[j]));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            int token = tid / 8 + 32 * j;
+            int col = 8 * (tid % 8);
+            const float4 a = x[j][0], b = x[j][1];
+            uint4 hi, lo;
+            split_pair(a.x, b.x, hi.x, lo.x);
+            split_pair(a.y, b.y, hi.y, lo.y);
+            split_pair(a.z, b.z, hi.z, lo.z);
+            split_pair(a.w, b.w, hi.w, lo.w);
+            store16(&sm.hi[token][col], hi);
+            store16(&sm.lo[token][col], lo);
+            if (QUANTIZED) {
+                // The 8 lanes holding one token's stage are aligned and
+                // consecutive (tid % 8 is the run).
+                float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+                s += __shfl_xor_sync(FULL_MASK, s, 4);
+                s += __shfl_xor_sync(FULL_MASK, s, 2);
+                s += __shfl_xor_sync(FULL_MASK, s, 1);
+                if (tid % 8 == 0) sm.xsum[token] = s;
+            }
+        }
+        if (QUANTIZED && tid < GEMM_BM) {
+            float s = bf16_to_float(scale);
+            sm.scale[tid] = s;
+            sm.bias[tid] = fmaf(CENTRE, s, bf16_to_float(bias));
+        }
+    }
+};
+
+// The kernels' body. Grid: (ceil(rows / GEMM_BM), ceil(n / GEMM_BN)),
+// GEMM_THREADS threads. For DT_BF16, cols must be a multiple of 8; the
+// quantized types have whole groups.
+template <int DT>
+__device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
+                                          const u16* __restrict__ scales,
+                                          const u16* __restrict__ biases,
+                                          const float* __restrict__ x,
+                                          float* __restrict__ out, int rows, int cols,
+                                          int n) {
+    __shared__ __align__(16) GemmShared sm;
+    const int tid = threadIdx.x;
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+    const int r0 = blockIdx.x * GEMM_BM, t0 = blockIdx.y * GEMM_BN;
+    const int wm = (warp % 4) * 32;  // the warp's rows in the block: wm..wm+31
+    const int wn = (warp / 4) * 32;  // and tokens: wn..wn+31
+    // 8-token tiles of the warp holding tokens < n (warp-uniform): the MMAs
+    // of the others are skipped (their results would not be stored).
+    const int tiles_n = min(4, max(0, (n - t0 - wn + 7) / 8));
+
+    // acc[mi][nj]: rows wm + 16·mi (+ g, + g+8), tokens wn + 8·nj (+ 2·i4, +1),
+    // in the C fragment's order.
+    float acc[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
+
+    GemmStage<DT> stage;
+    const int stages = (cols + GEMM_BK - 1) / GEMM_BK;
+    stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, 0);
+    stage.store(sm);
+    __syncthreads();
+    for (int s = 0; s < stages; ++s) {
+        if (s + 1 < stages) {
+            stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, (s + 1) * GEMM_BK);
+        }
+        float part[2][4][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int nj = 0; nj < 4; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[mi][nj][e] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < GEMM_BK; k += 16) {
+            // A: lanes 0-7 address rows 0-7 at k, 8-15 rows 8-15 at k,
+            // 16-23 rows 0-7 at k+8, 24-31 rows 8-15 at k+8.
+            u32 a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                ldmatrix_x4(a[mi], &sm.w[wm + 16 * mi + (lane % 8) + 8 * ((lane / 8) % 2)]
+                                        [k + 8 * (lane / 16)]);
+            }
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                if (2 * p >= tiles_n) continue;
+                // B for 8-token tiles 2p and 2p+1: lanes 0-7 address tokens
+                // 0-7 at k, 8-15 tokens 0-7 at k+8, 16-23 tokens 8-15 at k,
+                // 24-31 tokens 8-15 at k+8; registers 0,1 are b0,b1 of tile
+                // 2p, registers 2,3 those of tile 2p+1.
+                const int token = wn + 16 * p + (lane % 8) + 8 * (lane / 16);
+                const int col = k + 8 * ((lane / 8) % 2);
+                u32 bh[4], bl[4];
+                ldmatrix_x4(bh, &sm.hi[token][col]);
+                ldmatrix_x4(bl, &sm.lo[token][col]);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);
+                    mma_bf16(part[mi][2 * p], a[mi], bl[0], bl[1]);
+                    if (2 * p + 1 < tiles_n) {
+                        mma_bf16(part[mi][2 * p + 1], a[mi], bh[2], bh[3]);
+                        mma_bf16(part[mi][2 * p + 1], a[mi], bl[2], bl[3]);
+                    }
+                }
+            }
+        }
+        // Fold the stage into the running sums: element e of a C fragment
+        // is row g + 8·(e / 2), token 2·i4 + e % 2 of its tile.
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = wm + 16 * mi + g + 8 * h;
+                float scale = 0.0f, bias = 0.0f;
+                if (GemmStage<DT>::QUANTIZED) {
+                    scale = sm.scale[row];
+                    bias = sm.bias[row];
+                }
+#pragma unroll
+                for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& c = acc[mi][nj][2 * h + e];
+                        const float v = part[mi][nj][2 * h + e];
+                        if (GemmStage<DT>::QUANTIZED) {
+                            const float xs = sm.xsum[wn + 8 * nj + 2 * i4 + e];
+                            c = fmaf(scale, v, fmaf(bias, xs, c));
+                        } else {
+                            c += v;
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done reading the stage
+        if (s + 1 < stages) {
+            stage.store(sm);
+            __syncthreads();
+        }
+    }
+
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = r0 + wm + 16 * mi + g + 8 * (e / 2);
+                const int t = t0 + wn + 8 * nj + 2 * i4 + e % 2;
+                if (r < rows && t < n) out[(i64)t * rows + r] = acc[mi][nj][e];
+            }
+        }
+    }
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
+// The kernels (one per stored type), all with linear.cu's parameters:
+// codes (or bf16 values), scales, biases, x [n, cols], out [n, rows].
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    linear_tc_q4(const u8* codes, const u16* scales, const u16* biases, const float* x,
+                 float* out, int rows, int cols, int n) {
+#if __CUDA_ARCH__ >= 800
+    linear_tc<DT_Q4>(codes, scales, biases, x, out, rows, cols, n);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    linear_tc_q8(const u8* codes, const u16* scales, const u16* biases, const float* x,
+                 float* out, int rows, int cols, int n) {
+#if __CUDA_ARCH__ >= 800
+    linear_tc<DT_Q8>(codes, scales, biases, x, out, rows, cols, n);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    linear_tc_bf16(const u8* codes, const u16* scales, const u16* biases, const float* x,
+                   float* out, int rows, int cols, int n) {
+#if __CUDA_ARCH__ >= 800
+    linear_tc<DT_BF16>(codes, scales, biases, x, out, rows, cols, n);
+#endif
+}
