@@ -53,7 +53,7 @@ run() {
     # A fresh cache: the first backend compiles the kernels, the rest load them.
     MOEFLUX_CACHE=$(mktemp -d)
     export MOEFLUX_CACHE
-    local moeflux="$SUITE/moeflux" synthetic=/tmp/moeflux-synth-q30-4
+    local moeflux="$SUITE/moeflux" synthetic=/tmp/moeflux-synth-q30
     local deadline=$((SECONDS + 530))
 
     # step NAME LIMIT_S COMMAND...: runs COMMAND into $OUT/NAME.log within
@@ -87,14 +87,20 @@ run() {
         echo "generate: CUDA and CPU texts DIFFER" | tee -a "$OUT/summary.txt"
     fi
     step bench-bundled 120 "$moeflux" bench --device cuda
-    step synth 120 "$moeflux" synth --preset qwen3-30b-a3b --layers 4 -o "$synthetic" --force
-    step bench-synthetic 180 "$moeflux" bench -m "$synthetic" --device cuda
+    step synth 180 "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force
+    step bench-resident 150 "$moeflux" bench -m "$synthetic" --device cuda -n 128 --warmup 16
+    step bench-chunk512 150 "$moeflux" bench -m "$synthetic" --device cuda -n 32 --prefill-chunk 512 --no-ceilings
+    # A VRAM expert budget of a quarter of the expert bytes.
+    local quarter_mb
+    quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$synthetic")
+    step bench-quarter 150 "$moeflux" bench -m "$synthetic" --device cuda -n 64 --warmup 16 \
+        --gpu-expert-cache-mb "$quarter_mb"
 
     echo "--- tests"
-    grep -E '^test result|^test .*FAILED|skipped|cuda vs cpu|prefill vs decode|VRAM uploads|state continued' \
+    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|VRAM uploads|state continued|resident decode|tensor' \
         "$OUT/cuda-tests.log" | head -n 80 || true
     grep -A 3 'panicked' "$OUT/cuda-tests.log" | head -n 60 || true
-    for log in generate-cuda generate-cpu bench-bundled bench-synthetic; do
+    for log in generate-cuda generate-cpu bench-bundled bench-resident bench-chunk512 bench-quarter; do
         echo "--- $log"
         tail -n 30 "$OUT/$log.log" 2>/dev/null || true
     done

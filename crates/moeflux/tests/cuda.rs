@@ -247,6 +247,71 @@ fn tiny_expert_caches_give_identical_results() {
     }
 }
 
+/// Experts uploaded before the first token (every layer complete: decode
+/// never returns to the host) against experts streamed through a VRAM
+/// cache that holds nothing: the same kernels, so the same logits.
+#[test]
+fn resident_and_streamed_experts_give_identical_results() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        for quant in [DType::Q4, DType::Bf16] {
+            let converted = convert_fixture(name, quant);
+            let tokens = Reference::load(name).tokens("tokens_long");
+            let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+            resident
+                .prepare_experts(&moeflux::util::NoProgress)
+                .unwrap();
+            let moe_layers = resident.config().moe_layers().count() as u64;
+            assert_eq!(
+                resident.backend().expert_cache_stats().complete_layers,
+                moe_layers,
+                "{name}: every layer resident after prepare_experts"
+            );
+            let streamed = open_cuda(
+                &converted.dir,
+                ModelOptions::default(),
+                cuda_with(CudaOptions {
+                    expert_cache_bytes: Some(1),
+                })
+                .unwrap(),
+            );
+            let run = |model: &Arc<Model<CudaBackend>>| {
+                let mut session = model.session();
+                let mut logits = session
+                    .forward(&tokens[..5], LogitsWanted::All)
+                    .unwrap()
+                    .data;
+                for &t in &tokens[5..] {
+                    logits.extend(session.decode(t).unwrap());
+                }
+                logits
+            };
+            let before = resident.backend().expert_cache_stats();
+            assert_eq!(
+                run(&resident),
+                run(&streamed),
+                "{name} {}: resident and streamed experts differ",
+                quant.name()
+            );
+            let after = resident.backend().expert_cache_stats();
+            println!(
+                "{name:<22} {}: resident decode {} hits, {} uploads after prepare; streamed {} uploads",
+                quant.name(),
+                after.hits - before.hits,
+                after.uploads - before.uploads,
+                streamed.backend().expert_cache_stats().uploads
+            );
+            assert_eq!(
+                after.uploads, before.uploads,
+                "{name}: nothing uploaded after prepare"
+            );
+            assert_eq!(streamed.backend().expert_cache_stats().complete_layers, 0);
+        }
+    }
+}
+
 /// Saving and loading state, truncation and checkpoints exercise the
 /// export, import, truncate and copy operations; a state saved on CUDA
 /// also continues on the CPU.

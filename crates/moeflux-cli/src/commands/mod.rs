@@ -153,6 +153,26 @@ impl ModelArgs {
         if !quiet {
             with_model!(&opened, |model| describe(&**model, &dir, &options));
         }
+        if let OpenedModel::Cuda(model) = &opened {
+            let start = std::time::Instant::now();
+            model.prepare_experts(&crate::commands::convert::progress_bar())?;
+            let stats = model.backend().expert_cache_stats();
+            if !quiet {
+                let moe_layers = model.config().moe_layers().count() as u64;
+                if stats.complete_layers == moe_layers {
+                    eprintln!(
+                        "moeflux: every expert resident in VRAM ({} uploaded in {:.1} s)",
+                        human_bytes(stats.resident_bytes),
+                        start.elapsed().as_secs_f64()
+                    );
+                } else {
+                    eprintln!(
+                        "moeflux: the experts ({}) exceed the VRAM expert budget: they stream into a VRAM cache",
+                        human_bytes(model.dir().manifest().expert_bytes())
+                    );
+                }
+            }
+        }
         Ok(opened)
     }
 

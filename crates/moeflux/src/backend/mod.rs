@@ -13,6 +13,7 @@ use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
+use crate::util::Progress;
 
 /// Geometry of grouped-query attention.
 #[derive(Clone, Copy, Debug)]
@@ -173,4 +174,64 @@ pub trait Backend: Send + Sync + Sized + 'static {
         store: &ExpertStore,
         layer: usize,
     ) -> Result<Self::Tensor>;
+
+    /// `x · wᵀ` for several weights that share the input (a GPU computes
+    /// them in one launch).
+    fn linear_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
+        ws.iter().map(|w| self.linear(x, w)).collect()
+    }
+
+    /// `residual += x · wᵀ` (a GPU adds as it computes).
+    fn linear_add(&self, residual: &mut Self::Tensor, x: &Self::Tensor, w: &Self::Weight) {
+        let y = self.linear(x, w);
+        self.add_assign(residual, &y);
+    }
+
+    /// Attention's preparation of queries and keys: RMSNorm of each head of
+    /// `q` and `k` with its weight, then RoPE of both for positions
+    /// `start_pos..` (a GPU does it in one launch).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope(
+        &self,
+        q: Self::Tensor,
+        k: Self::Tensor,
+        q_norm: &Self::Weight,
+        k_norm: &Self::Weight,
+        norm: RmsNorm,
+        rope: Rope,
+        start_pos: usize,
+    ) -> (Self::Tensor, Self::Tensor) {
+        let mut q = self.rms_norm(&q, q_norm, norm);
+        let mut k = self.rms_norm(&k, k_norm, norm);
+        self.rope(&mut q, rope, start_pos);
+        self.rope(&mut k, rope, start_pos);
+        (q, k)
+    }
+
+    /// `out +=` [`Backend::routed_experts`] (a GPU adds as it computes).
+    fn routed_experts_add(
+        &self,
+        out: &mut Self::Tensor,
+        x: &Self::Tensor,
+        routing: &Self::Routing,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<()> {
+        let y = self.routed_experts(x, routing, store, layer)?;
+        self.add_assign(out, &y);
+        Ok(())
+    }
+
+    /// Whether this backend holds every expert of `layer` itself, so the
+    /// store's prediction and prefetch have nothing to do for it (and
+    /// asking for the routing would only cost a round trip).
+    fn experts_resident(&self, _store: &ExpertStore, _layer: usize) -> bool {
+        false
+    }
+
+    /// Work before the first token: a GPU uploads every expert when they
+    /// all fit in its memory.
+    fn prepare_experts(&self, _store: &ExpertStore, _progress: &dyn Progress) -> Result<()> {
+        Ok(())
+    }
 }

@@ -63,25 +63,39 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    pub fn forward(&self, b: &B, x: &B::Tensor, cache: &mut B::KvCache) -> B::Tensor {
+    /// `residual += attention(x)`.
+    pub fn forward_add(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        cache: &mut B::KvCache,
+        residual: &mut B::Tensor,
+    ) {
         let start = b.kv_len(cache);
         let q_dim = self.shape.num_heads * self.shape.head_dim;
-        let projected = b.linear(x, &self.q_proj);
+        let [projected, k, v]: [B::Tensor; 3] = b
+            .linear_many(x, &[&self.q_proj, &self.k_proj, &self.v_proj])
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("three projections"));
         let (q, gate) = if self.output_gate {
             let mut parts = b.split_cols(&projected, &[q_dim, q_dim]).into_iter();
             (parts.next().unwrap(), parts.next())
         } else {
             (projected, None)
         };
-        let mut q = b.rms_norm(&q, &self.q_norm, self.norm);
-        let mut k = b.rms_norm(&b.linear(x, &self.k_proj), &self.k_norm, self.norm);
-        let v = b.linear(x, &self.v_proj);
-        b.rope(&mut q, self.rope, start);
-        b.rope(&mut k, self.rope, start);
+        let (q, k) = b.qk_norm_rope(
+            q,
+            k,
+            &self.q_norm,
+            &self.k_norm,
+            self.norm,
+            self.rope,
+            start,
+        );
         let mut out = b.attention(cache, &q, &k, &v, self.shape);
         if let Some(gate) = gate {
             b.mul_sigmoid(&mut out, &gate);
         }
-        b.linear(&out, &self.o_proj)
+        b.linear_add(residual, &out, &self.o_proj);
     }
 }

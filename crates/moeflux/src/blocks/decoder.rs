@@ -101,6 +101,9 @@ impl<B: Backend> Decoder<B> {
         let Some(next) = self.next_moe[layer] else {
             return;
         };
+        if b.experts_resident(store, next) {
+            return;
+        }
         if let FeedForward::Sparse(moe) = &self.layers[next].ffn {
             store.predict(next, moe.predict(b, h), self.prefetch);
         }
@@ -133,25 +136,23 @@ impl<B: Backend> Decoder<B> {
         let mut x = b.embed(&self.embed, tokens);
         for (i, (layer, layer_state)) in self.layers.iter().zip(state.iter_mut()).enumerate() {
             let h = b.rms_norm(&x, &layer.input_norm, self.norm);
-            let mixed = match (&layer.mixer, layer_state) {
+            match (&layer.mixer, layer_state) {
                 (Mixer::Attention(attn), LayerState::Attention(cache)) => {
-                    attn.forward(b, &h, cache)
+                    attn.forward_add(b, &h, cache, &mut x)
                 }
-                (Mixer::Linear(gdn), LayerState::Linear(s)) => gdn.forward(b, &h, s),
+                (Mixer::Linear(gdn), LayerState::Linear(s)) => gdn.forward_add(b, &h, s, &mut x),
                 _ => unreachable!("state built by new_state for these layers"),
             };
-            b.add_assign(&mut x, &mixed);
             let h = b.rms_norm(&x, &layer.post_attention_norm, self.norm);
             if tokens.len() == 1 {
                 self.predict_next_layer(b, i, &h, store);
             }
-            let ffn = match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward(b, &h),
+            match &layer.ffn {
+                FeedForward::Dense(mlp) => mlp.forward_add(b, &h, &mut x),
                 FeedForward::Sparse(moe) => {
-                    moe.forward(b, &h, store, self.prefetch != Prefetch::Off)?
+                    moe.forward_add(b, &h, store, self.prefetch != Prefetch::Off, &mut x)?
                 }
             };
-            b.add_assign(&mut x, &ffn);
         }
         if logit_rows == 0 {
             return Ok(None);

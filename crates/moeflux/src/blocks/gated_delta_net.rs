@@ -51,7 +51,14 @@ impl<B: Backend> GatedDeltaNet<B> {
         })
     }
 
-    pub fn forward(&self, b: &B, x: &B::Tensor, state: &mut B::LinearState) -> B::Tensor {
+    /// `residual += gated_delta_net(x)`.
+    pub fn forward_add(
+        &self,
+        b: &B,
+        x: &B::Tensor,
+        state: &mut B::LinearState,
+        residual: &mut B::Tensor,
+    ) {
         let c = &self.cfg;
         let projected = b.linear(x, &self.in_proj);
         let parts = b.split_cols(
@@ -73,6 +80,6 @@ impl<B: Backend> GatedDeltaNet<B> {
         };
         let core = b.gated_delta_net(state, qkv, beta_in, decay_in, params, c);
         let normed = b.gated_rms_norm(&core, z, &self.norm, self.eps);
-        b.linear(&normed, &self.out_proj)
+        b.linear_add(residual, &normed, &self.out_proj);
     }
 }

@@ -33,8 +33,21 @@ impl<B: Backend> Mlp<B> {
     }
 
     pub fn forward(&self, b: &B, x: &B::Tensor) -> B::Tensor {
-        let act = b.silu_mul(&b.linear(x, &self.gate), &b.linear(x, &self.up));
-        b.linear(&act, &self.down)
+        b.linear(&self.activation(b, x), &self.down)
+    }
+
+    /// `residual += mlp(x)`.
+    pub fn forward_add(&self, b: &B, x: &B::Tensor, residual: &mut B::Tensor) {
+        b.linear_add(residual, &self.activation(b, x), &self.down);
+    }
+
+    /// `silu(gate(x)) * up(x)`.
+    fn activation(&self, b: &B, x: &B::Tensor) -> B::Tensor {
+        let [gate, up]: [B::Tensor; 2] = b
+            .linear_many(x, &[&self.gate, &self.up])
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("two projections"));
+        b.silu_mul(&gate, &up)
     }
 }
 
@@ -82,26 +95,32 @@ impl<B: Backend> SparseMoe<B> {
         b.selected_experts(&b.route(&logits, self.top_k, self.normalize))
     }
 
-    /// `track_routing`: tell the store which experts a decode step used
-    /// (for prefetch prediction; costs a device-to-host copy on a GPU).
-    pub fn forward(
+    /// `residual += moe(x)`. `track_routing`: tell the store which experts
+    /// a decode step used (for prefetch prediction; costs a device-to-host
+    /// copy on a GPU).
+    pub fn forward_add(
         &self,
         b: &B,
         x: &B::Tensor,
         store: &ExpertStore,
         track_routing: bool,
-    ) -> Result<B::Tensor> {
+        residual: &mut B::Tensor,
+    ) -> Result<()> {
         let logits = b.linear(x, &self.router);
         let routing = b.route(&logits, self.top_k, self.normalize);
-        if track_routing && b.rows(x) == 1 {
+        if track_routing && b.rows(x) == 1 && !b.experts_resident(store, self.layer) {
             store.note_decode_routing(self.layer, &b.selected_experts(&routing));
         }
-        let mut out = b.routed_experts(x, &routing, store, self.layer)?;
-        if let Some((mlp, gate)) = &self.shared {
-            let mut shared = mlp.forward(b, x);
-            b.mul_sigmoid(&mut shared, &b.linear(x, gate));
-            b.add_assign(&mut out, &shared);
+        match &self.shared {
+            None => b.routed_experts_add(residual, x, &routing, store, self.layer),
+            Some((mlp, gate)) => {
+                let mut out = b.routed_experts(x, &routing, store, self.layer)?;
+                let mut shared = mlp.forward(b, x);
+                b.mul_sigmoid(&mut shared, &b.linear(x, gate));
+                b.add_assign(&mut out, &shared);
+                b.add_assign(residual, &out);
+                Ok(())
+            }
         }
-        Ok(out)
     }
 }

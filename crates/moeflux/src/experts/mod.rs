@@ -99,6 +99,11 @@ impl Expert {
     pub fn down(&self) -> MatrixView<'_> {
         self.view(self.layout.down)
     }
+
+    /// Bytes of the blob as read.
+    pub fn nbytes(&self) -> usize {
+        self.data.len()
+    }
 }
 
 impl Weighted for Arc<Expert> {
@@ -288,6 +293,33 @@ impl ExpertStore {
     /// Whether reads bypass the page cache.
     pub fn direct_io(&self) -> bool {
         self.direct
+    }
+
+    /// The layers that have experts, in order.
+    pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..self.shared.layers.len()).filter(|&l| self.shared.layers[l].is_some())
+    }
+
+    /// How many experts `layer` has (0 for a layer without experts).
+    pub fn expert_count(&self, layer: usize) -> usize {
+        self.shared.layers[layer]
+            .as_ref()
+            .map_or(0, |l| l.checksums.len())
+    }
+
+    /// Where gate, up and down lie in each expert blob of `layer`.
+    pub fn blob_layout(&self, layer: usize) -> Option<&BlobLayout> {
+        self.shared.layers[layer].as_ref().map(|l| &*l.layout)
+    }
+
+    /// Bytes of every expert of every layer, as stored.
+    pub fn total_expert_bytes(&self) -> u64 {
+        self.moe_layers()
+            .map(|l| {
+                let file = self.shared.layers[l].as_ref().expect("an MoE layer");
+                file.layout.nbytes as u64 * file.checksums.len() as u64
+            })
+            .sum()
     }
 
     pub fn cache_budget(&self) -> u64 {

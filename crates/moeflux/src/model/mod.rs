@@ -26,7 +26,7 @@ use crate::experts::{
     CachePolicy, ExpertStats, ExpertStore, IoMode, Prefetch, StoreOptions, available_memory,
 };
 use crate::format::{ModelDir, OpenOptions};
-use crate::util::human_bytes;
+use crate::util::{Progress, human_bytes};
 
 /// Tokens processed together in one prefill step.
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
@@ -189,6 +189,13 @@ impl<B: Backend> Model<B> {
             prefill_chunk: options.prefill_chunk,
             options: options.clone(),
         })
+    }
+
+    /// Readies the backend before the first token: a GPU uploads every
+    /// expert when they all fit in its memory (see
+    /// [`Backend::prepare_experts`]).
+    pub fn prepare_experts(&self, progress: &dyn Progress) -> Result<()> {
+        self.backend.prepare_experts(&self.store, progress)
     }
 
     pub fn config(&self) -> &ModelConfig {

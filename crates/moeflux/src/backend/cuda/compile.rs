@@ -68,8 +68,13 @@ kernels!(
     linear_tc_q4,
     linear_tc_q8,
     linear_tc_bf16,
+    linear_vector_f32,
+    linear_vector_bf16,
+    linear_vector_q8,
+    linear_vector_q4,
     rms_norm,
     gated_rms_norm,
+    qk_norm_rope,
     add_assign,
     silu_mul,
     mul_sigmoid,
@@ -84,6 +89,14 @@ kernels!(
     route,
     gather_rows,
     scatter_add_rows,
+    moe_gate_up_f32,
+    moe_gate_up_bf16,
+    moe_gate_up_q8,
+    moe_gate_up_q4,
+    moe_down_f32,
+    moe_down_bf16,
+    moe_down_q8,
+    moe_down_q4,
 );
 
 /// The program text: every file after a `#line` directive, so compiler
@@ -211,7 +224,13 @@ mod tests {
         let source = program();
         for name in NAMES {
             let defined = source.contains(&format!(" {name}("))
-                || source.contains(&format!("LINEAR_KERNEL({name},"));
+                || source.contains(&format!("LINEAR_KERNEL({name},"))
+                || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
+                || ["moe_gate_up_", "moe_down_"].iter().any(|prefix| {
+                    name.strip_prefix(prefix).is_some_and(|suffix| {
+                        source.contains(&format!("MOE_DECODE_KERNELS({suffix},"))
+                    })
+                });
             assert!(defined, "kernel {name} is not defined in kernels/");
         }
     }

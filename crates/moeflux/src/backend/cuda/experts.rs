@@ -5,24 +5,40 @@
 //! host request. The store is part of the key because one backend may
 //! serve several models.
 //!
-//! Tokens are grouped by expert; experts are computed one after another in
-//! ascending order, each adding its weighted output to the tokens that
-//! chose it, so the sum does not depend on what was cached. Host reads of
-//! the next few missing experts run while the GPU computes the current
-//! ones.
+//! One token (decode) runs two fused kernels over its top-k experts, which
+//! find each expert through a table of device addresses. When every expert
+//! of the layer is resident (the whole model fits the budget: see
+//! [`CudaBackend::prepare_device_experts`]) the table is the layer's,
+//! indexed by the ids `route` left on the device, and nothing returns to
+//! the host. Otherwise the host reads the ids, makes the missing experts
+//! resident and passes a table of just the selected ones: the same kernels,
+//! so the results are identical either way.
+//!
+//! Several tokens (prefill) are grouped by expert; experts are computed one
+//! after another in ascending order, each adding its weighted output to the
+//! tokens that chose it, so the sum does not depend on what was cached.
+//! Host reads of the next few missing experts run while the GPU computes
+//! the current ones.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::{CudaBackend, Matrix, Routing, Tensor, device_error, grid_stride, int};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, Fetch};
+use crate::quant::{DType, MatrixLayout};
+use crate::util::Progress;
 
 /// (expert store, layer, expert)
 type VramKey = (u64, u32, u32);
-use crate::quant::MatrixLayout;
+/// (expert store, layer)
+type LayerKey = (u64, u32);
+
+/// Device memory the automatic budget leaves free for KV caches and
+/// activations: this much, or a tenth of the device, whichever is more.
+const RESERVE_BYTES: u64 = 4 << 30;
 
 /// Experts whose host reads are requested together: a batch is requested
 /// before the previous one computes, which bounds the host memory in
@@ -39,7 +55,42 @@ pub(super) struct DeviceExpert {
     parts: [(usize, MatrixLayout); 3],
 }
 
+/// Where one matrix of an expert lies in the expert's buffer, as the fused
+/// kernels take it (`ExpertPart` in moe.cu): its codes from the buffer's
+/// start, its scales and biases from its codes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct ExpertPart {
+    offset: i64,
+    scales: i64,
+    biases: i64,
+}
+
+// SAFETY: three i64s, laid out as the kernels' struct of three long longs.
+unsafe impl DeviceRepr for ExpertPart {}
+
+/// The placement of gate, up and down, the same in every expert of a layer.
+#[derive(Clone, Copy, Debug)]
+struct PartsLayout([(usize, MatrixLayout); 3]);
+
+impl PartsLayout {
+    fn part(&self, i: usize) -> ExpertPart {
+        let (offset, layout) = self.0[i];
+        ExpertPart {
+            offset: offset as i64,
+            scales: layout.scales_offset as i64,
+            biases: layout.biases_offset as i64,
+        }
+    }
+}
+
 impl DeviceExpert {
+    /// The device address of the buffer (valid while `self` lives).
+    fn address(&self, stream: &CudaStream) -> u64 {
+        let (ptr, _sync) = self.data.device_ptr(stream);
+        ptr
+    }
+
     fn matrix(&self, part: usize, name: &'static str) -> Matrix<'_> {
         let (offset, layout) = self.parts[part];
         Matrix {
@@ -63,6 +114,9 @@ pub struct ExpertCacheStats {
     pub resident_bytes: u64,
     /// `None` until the first upload when the budget is automatic.
     pub budget_bytes: Option<u64>,
+    /// Layers whose experts are all resident: their tokens are decoded
+    /// without returning the routing to the host.
+    pub complete_layers: u64,
 }
 
 struct Entry {
@@ -71,8 +125,15 @@ struct Entry {
     last_use: u64,
 }
 
+/// A layer whose experts are all resident: their addresses by expert id.
+struct CompleteLayer {
+    addresses: CudaSlice<u64>,
+    parts: PartsLayout,
+}
+
 /// The VRAM expert cache. Entries are reference-counted: an expert evicted
-/// while a layer still computes with it is freed when that layer drops it.
+/// while a layer still computes with it is freed when that layer drops it
+/// (device memory is freed in stream order, after the work queued before).
 pub(super) struct VramCache {
     budget: Option<u64>,
     used: u64,
@@ -80,6 +141,9 @@ pub(super) struct VramCache {
     entries: HashMap<VramKey, Entry>,
     /// Resident keys by last use, oldest first.
     by_use: BTreeMap<u64, VramKey>,
+    /// Resident experts per layer.
+    resident: HashMap<LayerKey, usize>,
+    complete: HashMap<LayerKey, CompleteLayer>,
     stats: ExpertCacheStats,
 }
 
@@ -91,8 +155,21 @@ impl VramCache {
             clock: 0,
             entries: HashMap::new(),
             by_use: BTreeMap::new(),
+            resident: HashMap::new(),
+            complete: HashMap::new(),
             stats: ExpertCacheStats::default(),
         }
+    }
+
+    /// The address table of a layer whose experts are all resident.
+    fn complete_layer(&self, store: u64, layer: u32) -> Option<&CompleteLayer> {
+        self.complete.get(&(store, layer))
+    }
+
+    /// Counts every selected expert of a complete layer's decode step as a
+    /// hit (they are, without looking).
+    fn count_hits(&mut self, n: u64) {
+        self.stats.hits += n;
     }
 
     pub(super) fn budget(&self) -> Option<u64> {
@@ -110,13 +187,21 @@ impl VramCache {
     }
 
     /// Keeps `expert` if it fits in the budget, evicting the least recently
-    /// used experts to make room.
-    fn insert(&mut self, key: VramKey, expert: Arc<DeviceExpert>, bytes: u64, budget: u64) {
+    /// used experts to make room. Returns whether the layer (of
+    /// `layer_experts` experts) now has all of them resident.
+    fn insert(
+        &mut self,
+        key: VramKey,
+        expert: Arc<DeviceExpert>,
+        bytes: u64,
+        budget: u64,
+        layer_experts: usize,
+    ) -> bool {
         self.budget = Some(budget);
         self.stats.uploads += 1;
         self.stats.uploaded_bytes += bytes;
         if bytes > budget || self.entries.contains_key(&key) {
-            return;
+            return false;
         }
         while self.used + bytes > budget && self.evict_one() {}
         self.clock += 1;
@@ -130,6 +215,39 @@ impl VramCache {
             },
         );
         self.used += bytes;
+        let resident = self.resident.entry((key.0, key.1)).or_default();
+        *resident += 1;
+        *resident == layer_experts
+    }
+
+    /// Records that every expert of a layer is resident, with their
+    /// addresses (by expert id) on the device.
+    fn mark_complete(&mut self, store: u64, layer: u32, addresses: CudaSlice<u64>) {
+        let parts = self
+            .entries
+            .get(&(store, layer, 0))
+            .expect("a complete layer has expert 0")
+            .expert
+            .parts;
+        self.complete.insert(
+            (store, layer),
+            CompleteLayer {
+                addresses,
+                parts: PartsLayout(parts),
+            },
+        );
+        self.stats.complete_layers = self.complete.len() as u64;
+    }
+
+    /// The resident experts of a layer, by id (all of them when complete).
+    fn layer_experts(&self, store: u64, layer: u32, count: usize) -> Option<Vec<&DeviceExpert>> {
+        (0..count as u32)
+            .map(|e| {
+                self.entries
+                    .get(&(store, layer, e))
+                    .map(|entry| &*entry.expert)
+            })
+            .collect()
     }
 
     /// Drops the least recently used expert; false when none is resident.
@@ -140,6 +258,14 @@ impl VramCache {
         let entry = self.entries.remove(&key).expect("indexed entries exist");
         self.used -= entry.bytes;
         self.stats.evictions += 1;
+        let layer = (key.0, key.1);
+        *self
+            .resident
+            .get_mut(&layer)
+            .expect("counted when inserted") -= 1;
+        if self.complete.remove(&layer).is_some() {
+            self.stats.complete_layers = self.complete.len() as u64;
+        }
         true
     }
 
@@ -159,6 +285,73 @@ enum Source {
 }
 
 impl CudaBackend {
+    /// Whether every expert of `layer` is in VRAM, so a decode step needs
+    /// no host round trip for it.
+    pub(super) fn layer_resident(&self, store: &ExpertStore, layer: usize) -> bool {
+        let cache = self.experts.lock().unwrap();
+        cache.complete_layer(store.id(), layer as u32).is_some()
+    }
+
+    /// The VRAM expert budget: as configured, or the device memory free
+    /// now less a reserve for KV caches and activations.
+    fn expert_budget(&self, cache: &VramCache) -> Result<u64> {
+        if let Some(budget) = cache.budget() {
+            return Ok(budget);
+        }
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| device_error(self.ordinal, "reading free device memory", e))?;
+        let reserve = RESERVE_BYTES.max(total as u64 / 10);
+        Ok((free as u64).saturating_sub(reserve))
+    }
+
+    /// Uploads every expert of the model when they all fit in the VRAM
+    /// budget, so that decoding never waits for the host; otherwise leaves
+    /// the cache to fill as experts are used. Returns whether they fit.
+    pub fn prepare_device_experts(
+        &self,
+        store: &ExpertStore,
+        progress: &dyn Progress,
+    ) -> Result<bool> {
+        let total = store.total_expert_bytes();
+        let budget = self.expert_budget(&self.experts.lock().unwrap())?;
+        // Each expert's parts are padded to PART_ALIGN on the device.
+        let padded = total
+            + store
+                .moe_layers()
+                .map(|l| store.expert_count(l) as u64)
+                .sum::<u64>()
+                * 3
+                * PART_ALIGN as u64;
+        if padded > budget {
+            return Ok(false);
+        }
+        progress.start(total);
+        for layer in store.moe_layers() {
+            let count = store.expert_count(layer);
+            let missing: Vec<usize> = {
+                let cache = self.experts.lock().unwrap();
+                (0..count)
+                    .filter(|&e| {
+                        !cache
+                            .entries
+                            .contains_key(&(store.id(), layer as u32, e as u32))
+                    })
+                    .collect()
+            };
+            for batch in missing.chunks(EXPERTS_IN_FLIGHT * 4) {
+                for fetch in store.request(layer, batch) {
+                    let expert = store.wait(fetch)?;
+                    self.upload_expert(store, layer, &expert)?;
+                    progress.advance(expert.nbytes() as u64, "uploading experts");
+                }
+            }
+        }
+        progress.finish();
+        Ok(true)
+    }
+
     /// See [`crate::backend::Backend::routed_experts`] and the module
     /// documentation.
     pub(super) fn compute_routed_experts(
@@ -173,6 +366,15 @@ impl CudaBackend {
             routing.rows, n,
             "routed experts: routing is for other tokens"
         );
+        if n == 1 {
+            let mut out = self.alloc::<f32>("routed experts", hidden);
+            self.decode_routed_experts(x, routing, store, layer, &mut out, false)?;
+            return Ok(Tensor {
+                rows: 1,
+                cols: hidden,
+                data: out,
+            });
+        }
         // expert -> its slots (token · top_k + rank), ascending.
         let mut assigned: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         for (slot, &expert) in routing.experts_on_host().iter().enumerate() {
@@ -195,7 +397,7 @@ impl CudaBackend {
                 let expert = match source {
                     Source::Resident(expert) => expert,
                     Source::Fetching(fetch) => {
-                        self.upload_expert(store.id(), layer, &*store.wait(fetch)?)?
+                        self.upload_expert(store, layer, &*store.wait(fetch)?)?
                     }
                 };
                 let m = expert_slots.len();
@@ -209,6 +411,182 @@ impl CudaBackend {
             cols: hidden,
             data: out,
         })
+    }
+
+    /// `out += routed experts` (see [`crate::backend::Backend::routed_experts_add`]).
+    pub(super) fn add_routed_experts(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<()> {
+        assert!(
+            out.rows == x.rows && out.cols == x.cols,
+            "routed experts: output [{}, {}] for input [{}, {}]",
+            out.rows,
+            out.cols,
+            x.rows,
+            x.cols
+        );
+        if x.rows == 1 {
+            return self.decode_routed_experts(x, routing, store, layer, &mut out.data, true);
+        }
+        let y = self.compute_routed_experts(x, routing, store, layer)?;
+        crate::backend::Backend::add_assign(self, out, &y);
+        Ok(())
+    }
+
+    /// One token, into `out` (added to it with `accumulate`): the fused
+    /// kernels over the layer's address table when the layer is complete,
+    /// else over a table of the selected experts made resident by the host.
+    fn decode_routed_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let top_k = routing.top_k;
+        let inter = store
+            .blob_layout(layer)
+            .expect("routed experts of an MoE layer")
+            .gate
+            .1
+            .rows;
+        // Allocated first: an allocation may evict experts, which must not
+        // happen between looking the layer up and queueing its kernels.
+        let mut act = self.alloc::<f32>("routed experts", top_k * inter);
+        {
+            let mut cache = self.experts.lock().unwrap();
+            if cache.complete_layer(store.id(), layer as u32).is_some() {
+                cache.count_hits(top_k as u64);
+                let complete = cache
+                    .complete_layer(store.id(), layer as u32)
+                    .expect("checked");
+                self.launch_decode_experts(
+                    x,
+                    &complete.addresses,
+                    &routing.experts,
+                    routing,
+                    complete.parts,
+                    &mut act,
+                    out,
+                    accumulate,
+                );
+                return Ok(());
+            }
+        }
+        let ids = routing.experts_on_host();
+        let batch: Vec<(u32, Vec<u32>)> = ids.iter().map(|&e| (e, Vec::new())).collect();
+        let mut experts = Vec::with_capacity(top_k);
+        for source in self.start_batch(layer, &batch, store) {
+            experts.push(match source {
+                Source::Resident(expert) => expert,
+                Source::Fetching(fetch) => {
+                    self.upload_expert(store, layer, &*store.wait(fetch)?)?
+                }
+            });
+        }
+        let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
+        let table = self.upload("routed experts", &addresses);
+        let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>());
+        let parts = PartsLayout(experts[0].parts);
+        self.launch_decode_experts(x, &table, &ranks, routing, parts, &mut act, out, accumulate);
+        // The experts stay alive until the kernels are queued; an evicted
+        // one is freed in stream order after them.
+        drop(experts);
+        Ok(())
+    }
+
+    /// `act = silu(gate · x) · (up · x)` for each selected expert, then
+    /// `out (+)= Σ weight · down · act`, the experts found through
+    /// `table[ids[k]]`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_decode_experts(
+        &self,
+        x: &Tensor,
+        table: &CudaSlice<u64>,
+        ids: &CudaSlice<u32>,
+        routing: &Routing,
+        parts: PartsLayout,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) {
+        let gate = parts.0[0].1;
+        let down = parts.0[2].1;
+        let (inter, hidden, top_k) = (gate.rows, x.cols, routing.top_k);
+        assert!(
+            gate.cols == hidden && down.rows == hidden && down.cols == inter,
+            "routed experts: expert shapes [{}, {}] and [{}, {}] for hidden size {hidden}",
+            gate.rows,
+            gate.cols,
+            down.rows,
+            down.cols
+        );
+        let (gate_up, down_kernel) = match gate.dtype {
+            DType::F32 => (&self.kernels.moe_gate_up_f32, &self.kernels.moe_down_f32),
+            DType::Bf16 => (&self.kernels.moe_gate_up_bf16, &self.kernels.moe_down_bf16),
+            DType::Q8 => (&self.kernels.moe_gate_up_q8, &self.kernels.moe_down_q8),
+            DType::Q4 => (&self.kernels.moe_gate_up_q4, &self.kernels.moe_down_q4),
+        };
+        let vec = super::vector_cols(gate.dtype);
+        assert!(
+            hidden.is_multiple_of(vec) && inter.is_multiple_of(vec),
+            "routed experts: sizes {hidden} and {inter} must be multiples of {vec} for {}",
+            gate.dtype.name()
+        );
+        let warps = super::VECTOR_WARPS;
+        let threads = (warps * 32) as u32;
+        let (inter_i, hidden_i, top_k_i) = (
+            int(inter, "expert intermediate size"),
+            int(hidden, "hidden size"),
+            int(top_k, "top-k"),
+        );
+        let (gate_part, up_part, down_part) = (parts.part(0), parts.part(1), parts.part(2));
+        let accumulate_i = i32::from(accumulate);
+        launch!(
+            self,
+            "routed experts gate/up",
+            gate_up,
+            LaunchConfig {
+                grid_dim: (inter.div_ceil(warps) as u32, top_k as u32, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            table,
+            ids,
+            &x.data,
+            &mut *act,
+            &inter_i,
+            &hidden_i,
+            &gate_part,
+            &up_part
+        );
+        launch!(
+            self,
+            "routed experts down",
+            down_kernel,
+            LaunchConfig {
+                grid_dim: (hidden.div_ceil(warps) as u32, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            table,
+            ids,
+            &routing.weights,
+            &*act,
+            out,
+            &hidden_i,
+            &inter_i,
+            &top_k_i,
+            &down_part,
+            &accumulate_i
+        );
     }
 
     /// Looks the batch's experts up in VRAM and starts host fetches of the
@@ -243,8 +621,14 @@ impl CudaBackend {
     }
 
     /// Copies an expert read by the host store into device memory and
-    /// offers it to the VRAM cache.
-    fn upload_expert(&self, store: u64, layer: usize, host: &Expert) -> Result<Arc<DeviceExpert>> {
+    /// offers it to the VRAM cache; when that completes its layer, the
+    /// layer's address table goes to the device.
+    fn upload_expert(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        host: &Expert,
+    ) -> Result<Arc<DeviceExpert>> {
         let views = [host.gate(), host.up(), host.down()];
         let mut offsets = [0usize; 3];
         let mut total = 0;
@@ -274,24 +658,27 @@ impl CudaBackend {
             ],
         });
         let mut cache = self.experts.lock().unwrap();
-        let budget = match cache.budget() {
-            Some(budget) => budget,
-            // Half the device memory still free once the model is loaded:
-            // the rest stays for activations and KV caches.
-            None => {
-                let (free, _) = self
-                    .ctx
-                    .mem_get_info()
-                    .map_err(|e| device_error(self.ordinal, "reading free device memory", e))?;
-                free as u64 / 2
-            }
-        };
-        cache.insert(
-            (store, layer as u32, host.index as u32),
+        let budget = self.expert_budget(&cache)?;
+        let (id, count) = (store.id(), store.expert_count(layer));
+        let completed = cache.insert(
+            (id, layer as u32, host.index as u32),
             expert.clone(),
             total as u64,
             budget,
+            count,
         );
+        if completed {
+            let addresses: Vec<u64> = cache
+                .layer_experts(id, layer as u32, count)
+                .expect("complete")
+                .iter()
+                .map(|e| e.address(&self.stream))
+                .collect();
+            let table = self.stream.clone_htod(&addresses).map_err(|e| {
+                device_error(self.ordinal, format!("expert table of layer {layer}"), e)
+            })?;
+            cache.mark_complete(id, layer as u32, table);
+        }
         Ok(expert)
     }
 

@@ -47,8 +47,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError, LaunchConfig,
-    ValidAsZeroBits,
+    CudaContext, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
+    LaunchConfig, ValidAsZeroBits,
 };
 
 pub use experts::ExpertCacheStats;
@@ -60,7 +60,7 @@ use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
 use crate::quant::{DType, MatrixLayout};
-use crate::util::human_bytes;
+use crate::util::{Progress, human_bytes};
 use compile::Kernels;
 use experts::VramCache;
 
@@ -70,6 +70,36 @@ const THREADS: u32 = 256;
 const MAX_BLOCKS: usize = 65_535;
 /// Warps per block of the linear kernels (`LINEAR_WARPS` in linear.cu).
 const LINEAR_WARPS: usize = 4;
+/// Warps per block of the one-token kernels (`VEC_WARPS` in linear.cu).
+const VECTOR_WARPS: usize = 8;
+/// Rows per warp of the one-token linear kernel (`VEC_ROWS`).
+const VECTOR_ROWS: usize = 2;
+/// Matrices one launch of the one-token linear kernel covers (`MAX_JOBS`).
+const MAX_MATVEC_JOBS: usize = 4;
+
+/// One matrix of a one-token linear launch (`MatvecJob` in linear.cu):
+/// device addresses, its rows, and its first block of the grid.
+#[repr(C)]
+#[derive(Clone, Copy, Default)]
+struct MatvecJob {
+    codes: u64,
+    scales: u64,
+    biases: u64,
+    out: u64,
+    rows: i32,
+    first_block: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MatvecJobs {
+    job: [MatvecJob; MAX_MATVEC_JOBS],
+    count: i32,
+}
+
+// SAFETY: plain data laid out as the kernels' structs (C layout, device
+// addresses as 64-bit integers).
+unsafe impl DeviceRepr for MatvecJobs {}
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
 const ATTENTION_THREADS: u32 = 128;
 /// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
@@ -250,6 +280,18 @@ fn keep_freed_memory(ctx: &CudaContext) -> std::result::Result<(), DriverError> 
     }
 }
 
+/// Columns one 16-byte load covers in the one-token kernels
+/// (`VEC_COLS` in linear.cu): rows whose width is a multiple of it take
+/// them.
+fn vector_cols(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4 => 32,
+        DType::Q8 => 16,
+        DType::Bf16 => 8,
+        DType::F32 => 4,
+    }
+}
+
 /// A grid-stride launch over `total` elements.
 fn grid_stride(total: usize) -> LaunchConfig {
     LaunchConfig {
@@ -421,6 +463,9 @@ impl CudaBackend {
             return out;
         }
         let single = n == 1;
+        if single && cols.is_multiple_of(vector_cols(l.dtype)) {
+            return self.matvec(x, w);
+        }
         let (op, kernel) = match (l.dtype, single) {
             (DType::F32, true) => ("linear f32", &self.kernels.linear_f32_t1),
             (DType::F32, false) => ("linear f32", &self.kernels.linear_f32_t8),
@@ -449,6 +494,81 @@ impl CudaBackend {
             self, op, kernel, config, &codes, &scales, &biases, x, &mut out, &rows, &cols, &n_i
         );
         out
+    }
+
+    /// `w · x` for one token, 16 bytes of a row per lane at a time (see
+    /// linear.cu).
+    fn matvec(&self, x: &CudaSlice<f32>, w: &Matrix<'_>) -> CudaSlice<f32> {
+        let mut out = self.alloc::<f32>("linear", w.layout.rows);
+        self.matvecs(x, &mut [(w, &mut out)], false);
+        out
+    }
+
+    /// Whether [`CudaBackend::matvecs`] takes these matrices for one token
+    /// of width `cols`: the same type, rows a whole number of 16-byte loads.
+    fn matvecs_fit(cols: usize, ws: &[&Matrix<'_>]) -> bool {
+        (1..=MAX_MATVEC_JOBS).contains(&ws.len())
+            && ws.iter().all(|w| {
+                w.layout.dtype == ws[0].layout.dtype
+                    && w.layout.cols == cols
+                    && cols.is_multiple_of(vector_cols(w.layout.dtype))
+            })
+    }
+
+    /// `out_j (+)= w_j · x` for one token `x` and up to
+    /// [`MAX_MATVEC_JOBS`] matrices of one type, in one launch; with
+    /// `accumulate` each result is added to its output.
+    fn matvecs(
+        &self,
+        x: &CudaSlice<f32>,
+        jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
+        accumulate: bool,
+    ) {
+        let ws: Vec<&Matrix<'_>> = jobs.iter().map(|(w, _)| *w).collect();
+        let cols = ws[0].layout.cols;
+        assert!(
+            Self::matvecs_fit(cols, &ws),
+            "linear: {} matrices of one token do not fit the one-token kernel",
+            ws.len()
+        );
+        let dtype = ws[0].layout.dtype;
+        let (op, kernel) = match dtype {
+            DType::F32 => ("linear f32", &self.kernels.linear_vector_f32),
+            DType::Bf16 => ("linear bf16", &self.kernels.linear_vector_bf16),
+            DType::Q8 => ("linear q8", &self.kernels.linear_vector_q8),
+            DType::Q4 => ("linear q4", &self.kernels.linear_vector_q4),
+        };
+        let rows_per_block = VECTOR_WARPS * VECTOR_ROWS;
+        let mut packed = MatvecJobs {
+            job: [MatvecJob::default(); MAX_MATVEC_JOBS],
+            count: jobs.len() as i32,
+        };
+        let mut blocks = 0;
+        for (slot, (w, out)) in packed.job.iter_mut().zip(jobs.iter_mut()) {
+            let l = w.layout;
+            assert!(
+                out.len() >= l.rows,
+                "linear: output of {} too short",
+                w.name
+            );
+            let (codes, scales, biases) = w.sections();
+            *slot = MatvecJob {
+                codes: codes.device_ptr(&self.stream).0,
+                scales: scales.device_ptr(&self.stream).0,
+                biases: biases.device_ptr(&self.stream).0,
+                out: out.device_ptr_mut(&self.stream).0,
+                rows: int(l.rows, "rows"),
+                first_block: int(blocks, "blocks"),
+            };
+            blocks += l.rows.div_ceil(rows_per_block);
+        }
+        let config = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: ((VECTOR_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (cols_i, accumulate_i) = (int(cols, "columns"), i32::from(accumulate));
+        launch!(self, op, kernel, config, &packed, x, &cols_i, &accumulate_i);
     }
 
     fn silu_mul_raw(
@@ -1060,5 +1180,129 @@ impl Backend for CudaBackend {
         layer: usize,
     ) -> Result<Tensor> {
         self.compute_routed_experts(x, routing, store, layer)
+    }
+
+    fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Vec<Tensor> {
+        let matrices: Vec<Matrix<'_>> = ws.iter().map(|w| w.matrix()).collect();
+        let refs: Vec<&Matrix<'_>> = matrices.iter().collect();
+        if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
+            return ws.iter().map(|w| self.linear(x, w)).collect();
+        }
+        let mut outs: Vec<CudaSlice<f32>> = ws
+            .iter()
+            .map(|w| self.alloc("linear", w.layout.rows))
+            .collect();
+        let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
+            refs.into_iter().zip(outs.iter_mut()).collect();
+        self.matvecs(&x.data, &mut jobs, false);
+        outs.into_iter()
+            .zip(ws)
+            .map(|(data, w)| Tensor {
+                rows: 1,
+                cols: w.layout.rows,
+                data,
+            })
+            .collect()
+    }
+
+    fn linear_add(&self, residual: &mut Tensor, x: &Tensor, w: &Weight) {
+        let m = w.matrix();
+        assert!(
+            residual.rows == x.rows && residual.cols == w.layout.rows,
+            "linear_add: residual [{}, {}] for output [{}, {}]",
+            residual.rows,
+            residual.cols,
+            x.rows,
+            w.layout.rows
+        );
+        if x.rows == 1 && Self::matvecs_fit(x.cols, &[&m]) {
+            self.matvecs(&x.data, &mut [(&m, &mut residual.data)], true);
+        } else {
+            let y = self.linear(x, w);
+            self.add_assign(residual, &y);
+        }
+    }
+
+    fn qk_norm_rope(
+        &self,
+        mut q: Tensor,
+        mut k: Tensor,
+        q_norm: &Weight,
+        k_norm: &Weight,
+        norm: RmsNorm,
+        rope: Rope,
+        start_pos: usize,
+    ) -> (Tensor, Tensor) {
+        let head_dim = rope.head_dim;
+        assert!(
+            q_norm.vector_len("qk_norm_rope") == head_dim
+                && k_norm.vector_len("qk_norm_rope") == head_dim
+                && q.rows == k.rows
+                && q.cols.is_multiple_of(head_dim)
+                && k.cols.is_multiple_of(head_dim)
+                && rope.rotary_dim <= head_dim
+                && rope.rotary_dim.is_multiple_of(2),
+            "qk_norm_rope: q [{}, {}], k [{}, {}], head_dim {head_dim}, rotary_dim {}",
+            q.rows,
+            q.cols,
+            k.rows,
+            k.cols,
+            rope.rotary_dim
+        );
+        let op = "qk_norm_rope";
+        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
+        let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
+        let offset = if norm.unit_offset { 1.0f32 } else { 0.0 };
+        let (rows, q_heads_i, k_heads_i, head_dim_i, half, start) = (
+            long(q.rows),
+            int(q_heads, "query heads"),
+            int(k_heads, "key heads"),
+            int(head_dim, "head_dim"),
+            int(rope.rotary_dim / 2, "rotary half"),
+            long(start_pos),
+        );
+        launch!(
+            self,
+            op,
+            &self.kernels.qk_norm_rope,
+            block_per_item(
+                q.rows * (q_heads + k_heads),
+                if head_dim <= 128 { 128 } else { 256 },
+                (head_dim * 4) as u32
+            ),
+            &mut q.data,
+            &mut k.data,
+            &q_norm.data,
+            &k_norm.data,
+            &*frequencies,
+            &rows,
+            &q_heads_i,
+            &k_heads_i,
+            &head_dim_i,
+            &half,
+            &norm.eps,
+            &offset,
+            &start
+        );
+        (q, k)
+    }
+
+    fn routed_experts_add(
+        &self,
+        out: &mut Tensor,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<()> {
+        self.add_routed_experts(out, x, routing, store, layer)
+    }
+
+    fn experts_resident(&self, store: &ExpertStore, layer: usize) -> bool {
+        self.layer_resident(store, layer)
+    }
+
+    fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
+        self.prepare_device_experts(store, progress).map(|_| ())
     }
 }

@@ -104,3 +104,189 @@ LINEAR_KERNEL(linear_q8_t1, DT_Q8, 1)
 LINEAR_KERNEL(linear_q8_t8, DT_Q8, 8)
 LINEAR_KERNEL(linear_q4_t1, DT_Q4, 1)
 LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
+
+// ---- One token: rows read 16 bytes per lane at a time -------------------
+//
+// Decode is a matrix-vector product bound by how fast weights stream from
+// memory, so each lane loads 16 bytes of a row per step (bypassing L1,
+// which keeps x), dequantizes them in registers and accumulates in f32.
+// A warp takes R rows that share x, reading each x value once for all of
+// them. Lanes walk the row in a fixed order and the warp's sum is a fixed
+// butterfly: the result depends only on the row and x.
+
+// Columns covered by one 16-byte load of a row.
+#define VEC_COLS(DT) ((DT) == DT_Q4 ? 32 : (DT) == DT_Q8 ? 16 : (DT) == DT_BF16 ? 8 : 4)
+
+// Bytes of a stored row of `cols` values.
+__device__ __forceinline__ i64 row_bytes(int dt, int cols) {
+    return dt == DT_Q4 ? cols / 2 : dt == DT_Q8 ? cols : dt == DT_BF16 ? 2 * (i64)cols
+                                                                        : 4 * (i64)cols;
+}
+
+// 16 bytes of a weight row: read once, so not kept in L1.
+__device__ __forceinline__ uint4 load_streaming(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Byte k of `word` as a float, exactly: the bits 0x4B0000qq are 2^23 + qq.
+__device__ __forceinline__ float byte_value(u32 word, int k) {
+    return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (u32)k)) - 8388608.0f;
+}
+
+// One stored row: its codes (or values), and for quantized types the
+// scales and biases of its groups.
+struct WeightRow {
+    const u8* codes;
+    const u16* scales;
+    const u16* biases;
+};
+
+__device__ __forceinline__ WeightRow weight_row(int dt, const u8* codes, const u16* scales,
+                                                const u16* biases, i64 r, int cols) {
+    i64 groups = cols / GROUP_SIZE;
+    WeightRow row = {codes + r * row_bytes(dt, cols), scales + r * groups, biases + r * groups};
+    return row;
+}
+
+// acc[i] += Σ this lane's share of rows[i] · xs[i], for R rows of `cols`
+// columns (a multiple of VEC_COLS(DT)); each x is 16-byte aligned. With
+// SHARED_X every row takes xs[0], loaded once for all of them.
+template <int DT, int R, bool SHARED_X>
+__device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* const* xs,
+                                         int cols, int lane, float* acc) {
+    const int vec = VEC_COLS(DT);
+    int chunks = cols / vec;
+    for (int ch = lane; ch < chunks; ch += WARP_SIZE) {
+        uint4 packed[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) packed[i] = load_streaming(rows[i].codes + (i64)ch * 16);
+        int c0 = ch * vec;
+        if (DT == DT_F32) {
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                float4 a = *(const float4*)(xs[SHARED_X ? 0 : i] + c0);
+                acc[i] = fmaf(__uint_as_float(packed[i].x), a.x, acc[i]);
+                acc[i] = fmaf(__uint_as_float(packed[i].y), a.y, acc[i]);
+                acc[i] = fmaf(__uint_as_float(packed[i].z), a.z, acc[i]);
+                acc[i] = fmaf(__uint_as_float(packed[i].w), a.w, acc[i]);
+            }
+        } else if (DT == DT_BF16) {
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float4* xv = (const float4*)(xs[SHARED_X ? 0 : i] + c0);
+                float4 a = xv[0], b = xv[1];
+                u32 w[4] = {packed[i].x, packed[i].y, packed[i].z, packed[i].w};
+                float xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    acc[i] = fmaf(__uint_as_float(w[j] << 16), xs[2 * j], acc[i]);
+                    acc[i] = fmaf(__uint_as_float(w[j] & 0xffff0000u), xs[2 * j + 1], acc[i]);
+                }
+            }
+        } else {
+            int group = c0 / GROUP_SIZE;
+#pragma unroll
+            for (int i = 0; i < R; ++i) {
+                const float4* xv = (const float4*)(xs[SHARED_X ? 0 : i] + c0);
+                float s = bf16_to_float(rows[i].scales[group]);
+                float b = bf16_to_float(rows[i].biases[group]);
+                u32 w[4] = {packed[i].x, packed[i].y, packed[i].z, packed[i].w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (DT == DT_Q8) {
+                        // Word j holds columns 4j..4j+3, lowest byte first.
+                        float4 a = xv[j];
+                        acc[i] = fmaf(fmaf(byte_value(w[j], 0), s, b), a.x, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(w[j], 1), s, b), a.y, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(w[j], 2), s, b), a.z, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(w[j], 3), s, b), a.w, acc[i]);
+                    } else {
+                        // Word j holds columns 8j..8j+7, two per byte, low
+                        // nibble first: the low nibbles are the even columns.
+                        float4 a = xv[2 * j], c = xv[2 * j + 1];
+                        u32 even = w[j] & 0x0f0f0f0fu;
+                        u32 odd = (w[j] >> 4) & 0x0f0f0f0fu;
+                        acc[i] = fmaf(fmaf(byte_value(even, 0), s, b), a.x, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(odd, 0), s, b), a.y, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(even, 1), s, b), a.z, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(odd, 1), s, b), a.w, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(even, 2), s, b), c.x, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(odd, 2), s, b), c.y, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(even, 3), s, b), c.z, acc[i]);
+                        acc[i] = fmaf(fmaf(byte_value(odd, 3), s, b), c.w, acc[i]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// Rows per warp and warps per block of the one-token kernels.
+#define VEC_ROWS 2
+#define VEC_WARPS 8
+// Matrices one launch of linear_vector may cover.
+#define MAX_JOBS 4
+
+// One matrix of a linear_vector launch: its blocks are
+// first_block .. first_block + ceil(rows / (VEC_ROWS · VEC_WARPS)).
+struct MatvecJob {
+    const u8* codes;
+    const u16* scales;
+    const u16* biases;
+    float* out;
+    int rows;
+    int first_block;
+};
+
+struct MatvecJobs {
+    MatvecJob job[MAX_JOBS];
+    int count;
+};
+
+// out_j[r] (+)= Σ_c w_j[r, c] · x[c] for one token and up to MAX_JOBS
+// matrices of the same type sharing x (one launch for q, k and v, say);
+// cols is a multiple of VEC_COLS(DT). With `accumulate` the result is
+// added to out (a residual connection) instead of stored.
+template <int DT>
+__device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const float* x,
+                                              int cols, int accumulate) {
+    int j = 0;
+    while (j + 1 < jobs.count && (int)blockIdx.x >= jobs.job[j + 1].first_block) ++j;
+    const MatvecJob& job = jobs.job[j];
+    int warp = threadIdx.x / WARP_SIZE;
+    int lane = threadIdx.x % WARP_SIZE;
+    i64 first = ((i64)(blockIdx.x - job.first_block) * VEC_WARPS + warp) * VEC_ROWS;
+    if (first >= job.rows) return;
+    WeightRow w[VEC_ROWS];
+    float acc[VEC_ROWS];
+#pragma unroll
+    for (int i = 0; i < VEC_ROWS; ++i) {
+        // A row past the end repeats the last one; its sum is not written.
+        i64 r = min(first + i, (i64)job.rows - 1);
+        w[i] = weight_row(DT, job.codes, job.scales, job.biases, r, cols);
+        acc[i] = 0.0f;
+    }
+    dot_rows<DT, VEC_ROWS, true>(w, &x, cols, lane, acc);
+#pragma unroll
+    for (int i = 0; i < VEC_ROWS; ++i) {
+        float v = warp_sum(acc[i]);
+        if (lane == 0 && first + i < job.rows) {
+            job.out[first + i] = accumulate ? job.out[first + i] + v : v;
+        }
+    }
+}
+
+#define LINEAR_VECTOR_KERNEL(name, DT)                                                    \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
+        name(MatvecJobs jobs, const float* x, int cols, int accumulate) {                 \
+        linear_vector<DT>(jobs, x, cols, accumulate);                                     \
+    }
+
+LINEAR_VECTOR_KERNEL(linear_vector_f32, DT_F32)
+LINEAR_VECTOR_KERNEL(linear_vector_bf16, DT_BF16)
+LINEAR_VECTOR_KERNEL(linear_vector_q8, DT_Q8)
+LINEAR_VECTOR_KERNEL(linear_vector_q4, DT_Q4)

@@ -110,3 +110,103 @@ extern "C" __global__ void scatter_add_rows(float* out, const float* y, const u3
         out[(i64)(slot / top_k) * cols + c] += weights[slot] * y[i];
     }
 }
+
+// ---- One token's routed experts, without the host ----------------------
+//
+// `table[e]` is the device address of expert e's buffer (gate, up and down
+// at the same offsets in every expert of a layer), `ids` the token's top_k
+// experts from `route`. Every selected expert is resident when these run
+// (the host makes sure, or knows the whole layer is), so neither the
+// choice of experts nor the cache has to come back to the host.
+
+// Offsets of one matrix of an expert: its codes from the expert's base,
+// its scales and biases from its codes.
+struct ExpertPart {
+    i64 offset;
+    i64 scales;
+    i64 biases;
+};
+
+__device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
+                                                ExpertPart part, i64 r, int cols) {
+    const u8* codes = (const u8*)base + part.offset;
+    return weight_row(dt, codes, (const u16*)(codes + part.scales),
+                      (const u16*)(codes + part.biases), r, cols);
+}
+
+// act[k, r] = silu(gate_k[r] · x) · (up_k[r] · x) for expert k = ids[k].
+// Grid: (ceil(inter / VEC_WARPS), top_k); one warp per row of both.
+template <int DT>
+__device__ __forceinline__ void moe_gate_up(const unsigned long long* table, const u32* ids,
+                                            const float* x, float* act, int inter, int hidden,
+                                            ExpertPart gate, ExpertPart up) {
+    int warp = threadIdx.x / WARP_SIZE;
+    int lane = threadIdx.x % WARP_SIZE;
+    i64 r = (i64)blockIdx.x * VEC_WARPS + warp;
+    if (r >= inter) return;
+    unsigned long long base = table[ids[blockIdx.y]];
+    WeightRow rows[2] = {expert_row(DT, base, gate, r, hidden),
+                         expert_row(DT, base, up, r, hidden)};
+    float acc[2] = {0.0f, 0.0f};
+    dot_rows<DT, 2, true>(rows, &x, hidden, lane, acc);
+    float g = warp_sum(acc[0]);
+    float u = warp_sum(acc[1]);
+    if (lane == 0) act[(i64)blockIdx.y * inter + r] = silu(g) * u;
+}
+
+// Experts whose down rows a warp reads together.
+#define DOWN_BATCH 4
+
+// out[r] (+)= Σ_k weights[k] · (down_k[r] · act[k]), k in order; with
+// `accumulate` added to out (the residual stream) instead of stored.
+// Grid: ceil(hidden / VEC_WARPS) blocks; one warp per output row.
+template <int DT>
+__device__ __forceinline__ void moe_down(const unsigned long long* table, const u32* ids,
+                                         const float* weights, const float* act, float* out,
+                                         int hidden, int inter, int top_k, ExpertPart down,
+                                         int accumulate) {
+    int warp = threadIdx.x / WARP_SIZE;
+    int lane = threadIdx.x % WARP_SIZE;
+    i64 r = (i64)blockIdx.x * VEC_WARPS + warp;
+    if (r >= hidden) return;
+    float total = 0.0f;
+    for (int k0 = 0; k0 < top_k; k0 += DOWN_BATCH) {
+        WeightRow rows[DOWN_BATCH];
+        const float* xs[DOWN_BATCH];
+        float acc[DOWN_BATCH];
+#pragma unroll
+        for (int i = 0; i < DOWN_BATCH; ++i) {
+            // Past top_k the last expert repeats; its sum is not used.
+            int k = min(k0 + i, top_k - 1);
+            rows[i] = expert_row(DT, table[ids[k]], down, r, inter);
+            xs[i] = act + (i64)k * inter;
+            acc[i] = 0.0f;
+        }
+        dot_rows<DT, DOWN_BATCH, false>(rows, xs, inter, lane, acc);
+#pragma unroll
+        for (int i = 0; i < DOWN_BATCH; ++i) {
+            float v = warp_sum(acc[i]);
+            if (k0 + i < top_k) total = fmaf(weights[k0 + i], v, total);
+        }
+    }
+    if (lane == 0) out[r] = accumulate ? out[r] + total : total;
+}
+
+#define MOE_DECODE_KERNELS(suffix, DT)                                                     \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                    \
+        moe_gate_up_##suffix(const unsigned long long* table, const u32* ids,              \
+                             const float* x, float* act, int inter, int hidden,            \
+                             ExpertPart gate, ExpertPart up) {                             \
+        moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up);                      \
+    }                                                                                      \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                    \
+        moe_down_##suffix(const unsigned long long* table, const u32* ids,                 \
+                          const float* weights, const float* act, float* out, int hidden,  \
+                          int inter, int top_k, ExpertPart down, int accumulate) {         \
+        moe_down<DT>(table, ids, weights, act, out, hidden, inter, top_k, down, accumulate); \
+    }
+
+MOE_DECODE_KERNELS(f32, DT_F32)
+MOE_DECODE_KERNELS(bf16, DT_BF16)
+MOE_DECODE_KERNELS(q8, DT_Q8)
+MOE_DECODE_KERNELS(q4, DT_Q4)

@@ -39,3 +39,47 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         }
     }
 }
+
+// Attention's queries and keys, prepared in one launch: RMSNorm of each
+// head (times offset + weight), then the rotation `rope` applies, with the
+// same arithmetic as rms_norm and rope. One block per head of q or k;
+// q is [rows, q_heads · head_dim], k [rows, k_heads · head_dim], both in
+// place. Dynamic shared memory: head_dim floats.
+extern "C" __global__ void __launch_bounds__(NORM_THREADS)
+    qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
+                 const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
+                 int half, float eps, float offset, i64 start_pos) {
+    extern __shared__ float normed[];
+    __shared__ float scratch[32];
+    i64 heads = (i64)q_heads + k_heads;
+    for (i64 item = blockIdx.x; item < rows * heads; item += gridDim.x) {
+        i64 t = item / heads;
+        int h = (int)(item % heads);
+        bool is_q = h < q_heads;
+        float* head = is_q ? q + (t * q_heads + h) * head_dim
+                           : k + (t * k_heads + (h - q_heads)) * head_dim;
+        const float* weight = is_q ? q_weight : k_weight;
+        float squares = 0.0f;
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) squares += head[i] * head[i];
+        squares = block_sum(squares, scratch);
+        float inv = 1.0f / sqrtf(squares / (float)head_dim + eps);
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+            normed[i] = head[i] * inv * (offset + weight[i]);
+        }
+        __syncthreads();
+        float position = (float)(start_pos + t);
+        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+            float v = normed[i];
+            if (i < 2 * half) {
+                int kf = i < half ? i : i - half;
+                float angle = position * inv_freq[kf];
+                float c = cosf(angle);
+                float s = sinf(angle);
+                v = i < half ? normed[i] * c - normed[i + half] * s
+                             : normed[i] * c + normed[i - half] * s;
+            }
+            head[i] = v;
+        }
+        __syncthreads();  // the next item reuses `normed`
+    }
+}
