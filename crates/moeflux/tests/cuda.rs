@@ -479,7 +479,7 @@ fn both(gpu: &CudaBackend, rows: usize, cols: usize, data: Vec<f32>) -> (CpuTens
 #[test]
 fn linear_and_embed_match_cpu_for_every_dtype() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     let shapes = [
         (1, 1, 64),
         (2, 5, 128),
@@ -548,7 +548,7 @@ fn linear_and_embed_match_cpu_for_every_dtype() {
 #[test]
 fn norms_match_cpu() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     let weights = TestWeights::new(&[
         ("test.norm208", DType::F32, vec![208], values(208, 3)),
         ("test.norm48", DType::F32, vec![48], values(48, 4)),
@@ -589,7 +589,7 @@ fn norms_match_cpu() {
 #[test]
 fn elementwise_ops_match_cpu() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     let (rows, cols) = (7, 61);
     let (x_cpu, x_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
     let (y_cpu, y_gpu) = both(&gpu, rows, cols, values(rows * cols, 2));
@@ -644,7 +644,7 @@ fn elementwise_ops_match_cpu() {
 #[test]
 fn rope_matches_cpu() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     for (head_dim, rotary_dim, theta, start) in [
         (40, 24, 10_000.0, 0),
         (40, 40, 1_000_000.0, 1000),
@@ -671,7 +671,7 @@ fn rope_matches_cpu() {
 #[test]
 fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     let shape = AttentionShape {
         num_heads: 6,
         num_kv_heads: 2,
@@ -715,7 +715,7 @@ fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
 #[test]
 fn gated_delta_net_matches_cpu_across_chunks_copies_and_import() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     let cfg = LinearAttentionConfig {
         num_key_heads: 2,
         num_value_heads: 4,
@@ -814,7 +814,7 @@ fn gated_delta_net_matches_cpu_across_chunks_copies_and_import() {
 #[test]
 fn routing_matches_cpu() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     for (n, experts, top_k) in [(9, 37, 5), (1, 8, 2), (4, 300, 10), (3, 512, 1)] {
         let (l_cpu, l_gpu) = both(&gpu, n, experts, values(n * experts, experts as u64));
         for normalize in [false, true] {
@@ -838,7 +838,7 @@ fn routing_matches_cpu() {
 #[test]
 fn routed_experts_match_cpu() {
     let Some(gpu) = cuda() else { return };
-    let cpu = CpuBackend;
+    let cpu = CpuBackend::default();
     for quant in [DType::Bf16, DType::Q4] {
         let converted = convert_fixture("qwen3_5_moe", quant);
         let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();

@@ -4,33 +4,39 @@
 mod common;
 
 use common::*;
+use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
 use moeflux::quant::DType;
-use moeflux::{LogitsWanted, ModelOptions};
+use moeflux::{LogitsWanted, Model, ModelOptions};
 
 #[test]
 fn prefill_logits_equal_token_by_token_decode() {
     for name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let reference = Reference::load(name);
-        let model = open(&converted.dir, ModelOptions::default());
-        let tokens = reference.tokens("tokens_long");
-        let prefill = model.session().forward(&tokens, LogitsWanted::All).unwrap();
-        let mut session = model.session();
-        let mut decoded = Vec::with_capacity(prefill.data.len());
-        for &t in &tokens {
-            decoded.extend(session.decode(t).unwrap());
+        for activations in [Activations::F32, Activations::Int8] {
+            let cpu = CpuBackend::with_options(CpuOptions { activations });
+            let model = std::sync::Arc::new(
+                Model::open_with(cpu, &converted.dir, &ModelOptions::default()).unwrap(),
+            );
+            let tokens = reference.tokens("tokens_long");
+            let prefill = model.session().forward(&tokens, LogitsWanted::All).unwrap();
+            let mut session = model.session();
+            let mut decoded = Vec::with_capacity(prefill.data.len());
+            for &t in &tokens {
+                decoded.extend(session.decode(t).unwrap());
+            }
+            assert_eq!(session.position(), tokens.len());
+            let errors = row_errors(&decoded, &prefill.data, prefill.vocab);
+            let max = errors.iter().copied().fold(0.0, f64::max);
+            println!(
+                "{name:<22} {activations:?} activations, prefill vs decode over {} tokens: max rel err {max:.2e}",
+                tokens.len()
+            );
+            assert!(
+                max <= 1e-4,
+                "{name} ({activations:?}): prefill and decode differ by {max:.3e}"
+            );
         }
-        assert_eq!(session.position(), tokens.len());
-        let errors = row_errors(&decoded, &prefill.data, prefill.vocab);
-        let max = errors.iter().copied().fold(0.0, f64::max);
-        println!(
-            "{name:<22} prefill vs decode over {} tokens: max rel err {max:.2e}",
-            tokens.len()
-        );
-        assert!(
-            max <= 1e-4,
-            "{name}: prefill and decode differ by {max:.3e}"
-        );
     }
 }
 

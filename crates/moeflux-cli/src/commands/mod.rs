@@ -27,7 +27,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use moeflux::backend::Backend;
-use moeflux::backend::cpu::CpuBackend;
+use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
 use moeflux::backend::cuda::{CudaBackend, CudaOptions, device_count};
 use moeflux::experts::{CachePolicy, IoMode, Prefetch};
 use moeflux::sampling::{Sampler, SamplerConfig};
@@ -71,6 +71,11 @@ pub struct ModelArgs {
     /// memory still free after loading the model).
     #[arg(long)]
     pub gpu_expert_cache_mb: Option<u64>,
+    /// How the CPU multiplies activations by q4 and q8 weights: f32 (exact)
+    /// or int8 (quantized per group of 64 inputs: faster decode, slightly
+    /// less accurate; see docs/PERFORMANCE.md).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub activations: ActivationsArg,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -112,6 +117,12 @@ pub enum IoArg {
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
+pub enum ActivationsArg {
+    F32,
+    Int8,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
 pub enum PrefetchArg {
     Off,
     Router,
@@ -148,7 +159,15 @@ impl ModelArgs {
         };
         let opened = match self.cuda_backend()? {
             Some(cuda) => OpenedModel::Cuda(Arc::new(Model::open_with(cuda, &dir, &options)?)),
-            None => OpenedModel::Cpu(Arc::new(Model::open(&dir, &options)?)),
+            None => {
+                let cpu = CpuBackend::with_options(CpuOptions {
+                    activations: match self.activations {
+                        ActivationsArg::F32 => Activations::F32,
+                        ActivationsArg::Int8 => Activations::Int8,
+                    },
+                });
+                OpenedModel::Cpu(Arc::new(Model::open_with(cpu, &dir, &options)?))
+            }
         };
         if !quiet {
             with_model!(&opened, |model| describe(&**model, &dir, &options));

@@ -136,7 +136,7 @@ impl KvBudget {
 
 impl Model<CpuBackend> {
     pub fn open(path: &Path, options: &ModelOptions) -> Result<Self> {
-        Model::open_with(CpuBackend, path, options)
+        Model::open_with(CpuBackend::default(), path, options)
     }
 }
 

@@ -56,7 +56,10 @@ pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) ->
                 visible: start + t + 1,
                 scale,
             };
-            isa.vectorize(|| heads.attend(cache, scores, out));
+            isa.vectorize(
+                #[inline(always)]
+                || heads.attend(cache, scores, out),
+            );
         },
     );
     out

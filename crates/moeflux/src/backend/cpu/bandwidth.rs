@@ -36,7 +36,12 @@ pub(crate) fn read_bandwidth(isa: Isa, data: &[f32]) -> f64 {
     let secs = best_of(5, || {
         let s: f32 = data
             .par_chunks(parts)
-            .map(|c| isa.vectorize(|| sum(c)))
+            .map(|c| {
+                isa.vectorize(
+                    #[inline(always)]
+                    || sum(c),
+                )
+            })
             .sum();
         std::hint::black_box(s);
     });

@@ -5,7 +5,7 @@
 use half::bf16;
 
 use super::bandwidth::{best_of, read_bandwidth};
-use super::linear::matmul_with;
+use super::linear::{Activations, matmul_with};
 use super::simd::Isa;
 use crate::quant::{DType, MatrixLayout, MatrixView};
 use crate::util::AlignedBuf;
@@ -47,7 +47,18 @@ fn matmul_throughput() {
     for isa in Isa::available().into_iter().filter(|&i| i != Isa::Scalar) {
         let ceiling = read_bandwidth(isa, &big);
         println!("{isa:?}, {threads} threads: read bandwidth {ceiling:.1} GB/s");
-        for dtype in [DType::Q4, DType::Q8, DType::Bf16] {
+        let modes = [
+            (DType::Q4, Activations::F32),
+            (DType::Q4, Activations::Int8),
+            (DType::Q8, Activations::F32),
+            (DType::Q8, Activations::Int8),
+            (DType::Bf16, Activations::F32),
+        ];
+        for (dtype, activations) in modes {
+            let name = match activations {
+                Activations::F32 => dtype.name().to_string(),
+                Activations::Int8 => format!("{}·i8", dtype.name()),
+            };
             // Compute speed of one core on a matrix that stays in L2.
             let (l, b) = matrix(dtype, 256, 2048, 99);
             let view = MatrixView::new(l, &b);
@@ -59,13 +70,12 @@ fn matmul_throughput() {
             let secs = pool.install(|| {
                 best_of(5, || {
                     for _ in 0..100 {
-                        std::hint::black_box(matmul_with(isa, &x, 1, &view));
+                        std::hint::black_box(matmul_with(isa, &x, 1, &view, activations));
                     }
                 }) / 100.0
             });
             println!(
-                "  matvec {:<4} 256 x 2048 in L2, 1 thread: {:.1} Gweights/s, {:.1} GB/s",
-                dtype.name(),
+                "  matvec {name:<7} 256 x 2048 in L2, 1 thread: {:.1} Gweights/s, {:.1} GB/s",
                 256.0 * 2048.0 / secs / 1e9,
                 l.total_bytes as f64 / secs / 1e9
             );
@@ -80,13 +90,12 @@ fn matmul_throughput() {
                 let x: Vec<f32> = (0..cols).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
                 let secs = best_of(3, || {
                     for v in &views {
-                        std::hint::black_box(matmul_with(isa, &x, 1, v));
+                        std::hint::black_box(matmul_with(isa, &x, 1, v, activations));
                     }
                 }) / count as f64;
                 let gbs = one as f64 / secs / 1e9;
                 println!(
-                    "  matvec {:<4} {rows:>6} x {cols}: {:>7.1} us, {gbs:5.1} GB/s = {:3.0}% of read bandwidth",
-                    dtype.name(),
+                    "  matvec {name:<7} {rows:>6} x {cols}: {:>7.1} us, {gbs:5.1} GB/s = {:3.0}% of read bandwidth",
                     secs * 1e6,
                     100.0 * gbs / ceiling
                 );
@@ -100,13 +109,12 @@ fn matmul_throughput() {
                     .collect();
                 let gemm = best_of(3, || {
                     for v in views.iter().take(4) {
-                        std::hint::black_box(matmul_with(isa, &xs, n, v));
+                        std::hint::black_box(matmul_with(isa, &xs, n, v, activations));
                     }
                 }) / 4.0;
                 let macs = (rows * cols * n) as f64;
                 println!(
-                    "  gemm   {:<4} {rows:>6} x {cols}, n = {n}: {:>7.1} us, {:5.1} GMAC/s, {:.1}x faster than {n} matvecs",
-                    dtype.name(),
+                    "  gemm   {name:<7} {rows:>6} x {cols}, n = {n}: {:>7.1} us, {:5.1} GMAC/s, {:.1}x faster than {n} matvecs",
                     gemm * 1e6,
                     macs / gemm / 1e9,
                     secs * n as f64 / gemm

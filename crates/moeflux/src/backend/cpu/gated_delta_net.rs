@@ -125,7 +125,10 @@ pub fn forward(
                     (decay, sigmoid(inp.b[t * nv + h]))
                 })
                 .collect();
-            isa.vectorize(|| head.run(s, &gates, out));
+            isa.vectorize(
+                #[inline(always)]
+                || head.run(s, &gates, out),
+            );
         });
     // [heads, n, dv] -> [n, heads·dv]
     let mut out = vec![0f32; n * value_dim];

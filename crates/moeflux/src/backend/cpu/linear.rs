@@ -9,27 +9,54 @@
 
 use rayon::prelude::*;
 
-use super::simd::{Acts, FloatRows, Isa, QuantRows};
+use super::simd::{Acts, FloatRows, Int8Acts, Isa, QuantRows};
 use crate::quant::{DType, MatrixView};
 
 pub use super::simd::dot;
 
+/// How products with quantized (q4, q8) weights take their activations.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// As f32: exact to f32 rounding against the dequantized weights.
+    #[default]
+    F32,
+    /// Quantized to int8 per group of 64 inputs, with integer dot products
+    /// (see `simd::Int8Acts`): faster, at the accuracy cost of rounding
+    /// every activation to one of 255 levels of its group.
+    Int8,
+}
+
 /// `out[t, r] = Σ_c x[t, c] · w[r, c]`; `x` is `[n, cols]`, the result
 /// `[n, rows]`.
-pub fn matmul(x: &[f32], n: usize, w: &MatrixView<'_>) -> Vec<f32> {
-    matmul_with(Isa::get(), x, n, w)
+pub fn matmul(x: &[f32], n: usize, w: &MatrixView<'_>, activations: Activations) -> Vec<f32> {
+    matmul_with(Isa::get(), x, n, w, activations)
 }
 
 /// Products below this many multiply-adds per task are not split further
 /// (about 25 us of one core, well above a rayon task's overhead).
 const MIN_TASK_MACS: usize = 1 << 19;
 
+/// The inputs of a product, laid out for its kernels.
+enum Inputs<'a> {
+    Float(Acts<'a>),
+    Int8(Int8Acts),
+}
+
 /// [`matmul`] with the kernels of `isa`.
-pub fn matmul_with(isa: Isa, x: &[f32], n: usize, w: &MatrixView<'_>) -> Vec<f32> {
+pub fn matmul_with(
+    isa: Isa,
+    x: &[f32],
+    n: usize,
+    w: &MatrixView<'_>,
+    activations: Activations,
+) -> Vec<f32> {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(x.len(), n * cols, "matmul: input is not [n, cols]");
     let l = &w.layout;
-    let acts = Acts::new(isa, x, n, cols, l.dtype.bits());
+    let inputs = match (activations, l.dtype.bits()) {
+        (Activations::Int8, Some(bits)) => Inputs::Int8(Int8Acts::new(isa, x, n, cols, bits)),
+        (_, bits) => Inputs::Float(Acts::new(isa, x, n, cols, bits)),
+    };
     // Rows [first, first + len) into `out` ([len, n]).
     let block = |first: usize, len: usize, out: &mut [f32]| {
         let data = &w.bytes[first * l.row_bytes..(first + len) * l.row_bytes];
@@ -48,16 +75,22 @@ pub fn matmul_with(isa: Isa, x: &[f32], n: usize, w: &MatrixView<'_>) -> Vec<f32
                     scales: params(l.scales_offset),
                     biases: params(l.biases_offset),
                 };
-                isa.quant_rows(&rows, &acts, out);
+                match &inputs {
+                    Inputs::Float(acts) => isa.quant_rows(&rows, acts, out),
+                    Inputs::Int8(acts) => isa.int8_rows(&rows, acts, out),
+                }
             }
             None => {
+                let Inputs::Float(acts) = &inputs else {
+                    unreachable!("int8 inputs only for quantized rows")
+                };
                 let rows = FloatRows {
                     bf16: l.dtype == DType::Bf16,
                     rows: len,
                     cols,
                     data,
                 };
-                isa.float_rows(&rows, &acts, out);
+                isa.float_rows(&rows, acts, out);
             }
         }
     };
@@ -96,8 +129,10 @@ fn rows_per_task(rows: usize, macs_per_row: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use half::bf16;
+
     use super::*;
-    use crate::quant::{MatrixLayout, RowEncoder};
+    use crate::quant::{GROUP_SIZE, MatrixLayout, RowEncoder};
     use crate::util::AlignedBuf;
 
     fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -148,7 +183,7 @@ mod tests {
         let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
         let bytes = AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&w));
         let view = MatrixView::new(layout, &bytes);
-        let got = matmul_with(isa, &x, n, &view);
+        let got = matmul_with(isa, &x, n, &view, Activations::F32);
         let mut row = vec![0f32; cols];
         for r in 0..rows {
             view.dequantize_row(r, &mut row);
@@ -170,25 +205,110 @@ mod tests {
         }
     }
 
+    /// The int8 products on every instruction set and awkward sizes: each
+    /// equals the definition of `simd::Int8Acts` (computed here in f64)
+    /// within f32 rounding, and stays within that definition's error bound
+    /// of the exact product, `Σ_g |s|·d/2·Σ |q - c|`.
+    #[test]
+    fn int8_products_match_their_definition_and_error_bound() {
+        let shapes = [
+            (1, 1, 64),
+            (2, 5, 128),
+            (3, 7, 192),
+            (1, 37, 2048),
+            (5, 130, 1088),
+        ];
+        for isa in Isa::available() {
+            for dtype in [DType::Q8, DType::Q4] {
+                for &(n, rows, cols) in &shapes {
+                    check_int8(isa, dtype, n, rows, cols);
+                }
+            }
+            check_int8(isa, DType::Q4, 1, 4100, 256);
+        }
+    }
+
+    fn check_int8(isa: Isa, dtype: DType, n: usize, rows: usize, cols: usize) {
+        let w = values(rows * cols, (rows * cols) as u64);
+        let mut x = values(n * cols, n as u64 + 7);
+        x[cols / 3] = 9.0;
+        // A group of zeros (scale 0).
+        x[..64].fill(0.0);
+        let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
+        let bytes = AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&w));
+        let view = MatrixView::new(layout, &bytes);
+        let got = matmul_with(isa, &x, n, &view, Activations::Int8);
+        let groups = cols / GROUP_SIZE;
+        let params = |offset: usize| -> &[bf16] {
+            bytemuck::cast_slice(&bytes[offset..][..2 * rows * groups])
+        };
+        let (scales, biases) = (params(layout.scales_offset), params(layout.biases_offset));
+        let mean = ((1u32 << dtype.bits().unwrap()) - 1) as f64 / 2.0;
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            view.dequantize_row(r, &mut row);
+            for t in 0..n {
+                let (mut exact, mut defined, mut bound, mut magnitude) = (0f64, 0f64, 0f64, 0f64);
+                for g in 0..groups {
+                    let xs = &x[t * cols + g * GROUP_SIZE..][..GROUP_SIZE];
+                    let ws = &row[g * GROUP_SIZE..][..GROUP_SIZE];
+                    let s = scales[r * groups + g].to_f32() as f64;
+                    let centre = biases[r * groups + g].to_f32() as f64 + mean * s;
+                    let max = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+                    let d = (max / 127.0) as f64;
+                    let sum: f64 = xs.iter().map(|&v| v as f64).sum();
+                    defined += centre * sum;
+                    magnitude += (centre * sum).abs();
+                    for (&w, &v) in ws.iter().zip(xs) {
+                        let code = (v * inv).round_ties_even() as f64;
+                        exact += w as f64 * v as f64;
+                        defined += (w as f64 - centre) * d * code;
+                        magnitude += (w as f64 * v as f64).abs();
+                        bound += (w as f64 - centre).abs() * d / 2.0;
+                    }
+                }
+                let tol = magnitude * 1e-6;
+                let g = got[t * rows + r] as f64;
+                let at = format!("{isa:?} {dtype:?} n={n} {rows}x{cols} [{t},{r}]");
+                assert!(
+                    (g - defined).abs() <= tol,
+                    "{at}: {g} vs {defined} (tol {tol:.2e})"
+                );
+                assert!(
+                    (g - exact).abs() <= bound + tol,
+                    "{at}: {g} vs exact {exact}"
+                );
+            }
+        }
+    }
+
     /// One token at a time gives exactly the same numbers as a batch, so
     /// prefill and decode agree bit for bit.
     #[test]
     fn batched_and_single_token_products_are_identical() {
         let (rows, cols, n) = (11, 192, 7);
         for isa in Isa::available() {
-            for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+            for (dtype, activations) in [
+                (DType::F32, Activations::F32),
+                (DType::Bf16, Activations::F32),
+                (DType::Q8, Activations::F32),
+                (DType::Q4, Activations::F32),
+                (DType::Q8, Activations::Int8),
+                (DType::Q4, Activations::Int8),
+            ] {
                 let w = values(rows * cols, 5);
                 let x = values(n * cols, 6);
                 let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
                 let bytes = AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&w));
                 let view = MatrixView::new(layout, &bytes);
-                let batch = matmul_with(isa, &x, n, &view);
+                let batch = matmul_with(isa, &x, n, &view, activations);
                 for t in 0..n {
-                    let one = matmul_with(isa, &x[t * cols..(t + 1) * cols], 1, &view);
+                    let one = matmul_with(isa, &x[t * cols..(t + 1) * cols], 1, &view, activations);
                     assert_eq!(
                         one,
                         batch[t * rows..(t + 1) * rows],
-                        "{isa:?} {dtype:?} token {t}"
+                        "{isa:?} {dtype:?} {activations:?} token {t}"
                     );
                 }
             }

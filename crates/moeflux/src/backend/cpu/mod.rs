@@ -13,6 +13,7 @@ mod simd;
 use rayon::prelude::*;
 
 use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
+use crate::arch::names;
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 use crate::experts::ExpertStore;
@@ -22,11 +23,25 @@ use crate::quant::DType;
 pub use attention::KvCache;
 pub use bandwidth::memory_read_bandwidth;
 pub use gated_delta_net::LinearState;
-pub use linear::{dot, matmul};
+pub use linear::{Activations, dot, matmul};
 pub use moe::Routing;
 
+/// Choices of the CPU backend.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct CpuBackend;
+pub struct CpuOptions {
+    pub activations: Activations,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CpuBackend {
+    options: CpuOptions,
+}
+
+impl CpuBackend {
+    pub fn with_options(options: CpuOptions) -> CpuBackend {
+        CpuBackend { options }
+    }
+}
 
 /// A row-major `[rows, cols]` matrix of f32.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,20 +59,28 @@ impl Tensor {
 }
 
 /// A stored tensor used in place from its mapping.
-pub struct Weight(TensorData);
+pub struct Weight {
+    tensor: TensorData,
+    /// How products with it take their activations: as the backend's
+    /// options say, except for routers and the shared expert's gate, which
+    /// always take f32. A routing decision flips on a small error; these
+    /// are the matrices the converter keeps at 8 bits or more for that
+    /// reason, and they are small.
+    activations: Activations,
+}
 
 impl Weight {
     /// The values of an f32 tensor (norm weights and other vectors),
     /// without the padding that aligns the next tensor in the file.
     fn f32s(&self) -> &[f32] {
         assert_eq!(
-            self.0.entry.dtype,
+            self.tensor.entry.dtype,
             DType::F32,
             "tensor {} must be f32",
-            self.0.name
+            self.tensor.name
         );
-        let values: &[f32] = bytemuck::cast_slice(self.0.bytes());
-        &values[..self.0.layout.rows * self.0.layout.cols]
+        let values: &[f32] = bytemuck::cast_slice(self.tensor.bytes());
+        &values[..self.tensor.layout.rows * self.tensor.layout.cols]
     }
 }
 
@@ -69,7 +92,14 @@ impl Backend for CpuBackend {
     type Routing = Routing;
 
     fn name(&self) -> String {
-        format!("cpu ({} threads)", rayon::current_num_threads())
+        let activations = match self.options.activations {
+            Activations::F32 => "",
+            Activations::Int8 => ", int8 activations",
+        };
+        format!(
+            "cpu ({} threads{activations})",
+            rayon::current_num_threads()
+        )
     }
 
     fn memory_bandwidth(&self) -> f64 {
@@ -77,7 +107,17 @@ impl Backend for CpuBackend {
     }
 
     fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
-        Ok(Weight(tensor.clone()))
+        let routes = [names::MOE_ROUTER, names::SHARED_EXPERT_GATE]
+            .iter()
+            .any(|n| tensor.name.ends_with(n));
+        Ok(Weight {
+            tensor: tensor.clone(),
+            activations: if routes {
+                Activations::F32
+            } else {
+                self.options.activations
+            },
+        })
     }
 
     fn new_kv_cache(&self, shape: AttentionShape) -> KvCache {
@@ -145,7 +185,7 @@ impl Backend for CpuBackend {
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Tensor {
-        let view = table.0.view();
+        let view = table.tensor.view();
         let cols = view.cols();
         let mut data = vec![0f32; tokens.len() * cols];
         for (row, &tok) in data.chunks_exact_mut(cols).zip(tokens) {
@@ -155,14 +195,18 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
-        let view = w.0.view();
+        let view = w.tensor.view();
         assert_eq!(
             x.cols,
             view.cols(),
             "linear: input width vs weight {}",
-            w.0.name
+            w.tensor.name
         );
-        Tensor::new(x.rows, view.rows(), matmul(&x.data, x.rows, &view))
+        Tensor::new(
+            x.rows,
+            view.rows(),
+            matmul(&x.data, x.rows, &view, w.activations),
+        )
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Tensor {
@@ -294,7 +338,14 @@ impl Backend for CpuBackend {
         store: &ExpertStore,
         layer: usize,
     ) -> Result<Tensor> {
-        let out = moe::routed_experts(&x.data, x.cols, routing, store, layer)?;
+        let out = moe::routed_experts(
+            &x.data,
+            x.cols,
+            routing,
+            store,
+            layer,
+            self.options.activations,
+        )?;
         Ok(Tensor::new(x.rows, x.cols, out))
     }
 }

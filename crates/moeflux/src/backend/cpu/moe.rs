@@ -7,7 +7,7 @@
 
 use rayon::prelude::*;
 
-use super::linear::matmul;
+use super::linear::{Activations, matmul};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 
@@ -61,6 +61,7 @@ pub fn routed_experts(
     routing: &Routing,
     store: &ExpertStore,
     layer: usize,
+    activations: Activations,
 ) -> Result<Vec<f32>> {
     let n = x.len() / hidden;
     // expert -> [(token, weight)]
@@ -96,14 +97,14 @@ pub fn routed_experts(
                     .copied()
                     .collect();
                 let m = tokens.len();
-                let gate = matmul(&xs, m, &expert.gate());
-                let up = matmul(&xs, m, &expert.up());
+                let gate = matmul(&xs, m, &expert.gate(), activations);
+                let up = matmul(&xs, m, &expert.up(), activations);
                 let act: Vec<f32> = gate
                     .iter()
                     .zip(&up)
                     .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
                     .collect();
-                Ok((expert.index, matmul(&act, m, &expert.down())))
+                Ok((expert.index, matmul(&act, m, &expert.down(), activations)))
             })
             .collect::<Result<_>>()?;
         // Summed in ascending expert order whatever finished first, so the

@@ -1,9 +1,14 @@
 //! AVX2 + FMA kernels: 8 lanes, each code converted and dequantized with
-//! one FMA.
+//! one FMA. The int8 kernels multiply codes by activations with
+//! `vpmaddubsw` (unsigned × signed bytes, pairs summed to 16 bits) and
+//! widen with `vpmaddwd`.
 
 use std::arch::x86_64::*;
 
-use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use super::{
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows,
+    float_rows_with, int8_rows_with, quant_rows_with,
+};
 use crate::quant::GROUP_SIZE;
 
 struct Avx2;
@@ -14,6 +19,9 @@ const MAX_TOKENS: usize = 2;
 
 /// How far ahead of its reads each row prefetches its codes.
 const PREFETCH_BYTES: usize = 1024;
+
+// The int8 kernels read the group parameters 8 at a time.
+const _: () = assert!(GROUP_LANES.is_multiple_of(8));
 
 /// Sum of the lanes, in a fixed order.
 #[inline]
@@ -107,6 +115,101 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
+/// `Σ (q - o)·x̂` of one group of 32 code bytes against its 64
+/// activations `x` (`[evens, odds]` for 4 bits), in 8 lanes. `q` is the
+/// low nibbles then the high ones (4 bits), or the codes minus 128 with
+/// their absolute values in `abs` (8 bits: `vpmaddubsw` takes the signs
+/// from the activations, and its 16-bit pair sums stay below 2·128·127).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *const i8) -> __m256i {
+    let ones = _mm256_set1_epi16(1);
+    // SAFETY: the caller passes a group of 64 activations.
+    let xs = unsafe {
+        [
+            _mm256_loadu_si256(x as *const __m256i),
+            _mm256_loadu_si256(x.add(32) as *const __m256i),
+        ]
+    };
+    if BITS == 4 {
+        // At most 4·15·127 per 16-bit lane.
+        let pairs = _mm256_add_epi16(
+            _mm256_maddubs_epi16(q[0], xs[0]),
+            _mm256_maddubs_epi16(q[1], xs[1]),
+        );
+        _mm256_madd_epi16(pairs, ones)
+    } else {
+        let half = |h: usize| {
+            let pairs = _mm256_maddubs_epi16(abs[h], _mm256_sign_epi8(xs[h], q[h]));
+            _mm256_madd_epi16(pairs, ones)
+        };
+        _mm256_add_epi32(half(0), half(1))
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Int8Acts,
+    t0: usize,
+    params: &Int8Params<'_>,
+) -> [[f32; T]; R] {
+    let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
+    assert!(params.products.len() >= R * T * groups);
+    assert!(params.scales.len() >= R * stride && params.biases.len() >= R * stride);
+    assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
+    let group_bytes = GROUP_SIZE * BITS as usize / 8;
+    let nibble = _mm256_set1_epi8(15);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist, and the
+    // asserts above the parameters; prefetches may point past them (they
+    // never fault).
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xq = x.codes.as_ptr().add(t0 * cols);
+        for g in 0..groups {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let p = codes[r].add(g * group_bytes);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                let first = _mm256_loadu_si256(p as *const __m256i);
+                let (q, abs) = if BITS == 4 {
+                    let q = [
+                        _mm256_and_si256(first, nibble),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(first), nibble),
+                    ];
+                    (q, q)
+                } else {
+                    let flip = _mm256_set1_epi8(-128);
+                    let q = [
+                        _mm256_xor_si256(first, flip),
+                        _mm256_xor_si256(_mm256_loadu_si256(p.add(32) as *const __m256i), flip),
+                    ];
+                    (q, q.map(|v| _mm256_abs_epi8(v)))
+                };
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let dot = group_dot::<BITS>(q, abs, xq.add(t * cols + g * GROUP_SIZE));
+                    let scale = _mm256_set1_ps(*params.products.get_unchecked((g * R + r) * T + t));
+                    *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *a);
+                }
+            }
+        }
+        for k in (0..stride).step_by(8) {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s = _mm256_loadu_ps(params.scales.as_ptr().add(r * stride + k));
+                let b = _mm256_loadu_ps(params.biases.as_ptr().add(r * stride + k));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let token = (t0 + t) * stride + k;
+                    *a = _mm256_fmadd_ps(b, _mm256_loadu_ps(x.sums.as_ptr().add(token)), *a);
+                    *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(x.offsets.as_ptr().add(token)), *a);
+                }
+            }
+        }
+    }
+    sums(&acc)
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
@@ -174,6 +277,26 @@ impl Kernels for Avx2 {
 pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: forwarded.
     unsafe { quant_rows_with::<Avx2>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+impl Int8Kernel for Avx2 {
+    #[inline(always)]
+    unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Int8Acts,
+        t0: usize,
+        params: &Int8Params<'_>,
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { int8_tile::<BITS, R, T>(w, rows, x, t0, params) }
+    }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { int8_rows_with::<Avx2>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 #[target_feature(enable = "avx2,fma")]

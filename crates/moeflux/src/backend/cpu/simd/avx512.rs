@@ -1,10 +1,14 @@
 //! AVX-512 kernels (F, BW, VL): 16 lanes. A 4-bit group is dequantized
 //! through a 16-entry table of its values (`vpermps`), cheaper than
-//! converting each code.
+//! converting each code. The int8 kernels also need VNNI: one `vpdpbusd`
+//! takes a whole group's 64 code × activation products.
 
 use std::arch::x86_64::*;
 
-use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use super::{
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows,
+    float_rows_with, int8_rows_with, quant_rows_with,
+};
 use crate::quant::GROUP_SIZE;
 
 struct Avx512;
@@ -125,6 +129,68 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
 }
 
 #[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Int8Acts,
+    t0: usize,
+    params: &Int8Params<'_>,
+) -> [[f32; T]; R] {
+    let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
+    assert!(params.products.len() >= R * T * groups);
+    assert!(params.scales.len() >= R * stride && params.biases.len() >= R * stride);
+    assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
+    let group_bytes = GROUP_SIZE * BITS as usize / 8;
+    // A 4-bit group's 32 code bytes go to both halves of a register; the
+    // high half's 16-bit lanes shift right by 4, then masking keeps the
+    // low nibbles (evens) in the low half and the high ones (odds) above,
+    // the order of the activations.
+    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    let nibble = _mm512_set1_epi8(15);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist, and the
+    // asserts above the parameters; prefetches may point past them (they
+    // never fault).
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xq = x.codes.as_ptr().add(t0 * cols);
+        for g in 0..groups {
+            let xs: [__m512i; T] = std::array::from_fn(|t| {
+                _mm512_loadu_si512(xq.add(t * cols + g * GROUP_SIZE) as *const __m512i)
+            });
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let p = codes[r].add(g * group_bytes);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                let q = if BITS == 4 {
+                    let both = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
+                    _mm512_and_si512(_mm512_srlv_epi16(both, shifts), nibble)
+                } else {
+                    _mm512_loadu_si512(p as *const __m512i)
+                };
+                for (t, (a, &xv)) in acc.iter_mut().zip(&xs).enumerate() {
+                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                    let scale = _mm512_set1_ps(*params.products.get_unchecked((g * R + r) * T + t));
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+                }
+            }
+        }
+        for k in (0..stride).step_by(GROUP_LANES) {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s = _mm512_loadu_ps(params.scales.as_ptr().add(r * stride + k));
+                let b = _mm512_loadu_ps(params.biases.as_ptr().add(r * stride + k));
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let token = (t0 + t) * stride + k;
+                    *a = _mm512_fmadd_ps(b, _mm512_loadu_ps(x.sums.as_ptr().add(token)), *a);
+                    *a = _mm512_fmadd_ps(s, _mm512_loadu_ps(x.offsets.as_ptr().add(token)), *a);
+                }
+            }
+        }
+    }
+    sums(&acc)
+}
+
+#[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
     w: &FloatRows<'_>,
@@ -198,6 +264,26 @@ impl Kernels for Avx512 {
 pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: forwarded.
     unsafe { quant_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+impl Int8Kernel for Avx512 {
+    #[inline(always)]
+    unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Int8Acts,
+        t0: usize,
+        params: &Int8Params<'_>,
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { int8_tile::<BITS, R, T>(w, rows, x, t0, params) }
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { int8_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]

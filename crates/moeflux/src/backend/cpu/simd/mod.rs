@@ -5,10 +5,17 @@
 //! Products with quantized rows dequantize each weight exactly as
 //! [`crate::quant`] defines it (`q·scale + bias`, where `q·scale` is exact
 //! so one FMA rounds like the reference's multiply then add) and
-//! accumulate `w·x` in f32. Integer dot products on int8 or int16
-//! activations would be faster but are not accurate enough: the fixture
-//! models amplify activation rounding about a hundredfold (int8 gives 1e-1
-//! relative error on the logits, int16 1e-3, against 1e-6 for f32).
+//! accumulate `w·x` in f32: the default, exact to f32 rounding.
+//!
+//! The int8 kernels ([`Isa::int8_rows`]) instead quantize each token's
+//! activations to int8 per weight group ([`Int8Acts`]) and take integer
+//! dot products of codes and activations, much cheaper per weight
+//! (`vpdpbusd` multiplies and adds 64 byte pairs). They are opt-in: the
+//! rounding of the activations moves the fixture models' logits by about
+//! 1e-2 relative to transformers (1e-1 at the odd position where it flips
+//! an expert choice), against 1e-6 for f32, beyond the default's
+//! tolerances; on a trained model it costs next to nothing in perplexity
+//! (docs/PERFORMANCE.md).
 //!
 //! Each (row, token) pair of a tile gets the same operations in the same
 //! order whatever the tile's shape, so a matrix-vector product equals the
@@ -151,6 +158,41 @@ impl Isa {
         }
     }
 
+    /// `out[r·n + t] ≈ Σ_c w[r, c] · x[t, c]` as [`Isa::quant_rows`], from
+    /// activations quantized to int8.
+    pub fn int8_rows(self, w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
+        assert_eq!(x.bits, w.bits, "inputs laid out for other rows");
+        assert_eq!(
+            x.kernels,
+            self.int8_kernels(),
+            "inputs laid out for another ISA"
+        );
+        assert!(out.len() >= w.rows * x.n);
+        w.check(x.cols);
+        match x.kernels {
+            Int8Kernels::Scalar => scalar::int8_rows(w, x, out),
+            // SAFETY (both arms): `int8_kernels` detected the features, and
+            // `check` verified the buffers the kernels index.
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernels::Avx2 => unsafe { avx2::int8_rows(w, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernels::Avx512Vnni => unsafe { avx512::int8_rows(w, x, out) },
+        }
+    }
+
+    /// The int8 kernels this set runs: AVX-512's need VNNI (AVX2's serve
+    /// AVX-512 machines without it); NEON has none yet and runs the
+    /// portable ones.
+    fn int8_kernels(self) -> Int8Kernels {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Int8Kernels::Avx512Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 | Isa::Avx2 => Int8Kernels::Avx2,
+            _ => Int8Kernels::Scalar,
+        }
+    }
+
     fn q4_run_for(self, bits: u32) -> usize {
         if bits == 4 { self.q4_run() } else { 1 }
     }
@@ -158,6 +200,10 @@ impl Isa {
     /// Runs `f` compiled for this instruction set: plain loops in `f`
     /// (element-wise updates, [`dot`]) vectorise to its full width and give
     /// the same results as scalar code, having no reassociation to exploit.
+    /// `f` must be an `#[inline(always)]` closure (calling `#[inline(always)]`
+    /// functions): only code inlined into the entry point gets its
+    /// features, and the inliner declines large closures otherwise, which
+    /// then run as baseline x86-64 code.
     #[inline(always)]
     pub fn vectorize<R>(self, f: impl FnOnce() -> R) -> R {
         match self {
@@ -249,6 +295,173 @@ impl<'a> Acts<'a> {
     }
 }
 
+/// The int8 kernel families (see [`Isa::int8_kernels`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Int8Kernels {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+impl Int8Kernels {
+    /// What the kernels subtract from each 8-bit code before multiplying:
+    /// AVX2's `vpmaddubsw` would saturate on unsigned codes up to 255, so
+    /// those kernels use `q - 128` (a signed byte).
+    fn q8_offset(self) -> i32 {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Int8Kernels::Avx2 => 128,
+            _ => 0,
+        }
+    }
+}
+
+/// Per-token and per-row arrays over a row's groups are padded with zeros
+/// to a multiple of this many, so the kernels read them in whole vectors.
+const GROUP_LANES: usize = 16;
+
+/// Tokens (`[n, cols]`) quantized for the int8 kernels, per group of
+/// [`GROUP_SIZE`] inputs (a weight group's span): `x ≈ d·x̂` with
+/// `d = max|x| / 127` and `x̂ = round(x / d)`, an int8. For a weight group
+/// `w = s·q + b` the product is then
+///
+/// ```text
+/// Σ w·x = s·Σ q·x + b·Σ x
+///       ≈ s·d·Σ (q - o)·x̂ + (b + c·s)·Σ x - (c - o)·s·d·Σ x̂
+/// ```
+///
+/// - `Σ x` is the exact f32 sum, so the bias term (often the largest) is
+///   exact;
+/// - `Σ (q - o)·x̂` is an exact integer from the kernels (`o` as
+///   [`Int8Kernels::q8_offset`]);
+/// - the rounding error `e = x - d·x̂` enters only as `s·Σ (q - c)·e`: its
+///   part along the mean code `c` (the middle of the code range), known
+///   exactly from `Σ x - d·Σ x̂`, is restored, which halves the error
+///   against plain `s·d·Σ q·x̂` for evenly spread codes.
+///
+/// For 4-bit rows each group's codes are reordered [evens, odds], the
+/// order in which the kernels unpack a group's low then high nibbles.
+pub struct Int8Acts {
+    pub n: usize,
+    pub cols: usize,
+    bits: u32,
+    kernels: Int8Kernels,
+    codes: Vec<i8>,
+    /// Per token, `stride` values each: `d` of each group,
+    scales: Vec<f32>,
+    /// `Σ x`,
+    sums: Vec<f32>,
+    /// and `-(c - o)·d·Σ x̂`.
+    offsets: Vec<f32>,
+    /// Groups per token, padded to [`GROUP_LANES`].
+    stride: usize,
+}
+
+/// The middle of the code range of `bits`-bit weights: the `c` of
+/// [`Int8Acts`].
+fn mean_code(bits: u32) -> f32 {
+    ((1u32 << bits) - 1) as f32 / 2.0
+}
+
+impl Int8Acts {
+    /// For rows of `bits` bits (4 or 8) and `isa`'s int8 kernels.
+    pub fn new(isa: Isa, x: &[f32], n: usize, cols: usize, bits: u32) -> Int8Acts {
+        assert!(x.len() >= n * cols && cols.is_multiple_of(GROUP_SIZE));
+        let kernels = isa.int8_kernels();
+        let groups = cols / GROUP_SIZE;
+        let stride = groups.next_multiple_of(GROUP_LANES);
+        let mut acts = Int8Acts {
+            n,
+            cols,
+            bits,
+            kernels,
+            codes: vec![0; n * cols],
+            scales: vec![0.0; n * stride],
+            sums: vec![0.0; n * stride],
+            offsets: vec![0.0; n * stride],
+            stride,
+        };
+        let offset = if bits == 4 { 0 } else { kernels.q8_offset() };
+        let shift = mean_code(bits) - offset as f32;
+        isa.vectorize(
+            #[inline(always)]
+            || acts.quantize(&x[..n * cols], shift),
+        );
+        acts
+    }
+
+    /// Fills the codes and per-group values from `x`; plain loops,
+    /// vectorised by [`Isa::vectorize`].
+    #[inline(always)]
+    fn quantize(&mut self, x: &[f32], shift: f32) {
+        let cols = self.cols;
+        for (t, (x, codes)) in x
+            .chunks_exact(cols)
+            .zip(self.codes.chunks_exact_mut(cols))
+            .enumerate()
+        {
+            for (g, (x, codes)) in x
+                .chunks_exact(GROUP_SIZE)
+                .zip(codes.chunks_exact_mut(GROUP_SIZE))
+                .enumerate()
+            {
+                let mut max = [0f32; DOT_LANES];
+                for c in x.chunks_exact(DOT_LANES) {
+                    for (m, v) in max.iter_mut().zip(c) {
+                        *m = m.max(v.abs());
+                    }
+                }
+                let max = max.iter().fold(0f32, |a, &b| a.max(b));
+                let d = max / 127.0;
+                let inv = if max > 0.0 { 127.0 / max } else { 0.0 };
+                // Rounded to the nearest (ties to even) by adding 1.5·2^23,
+                // whose float spacing is 1, and read from the low mantissa
+                // bits: unlike `as` conversions this vectorises.
+                const MAGIC: f32 = 12_582_912.0;
+                let mut quantized = [0i32; GROUP_SIZE];
+                for (q, &v) in quantized.iter_mut().zip(x) {
+                    *q = (v * inv + MAGIC).to_bits() as i32 - MAGIC.to_bits() as i32;
+                }
+                if self.bits == 4 {
+                    // Each pair as one u64, even input in the low half (a
+                    // layout change rather than strided reads, which vectorise
+                    // poorly).
+                    let pairs: [u64; GROUP_SIZE / 2] = bytemuck::cast(quantized);
+                    let (evens, odds) = codes.split_at_mut(GROUP_SIZE / 2);
+                    for ((e, o), &pair) in evens.iter_mut().zip(odds).zip(&pairs) {
+                        *e = pair as i8;
+                        *o = (pair >> 32) as i8;
+                    }
+                } else {
+                    for (c, &q) in codes.iter_mut().zip(&quantized) {
+                        *c = q as i8;
+                    }
+                }
+                let code_sum: i32 = quantized.iter().sum();
+                let at = t * self.stride + g;
+                self.scales[at] = d;
+                self.sums[at] = sum(x);
+                self.offsets[at] = -shift * d * code_sum as f32;
+            }
+        }
+    }
+}
+
+/// Sum in [`DOT_LANES`] partial sums, a fixed order that vectorises.
+#[inline(always)]
+fn sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; DOT_LANES];
+    let whole = x.len() / DOT_LANES * DOT_LANES;
+    for c in x[..whole].chunks_exact(DOT_LANES) {
+        for i in 0..DOT_LANES {
+            acc[i] += c[i];
+        }
+    }
+    reduce_lanes(acc) + x[whole..].iter().sum::<f32>()
+}
+
 /// Lanes of [`dot`]'s partial sums: a whole AVX-512 register, two AVX2
 /// ones, four NEON ones.
 const DOT_LANES: usize = 16;
@@ -319,6 +532,32 @@ trait Kernels {
         rows: [usize; R],
         x: &Acts<'_>,
         t0: usize,
+    ) -> [[f32; T]; R];
+}
+
+/// The group parameters of one tile of the int8 kernels: per row
+/// (`[R, stride]`, zero-padded like [`Int8Acts`]'s arrays) its scales `s`
+/// and its biases shifted by the mean code, `b + c·s`; per group and
+/// (row, token) pair (`[groups, R·T]`, so the kernels walk one pointer)
+/// the products `s·d` the integer sums are scaled by.
+struct Int8Params<'a> {
+    scales: &'a [f32],
+    biases: &'a [f32],
+    products: &'a [f32],
+}
+
+/// The int8 tile kernels of an instruction set.
+trait Int8Kernel {
+    /// Rows `rows` against tokens `t0..t0 + T`: each (row, token) pair sums
+    /// `products·Σ (q - o)·x̂` over the groups, then `biases·Σ x` and
+    /// `scales·offsets` in blocks of [`GROUP_LANES`] groups. Safety: the
+    /// caller checked the buffers and the features.
+    unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Int8Acts,
+        t0: usize,
+        params: &Int8Params<'_>,
     ) -> [[f32; T]; R];
 }
 
@@ -464,6 +703,69 @@ unsafe fn quant_rows_with<K: Kernels>(
     }
 }
 
+/// [`quant_rows_with`] for the int8 kernels.
+#[inline(always)]
+unsafe fn int8_rows_with<K: Int8Kernel>(
+    w: &QuantRows<'_>,
+    x: &Int8Acts,
+    out: &mut [f32],
+    max_rows: usize,
+    max_tokens: usize,
+) {
+    let (n, g, stride) = (x.n, x.cols / GROUP_SIZE, x.stride);
+    let mean = mean_code(w.bits);
+    let mut scales = vec![0f32; max_rows * stride];
+    let mut biases = vec![0f32; max_rows * stride];
+    let mut products = vec![0f32; max_rows * max_tokens * g];
+    for i in 0..tile_count(w.rows, max_rows) {
+        let (tile, rows) = tile(i, w.rows, max_rows);
+        for (i, &r) in tile[..rows].iter().enumerate() {
+            let (s, b) = (
+                &mut scales[i * stride..][..g],
+                &mut biases[i * stride..][..g],
+            );
+            widen_bf16(&w.scales[r * g..(r + 1) * g], s);
+            widen_bf16(&w.biases[r * g..(r + 1) * g], b);
+            for (b, &s) in b.iter_mut().zip(s.iter()) {
+                *b += mean * s;
+            }
+        }
+        let mut t0 = 0;
+        while t0 < n {
+            let tokens = max_tokens.min(n - t0);
+            with_tile!(rows, tokens, |R, T| {
+                let mut rows_of = [0; R];
+                rows_of.copy_from_slice(&tile[..R]);
+                let tile = rows_of;
+                for (k, p) in products.chunks_exact_mut(R * T).take(g).enumerate() {
+                    for (i, p) in p.chunks_exact_mut(T).enumerate() {
+                        for (t, p) in p.iter_mut().enumerate() {
+                            *p = scales[i * stride + k] * x.scales[(t0 + t) * stride + k];
+                        }
+                    }
+                }
+                let params = Int8Params {
+                    scales: &scales,
+                    biases: &biases,
+                    products: &products,
+                };
+                // SAFETY: forwarded from the caller.
+                let acc = unsafe {
+                    if w.bits == 4 {
+                        K::int8_tile::<4, R, T>(w, tile, x, t0, &params)
+                    } else {
+                        K::int8_tile::<8, R, T>(w, tile, x, t0, &params)
+                    }
+                };
+                for (&r, acc) in tile.iter().zip(&acc) {
+                    out[r * n + t0..][..T].copy_from_slice(acc);
+                }
+            });
+            t0 += tokens;
+        }
+    }
+}
+
 /// [`quant_rows_with`] for f32 and bf16 rows.
 #[inline(always)]
 unsafe fn float_rows_with<K: Kernels>(
@@ -525,7 +827,10 @@ mod tests {
                 .sum();
             assert!((plain as f64 - exact).abs() <= scale * 1e-6, "len {len}");
             for isa in Isa::available() {
-                let got = isa.vectorize(|| dot(&a, &b));
+                let got = isa.vectorize(
+                    #[inline(always)]
+                    || dot(&a, &b),
+                );
                 assert_eq!(got.to_bits(), plain.to_bits(), "{isa:?} len {len}");
             }
         }

@@ -1,10 +1,63 @@
 //! Portable kernels: the fallback, and the plainest statement of what the
 //! vector kernels compute (in another summation order).
 
-use super::{Acts, FloatRows, Kernels, QuantRows, dot, float_rows_with, quant_rows_with};
+use super::{
+    Acts, FloatRows, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows, dot, float_rows_with,
+    int8_rows_with, quant_rows_with,
+};
 use crate::quant::GROUP_SIZE;
 
 struct Scalar;
+
+impl Int8Kernel for Scalar {
+    unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
+        w: &QuantRows<'_>,
+        rows: [usize; R],
+        x: &Int8Acts,
+        t0: usize,
+        params: &Int8Params<'_>,
+    ) -> [[f32; T]; R] {
+        let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
+        let mut out = [[0f32; T]; R];
+        for (i, (&r, out)) in rows.iter().zip(&mut out).enumerate() {
+            let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
+            for (t, out) in out.iter_mut().enumerate() {
+                let xs = &x.codes[(t0 + t) * cols..][..cols];
+                let mut acc = 0f32;
+                for g in 0..groups {
+                    let xg = &xs[g * GROUP_SIZE..][..GROUP_SIZE];
+                    let dot: i32 = if BITS == 4 {
+                        // Byte j holds inputs 2j and 2j + 1, which the
+                        // activations keep at j and 32 + j.
+                        let (evens, odds) = xg.split_at(GROUP_SIZE / 2);
+                        codes[g * GROUP_SIZE / 2..][..GROUP_SIZE / 2]
+                            .iter()
+                            .zip(evens.iter().zip(odds))
+                            .map(|(&q, (&e, &o))| {
+                                (q & 15) as i32 * e as i32 + (q >> 4) as i32 * o as i32
+                            })
+                            .sum()
+                    } else {
+                        codes[g * GROUP_SIZE..][..GROUP_SIZE]
+                            .iter()
+                            .zip(xg)
+                            .map(|(&q, &v)| q as i32 * v as i32)
+                            .sum()
+                    };
+                    acc += params.products[(g * R + i) * T + t] * dot as f32;
+                }
+                let row = i * stride;
+                let token = (t0 + t) * stride;
+                for k in 0..stride {
+                    acc += params.biases[row + k] * x.sums[token + k];
+                    acc += params.scales[row + k] * x.offsets[token + k];
+                }
+                *out = acc;
+            }
+        }
+        out
+    }
+}
 
 impl Kernels for Scalar {
     unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
@@ -65,4 +118,9 @@ pub fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
 pub fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: as above.
     unsafe { float_rows_with::<Scalar>(w, x, out, 1, 4) }
+}
+
+pub fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { int8_rows_with::<Scalar>(w, x, out, 1, 4) }
 }
