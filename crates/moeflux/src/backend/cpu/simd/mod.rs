@@ -473,15 +473,14 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let len = a.len().min(b.len());
     let (a, b) = (&a[..len], &b[..len]);
     let mut acc = [0f32; DOT_LANES];
-    let whole = len / DOT_LANES * DOT_LANES;
-    for (ca, cb) in a[..whole]
-        .chunks_exact(DOT_LANES)
-        .zip(b[..whole].chunks_exact(DOT_LANES))
-    {
+    let (chunks_a, _) = a.as_chunks::<DOT_LANES>();
+    let (chunks_b, _) = b.as_chunks::<DOT_LANES>();
+    for (ca, cb) in chunks_a.iter().zip(chunks_b) {
         for i in 0..DOT_LANES {
             acc[i] += ca[i] * cb[i];
         }
     }
+    let whole = chunks_a.len() * DOT_LANES;
     let mut sum = reduce_lanes(acc);
     for (x, y) in a[whole..].iter().zip(&b[whole..]) {
         sum += x * y;
@@ -491,8 +490,14 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 
 /// Pairwise sum of the lanes, the shape of a vector register reduction.
 #[inline(always)]
-fn reduce_lanes(mut acc: [f32; DOT_LANES]) -> f32 {
-    let mut width = DOT_LANES / 2;
+fn reduce_lanes(acc: [f32; DOT_LANES]) -> f32 {
+    let mut acc: [f32; DOT_LANES / 2] = std::array::from_fn(|i| acc[i] + acc[i + DOT_LANES / 2]);
+    // Opaque to the optimiser: seeing the whole reduction tree, LLVM's SLP
+    // vectoriser built the loops feeding it (in `dot`, `sum`) from pairs of
+    // lanes, 2-wide code even on AVX-512; with the tree cut here they use
+    // full registers.
+    acc = std::hint::black_box(acc);
+    let mut width = DOT_LANES / 4;
     while width > 0 {
         for i in 0..width {
             acc[i] += acc[i + width];
