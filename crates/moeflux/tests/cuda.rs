@@ -71,7 +71,7 @@ fn open_cuda(dir: &Path, options: ModelOptions, backend: CudaBackend) -> Arc<Mod
 
 fn chunked(prefill_chunk: usize) -> ModelOptions {
     ModelOptions {
-        prefill_chunk,
+        prefill_chunk: Some(prefill_chunk),
         ..ModelOptions::default()
     }
 }
@@ -950,6 +950,175 @@ fn tensor_core_linear_matches_cpu_on_awkward_shapes() {
                 "tensor-core linear {:<4} n={n:<3} {rows}x{cols}: worst error {worst:.3} of the bound",
                 dtype.name()
             );
+        }
+    }
+}
+
+/// A one-layer qwen3_moe checkpoint (f32) larger than the fixtures, so that
+/// the grouped prefill kernels see several 64-column stages, partial
+/// 128-row tiles and experts with many 32-slot tiles: hidden 192,
+/// expert intermediate 320, 16 experts, top-4. Every fifth weight row is
+/// offset (all-positive groups, large biases once quantized).
+fn synthetic_moe_checkpoint() -> tempfile::TempDir {
+    let (hidden, inter, experts, vocab, heads, kv_heads, head_dim) = (
+        192usize, 320usize, 16usize, 300usize, 4usize, 2usize, 32usize,
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+        "attention_bias": false, "decoder_sparse_step": 1, "head_dim": head_dim,
+        "hidden_act": "silu", "hidden_size": hidden, "intermediate_size": 128,
+        "max_position_embeddings": 512, "mlp_only_layers": [],
+        "moe_intermediate_size": inter, "norm_topk_prob": true,
+        "num_attention_heads": heads, "num_experts_per_tok": 4, "num_hidden_layers": 1,
+        "num_key_value_heads": kv_heads, "num_local_experts": experts,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": true, "vocab_size": vocab,
+    });
+    std::fs::write(tmp.path().join("config.json"), config.to_string()).unwrap();
+    let mut shapes: Vec<(String, Vec<usize>)> = vec![
+        ("model.embed_tokens.weight".into(), vec![vocab, hidden]),
+        ("model.norm.weight".into(), vec![hidden]),
+    ];
+    let l = "model.layers.0";
+    for (name, shape) in [
+        ("input_layernorm.weight", vec![hidden]),
+        ("post_attention_layernorm.weight", vec![hidden]),
+        ("self_attn.q_proj.weight", vec![heads * head_dim, hidden]),
+        ("self_attn.k_proj.weight", vec![kv_heads * head_dim, hidden]),
+        ("self_attn.v_proj.weight", vec![kv_heads * head_dim, hidden]),
+        ("self_attn.o_proj.weight", vec![hidden, heads * head_dim]),
+        ("self_attn.q_norm.weight", vec![head_dim]),
+        ("self_attn.k_norm.weight", vec![head_dim]),
+        ("mlp.gate.weight", vec![experts, hidden]),
+    ] {
+        shapes.push((format!("{l}.{name}"), shape));
+    }
+    for e in 0..experts {
+        for (name, shape) in [
+            ("gate_proj", vec![inter, hidden]),
+            ("up_proj", vec![inter, hidden]),
+            ("down_proj", vec![hidden, inter]),
+        ] {
+            shapes.push((format!("{l}.mlp.experts.{e}.{name}.weight"), shape));
+        }
+    }
+    let data: Vec<Vec<u8>> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, (_, shape))| {
+            let cols = *shape.last().unwrap();
+            let mut v = values(shape.iter().product(), 1000 + i as u64);
+            if shape.len() == 2 {
+                for row in v.chunks_mut(cols).skip(2).step_by(5) {
+                    row.iter_mut().for_each(|w| *w += 1.5);
+                }
+            }
+            v.iter().flat_map(|f| f.to_le_bytes()).collect()
+        })
+        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = shapes
+        .iter()
+        .zip(&data)
+        .map(|((name, shape), bytes)| {
+            let view =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                    .unwrap();
+            (name.clone(), view)
+        })
+        .collect();
+    let bytes = safetensors::serialize(views, None).unwrap();
+    std::fs::write(tmp.path().join("model.safetensors"), bytes).unwrap();
+    tmp
+}
+
+/// The routed experts of many tokens (the grouped tensor-core kernels of
+/// moe_prefill.cu for q4, q8 and bf16) against the CPU, on the
+/// qwen3_5_moe fixture and on a larger synthetic layer, with one expert
+/// chosen by every token (many 32-slot tiles) and tokens whose scales
+/// differ by orders of magnitude. Bound: each token's outputs within 1e-5
+/// of that token's largest output (f32 rounding through two products).
+/// The same calls on experts all resident (one launch over the layer's
+/// table), streamed through an empty VRAM cache (a few experts per
+/// launch) and half cached (both) must agree exactly.
+#[test]
+fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
+    let Some(resident_gpu) = cuda() else { return };
+    let cpu: CpuBackend = Default::default();
+    let synthetic = synthetic_moe_checkpoint();
+    for quant in [DType::Q4, DType::Q8, DType::Bf16] {
+        for (model, converted) in [
+            ("qwen3_5_moe", convert_fixture("qwen3_5_moe", quant)),
+            ("synthetic", convert_checkpoint(synthetic.path(), quant)),
+        ] {
+            let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
+            let store = ExpertStore::open(
+                &dir,
+                StoreOptions {
+                    cache_bytes: 1 << 30,
+                    policy: CachePolicy::Lfu,
+                    io: IoMode::Buffered,
+                },
+            )
+            .unwrap();
+            let cfg = dir.config();
+            let (hidden, experts, top_k) = (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.top_k);
+            let layer = cfg.moe_layers().next().expect("an MoE layer");
+            let streamed_gpu = cuda_with(CudaOptions {
+                expert_cache_bytes: Some(1),
+            })
+            .unwrap();
+            let half_gpu = cuda_with(CudaOptions {
+                expert_cache_bytes: Some(store.total_expert_bytes() / 2),
+            })
+            .unwrap();
+            resident_gpu
+                .prepare_experts(&store, &moeflux::util::NoProgress)
+                .unwrap();
+            assert!(
+                resident_gpu.experts_resident(&store, layer),
+                "{model}: every expert resident after prepare_experts"
+            );
+            for n in [17, 40, 130, 512] {
+                let mut x = values(n * hidden, 31 * n as u64);
+                x[hidden / 3] = 9.0;
+                for (t, token) in x.chunks_mut(hidden).enumerate() {
+                    let scale = [1.0, 1e-3, 30.0][t % 3];
+                    token.iter_mut().for_each(|v| *v *= scale);
+                }
+                let mut logits = values(n * experts, 5 + n as u64);
+                for row in logits.chunks_mut(experts) {
+                    row[experts / 2] += 4.0; // chosen by (nearly) every token
+                }
+                let x_cpu = CpuTensor::new(n, hidden, x.clone());
+                let l_cpu = CpuTensor::new(n, experts, logits.clone());
+                let want = cpu
+                    .routed_experts(&x_cpu, &cpu.route(&l_cpu, top_k, true), &store, layer)
+                    .unwrap()
+                    .data;
+                let on = |gpu: &CudaBackend| {
+                    let x = gpu.tensor_from_host(n, hidden, &x);
+                    let l = gpu.tensor_from_host(n, experts, &logits);
+                    let routing = gpu.route(&l, top_k, true);
+                    gpu.to_host(&gpu.routed_experts(&x, &routing, &store, layer).unwrap())
+                };
+                let got = on(&resident_gpu);
+                let what = format!("grouped experts {model} {} n={n}", quant.name());
+                assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite");
+                let mut worst = 0f64;
+                for (g, w) in got.chunks(hidden).zip(want.chunks(hidden)) {
+                    let scale = w.iter().fold(1e-30f64, |m, v| m.max(v.abs() as f64));
+                    for (a, b) in g.iter().zip(w) {
+                        worst = worst.max((a - b).abs() as f64 / scale);
+                    }
+                }
+                println!("{what}: worst error {worst:.2e} of the token's largest output");
+                assert!(worst <= 1e-5, "{what}: error {worst:.3e} exceeds 1e-5");
+                assert_eq!(on(&streamed_gpu), got, "{what}: streamed experts differ");
+                let first = on(&half_gpu);
+                assert_eq!(first, got, "{what}: half-cached experts differ");
+                assert_eq!(on(&half_gpu), got, "{what}: half-cached experts differ");
+            }
         }
     }
 }

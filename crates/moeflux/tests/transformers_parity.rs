@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 fn options(prefill_chunk: usize) -> ModelOptions {
     ModelOptions {
-        prefill_chunk,
+        prefill_chunk: Some(prefill_chunk),
         ..ModelOptions::default()
     }
 }

@@ -45,9 +45,10 @@ pub struct ModelArgs {
     /// in half the available memory, else half the available memory).
     #[arg(long)]
     pub expert_cache_mb: Option<u64>,
-    /// Prompt tokens processed together.
-    #[arg(long, default_value_t = moeflux::model::DEFAULT_PREFILL_CHUNK)]
-    pub prefill_chunk: usize,
+    /// Prompt tokens processed together (default: 64 on the CPU, 512 on
+    /// CUDA).
+    #[arg(long)]
+    pub prefill_chunk: Option<usize>,
     /// Skip hashing the dense weights on open.
     #[arg(long)]
     pub no_verify: bool,

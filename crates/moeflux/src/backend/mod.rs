@@ -229,6 +229,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
         false
     }
 
+    /// Prompt tokens processed together when the model's options leave it
+    /// to the backend ([`crate::ModelOptions::prefill_chunk`] `None`).
+    fn default_prefill_chunk(&self) -> usize {
+        crate::model::DEFAULT_PREFILL_CHUNK
+    }
+
     /// Work before the first token: a GPU uploads every expert when they
     /// all fit in its memory.
     fn prepare_experts(&self, _store: &ExpertStore, _progress: &dyn Progress) -> Result<()> {

@@ -28,7 +28,8 @@ use crate::experts::{
 use crate::format::{ModelDir, OpenOptions};
 use crate::util::{Progress, human_bytes};
 
-/// Tokens processed together in one prefill step.
+/// Tokens processed together in one prefill step, unless the backend
+/// prefers another number ([`Backend::default_prefill_chunk`]).
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 #[derive(Clone, Debug)]
@@ -39,7 +40,9 @@ pub struct ModelOptions {
     pub cache_policy: CachePolicy,
     pub io: IoMode,
     pub prefetch: Prefetch,
-    pub prefill_chunk: usize,
+    /// Tokens processed together in one prefill step; `None`: the
+    /// backend's choice ([`Backend::default_prefill_chunk`]).
+    pub prefill_chunk: Option<usize>,
     pub verify_checksums: bool,
     /// Bytes all sessions together may hold in KV caches; `None` is no
     /// limit beyond each session's context length.
@@ -53,7 +56,7 @@ impl Default for ModelOptions {
             cache_policy: CachePolicy::default(),
             io: IoMode::default(),
             prefetch: Prefetch::default(),
-            prefill_chunk: DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: None,
             verify_checksums: true,
             kv_limit_bytes: None,
         }
@@ -142,7 +145,10 @@ impl Model<CpuBackend> {
 
 impl<B: Backend> Model<B> {
     pub fn open_with(backend: B, path: &Path, options: &ModelOptions) -> Result<Self> {
-        if options.prefill_chunk == 0 {
+        let prefill_chunk = options
+            .prefill_chunk
+            .unwrap_or_else(|| backend.default_prefill_chunk());
+        if prefill_chunk == 0 {
             return Err(Error::invalid("prefill chunk", "must be at least 1"));
         }
         let dir = ModelDir::open(
@@ -186,7 +192,7 @@ impl<B: Backend> Model<B> {
             backend,
             decoder,
             store,
-            prefill_chunk: options.prefill_chunk,
+            prefill_chunk,
             options: options.clone(),
         })
     }

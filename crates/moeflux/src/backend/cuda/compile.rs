@@ -17,7 +17,7 @@ use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 8] = [
+const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -29,6 +29,7 @@ const SOURCES: [(&str, &str); 8] = [
     ),
     ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
+    ("moe_prefill.cu", include_str!("kernels/moe_prefill.cu")),
 ];
 
 /// Declares the kernels the backend launches; each is looked up by its
@@ -97,6 +98,13 @@ kernels!(
     moe_down_bf16,
     moe_down_q8,
     moe_down_q4,
+    moe_prefill_gate_up_q4,
+    moe_prefill_gate_up_q8,
+    moe_prefill_gate_up_bf16,
+    moe_prefill_down_q4,
+    moe_prefill_down_q8,
+    moe_prefill_down_bf16,
+    moe_prefill_combine,
 );
 
 /// The program text: every file after a `#line` directive, so compiler

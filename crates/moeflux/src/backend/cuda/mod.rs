@@ -39,6 +39,7 @@ macro_rules! launch {
 mod compile;
 mod experts;
 mod gemm;
+mod prefill;
 mod state;
 
 use std::collections::HashMap;
@@ -1300,6 +1301,12 @@ impl Backend for CudaBackend {
 
     fn experts_resident(&self, store: &ExpertStore, layer: usize) -> bool {
         self.layer_resident(store, layer)
+    }
+
+    /// Large chunks keep the tensor cores busy: the routed experts of a
+    /// chunk run in three launches however many tokens it has.
+    fn default_prefill_chunk(&self) -> usize {
+        512
     }
 
     fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {

@@ -1,0 +1,394 @@
+// Routed experts of many tokens at once (prefill) on the tensor cores,
+// grouped by expert: three launches per layer (or per group of experts
+// when they are streamed) instead of a handful per expert.
+//
+// The host sorts the slots (token · top_k + rank) by expert, ascending,
+// and cuts each expert's run of slots into tiles of at most MP_BN slots.
+// A tile is four u32 {e, start, count, 0}: expert `table[e]`'s slots
+// `slots[start .. start + count)`, which are rows start.. of `act`. Then
+//   moe_prefill_gate_up_*: act[start + j, r] = silu(gate · x[token]) · (up · x[token])
+//   moe_prefill_down_*:    y[slot, r] = down · act[start + j]
+//   moe_prefill_combine:   out[t] = Σ_k weights[t, k] · y[t · top_k + k], k in order
+// Grids: (tiles, ceil(rows / rows per block)); a block reads its weight
+// tile once for up to MP_BN slots of one expert. Nothing is accumulated
+// across blocks, so the results do not depend on which experts came in
+// the same launch (the streaming path launches a few experts at a time,
+// a resident layer all of them; the outputs are identical).
+//
+// Numerics and data layout are gemm.cu's (see its header): activations
+// split into two bf16 halves, quantized weights as centred integer codes
+// with the affine map applied per 64-column group in f32, mma.sync
+// m16n8k16 with f32 accumulation, a fresh accumulator per 64-column stage.
+// Every output is the same sequence of operations whatever the tile it is
+// in, so its error bound is gemm.cu's.
+//
+// Block: MP_THREADS = 4 warps over MP_BM = 128 shared weight rows × MP_BN =
+// 32 slots; warp w owns 32 weight rows (two 16-row MMA tiles) × all 32
+// slots (four 8-slot tiles). For gate/up the 128 rows are 64 rows of gate
+// then the same 64 rows of up, and warp w takes rows 16w..16w+15 of each,
+// so one thread holds gate and up of the same (row, slot) and applies
+// silu(gate) · up in registers.
+
+#define MP_BM 128        // weight rows per block in shared memory
+#define MP_BN 32         // slots per tile
+#define MP_THREADS 128   // 4 warps, each 32 weight rows × 32 slots
+
+struct MoePrefillShared {
+    u16 w[MP_BM][GEMM_LD];   // weights as bf16 (gemm.cu's column order)
+    u16 hi[MP_BN][GEMM_LD];  // bf16(x)
+    u16 lo[MP_BN][GEMM_LD];  // bf16(x - hi)
+    float scale[MP_BM];      // the stage's group: scale of each row
+    float bias[MP_BM];       // and bias + centre · scale
+    float xsum[MP_BN];       // Σ x over the stage's columns, per slot
+    int in_row[MP_BN];       // the input row of each slot of the tile, -1 past its end
+};
+
+// The weight matrices of a block: shared rows below `split` are rows
+// r0.. of matrix 0, the others rows r0.. of matrix 1.
+struct MoeMatrices {
+    const u8* codes[2];
+    const u16* scales[2];
+    const u16* biases[2];
+};
+
+#if __CUDA_ARCH__ >= 800
+
+// One stage in flight between global and shared memory (gemm.cu's
+// GemmStage for this block shape, with gathered input rows).
+template <int DT>
+struct MoeStage {
+    static constexpr int ROW_VECS = DT == DT_Q4 ? 2 : DT == DT_Q8 ? 4 : 8;
+    static constexpr int VECS = MP_BM * ROW_VECS / MP_THREADS;
+    static constexpr int VEC_COLS = GEMM_BK / ROW_VECS;
+    static constexpr float CENTRE = DT == DT_Q4 ? 8.0f : 128.0f;
+    static constexpr bool QUANTIZED = DT == DT_Q4 || DT == DT_Q8;
+    // Runs of 8 activations per thread: slots tid/8 + 16·j, columns
+    // 8·(tid%8)..+7 of the stage.
+    static constexpr int RUNS = MP_BN * 8 / MP_THREADS;
+
+    uint4 w[VECS];
+    float4 x[RUNS][2];
+    u16 scale, bias;  // shared row tid's, quantized only
+
+    // Reads the stage starting at column k0; what lies outside the
+    // matrices or past the tile's slots reads as zero.
+    __device__ __forceinline__ void load(const MoeMatrices& m, int split, const float* x_in,
+                                         const int* in_row, int rows, int cols, int r0,
+                                         int k0) {
+        const int tid = threadIdx.x;
+        const i64 row_bytes = DT == DT_Q4 ? cols / 2 : DT == DT_Q8 ? cols : 2 * (i64)cols;
+        const int k0_bytes = DT == DT_Q4 ? k0 / 2 : DT == DT_Q8 ? k0 : 2 * k0;
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) {
+            const int i = tid + j * MP_THREADS;
+            const int row = i / ROW_VECS, part = i % ROW_VECS;
+            const bool second = row >= split;
+            const int r = r0 + row - (second ? split : 0);
+            const u8* codes = second ? m.codes[1] : m.codes[0];
+            const bool inside = r < rows && k0 + part * VEC_COLS < cols;
+            w[j] = inside ? *(const uint4*)(codes + r * row_bytes + k0_bytes + part * 16)
+                          : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int j = 0; j < RUNS; ++j) {
+            const int token = tid / 8 + (MP_THREADS / 8) * j;
+            const int c = k0 + 8 * (tid % 8);
+            const int src = in_row[token];
+            if (src >= 0 && c < cols) {
+                const float4* p = (const float4*)(x_in + (i64)src * cols + c);
+                x[j][0] = p[0];
+                x[j][1] = p[1];
+            } else {
+                x[j][0] = x[j][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+        if (QUANTIZED) {
+            scale = bias = 0;
+            const bool second = tid >= split;
+            const int r = r0 + tid - (second ? split : 0);
+            if (tid < MP_BM && r < rows) {
+                const i64 at = (i64)r * (cols / GROUP_SIZE) + k0 / GROUP_SIZE;
+                scale = (second ? m.scales[1] : m.scales[0])[at];
+                bias = (second ? m.biases[1] : m.biases[0])[at];
+            }
+        }
+    }
+
+    // Converts the stage to bf16 in shared memory, with the group's
+    // parameters and activation sums (as GemmStage::store).
+    __device__ __forceinline__ void store(MoePrefillShared& sm) const {
+        const int tid = threadIdx.x;
+#pragma unroll
+        for (int j = 0; j < VECS; ++j) {
+            const int i = tid + j * MP_THREADS;
+            const int row = i / ROW_VECS, part = i % ROW_VECS;
+            u16* dst = &sm.w[row][part * VEC_COLS];
+            if (DT == DT_Q4) {
+                store16(dst, q4_chunk(w[j].x));
+                store16(dst + 8, q4_chunk(w[j].y));
+                store16(dst + 16, q4_chunk(w[j].z));
+                store16(dst + 24, q4_chunk(w[j].w));
+            } else if (DT == DT_Q8) {
+                store16(dst, q8_chunk(w[j].x, w[j].y));
+                store16(dst + 8, q8_chunk(w[j].z, w[j].w));
+            } else {
+                store16(dst, bf16_chunk(w[j]));
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < RUNS; ++j) {
+            const int token = tid / 8 + (MP_THREADS / 8) * j;
+            const int col = 8 * (tid % 8);
+            const float4 a = x[j][0], b = x[j][1];
+            uint4 hi, lo;
+            split_pair(a.x, b.x, hi.x, lo.x);
+            split_pair(a.y, b.y, hi.y, lo.y);
+            split_pair(a.z, b.z, hi.z, lo.z);
+            split_pair(a.w, b.w, hi.w, lo.w);
+            store16(&sm.hi[token][col], hi);
+            store16(&sm.lo[token][col], lo);
+            if (QUANTIZED) {
+                float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+                s += __shfl_xor_sync(FULL_MASK, s, 4);
+                s += __shfl_xor_sync(FULL_MASK, s, 2);
+                s += __shfl_xor_sync(FULL_MASK, s, 1);
+                if (tid % 8 == 0) sm.xsum[token] = s;
+            }
+        }
+        if (QUANTIZED && tid < MP_BM) {
+            const float s = bf16_to_float(scale);
+            sm.scale[tid] = s;
+            sm.bias[tid] = fmaf(CENTRE, s, bf16_to_float(bias));
+        }
+    }
+};
+
+// The shared row where warp `warp`'s MMA tile `mi` starts.
+template <bool GATE_UP>
+__device__ __forceinline__ int moe_tile_row(int warp, int mi) {
+    return GATE_UP ? mi * (MP_BM / 2) + 16 * warp : 32 * warp + 16 * mi;
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
+// One block: tile blockIdx.x, weight rows from blockIdx.y. GATE_UP: x is
+// the layer input [n, cols], `a` gate and `b` up ([rows, cols] each),
+// out is act [slots, rows] indexed by sorted position. Otherwise x is act
+// [slots, cols] by sorted position, `a` down [rows, cols] (b unused), out
+// is y [n · top_k, rows] indexed by slot.
+template <int DT, bool GATE_UP>
+__device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restrict__ table,
+                                               const u32* __restrict__ tiles,
+                                               const u32* __restrict__ slots,
+                                               const float* __restrict__ x,
+                                               float* __restrict__ out, int rows, int cols,
+                                               int top_k, ExpertPart pa, ExpertPart pb) {
+#if __CUDA_ARCH__ >= 800
+    __shared__ __align__(16) MoePrefillShared sm;
+    const int tid = threadIdx.x;
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+    const u32* tile = tiles + 4 * (i64)blockIdx.x;
+    const int start = (int)tile[1], count = (int)tile[2];
+    const int split = GATE_UP ? MP_BM / 2 : MP_BM;
+    const int r0 = blockIdx.y * split;
+    const u8* base = (const u8*)table[tile[0]];
+
+    MoeMatrices m;
+    {
+        const u8* ca = base + pa.offset;
+        const u8* cb = base + (GATE_UP ? pb.offset : pa.offset);
+        m.codes[0] = ca;
+        m.scales[0] = (const u16*)(ca + pa.scales);
+        m.biases[0] = (const u16*)(ca + pa.biases);
+        m.codes[1] = cb;
+        m.scales[1] = (const u16*)(cb + (GATE_UP ? pb.scales : pa.scales));
+        m.biases[1] = (const u16*)(cb + (GATE_UP ? pb.biases : pa.biases));
+    }
+    if (tid < MP_BN) {
+        int src = -1;
+        if (tid < count) src = GATE_UP ? (int)(slots[start + tid] / (u32)top_k) : start + tid;
+        sm.in_row[tid] = src;
+    }
+    __syncthreads();
+
+    // 8-slot tiles holding slots of the tile (block-uniform): the MMAs of
+    // the others are skipped.
+    const int tiles_n = min(4, (count + 7) / 8);
+
+    // acc[mi][nj]: shared rows moe_tile_row(warp, mi) (+ g, + g+8), slots
+    // 8·nj (+ 2·i4, +1), in the C fragment's order.
+    float acc[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
+
+    MoeStage<DT> stage;
+    const int stages = (cols + GEMM_BK - 1) / GEMM_BK;
+    stage.load(m, split, x, sm.in_row, rows, cols, r0, 0);
+    stage.store(sm);
+    __syncthreads();
+    for (int s = 0; s < stages; ++s) {
+        if (s + 1 < stages) {
+            stage.load(m, split, x, sm.in_row, rows, cols, r0, (s + 1) * GEMM_BK);
+        }
+        float part[2][4][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+            for (int nj = 0; nj < 4; ++nj)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) part[mi][nj][e] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < GEMM_BK; k += 16) {
+            u32 a[2][4];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                ldmatrix_x4(a[mi], &sm.w[moe_tile_row<GATE_UP>(warp, mi) + (lane % 8) +
+                                         8 * ((lane / 8) % 2)][k + 8 * (lane / 16)]);
+            }
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {
+                if (2 * p >= tiles_n) continue;
+                const int token = 16 * p + (lane % 8) + 8 * (lane / 16);
+                const int col = k + 8 * ((lane / 8) % 2);
+                u32 bh[4], bl[4];
+                ldmatrix_x4(bh, &sm.hi[token][col]);
+                ldmatrix_x4(bl, &sm.lo[token][col]);
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);
+                    mma_bf16(part[mi][2 * p], a[mi], bl[0], bl[1]);
+                    if (2 * p + 1 < tiles_n) {
+                        mma_bf16(part[mi][2 * p + 1], a[mi], bh[2], bh[3]);
+                        mma_bf16(part[mi][2 * p + 1], a[mi], bl[2], bl[3]);
+                    }
+                }
+            }
+        }
+        // Fold the stage into the running sums (as linear_tc).
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int row = moe_tile_row<GATE_UP>(warp, mi) + g + 8 * h;
+                float scale = 0.0f, bias = 0.0f;
+                if (MoeStage<DT>::QUANTIZED) {
+                    scale = sm.scale[row];
+                    bias = sm.bias[row];
+                }
+#pragma unroll
+                for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        float& c = acc[mi][nj][2 * h + e];
+                        const float v = part[mi][nj][2 * h + e];
+                        if (MoeStage<DT>::QUANTIZED) {
+                            const float xs = sm.xsum[8 * nj + 2 * i4 + e];
+                            c = fmaf(scale, v, fmaf(bias, xs, c));
+                        } else {
+                            c += v;
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every warp is done reading the stage
+        if (s + 1 < stages) {
+            stage.store(sm);
+            __syncthreads();
+        }
+    }
+
+    if (GATE_UP) {
+        // acc[0] is gate, acc[1] up, of the same rows and slots.
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = r0 + 16 * warp + g + 8 * (e / 2);
+                const int t = 8 * nj + 2 * i4 + e % 2;
+                if (r < rows && t < count) {
+                    out[(i64)(start + t) * rows + r] = silu(acc[0][nj][e]) * acc[1][nj][e];
+                }
+            }
+        }
+    } else {
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = 8 * nj + 2 * i4 + e % 2;
+                if (t >= count) continue;
+                const i64 slot = slots[start + t];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    const int r = r0 + 32 * warp + 16 * mi + g + 8 * (e / 2);
+                    if (r < rows) out[slot * rows + r] = acc[mi][nj][e];
+                }
+            }
+        }
+    }
+#endif  // __CUDA_ARCH__ >= 800
+}
+
+// The kernels (one pair per stored type). Grids: gate/up
+// (tiles, ceil(inter / 64)), down (tiles, ceil(hidden / 128)); MP_THREADS
+// threads; static shared memory (29 KiB). The quantized types have whole
+// 64-column groups; bf16 needs widths that are multiples of 8. sm_80+.
+#define MOE_PREFILL_PARAMS                                                                 \
+    const unsigned long long *table, const u32 *tiles, const u32 *slots, const float *x,   \
+        float *out, int rows, int cols, int top_k, ExpertPart a, ExpertPart b
+#define MOE_PREFILL_ARGS table, tiles, slots, x, out, rows, cols, top_k, a, b
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_q4(MOE_PREFILL_PARAMS) {
+    moe_prefill_tc<DT_Q4, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_q8(MOE_PREFILL_PARAMS) {
+    moe_prefill_tc<DT_Q8, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_bf16(MOE_PREFILL_PARAMS) {
+    moe_prefill_tc<DT_BF16, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_q4(MOE_PREFILL_PARAMS) {
+    moe_prefill_tc<DT_Q4, false>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_q8(MOE_PREFILL_PARAMS) {
+    moe_prefill_tc<DT_Q8, false>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_bf16(MOE_PREFILL_PARAMS) {
+    moe_prefill_tc<DT_BF16, false>(MOE_PREFILL_ARGS);
+}
+
+// out[t, c] (+)= Σ_k weights[t · top_k + k] · y[t · top_k + k, c], k in
+// order (as moe_down sums one token's experts); with `accumulate` added to
+// out. Grid-stride over n · hidden.
+extern "C" __global__ void moe_prefill_combine(const float* y, const float* weights,
+                                               float* out, int n, int hidden, int top_k,
+                                               int accumulate) {
+    const i64 total = (i64)n * hidden;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x) {
+        const i64 t = i / hidden;
+        const i64 c = i % hidden;
+        const float* w = weights + t * top_k;
+        const float* ys = y + t * top_k * hidden + c;
+        float s = 0.0f;
+        for (int k = 0; k < top_k; ++k) s = fmaf(w[k], ys[(i64)k * hidden], s);
+        out[i] = accumulate ? out[i] + s : s;
+    }
+}

@@ -1,0 +1,241 @@
+//! The routed experts of many tokens (prefill) in three launches on the
+//! tensor cores (kernels/moe_prefill.cu), instead of a gather, three
+//! matmuls, an activation and a scatter per expert.
+//!
+//! The host sorts the slots (token · top_k + rank) by expert and cuts each
+//! expert's run into tiles of at most [`TILE_SLOTS`] slots; a tile names
+//! the expert by its index in a table of device addresses (the layer's
+//! table, indexed by expert id, when every expert is resident; else a
+//! table of the experts of the launch at the same indices). Then:
+//! gate and up with silu(gate)·up into `act` (one row per sorted slot),
+//! down into `y` (one row per slot), and the weighted sum of each token's
+//! `y` rows in rank order. Each output is computed by one block whatever
+//! the other experts of its launch, so launching all experts of a layer
+//! at once or a few at a time as they are streamed gives identical results.
+//!
+//! The arithmetic is gemm.rs's (split activations, exact integer codes),
+//! so each product is within f32 rounding of the CPU's.
+
+use std::ops::Range;
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+
+use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
+use crate::quant::{DType, MatrixLayout};
+
+/// Slots per tile (`MP_BN` in moe_prefill.cu).
+const TILE_SLOTS: usize = 32;
+/// Weight rows a block keeps in shared memory (`MP_BM`): 128 rows of
+/// down, or 64 rows of gate and the same 64 of up.
+const BLOCK_ROWS: usize = 128;
+/// Threads per block (`MP_THREADS`).
+const THREADS: u32 = 128;
+
+/// Where one matrix lies in an expert's buffer (`ExpertPart` in moe.cu):
+/// its codes from the buffer's start, scales and biases from its codes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Part {
+    offset: i64,
+    scales: i64,
+    biases: i64,
+}
+
+// SAFETY: three i64s, laid out as the kernels' struct of three long longs.
+unsafe impl DeviceRepr for Part {}
+
+impl Part {
+    fn new((offset, layout): (usize, MatrixLayout)) -> Part {
+        Part {
+            offset: offset as i64,
+            scales: layout.scales_offset as i64,
+            biases: layout.biases_offset as i64,
+        }
+    }
+}
+
+/// The tiles of a call, four u32 each: expert (index in the table), first
+/// sorted slot, slots, 0.
+pub(super) struct Tiles {
+    data: Vec<u32>,
+    /// The tiles of each expert of the call, in `data`'s units.
+    by_expert: Vec<Range<usize>>,
+}
+
+impl Tiles {
+    /// Tiles for experts in `order` (expert id, its slots), whose slots
+    /// lie in that order in the sorted slot list.
+    pub(super) fn new(order: &[(u32, Vec<u32>)]) -> Tiles {
+        let mut data = Vec::new();
+        let mut by_expert = Vec::with_capacity(order.len());
+        let mut start = 0;
+        for (expert, slots) in order {
+            let first = data.len();
+            for at in (0..slots.len()).step_by(TILE_SLOTS) {
+                let count = TILE_SLOTS.min(slots.len() - at);
+                data.extend([*expert, (start + at) as u32, count as u32, 0]);
+            }
+            by_expert.push(first..data.len());
+            start += slots.len();
+        }
+        Tiles { data, by_expert }
+    }
+
+    pub(super) fn all(&self) -> &[u32] {
+        &self.data
+    }
+
+    /// The tiles of the experts at these indices of the call's order.
+    pub(super) fn of(&self, experts: impl Iterator<Item = usize>) -> Vec<u32> {
+        experts
+            .flat_map(|i| self.data[self.by_expert[i].clone()].iter().copied())
+            .collect()
+    }
+}
+
+impl CudaBackend {
+    /// Whether the grouped kernels take experts with these gate (or up)
+    /// and down layouts: q4, q8 or bf16 (bf16 widths a multiple of 8), on
+    /// sm_80 or later. Otherwise experts run one at a time.
+    pub(super) fn prefill_kernels_fit(&self, gate: MatrixLayout, down: MatrixLayout) -> bool {
+        let widths_fit = match gate.dtype {
+            // Quantized widths are whole 64-column groups by construction.
+            DType::Q4 | DType::Q8 => true,
+            DType::Bf16 => gate.cols.is_multiple_of(8) && down.cols.is_multiple_of(8),
+            DType::F32 => false,
+        };
+        let (major, _) = ok(
+            "routed experts (tensor cores)",
+            self.ctx.compute_capability(),
+        );
+        widths_fit && major >= 8 && down.dtype == gate.dtype
+    }
+
+    /// `act` and `y` for the tiles `tiles` (`count` of them) of a call:
+    /// `act[i] = silu(gate · x) · (up · x)` and `y[slots[i]] = down · act[i]`
+    /// for each sorted slot `i` of the tiles, the experts found through
+    /// `table` at offsets `parts` (gate, up, down).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_prefill_experts(
+        &self,
+        x: &Tensor,
+        top_k: usize,
+        table: &CudaSlice<u64>,
+        tiles: &CudaSlice<u32>,
+        count: usize,
+        slots: &CudaSlice<u32>,
+        parts: &[(usize, MatrixLayout); 3],
+        act: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) {
+        if count == 0 {
+            return;
+        }
+        let (gate, down) = (parts[0].1, parts[2].1);
+        let (inter, hidden) = (gate.rows, x.cols);
+        assert!(
+            gate.cols == hidden && down.rows == hidden && down.cols == inter,
+            "routed experts: expert shapes [{}, {}] and [{}, {}] for hidden size {hidden}",
+            gate.rows,
+            gate.cols,
+            down.rows,
+            down.cols
+        );
+        let (gate_up, down_kernel) = match gate.dtype {
+            DType::Q4 => (
+                &self.kernels.moe_prefill_gate_up_q4,
+                &self.kernels.moe_prefill_down_q4,
+            ),
+            DType::Q8 => (
+                &self.kernels.moe_prefill_gate_up_q8,
+                &self.kernels.moe_prefill_down_q8,
+            ),
+            DType::Bf16 => (
+                &self.kernels.moe_prefill_gate_up_bf16,
+                &self.kernels.moe_prefill_down_bf16,
+            ),
+            DType::F32 => unreachable!("f32 experts take the per-expert path"),
+        };
+        let tiles_x = u32::try_from(count).expect("tiles fit a grid");
+        let (inter_i, hidden_i, top_k_i) = (
+            int(inter, "expert intermediate size"),
+            int(hidden, "hidden size"),
+            int(top_k, "top-k"),
+        );
+        let (gate_part, up_part, down_part) = (
+            Part::new(parts[0]),
+            Part::new(parts[1]),
+            Part::new(parts[2]),
+        );
+        let config = |rows_per_block: usize, rows: usize| LaunchConfig {
+            grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
+            block_dim: (THREADS, 1, 1),
+            // The kernels' tiles are static shared memory (29 KiB).
+            shared_mem_bytes: 0,
+        };
+        launch!(
+            self,
+            "routed experts gate/up (tensor cores)",
+            gate_up,
+            config(BLOCK_ROWS / 2, inter),
+            table,
+            tiles,
+            slots,
+            &x.data,
+            &mut *act,
+            &inter_i,
+            &hidden_i,
+            &top_k_i,
+            &gate_part,
+            &up_part
+        );
+        launch!(
+            self,
+            "routed experts down (tensor cores)",
+            down_kernel,
+            config(BLOCK_ROWS, hidden),
+            table,
+            tiles,
+            slots,
+            &*act,
+            y,
+            &hidden_i,
+            &inter_i,
+            &top_k_i,
+            &down_part,
+            &down_part
+        );
+    }
+
+    /// `out (+)= Σ_k weight[t, k] · y[t · top_k + k]` for every token `t`
+    /// of `routing`, k in rank order; with `accumulate` added to `out`.
+    pub(super) fn launch_prefill_combine(
+        &self,
+        y: &CudaSlice<f32>,
+        routing: &Routing,
+        out: &mut CudaSlice<f32>,
+        hidden: usize,
+        accumulate: bool,
+    ) {
+        let n = routing.rows;
+        let (n_i, hidden_i, top_k_i) = (
+            int(n, "tokens"),
+            int(hidden, "hidden size"),
+            int(routing.top_k, "top-k"),
+        );
+        let accumulate_i = i32::from(accumulate);
+        launch!(
+            self,
+            "routed experts combine",
+            &self.kernels.moe_prefill_combine,
+            grid_stride(n * hidden),
+            y,
+            &routing.weights,
+            out,
+            &n_i,
+            &hidden_i,
+            &top_k_i,
+            &accumulate_i
+        );
+    }
+}
