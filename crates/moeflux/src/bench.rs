@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceExpertStats};
 use crate::error::{Error, Result};
 use crate::experts::{CachePolicy, ExpertKey, ExpertStats, Prefetch, simulate};
 use crate::model::{Model, argmax};
@@ -96,6 +96,12 @@ pub struct BenchReport {
     pub disk_read_gb_s: Option<f64>,
     pub disk_read_block_bytes: u64,
     pub peak_rss_bytes: Option<u64>,
+    /// The backend's own expert cache (a GPU's VRAM) during the timed
+    /// decode: hits, misses, prefetches, bytes and time of the uploads.
+    pub device_experts: Option<DeviceExpertStats>,
+    /// Pinned host-to-device copy bandwidth measured in the same run: the
+    /// ceiling of the uploads' throughput.
+    pub host_to_device_gb_s: Option<f64>,
     /// Replayed hit rates of each cache policy (`compare_policies`).
     pub policy_comparison: Vec<PolicyHitRate>,
 }
@@ -173,6 +179,7 @@ pub fn run<B: Backend>(
         progress.advance(1, "warm-up");
     }
     let before = model.expert_stats();
+    let device_before = model.backend().device_expert_stats();
     let start = Instant::now();
     for _ in 0..options.decode_tokens {
         logits = session.decode(next(&logits))?;
@@ -180,6 +187,10 @@ pub fn run<B: Backend>(
     }
     let decode_time = start.elapsed();
     let stats = model.expert_stats().since(&before);
+    let device_experts = match (model.backend().device_expert_stats(), device_before) {
+        (Some(after), Some(before)) => Some(after.since(&before)),
+        _ => None,
+    };
     progress.finish();
     let policy_comparison = match model.experts().record_trace(false) {
         Some(trace) => {
@@ -190,13 +201,14 @@ pub fn run<B: Backend>(
 
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
     let weight_bytes_per_token = weight_bytes_per_token(model);
-    let (memory_bandwidth_gb_s, disk_read_gb_s) = if options.ceilings {
+    let (memory_bandwidth_gb_s, disk_read_gb_s, host_to_device_gb_s) = if options.ceilings {
         (
             Some(model.backend().memory_bandwidth()),
             disk_read_bandwidth(model)?,
+            model.backend().host_to_device_bandwidth(),
         )
     } else {
-        (None, None)
+        (None, None, None)
     };
     Ok(BenchReport {
         model: model.dir().root().display().to_string(),
@@ -232,6 +244,8 @@ pub fn run<B: Backend>(
         disk_read_gb_s,
         disk_read_block_bytes: manifest.experts.first().map_or(0, |e| e.stride),
         peak_rss_bytes: peak_rss(),
+        device_experts,
+        host_to_device_gb_s,
         policy_comparison,
     })
 }

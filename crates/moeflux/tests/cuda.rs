@@ -312,6 +312,128 @@ fn resident_and_streamed_experts_give_identical_results() {
     }
 }
 
+/// Experts streamed through a VRAM cache of three experts (through the
+/// pinned host tier, with and without prefetch, and from pageable memory
+/// with the pinned tier off): the logits equal those of resident experts
+/// and the statistics add up: every expert a decode step uses is a hit or
+/// a miss, every miss and prefetch is an upload of the expert's bytes, and
+/// every upload's bytes came from the pinned tier or the store.
+#[test]
+fn streamed_expert_statistics_are_consistent() {
+    use moeflux::experts::Prefetch;
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        resident
+            .prepare_experts(&moeflux::util::NoProgress)
+            .unwrap();
+        let cfg = resident.config();
+        let moe_layers: Vec<usize> = cfg.moe_layers().collect();
+        let expert_bytes = resident
+            .backend()
+            .device_expert_bytes(resident.experts(), moe_layers[0]);
+        assert!(
+            moe_layers.iter().all(|&l| resident
+                .backend()
+                .device_expert_bytes(resident.experts(), l)
+                == expert_bytes),
+            "{name}: the fixture's experts differ in size across layers"
+        );
+        let prompt = 5;
+        let run = |model: &Arc<Model<CudaBackend>>| {
+            let mut session = model.session();
+            let mut logits = session
+                .forward(&tokens[..prompt], LogitsWanted::All)
+                .unwrap()
+                .data;
+            let before = model.backend().expert_cache_stats();
+            for &t in &tokens[prompt..] {
+                logits.extend(session.decode(t).unwrap());
+            }
+            let decode = model.backend().expert_cache_stats().since(&before);
+            (logits, decode)
+        };
+        let (want, _) = run(&resident);
+        for (prefetch, pinned) in [
+            (Prefetch::Off, None),
+            (Prefetch::Router, None),
+            (Prefetch::Off, Some(0)),
+        ] {
+            let what = format!("{name} (prefetch {prefetch:?}, pinned tier {pinned:?})");
+            let backend = cuda_with(CudaOptions {
+                expert_cache_bytes: Some(3 * expert_bytes),
+            })
+            .unwrap();
+            backend.set_pinned_cache_bytes(pinned);
+            let streamed = open_cuda(
+                &converted.dir,
+                ModelOptions {
+                    prefetch,
+                    ..ModelOptions::default()
+                },
+                backend,
+            );
+            streamed
+                .prepare_experts(&moeflux::util::NoProgress)
+                .unwrap();
+            let (got, d) = run(&streamed);
+            assert_eq!(got, want, "{what}: streamed and resident experts differ");
+            let all = streamed.backend().expert_cache_stats();
+            println!(
+                "{what:<50} decode: {} hits ({} prefetched), {} misses, {} prefetches, {} B uploaded in {} ns; pinned {} hits, {} misses",
+                d.hits,
+                d.prefetch_hits,
+                d.misses,
+                d.prefetches,
+                d.uploaded_bytes,
+                d.copy_nanos,
+                d.pinned_hits,
+                d.pinned_misses
+            );
+            let uses = ((tokens.len() - prompt) * moe_layers.len() * cfg.moe.top_k) as u64;
+            assert_eq!(d.hits + d.misses, uses, "{what}: uses");
+            assert_eq!(d.uploads, d.misses + d.prefetches, "{what}: uploads");
+            assert_eq!(d.uploaded_bytes, d.uploads * expert_bytes, "{what}: bytes");
+            assert_eq!(
+                all.uploaded_bytes,
+                all.uploads * expert_bytes,
+                "{what}: bytes, prefill included"
+            );
+            assert_eq!(
+                all.pinned_hits + all.pinned_misses,
+                all.uploads,
+                "{what}: each upload's bytes from the pinned tier or the store"
+            );
+            assert!(d.prefetch_hits <= d.prefetches && d.prefetch_hits <= d.hits);
+            assert!(d.misses > 0 && d.copy_nanos > 0, "{what}: nothing streamed");
+            assert!(
+                all.resident_bytes <= 3 * expert_bytes,
+                "{what}: {} bytes cached over a budget of {}",
+                all.resident_bytes,
+                3 * expert_bytes
+            );
+            assert_eq!(all.complete_layers, 0);
+            match (prefetch, pinned) {
+                (Prefetch::Off, _) => assert_eq!(d.prefetches, 0, "{what}: prefetched"),
+                (Prefetch::Router, _) => assert!(d.prefetches > 0, "{what}: no prefetch"),
+                _ => {}
+            }
+            if pinned == Some(0) {
+                assert_eq!((all.pinned_hits, all.pinned_bytes), (0, 0), "{what}");
+            } else {
+                assert!(all.pinned_hits > 0, "{what}: the pinned tier never served");
+            }
+        }
+        let bandwidth = resident.backend().host_to_device_bandwidth().unwrap();
+        println!("{name:<22} pinned host-to-device bandwidth {bandwidth:.1} GB/s");
+        assert!(bandwidth > 0.1);
+    }
+}
+
 /// Saving and loading state, truncation and checkpoints exercise the
 /// export, import, truncate and copy operations; a state saved on CUDA
 /// also continues on the CPU.

@@ -79,6 +79,60 @@ fn gb(v: Option<f64>) -> String {
     v.map_or("-".into(), |v| format!("{v:.2} GB/s"))
 }
 
+/// The device's expert cache during decode, and its uploads beside the
+/// pinned host-to-device bandwidth of the same run.
+fn print_device_experts(r: &BenchReport, d: &moeflux::backend::DeviceExpertStats) {
+    let row = |k: &str, v: String| println!("{k:<34} {v}");
+    row(
+        "VRAM expert cache",
+        format!(
+            "{} of {} used, {} complete layers; pinned host tier {} of {}",
+            human_bytes(d.resident_bytes),
+            d.budget_bytes.map_or("auto".into(), human_bytes),
+            d.complete_layers,
+            human_bytes(d.pinned_bytes),
+            human_bytes(d.pinned_budget_bytes)
+        ),
+    );
+    row(
+        "VRAM expert hit rate (decode)",
+        format!(
+            "{:.1}% ({} hits, {} misses; {} prefetched, {} of them used)",
+            100.0 * d.hit_rate(),
+            d.hits,
+            d.misses,
+            d.prefetches,
+            d.prefetch_hits
+        ),
+    );
+    let tokens = r.decode_tokens.max(1) as u64;
+    row(
+        "PCIe uploads per token",
+        format!(
+            "{} ({:.1} experts; {} from the pinned tier, {} from the store)",
+            human_bytes(d.uploaded_bytes / tokens),
+            d.uploads as f64 / tokens as f64,
+            d.pinned_hits,
+            d.pinned_misses
+        ),
+    );
+    let share = match (d.copy_gb_s(), r.host_to_device_gb_s) {
+        (Some(a), Some(p)) => format!(
+            " = {:.0}% of pinned host-to-device bandwidth",
+            100.0 * a / p
+        ),
+        _ => String::new(),
+    };
+    row(
+        "PCIe throughput of uploads",
+        format!("{}{share}", gb(d.copy_gb_s())),
+    );
+    row(
+        "pinned host-to-device (measured)",
+        gb(r.host_to_device_gb_s),
+    );
+}
+
 fn print_table(r: &BenchReport) {
     let row = |k: &str, v: String| println!("{k:<34} {v}");
     row(
@@ -170,6 +224,9 @@ fn print_table(r: &BenchReport) {
         ),
         gb(r.disk_read_gb_s),
     );
+    if let Some(d) = &r.device_experts {
+        print_device_experts(r, d);
+    }
     row("peak RSS", r.peak_rss_bytes.map_or("-".into(), human_bytes));
     for p in &r.policy_comparison {
         row(

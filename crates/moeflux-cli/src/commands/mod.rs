@@ -68,10 +68,16 @@ pub struct ModelArgs {
     /// the CPU), cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub device: Device,
-    /// Device memory for cached experts on a GPU, in MiB (default: half the
-    /// memory still free after loading the model).
+    /// Device memory for cached experts on a GPU, in MiB (default: the
+    /// memory still free after loading the model, less a reserve for KV
+    /// caches and activations).
     #[arg(long)]
     pub gpu_expert_cache_mb: Option<u64>,
+    /// Page-locked host memory for experts streamed to a GPU, in MiB
+    /// (default: a quarter of the available memory, at most the experts'
+    /// size; 0 uploads from the expert cache's pageable memory).
+    #[arg(long)]
+    pub pinned_cache_mb: Option<u64>,
     /// How the CPU multiplies activations by q4 and q8 weights: f32 (exact)
     /// or int8 (quantized per group of 64 inputs: faster decode, slightly
     /// less accurate; see docs/PERFORMANCE.md).
@@ -159,7 +165,10 @@ impl ModelArgs {
             kv_limit_bytes: None,
         };
         let opened = match self.cuda_backend()? {
-            Some(cuda) => OpenedModel::Cuda(Arc::new(Model::open_with(cuda, &dir, &options)?)),
+            Some(cuda) => {
+                cuda.set_pinned_cache_bytes(self.pinned_cache_mb.map(|mb| mb << 20));
+                OpenedModel::Cuda(Arc::new(Model::open_with(cuda, &dir, &options)?))
+            }
             None => {
                 let cpu = CpuBackend::with_options(CpuOptions {
                     activations: match self.activations {

@@ -9,6 +9,8 @@
 pub mod cpu;
 pub mod cuda;
 
+pub use cuda::ExpertCacheStats as DeviceExpertStats;
+
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 use crate::experts::ExpertStore;
@@ -227,6 +229,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// asking for the routing would only cost a round trip).
     fn experts_resident(&self, _store: &ExpertStore, _layer: usize) -> bool {
         false
+    }
+
+    /// During decode, the experts of `layer` (the next MoE layer) that its
+    /// router predicts from the current layer's input: a GPU that streams
+    /// experts uploads them while the current layer computes.
+    fn prefetch_experts(&self, _store: &ExpertStore, _layer: usize, _experts: &[u32]) {}
+
+    /// What the backend's own expert cache (a GPU's VRAM) has done since it
+    /// was created; `None` for a backend without one.
+    fn device_expert_stats(&self) -> Option<DeviceExpertStats> {
+        None
+    }
+
+    /// Host-to-device copy bandwidth from page-locked memory in GB/s,
+    /// measured now: the ceiling of expert uploads (`None` without a
+    /// device).
+    fn host_to_device_bandwidth(&self) -> Option<f64> {
+        None
     }
 
     /// Prompt tokens processed together when the model's options leave it

@@ -105,7 +105,8 @@ impl<B: Backend> Decoder<B> {
             return;
         }
         if let FeedForward::Sparse(moe) = &self.layers[next].ffn {
-            store.predict(next, moe.predict(b, h), self.prefetch);
+            let named = store.predict(next, moe.predict(b, h), self.prefetch);
+            b.prefetch_experts(store, next, &named);
         }
     }
 

@@ -86,6 +86,11 @@ impl<V: Weighted + Clone> ExpertCache<V> {
         self.entries.contains_key(&key)
     }
 
+    /// The value if resident, without counting a request.
+    pub fn peek(&self, key: ExpertKey) -> Option<V> {
+        self.entries.get(&key).map(|e| e.value.clone())
+    }
+
     fn rank(&self, key: ExpertKey) -> (u64, u64) {
         match self.policy {
             CachePolicy::Lru => (0, self.tick),

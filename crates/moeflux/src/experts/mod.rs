@@ -485,8 +485,8 @@ impl ExpertStore {
     }
 
     /// Registers the router's prediction for `layer`'s next request and
-    /// starts reading the experts that `mode` names.
-    pub fn predict(&self, layer: usize, router_prediction: Vec<u32>, mode: Prefetch) {
+    /// starts reading the experts that `mode` names; returns them.
+    pub fn predict(&self, layer: usize, router_prediction: Vec<u32>, mode: Prefetch) -> Vec<u32> {
         let s = &self.shared;
         let to_read = match mode {
             Prefetch::Off => Vec::new(),
@@ -495,6 +495,17 @@ impl ExpertStore {
         };
         s.predicted.lock().unwrap()[layer] = Some(router_prediction);
         self.prefetch(layer, &to_read);
+        to_read
+    }
+
+    /// The expert if the cache holds it, without counting a request (a
+    /// GPU's prefetch looks here for bytes at hand).
+    pub fn peek(&self, layer: usize, index: usize) -> Option<Arc<Expert>> {
+        self.shared
+            .cache
+            .lock()
+            .unwrap()
+            .peek((layer as u32, index as u32))
     }
 
     /// Starts background reads of the experts of `layer` that are neither

@@ -1,8 +1,8 @@
 //! Routed experts on the GPU. Experts come from the host [`ExpertStore`]
-//! (its reads, checksums and host cache) and are uploaded into a VRAM
-//! cache keyed by (store, layer, expert) with a byte budget, least
-//! recently used out first; an expert found there needs no upload and no
-//! host request. The store is part of the key because one backend may
+//! (its reads, checksums and host cache) through a pinned host tier and
+//! are uploaded into a VRAM cache keyed by (store, layer, expert) with a
+//! byte budget (`streaming.rs`); an expert found there needs no upload and
+//! no host request. The store is part of the key because one backend may
 //! serve several models.
 //!
 //! One token (decode) runs two fused kernels over its top-k experts, which
@@ -20,21 +20,17 @@
 //! Host reads of the next few missing experts run while the GPU computes
 //! the current ones.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
+use super::streaming::{PART_ALIGN, VramCache};
 use super::{CudaBackend, Matrix, Routing, Tensor, device_error, grid_stride, int};
 use crate::error::Result;
-use crate::experts::{Expert, ExpertStore, Fetch};
+use crate::experts::{ExpertStore, Fetch};
 use crate::quant::{DType, MatrixLayout};
 use crate::util::Progress;
-
-/// (expert store, layer, expert)
-type VramKey = (u64, u32, u32);
-/// (expert store, layer)
-type LayerKey = (u64, u32);
 
 /// Device memory the automatic budget leaves free for KV caches and
 /// activations: this much, or a tenth of the device, whichever is more.
@@ -45,14 +41,11 @@ const RESERVE_BYTES: u64 = 4 << 30;
 /// flight beyond the caches.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
-/// Offsets of an expert's matrices in its device buffer are aligned to this.
-const PART_ALIGN: usize = 256;
-
 /// An expert's gate, up and down matrices in one device buffer.
 pub(super) struct DeviceExpert {
-    data: CudaSlice<u8>,
+    pub(super) data: CudaSlice<u8>,
     /// (offset, layout) of gate, up and down.
-    parts: [(usize, MatrixLayout); 3],
+    pub(super) parts: [(usize, MatrixLayout); 3],
 }
 
 /// Where one matrix of an expert lies in the expert's buffer, as the fused
@@ -71,7 +64,7 @@ unsafe impl DeviceRepr for ExpertPart {}
 
 /// The placement of gate, up and down, the same in every expert of a layer.
 #[derive(Clone, Copy, Debug)]
-struct PartsLayout([(usize, MatrixLayout); 3]);
+pub(super) struct PartsLayout(pub(super) [(usize, MatrixLayout); 3]);
 
 impl PartsLayout {
     fn part(&self, i: usize) -> ExpertPart {
@@ -86,7 +79,7 @@ impl PartsLayout {
 
 impl DeviceExpert {
     /// The device address of the buffer (valid while `self` lives).
-    fn address(&self, stream: &CudaStream) -> u64 {
+    pub(super) fn address(&self, stream: &CudaStream) -> u64 {
         let (ptr, _sync) = self.data.device_ptr(stream);
         ptr
     }
@@ -98,182 +91,6 @@ impl DeviceExpert {
             layout,
             data: &self.data,
             offset,
-        }
-    }
-}
-
-/// What the VRAM expert cache has done since the backend was created.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ExpertCacheStats {
-    /// Experts found resident.
-    pub hits: u64,
-    /// Experts uploaded from the host.
-    pub uploads: u64,
-    pub uploaded_bytes: u64,
-    pub evictions: u64,
-    pub resident_bytes: u64,
-    /// `None` until the first upload when the budget is automatic.
-    pub budget_bytes: Option<u64>,
-    /// Layers whose experts are all resident: their tokens are decoded
-    /// without returning the routing to the host.
-    pub complete_layers: u64,
-}
-
-struct Entry {
-    expert: Arc<DeviceExpert>,
-    bytes: u64,
-    last_use: u64,
-}
-
-/// A layer whose experts are all resident: their addresses by expert id.
-struct CompleteLayer {
-    addresses: CudaSlice<u64>,
-    parts: PartsLayout,
-}
-
-/// The VRAM expert cache. Entries are reference-counted: an expert evicted
-/// while a layer still computes with it is freed when that layer drops it
-/// (device memory is freed in stream order, after the work queued before).
-pub(super) struct VramCache {
-    budget: Option<u64>,
-    used: u64,
-    clock: u64,
-    entries: HashMap<VramKey, Entry>,
-    /// Resident keys by last use, oldest first.
-    by_use: BTreeMap<u64, VramKey>,
-    /// Resident experts per layer.
-    resident: HashMap<LayerKey, usize>,
-    complete: HashMap<LayerKey, CompleteLayer>,
-    stats: ExpertCacheStats,
-}
-
-impl VramCache {
-    pub(super) fn new(budget: Option<u64>) -> VramCache {
-        VramCache {
-            budget,
-            used: 0,
-            clock: 0,
-            entries: HashMap::new(),
-            by_use: BTreeMap::new(),
-            resident: HashMap::new(),
-            complete: HashMap::new(),
-            stats: ExpertCacheStats::default(),
-        }
-    }
-
-    /// The address table of a layer whose experts are all resident.
-    fn complete_layer(&self, store: u64, layer: u32) -> Option<&CompleteLayer> {
-        self.complete.get(&(store, layer))
-    }
-
-    /// Counts every selected expert of a complete layer's decode step as a
-    /// hit (they are, without looking).
-    fn count_hits(&mut self, n: u64) {
-        self.stats.hits += n;
-    }
-
-    pub(super) fn budget(&self) -> Option<u64> {
-        self.budget
-    }
-
-    fn get(&mut self, key: VramKey) -> Option<Arc<DeviceExpert>> {
-        self.clock += 1;
-        let entry = self.entries.get_mut(&key)?;
-        self.by_use.remove(&entry.last_use);
-        entry.last_use = self.clock;
-        self.by_use.insert(self.clock, key);
-        self.stats.hits += 1;
-        Some(entry.expert.clone())
-    }
-
-    /// Keeps `expert` if it fits in the budget, evicting the least recently
-    /// used experts to make room. Returns whether the layer (of
-    /// `layer_experts` experts) now has all of them resident.
-    fn insert(
-        &mut self,
-        key: VramKey,
-        expert: Arc<DeviceExpert>,
-        bytes: u64,
-        budget: u64,
-        layer_experts: usize,
-    ) -> bool {
-        self.budget = Some(budget);
-        self.stats.uploads += 1;
-        self.stats.uploaded_bytes += bytes;
-        if bytes > budget || self.entries.contains_key(&key) {
-            return false;
-        }
-        while self.used + bytes > budget && self.evict_one() {}
-        self.clock += 1;
-        self.by_use.insert(self.clock, key);
-        self.entries.insert(
-            key,
-            Entry {
-                expert,
-                bytes,
-                last_use: self.clock,
-            },
-        );
-        self.used += bytes;
-        let resident = self.resident.entry((key.0, key.1)).or_default();
-        *resident += 1;
-        *resident == layer_experts
-    }
-
-    /// Records that every expert of a layer is resident, with their
-    /// addresses (by expert id) on the device.
-    fn mark_complete(&mut self, store: u64, layer: u32, addresses: CudaSlice<u64>) {
-        let parts = self
-            .entries
-            .get(&(store, layer, 0))
-            .expect("a complete layer has expert 0")
-            .expert
-            .parts;
-        self.complete.insert(
-            (store, layer),
-            CompleteLayer {
-                addresses,
-                parts: PartsLayout(parts),
-            },
-        );
-        self.stats.complete_layers = self.complete.len() as u64;
-    }
-
-    /// The resident experts of a layer, by id (all of them when complete).
-    fn layer_experts(&self, store: u64, layer: u32, count: usize) -> Option<Vec<&DeviceExpert>> {
-        (0..count as u32)
-            .map(|e| {
-                self.entries
-                    .get(&(store, layer, e))
-                    .map(|entry| &*entry.expert)
-            })
-            .collect()
-    }
-
-    /// Drops the least recently used expert; false when none is resident.
-    pub(super) fn evict_one(&mut self) -> bool {
-        let Some((_, key)) = self.by_use.pop_first() else {
-            return false;
-        };
-        let entry = self.entries.remove(&key).expect("indexed entries exist");
-        self.used -= entry.bytes;
-        self.stats.evictions += 1;
-        let layer = (key.0, key.1);
-        *self
-            .resident
-            .get_mut(&layer)
-            .expect("counted when inserted") -= 1;
-        if self.complete.remove(&layer).is_some() {
-            self.stats.complete_layers = self.complete.len() as u64;
-        }
-        true
-    }
-
-    pub(super) fn stats(&self) -> ExpertCacheStats {
-        ExpertCacheStats {
-            resident_bytes: self.used,
-            budget_bytes: self.budget,
-            ..self.stats
         }
     }
 }
@@ -294,7 +111,7 @@ impl CudaBackend {
 
     /// The VRAM expert budget: as configured, or the device memory free
     /// now less a reserve for KV caches and activations.
-    fn expert_budget(&self, cache: &VramCache) -> Result<u64> {
+    pub(super) fn expert_budget(&self, cache: &VramCache) -> Result<u64> {
         if let Some(budget) = cache.budget() {
             return Ok(budget);
         }
@@ -325,28 +142,14 @@ impl CudaBackend {
                 * 3
                 * PART_ALIGN as u64;
         if padded > budget {
+            // Streamed: every expert pinned in host memory first, when
+            // they fit there.
+            self.preload_pinned(store, progress)?;
             return Ok(false);
         }
         progress.start(total);
         for layer in store.moe_layers() {
-            let count = store.expert_count(layer);
-            let missing: Vec<usize> = {
-                let cache = self.experts.lock().unwrap();
-                (0..count)
-                    .filter(|&e| {
-                        !cache
-                            .entries
-                            .contains_key(&(store.id(), layer as u32, e as u32))
-                    })
-                    .collect()
-            };
-            for batch in missing.chunks(EXPERTS_IN_FLIGHT * 4) {
-                for fetch in store.request(layer, batch) {
-                    let expert = store.wait(fetch)?;
-                    self.upload_expert(store, layer, &expert)?;
-                    progress.advance(expert.nbytes() as u64, "uploading experts");
-                }
-            }
+            self.upload_resident_layer(store, layer, EXPERTS_IN_FLIGHT * 4, progress)?;
         }
         progress.finish();
         Ok(true)
@@ -480,29 +283,23 @@ impl CudaBackend {
                     out,
                     accumulate,
                 );
-                return Ok(());
+                drop(cache);
+                return self.decode_layer_done(store, layer, None);
             }
         }
+        // Streamed: the ids to the host, the missing experts uploaded in
+        // one batch on the copy stream, the same kernels over a table of
+        // the selected experts.
         let ids = routing.experts_on_host();
-        let batch: Vec<(u32, Vec<u32>)> = ids.iter().map(|&e| (e, Vec::new())).collect();
-        let mut experts = Vec::with_capacity(top_k);
-        for source in self.start_batch(layer, &batch, store) {
-            experts.push(match source {
-                Source::Resident(expert) => expert,
-                Source::Fetching(fetch) => {
-                    self.upload_expert(store, layer, &*store.wait(fetch)?)?
-                }
-            });
-        }
+        let experts = self.stream_experts(store, layer, ids)?;
         let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
         let table = self.upload("routed experts", &addresses);
         let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>());
         let parts = PartsLayout(experts[0].parts);
         self.launch_decode_experts(x, &table, &ranks, routing, parts, &mut act, out, accumulate);
-        // The experts stay alive until the kernels are queued; an evicted
-        // one is freed in stream order after them.
-        drop(experts);
-        Ok(())
+        // The experts stay alive until the kernels are queued and are
+        // stamped with the event after them (see streaming.rs).
+        self.decode_layer_done(store, layer, Some((ids, &experts)))
     }
 
     /// `act = silu(gate · x) · (up · x)` for each selected expert, then
@@ -621,68 +418,6 @@ impl CudaBackend {
                 None => Source::Fetching(fetches.next().expect("one fetch per missing expert")),
             })
             .collect()
-    }
-
-    /// Copies an expert read by the host store into device memory and
-    /// offers it to the VRAM cache; when that completes its layer, the
-    /// layer's address table goes to the device.
-    fn upload_expert(
-        &self,
-        store: &ExpertStore,
-        layer: usize,
-        host: &Expert,
-    ) -> Result<Arc<DeviceExpert>> {
-        let views = [host.gate(), host.up(), host.down()];
-        let mut offsets = [0usize; 3];
-        let mut total = 0;
-        for (offset, view) in offsets.iter_mut().zip(&views) {
-            *offset = total;
-            total += view.layout.total_bytes.next_multiple_of(PART_ALIGN);
-        }
-        let what = || format!("uploading expert {} of layer {layer}", host.index);
-        let mut data = self
-            .try_alloc::<u8>(total)
-            .map_err(|e| device_error(self.ordinal, what(), e))?;
-        for (&offset, view) in offsets.iter().zip(&views) {
-            let len = view.layout.total_bytes;
-            self.stream
-                .memcpy_htod(
-                    &view.bytes[..len],
-                    &mut data.slice_mut(offset..offset + len),
-                )
-                .map_err(|e| device_error(self.ordinal, what(), e))?;
-        }
-        let expert = Arc::new(DeviceExpert {
-            data,
-            parts: [
-                (offsets[0], views[0].layout),
-                (offsets[1], views[1].layout),
-                (offsets[2], views[2].layout),
-            ],
-        });
-        let mut cache = self.experts.lock().unwrap();
-        let budget = self.expert_budget(&cache)?;
-        let (id, count) = (store.id(), store.expert_count(layer));
-        let completed = cache.insert(
-            (id, layer as u32, host.index as u32),
-            expert.clone(),
-            total as u64,
-            budget,
-            count,
-        );
-        if completed {
-            let addresses: Vec<u64> = cache
-                .layer_experts(id, layer as u32, count)
-                .expect("complete")
-                .iter()
-                .map(|e| e.address(&self.stream))
-                .collect();
-            let table = self.stream.clone_htod(&addresses).map_err(|e| {
-                device_error(self.ordinal, format!("expert table of layer {layer}"), e)
-            })?;
-            cache.mark_complete(id, layer as u32, table);
-        }
-        Ok(expert)
     }
 
     /// `out[token] += weight · down(silu(gate(x)) · up(x))` for the `m`

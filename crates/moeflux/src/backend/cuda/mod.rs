@@ -41,6 +41,7 @@ mod experts;
 mod gemm;
 mod prefill;
 mod state;
+mod streaming;
 
 use std::collections::HashMap;
 use std::fmt::Display;
@@ -52,8 +53,8 @@ use cudarc::driver::{
     LaunchConfig, ValidAsZeroBits,
 };
 
-pub use experts::ExpertCacheStats;
 pub use state::{KvCache, LinearState};
+pub use streaming::ExpertCacheStats;
 
 use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
 use crate::config::LinearAttentionConfig;
@@ -63,7 +64,7 @@ use crate::format::TensorData;
 use crate::quant::{DType, MatrixLayout};
 use crate::util::{Progress, human_bytes};
 use compile::Kernels;
-use experts::VramCache;
+use streaming::VramCache;
 
 /// Threads per block of the grid-stride kernels.
 const THREADS: u32 = 256;
@@ -371,7 +372,7 @@ impl CudaBackend {
 
     /// What the VRAM expert cache has done so far.
     pub fn expert_cache_stats(&self) -> ExpertCacheStats {
-        self.experts.lock().unwrap().stats()
+        self.streaming_stats()
     }
 
     /// A device tensor holding `data` (`[rows, cols]`, row-major).
@@ -1311,5 +1312,17 @@ impl Backend for CudaBackend {
 
     fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
         self.prepare_device_experts(store, progress).map(|_| ())
+    }
+
+    fn prefetch_experts(&self, store: &ExpertStore, layer: usize, experts: &[u32]) {
+        self.note_prefetch(store, layer, experts);
+    }
+
+    fn device_expert_stats(&self) -> Option<ExpertCacheStats> {
+        Some(self.streaming_stats())
+    }
+
+    fn host_to_device_bandwidth(&self) -> Option<f64> {
+        self.pinned_upload_bandwidth().ok()
     }
 }
