@@ -1190,8 +1190,11 @@ fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
                 expert_cache_bytes: Some(1),
             })
             .unwrap();
+            // Half of one layer's experts: the second call finds some
+            // resident and uploads the others.
+            let layers = cfg.moe_layers().count() as u64;
             let half_gpu = cuda_with(CudaOptions {
-                expert_cache_bytes: Some(store.total_expert_bytes() / 2),
+                expert_cache_bytes: Some(store.total_expert_bytes() / layers / 2),
             })
             .unwrap();
             resident_gpu
