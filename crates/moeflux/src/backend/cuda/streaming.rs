@@ -739,6 +739,10 @@ impl CudaBackend {
         let sid = store.id();
         let uploads: Vec<Upload<'_>> = {
             let cache = self.experts.lock().unwrap();
+            let bytes = DeviceLayout::of(store, layer).total as u64;
+            if cache.budget.is_some_and(|budget| bytes > budget) {
+                return Ok(()); // the cache could not keep them
+            }
             let mut seen = HashSet::new();
             experts
                 .iter()
@@ -901,7 +905,9 @@ impl CudaBackend {
             }
         }
         let end = Arc::new(streams.copy.record_event(timing).map_err(what)?);
-        if purpose != Purpose::Prefetch {
+        // A prefetched expert the cache could not keep is freed (on the
+        // compute stream) as soon as this returns: after its copy too.
+        if purpose != Purpose::Prefetch || buffers.iter().any(|(_, cached)| !cached) {
             streams.compute.wait(&end).map_err(what)?;
         }
         let n = sources.len() as u64;
