@@ -9,6 +9,10 @@
 #                             run the CUDA tests, a CUDA-vs-CPU generation and
 #                             `moeflux bench --device cuda` on the bundled and
 #                             a synthetic model, logging to $OUT
+#   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
+#                             on the GPU machine: bench synthetic models of
+#                             these presets, resident and with a quarter of
+#                             the experts' bytes as the VRAM budget
 #
 # The device tool copies the working tree (fixtures included) plus the
 # carried folder, 64 MiB in all, so the binaries are stripped of debug info.
@@ -89,7 +93,8 @@ run() {
     step bench-bundled 120 "$moeflux" bench --device cuda
     step synth 180 "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force
     step bench-resident 150 "$moeflux" bench -m "$synthetic" --device cuda -n 128 --warmup 16
-    step bench-chunk512 150 "$moeflux" bench -m "$synthetic" --device cuda -n 32 --prefill-chunk 512 --no-ceilings
+    step bench-no-graphs 100 env MOEFLUX_CUDA_GRAPHS=0 "$moeflux" bench -m "$synthetic" --device cuda -n 64 --prefill 0 --no-ceilings
+    step bench-chunk64 150 "$moeflux" bench -m "$synthetic" --device cuda -n 32 --prefill-chunk 64 --no-ceilings
     # A VRAM expert budget of a quarter of the expert bytes.
     local quarter_mb
     quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$synthetic")
@@ -97,20 +102,46 @@ run() {
         --gpu-expert-cache-mb "$quarter_mb"
 
     echo "--- tests"
-    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|VRAM uploads|state continued|resident decode|tensor' \
+    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|VRAM uploads|state continued|resident decode|worst|decode:|pinned' \
         "$OUT/cuda-tests.log" | head -n 80 || true
     grep -A 3 'panicked' "$OUT/cuda-tests.log" | head -n 60 || true
-    for log in generate-cuda generate-cpu bench-bundled bench-resident bench-chunk512 bench-quarter; do
+    for log in generate-cuda generate-cpu bench-bundled bench-resident bench-no-graphs bench-chunk64 bench-quarter; do
         echo "--- $log"
         tail -n 30 "$OUT/$log.log" 2>/dev/null || true
     done
 }
 
+# The other preset shapes of the CUDA acceptance list, resident and with a
+# VRAM expert budget of a quarter of the expert bytes: one synthetic model at
+# a time (they do not all fit the GPU machine's disk), then removed.
+presets() {
+    : "${OUT:?run this on the GPU machine through the device tool, which sets OUT}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    local moeflux="$SUITE/moeflux" dir=/tmp/moeflux-preset quarter_mb preset
+    for preset in "$@"; do
+        rm -rf "$dir"
+        "$moeflux" synth --preset "$preset" -o "$dir" --force >"$OUT/synth-$preset.log" 2>&1
+        quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$dir")
+        "$moeflux" bench -m "$dir" --device cuda -n 64 --warmup 16 >"$OUT/bench-$preset-resident.log" 2>&1
+        "$moeflux" bench -m "$dir" --device cuda -n 32 --warmup 16 --gpu-expert-cache-mb "$quarter_mb" \
+            >"$OUT/bench-$preset-quarter.log" 2>&1
+        for log in "$OUT/bench-$preset-resident.log" "$OUT/bench-$preset-quarter.log"; do
+            echo "--- $(basename "$log")"
+            grep -E '^model|^prefill|^decode|^achieved|^memory|^VRAM|^PCIe|^pinned|rror' "$log"
+        done
+    done
+    rm -rf "$dir"
+}
+
 case "${1:-build}" in
 build) build ;;
 run) run ;;
+presets)
+    shift
+    presets "$@"
+    ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|presets PRESET...]" >&2
     exit 2
     ;;
 esac

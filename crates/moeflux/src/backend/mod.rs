@@ -224,11 +224,50 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// Names the recording of a decode step over a sequence's state (its
+    /// KV caches and Gated DeltaNet states), first making room for one
+    /// more position; steps over the same state buffers get the same key.
+    /// `None`: this backend does not record steps.
+    fn step_key(
+        &self,
+        _kv: &mut [&mut Self::KvCache],
+        _linear: &[&Self::LinearState],
+    ) -> Option<u64> {
+        None
+    }
+
+    /// Replays the step recorded under `key` for `token` at `position`
+    /// (advancing the KV caches as the step would); `None` when nothing is
+    /// recorded under `key`.
+    fn replay_step(&self, _key: u64, _token: u32, _position: usize) -> Option<Self::Tensor> {
+        None
+    }
+
+    /// Runs `step`, the decode step of `token` at `position` that returns
+    /// `logits_len` logits, and may record it under `key` for
+    /// [`Backend::replay_step`].
+    fn record_step(
+        &self,
+        _key: u64,
+        _token: u32,
+        _position: usize,
+        _logits_len: usize,
+        step: &mut dyn FnMut() -> Result<Self::Tensor>,
+    ) -> Result<Self::Tensor> {
+        step()
+    }
+
     /// Whether this backend holds every expert of `layer` itself, so the
     /// store's prediction and prefetch have nothing to do for it (and
     /// asking for the routing would only cost a round trip).
     fn experts_resident(&self, _store: &ExpertStore, _layer: usize) -> bool {
         false
+    }
+
+    /// Prompt tokens processed together when the model's options leave it
+    /// to the backend ([`crate::ModelOptions::prefill_chunk`] `None`).
+    fn default_prefill_chunk(&self) -> usize {
+        crate::model::DEFAULT_PREFILL_CHUNK
     }
 
     /// During decode, the experts of `layer` (the next MoE layer) that its
@@ -247,12 +286,6 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// device).
     fn host_to_device_bandwidth(&self) -> Option<f64> {
         None
-    }
-
-    /// Prompt tokens processed together when the model's options leave it
-    /// to the backend ([`crate::ModelOptions::prefill_chunk`] `None`).
-    fn default_prefill_chunk(&self) -> usize {
-        crate::model::DEFAULT_PREFILL_CHUNK
     }
 
     /// Work before the first token: a GPU uploads every expert when they

@@ -46,6 +46,7 @@ pub struct Decoder<B: Backend> {
     /// For each layer, the next MoE layer after it.
     next_moe: Vec<Option<usize>>,
     prefetch: Prefetch,
+    vocab_size: usize,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -88,6 +89,7 @@ impl<B: Backend> Decoder<B> {
             layers,
             norm: attention::norm(cfg),
             prefetch,
+            vocab_size: v,
         })
     }
 
@@ -126,7 +128,60 @@ impl<B: Backend> Decoder<B> {
     /// Runs `tokens` (following whatever `state` already holds) through the
     /// stack and returns the logits of the last `logit_rows` of them, or
     /// `None` when none are wanted (a prefill chunk before the last).
+    ///
+    /// A decode step whose experts the backend holds entirely may be
+    /// recorded by the backend and replayed on later steps (see
+    /// [`Backend::step_key`]).
     pub fn forward(
+        &self,
+        b: &B,
+        tokens: &[u32],
+        state: &mut [LayerState<B>],
+        store: &ExpertStore,
+        logit_rows: usize,
+    ) -> Result<Option<B::Tensor>> {
+        if let ([token], 1) = (tokens, logit_rows)
+            && self.experts_all_resident(b, store)
+        {
+            let mut position = 0;
+            let key = {
+                let mut kv = Vec::new();
+                let mut linear = Vec::new();
+                for layer in state.iter_mut() {
+                    match layer {
+                        LayerState::Attention(cache) => {
+                            position = b.kv_len(cache);
+                            kv.push(cache);
+                        }
+                        LayerState::Linear(s) => linear.push(&*s),
+                    }
+                }
+                b.step_key(&mut kv, &linear)
+            };
+            if let Some(key) = key {
+                if let Some(logits) = b.replay_step(key, *token, position) {
+                    return Ok(Some(logits));
+                }
+                let vocab = self.vocab_size;
+                let logits = b.record_step(key, *token, position, vocab, &mut || {
+                    self.run(b, tokens, state, store, 1)
+                        .map(|logits| logits.expect("one row of logits asked for"))
+                })?;
+                return Ok(Some(logits));
+            }
+        }
+        self.run(b, tokens, state, store, logit_rows)
+    }
+
+    /// Whether the backend holds every expert of every MoE layer.
+    fn experts_all_resident(&self, b: &B, store: &ExpertStore) -> bool {
+        self.layers.iter().enumerate().all(|(i, layer)| {
+            matches!(layer.ffn, FeedForward::Dense(_)) || b.experts_resident(store, i)
+        })
+    }
+
+    /// [`Decoder::forward`], computed op by op.
+    fn run(
         &self,
         b: &B,
         tokens: &[u32],

@@ -41,6 +41,13 @@ const RESERVE_BYTES: u64 = 4 << 30;
 /// flight beyond the caches.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
+/// Warps per block of the one-token gate/up kernel (`MOE_WARPS` in moe.cu).
+const MOE_WARPS: usize = 4;
+/// Warps per block of the one-token down kernel (`DOWN_WARPS`).
+const DOWN_WARPS: usize = 8;
+/// Most experts per token the one-token kernels take (`MAX_TOP_K`).
+const MAX_TOP_K: usize = 32;
+
 /// An expert's gate, up and down matrices in one device buffer.
 pub(super) struct DeviceExpert {
     pub(super) data: CudaSlice<u8>,
@@ -340,8 +347,10 @@ impl CudaBackend {
             "routed experts: sizes {hidden} and {inter} must be multiples of {vec} for {}",
             gate.dtype.name()
         );
-        let warps = super::VECTOR_WARPS;
-        let threads = (warps * 32) as u32;
+        assert!(
+            top_k <= MAX_TOP_K,
+            "routed experts: top-{top_k} exceeds the {MAX_TOP_K} the kernels take"
+        );
         let (inter_i, hidden_i, top_k_i) = (
             int(inter, "expert intermediate size"),
             int(hidden, "hidden size"),
@@ -354,8 +363,8 @@ impl CudaBackend {
             "routed experts gate/up",
             gate_up,
             LaunchConfig {
-                grid_dim: (inter.div_ceil(warps) as u32, top_k as u32, 1),
-                block_dim: (threads, 1, 1),
+                grid_dim: (inter as u32, top_k as u32, 1),
+                block_dim: ((MOE_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
             table,
@@ -372,8 +381,8 @@ impl CudaBackend {
             "routed experts down",
             down_kernel,
             LaunchConfig {
-                grid_dim: (hidden.div_ceil(warps) as u32, 1, 1),
-                block_dim: (threads, 1, 1),
+                grid_dim: (hidden as u32, 1, 1),
+                block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
             table,

@@ -28,18 +28,24 @@ macro_rules! launch {
     ($backend:expr, $op:expr, $kernel:expr, $config:expr, $($arg:expr),+ $(,)?) => {{
         let mut builder = $backend.stream.launch_builder($kernel);
         $(cudarc::driver::PushKernelArg::arg(&mut builder, $arg);)+
+        let start = $backend.profiler.as_ref().map(|p| p.mark(&$backend.stream));
         // SAFETY: the arguments follow the kernel's parameter list in
         // kernels/, and the callers size every buffer for what the kernel
         // reads and writes.
         let launched = unsafe { builder.launch($config) };
         $crate::backend::cuda::ok($op, launched);
+        if let (Some(profiler), Some(start)) = ($backend.profiler.as_ref(), start) {
+            profiler.record($op, start, &$backend.stream);
+        }
     }};
 }
 
 mod compile;
 mod experts;
 mod gemm;
+mod graph;
 mod prefill;
+mod profile;
 mod state;
 mod streaming;
 
@@ -72,10 +78,11 @@ const THREADS: u32 = 256;
 const MAX_BLOCKS: usize = 65_535;
 /// Warps per block of the linear kernels (`LINEAR_WARPS` in linear.cu).
 const LINEAR_WARPS: usize = 4;
-/// Warps per block of the one-token kernels (`VEC_WARPS` in linear.cu).
+/// Warps per block of the one-token linear kernel (`VEC_WARPS` in
+/// linear.cu).
 const VECTOR_WARPS: usize = 8;
-/// Rows per warp of the one-token linear kernel (`VEC_ROWS`).
-const VECTOR_ROWS: usize = 2;
+/// Rows per block of the one-token linear kernel (`VEC_ROWS`).
+const VECTOR_ROWS: usize = 4;
 /// Matrices one launch of the one-token linear kernel covers (`MAX_JOBS`).
 const MAX_MATVEC_JOBS: usize = 4;
 
@@ -102,6 +109,10 @@ struct MatvecJobs {
 // SAFETY: plain data laid out as the kernels' structs (C layout, device
 // addresses as 64-bit integers).
 unsafe impl DeviceRepr for MatvecJobs {}
+/// Most experts the one-warp router takes (`ROUTE_PER_LANE` · 32 in moe.cu).
+const ROUTE_PER_LANE: usize = 16;
+/// Tokens (warps) per block of the one-warp router.
+const ROUTE_WARPS: usize = 4;
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
 const ATTENTION_THREADS: u32 = 128;
 /// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
@@ -157,6 +168,13 @@ pub struct CudaBackend {
     /// Rotary frequencies by (rotary_dim, theta bits).
     rope_frequencies: Mutex<HashMap<(usize, u64), RopeFrequencies>>,
     experts: Mutex<VramCache>,
+    /// Device time per operation, when `MOEFLUX_CUDA_PROFILE` is set.
+    profiler: Option<profile::Profiler>,
+    /// Whether decode steps are recorded and replayed (graph.rs).
+    graphs_enabled: bool,
+    /// The step being recorded, if one is.
+    capture: Mutex<Option<graph::Capture>>,
+    recordings: Mutex<graph::Recordings>,
 }
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
@@ -282,15 +300,15 @@ fn keep_freed_memory(ctx: &CudaContext) -> std::result::Result<(), DriverError> 
     }
 }
 
-/// Columns one 16-byte load covers in the one-token kernels
-/// (`VEC_COLS` in linear.cu): rows whose width is a multiple of it take
+/// Columns one 32-bit word of a row holds in the one-token kernels
+/// (`WORD_COLS` in linear.cu): rows whose width is a multiple of it take
 /// them.
 fn vector_cols(dtype: DType) -> usize {
     match dtype {
-        DType::Q4 => 32,
-        DType::Q8 => 16,
-        DType::Bf16 => 8,
-        DType::F32 => 4,
+        DType::Q4 => 8,
+        DType::Q8 => 4,
+        DType::Bf16 => 2,
+        DType::F32 => 1,
     }
 }
 
@@ -367,6 +385,10 @@ impl CudaBackend {
             kernels,
             rope_frequencies: Mutex::new(HashMap::new()),
             experts: Mutex::new(VramCache::new(options.expert_cache_bytes)),
+            profiler: profile::Profiler::from_env(),
+            capture: Mutex::new(None),
+            recordings: Mutex::new(graph::Recordings::default()),
+            graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
         })
     }
 
@@ -540,7 +562,7 @@ impl CudaBackend {
             DType::Q8 => ("linear q8", &self.kernels.linear_vector_q8),
             DType::Q4 => ("linear q4", &self.kernels.linear_vector_q4),
         };
-        let rows_per_block = VECTOR_WARPS * VECTOR_ROWS;
+        let rows_per_block = VECTOR_ROWS;
         let mut packed = MatvecJobs {
             job: [MatvecJob::default(); MAX_MATVEC_JOBS],
             count: jobs.len() as i32,
@@ -633,7 +655,14 @@ impl CudaBackend {
             weight.name
         );
         let groups = total / group;
-        let threads = if group <= 128 { 128 } else { 256 };
+        // Few long groups (a decode step's rows) take wide blocks: each
+        // thread's loads are serial, so fewer per thread is faster.
+        let threads = match group {
+            0..=128 => 128,
+            129..=512 => 256,
+            _ if groups < 64 => 1024,
+            _ => 256,
+        };
         let config = block_per_item(groups, threads, 0);
         let mut out = self.tensor(op, x.rows, x.cols);
         let (groups, group) = (long(groups), int(group, "norm group"));
@@ -669,6 +698,14 @@ impl CudaBackend {
             }
         }
         out
+    }
+}
+
+impl Drop for CudaBackend {
+    fn drop(&mut self) {
+        if let Some(profiler) = &self.profiler {
+            eprintln!("{}", profiler.report());
+        }
     }
 }
 
@@ -800,8 +837,20 @@ impl Backend for CudaBackend {
                 table.name, l.rows
             );
         }
-        let ids = self.upload("embed", tokens);
         let mut out = self.tensor("embed", tokens.len(), l.cols);
+        // A step being recorded reads its token from the device.
+        let recorded = match tokens.len() {
+            1 => self.recorded_token(),
+            _ => None,
+        };
+        let (_uploaded, ids) = match recorded {
+            Some(word) => (None, word),
+            None => {
+                let ids = self.upload("embed", tokens);
+                let address = ids.device_ptr(&self.stream).0;
+                (Some(ids), address)
+            }
+        };
         let (codes, scales, biases) = table.matrix().sections();
         let dtype: i32 = match l.dtype {
             DType::F32 => 0,
@@ -988,6 +1037,7 @@ impl Backend for CudaBackend {
         );
         let start = cache.len();
         self.kv_append(cache, &k.data, &v.data, n);
+        let position = self.recorded_position(None);
         let mut out = self.tensor("attention", n, heads * head_dim);
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
@@ -1011,6 +1061,7 @@ impl Backend for CudaBackend {
             &kv_heads_i,
             &head_dim_i,
             &start_l,
+            &position,
             &scale
         );
         out
@@ -1148,6 +1199,32 @@ impl Backend for CudaBackend {
             int(top_k, "top-k"),
             i32::from(normalize),
         );
+        if experts <= 32 * ROUTE_PER_LANE {
+            launch!(
+                self,
+                "route",
+                &self.kernels.route_warp,
+                LaunchConfig {
+                    grid_dim: (n.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+                    block_dim: ((ROUTE_WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+                &logits.data,
+                &mut ids,
+                &mut weights,
+                &n_i,
+                &experts_i,
+                &top_k_i,
+                &normalize_i
+            );
+            return Routing {
+                top_k,
+                rows: n,
+                experts: ids,
+                weights,
+                host_experts: OnceLock::new(),
+            };
+        }
         launch!(
             self,
             "route",
@@ -1252,6 +1329,7 @@ impl Backend for CudaBackend {
             rope.rotary_dim
         );
         let op = "qk_norm_rope";
+        let position = self.recorded_position(None);
         let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
         let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
         let offset = if norm.unit_offset { 1.0f32 } else { 0.0 };
@@ -1284,7 +1362,8 @@ impl Backend for CudaBackend {
             &half,
             &norm.eps,
             &offset,
-            &start
+            &start,
+            &position
         );
         (q, k)
     }
@@ -1298,6 +1377,25 @@ impl Backend for CudaBackend {
         layer: usize,
     ) -> Result<()> {
         self.add_routed_experts(out, x, routing, store, layer)
+    }
+
+    fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&LinearState]) -> Option<u64> {
+        self.state_key(kv, linear)
+    }
+
+    fn replay_step(&self, key: u64, token: u32, position: usize) -> Option<Tensor> {
+        self.replay(key, token, position)
+    }
+
+    fn record_step(
+        &self,
+        key: u64,
+        token: u32,
+        position: usize,
+        logits_len: usize,
+        step: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        self.record(key, token, position, logits_len, step)
     }
 
     fn experts_resident(&self, store: &ExpertStore, layer: usize) -> bool {

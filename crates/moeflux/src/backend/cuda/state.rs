@@ -2,9 +2,12 @@
 //! DeltaNet states, created, grown, copied, truncated, saved and restored
 //! without leaving device memory except when saved.
 
-use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
-use super::{CudaBackend, ok};
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::{CudaBackend, grid_stride, int, long, ok};
 use crate::backend::{AttentionShape, HostKv, HostLinearState};
 use crate::config::LinearAttentionConfig;
 
@@ -19,9 +22,12 @@ const MIN_KV_POSITIONS: usize = 256;
 /// buffers, so appending one token at a time costs amortised O(1) copies.
 /// Truncation keeps the capacity: a session that rewinds and grows again
 /// reuses it.
+///
+/// The length is shared with recorded decode steps (graph.rs), which
+/// advance it when they are replayed without this code running.
 pub struct KvCache {
     shape: AttentionShape,
-    len: usize,
+    len: Arc<AtomicUsize>,
     capacity: usize,
     keys: CudaSlice<f32>,
     values: CudaSlice<f32>,
@@ -33,11 +39,32 @@ impl KvCache {
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.len.load(Ordering::Relaxed)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
+    }
+
+    fn set_len(&self, len: usize) {
+        self.len.store(len, Ordering::Relaxed);
+    }
+
+    /// What a recorded step bakes in: the buffers' addresses and capacity,
+    /// and the length counter it advances (which a recording keeps alive,
+    /// so no other cache can have the same one).
+    pub(super) fn identity(&self, backend: &CudaBackend) -> [u64; 4] {
+        [
+            self.keys.device_ptr(&backend.stream).0,
+            self.values.device_ptr(&backend.stream).0,
+            self.capacity as u64,
+            Arc::as_ptr(&self.len) as u64,
+        ]
+    }
+
+    /// The length counter, for a recording to advance on replay.
+    pub(super) fn len_counter(&self) -> &Arc<AtomicUsize> {
+        &self.len
     }
 
     pub(super) fn keys(&self) -> &CudaSlice<f32> {
@@ -69,7 +96,7 @@ impl CudaBackend {
     pub(super) fn kv_new(&self, shape: AttentionShape) -> KvCache {
         KvCache {
             shape,
-            len: 0,
+            len: Arc::new(AtomicUsize::new(0)),
             capacity: 0,
             keys: self.alloc("new KV cache", 0),
             values: self.alloc("new KV cache", 0),
@@ -77,13 +104,13 @@ impl CudaBackend {
     }
 
     /// Makes room for `positions` in total (see [`KvCache`] on growth).
-    fn kv_reserve(&self, cache: &mut KvCache, positions: usize) {
+    pub(super) fn kv_reserve(&self, cache: &mut KvCache, positions: usize) {
         if positions <= cache.capacity {
             return;
         }
         let capacity = positions.max(2 * cache.capacity).max(MIN_KV_POSITIONS);
         let width = cache.width();
-        let valid = cache.len * width;
+        let valid = cache.len() * width;
         let grow = |old: &CudaSlice<f32>| {
             let mut new = self.alloc::<f32>("growing a KV cache", capacity * width);
             if valid > 0 {
@@ -102,7 +129,9 @@ impl CudaBackend {
         cache.capacity = capacity;
     }
 
-    /// Appends `n` rows of keys and values (`[n, width]` each).
+    /// Appends `n` rows of keys and values (`[n, width]` each). While a
+    /// decode step is being recorded the rows go where the step's position
+    /// (on the device) says, so that replays append too.
     pub(super) fn kv_append(
         &self,
         cache: &mut KvCache,
@@ -110,32 +139,34 @@ impl CudaBackend {
         values: &CudaSlice<f32>,
         n: usize,
     ) {
-        self.kv_reserve(cache, cache.len + n);
+        let len = cache.len();
+        self.kv_reserve(cache, len + n);
         let width = cache.width();
-        let (from, to) = (cache.len * width, (cache.len + n) * width);
-        ok(
-            "appending to a KV cache",
-            self.stream.memcpy_dtod(
-                &keys.slice(..n * width),
-                &mut cache.keys.slice_mut(from..to),
-            ),
+        let position = self.recorded_position(Some(cache.len_counter()));
+        let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(len));
+        launch!(
+            self,
+            "kv_store",
+            &self.kernels.kv_store,
+            grid_stride(n * width),
+            &mut cache.keys,
+            &mut cache.values,
+            keys,
+            values,
+            &width_l,
+            &n_i,
+            &start,
+            &position
         );
-        ok(
-            "appending to a KV cache",
-            self.stream.memcpy_dtod(
-                &values.slice(..n * width),
-                &mut cache.values.slice_mut(from..to),
-            ),
-        );
-        cache.len += n;
+        cache.set_len(len + n);
     }
 
     pub(super) fn kv_truncate_to(&self, cache: &mut KvCache, len: usize) {
-        cache.len = cache.len.min(len);
+        cache.set_len(cache.len().min(len));
     }
 
     pub(super) fn kv_to_host(&self, cache: &KvCache) -> HostKv {
-        let valid = cache.len * cache.width();
+        let valid = cache.len() * cache.width();
         HostKv {
             keys: self.download("saving a KV cache", &cache.keys, valid),
             values: self.download("saving a KV cache", &cache.values, valid),
@@ -166,7 +197,7 @@ impl CudaBackend {
                     .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
             );
         }
-        cache.len = len;
+        cache.set_len(len);
         cache
     }
 

@@ -10,9 +10,13 @@
 // Head dimensions up to ATTN_MAX_PER_LANE · 32 (checked on the host).
 #define ATTN_MAX_PER_LANE 16
 
+// `start` is the position of the first query, read from `position` on the
+// device instead when that is given (a recorded decode step).
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
     attention(const float* q, const float* keys, const float* values, float* out, int n,
-              int heads, int kv_heads, int head_dim, i64 start, float scale) {
+              int heads, int kv_heads, int head_dim, i64 start, const u32* position,
+              float scale) {
+    if (position) start = *position;
     __shared__ float warp_max_score[ATTN_WARPS];
     __shared__ float warp_total[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][ATTN_MAX_PER_LANE * WARP_SIZE];
@@ -88,5 +92,17 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
             o[d] = sum / denominator;
         }
         __syncthreads();  // the next item reuses the shared arrays
+    }
+}
+
+// keys[start + t] = k[t], values[start + t] = v[t] for the n new rows of
+// `width`; `start` from `position` on the device when given.
+extern "C" __global__ void kv_store(float* keys, float* values, const float* k, const float* v,
+                                    i64 width, int n, i64 start, const u32* position) {
+    if (position) start = *position;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)n * width;
+         i += (i64)gridDim.x * blockDim.x) {
+        keys[start * width + i] = k[i];
+        values[start * width + i] = v[i];
     }
 }

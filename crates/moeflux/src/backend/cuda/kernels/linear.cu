@@ -105,17 +105,23 @@ LINEAR_KERNEL(linear_q8_t8, DT_Q8, 8)
 LINEAR_KERNEL(linear_q4_t1, DT_Q4, 1)
 LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
 
-// ---- One token: rows read 16 bytes per lane at a time -------------------
+// ---- One token: rows read a 32-bit word per lane at a time -------------
 //
 // Decode is a matrix-vector product bound by how fast weights stream from
-// memory, so each lane loads 16 bytes of a row per step (bypassing L1,
-// which keeps x), dequantizes them in registers and accumulates in f32.
-// A warp takes R rows that share x, reading each x value once for all of
-// them. Lanes walk the row in a fixed order and the warp's sum is a fixed
-// butterfly: the result depends only on the row and x.
+// memory. A warp reads 128 consecutive bytes of a row per step (one word
+// per lane, bypassing L1, which keeps x), several steps in flight, and
+// dequantizes in registers with f32 accumulation. Narrow per-lane words
+// keep each lane's slice of x short, so x is read from L1 in few
+// transactions (a 16-byte word per lane would make the lanes' x slices
+// 128 bytes apart: one transaction per lane). A warp takes R rows that
+// share x, reading each x value once for all of them. Lanes walk the row
+// in a fixed order and the warp's sum is a fixed butterfly: the result
+// depends only on the row and x.
 
-// Columns covered by one 16-byte load of a row.
-#define VEC_COLS(DT) ((DT) == DT_Q4 ? 32 : (DT) == DT_Q8 ? 16 : (DT) == DT_BF16 ? 8 : 4)
+// Columns one 32-bit word of a row holds.
+#define WORD_COLS(DT) ((DT) == DT_Q4 ? 8 : (DT) == DT_Q8 ? 4 : (DT) == DT_BF16 ? 2 : 1)
+// Words per lane in flight per row.
+#define WORD_UNROLL 4
 
 // Bytes of a stored row of `cols` values.
 __device__ __forceinline__ i64 row_bytes(int dt, int cols) {
@@ -123,12 +129,10 @@ __device__ __forceinline__ i64 row_bytes(int dt, int cols) {
                                                                         : 4 * (i64)cols;
 }
 
-// 16 bytes of a weight row: read once, so not kept in L1.
-__device__ __forceinline__ uint4 load_streaming(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
+// A word of a weight row: read once, so not kept in L1.
+__device__ __forceinline__ u32 load_streaming(const void* p) {
+    u32 v;
+    asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
     return v;
 }
 
@@ -152,87 +156,94 @@ __device__ __forceinline__ WeightRow weight_row(int dt, const u8* codes, const u
     return row;
 }
 
-// acc[i] += Σ this lane's share of rows[i] · xs[i], for R rows of `cols`
-// columns (a multiple of VEC_COLS(DT)); each x is 16-byte aligned. With
-// SHARED_X every row takes xs[0], loaded once for all of them.
+// acc += word w of `row` · x (x at the row's first column).
+template <int DT>
+__device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word, const float* x,
+                                         float& acc) {
+    const int c0 = word * WORD_COLS(DT);
+    if (DT == DT_F32) {
+        acc = fmaf(__uint_as_float(w), x[c0], acc);
+    } else if (DT == DT_BF16) {
+        float2 a = *(const float2*)(x + c0);
+        acc = fmaf(__uint_as_float(w << 16), a.x, acc);
+        acc = fmaf(__uint_as_float(w & 0xffff0000u), a.y, acc);
+    } else {
+        int group = c0 / GROUP_SIZE;
+        float s = bf16_to_float(row.scales[group]);
+        float b = bf16_to_float(row.biases[group]);
+        if (DT == DT_Q8) {
+            // Columns c0..c0+3, lowest byte first.
+            float4 a = *(const float4*)(x + c0);
+            acc = fmaf(fmaf(byte_value(w, 0), s, b), a.x, acc);
+            acc = fmaf(fmaf(byte_value(w, 1), s, b), a.y, acc);
+            acc = fmaf(fmaf(byte_value(w, 2), s, b), a.z, acc);
+            acc = fmaf(fmaf(byte_value(w, 3), s, b), a.w, acc);
+        } else {
+            // Columns c0..c0+7, two per byte, low nibble first: the low
+            // nibbles are the even columns.
+            float4 a = *(const float4*)(x + c0);
+            float4 c = *(const float4*)(x + c0 + 4);
+            u32 even = w & 0x0f0f0f0fu;
+            u32 odd = (w >> 4) & 0x0f0f0f0fu;
+            acc = fmaf(fmaf(byte_value(even, 0), s, b), a.x, acc);
+            acc = fmaf(fmaf(byte_value(odd, 0), s, b), a.y, acc);
+            acc = fmaf(fmaf(byte_value(even, 1), s, b), a.z, acc);
+            acc = fmaf(fmaf(byte_value(odd, 1), s, b), a.w, acc);
+            acc = fmaf(fmaf(byte_value(even, 2), s, b), c.x, acc);
+            acc = fmaf(fmaf(byte_value(odd, 2), s, b), c.y, acc);
+            acc = fmaf(fmaf(byte_value(even, 3), s, b), c.z, acc);
+            acc = fmaf(fmaf(byte_value(odd, 3), s, b), c.w, acc);
+        }
+    }
+}
+
+// acc[i] += Σ this lane's share of rows[i] · xs[i] over the words
+// [begin, end) of R rows (a word holds WORD_COLS(DT) columns; each x is
+// aligned to a word's columns: 16 bytes for q4 and q8). WORD_UNROLL words
+// per row are loaded before any is used, so short ranges are in flight at
+// once too. With SHARED_X every row takes xs[0].
 template <int DT, int R, bool SHARED_X>
 __device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* const* xs,
-                                         int cols, int lane, float* acc) {
-    const int vec = VEC_COLS(DT);
-    int chunks = cols / vec;
-    for (int ch = lane; ch < chunks; ch += WARP_SIZE) {
-        uint4 packed[R];
+                                         int begin, int end, int lane, float* acc) {
+    for (int base = begin + lane; base < end; base += WORD_UNROLL * WARP_SIZE) {
+        u32 packed[WORD_UNROLL][R];
 #pragma unroll
-        for (int i = 0; i < R; ++i) packed[i] = load_streaming(rows[i].codes + (i64)ch * 16);
-        int c0 = ch * vec;
-        if (DT == DT_F32) {
+        for (int u = 0; u < WORD_UNROLL; ++u) {
+            int w = base + u * WARP_SIZE;
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-                float4 a = *(const float4*)(xs[SHARED_X ? 0 : i] + c0);
-                acc[i] = fmaf(__uint_as_float(packed[i].x), a.x, acc[i]);
-                acc[i] = fmaf(__uint_as_float(packed[i].y), a.y, acc[i]);
-                acc[i] = fmaf(__uint_as_float(packed[i].z), a.z, acc[i]);
-                acc[i] = fmaf(__uint_as_float(packed[i].w), a.w, acc[i]);
+                packed[u][i] = w < end ? load_streaming(rows[i].codes + 4 * (i64)w) : 0u;
             }
-        } else if (DT == DT_BF16) {
+        }
 #pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const float4* xv = (const float4*)(xs[SHARED_X ? 0 : i] + c0);
-                float4 a = xv[0], b = xv[1];
-                u32 w[4] = {packed[i].x, packed[i].y, packed[i].z, packed[i].w};
-                float xs[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        for (int u = 0; u < WORD_UNROLL; ++u) {
+            int w = base + u * WARP_SIZE;
+            if (w < end) {
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    acc[i] = fmaf(__uint_as_float(w[j] << 16), xs[2 * j], acc[i]);
-                    acc[i] = fmaf(__uint_as_float(w[j] & 0xffff0000u), xs[2 * j + 1], acc[i]);
-                }
-            }
-        } else {
-            int group = c0 / GROUP_SIZE;
-#pragma unroll
-            for (int i = 0; i < R; ++i) {
-                const float4* xv = (const float4*)(xs[SHARED_X ? 0 : i] + c0);
-                float s = bf16_to_float(rows[i].scales[group]);
-                float b = bf16_to_float(rows[i].biases[group]);
-                u32 w[4] = {packed[i].x, packed[i].y, packed[i].z, packed[i].w};
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (DT == DT_Q8) {
-                        // Word j holds columns 4j..4j+3, lowest byte first.
-                        float4 a = xv[j];
-                        acc[i] = fmaf(fmaf(byte_value(w[j], 0), s, b), a.x, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(w[j], 1), s, b), a.y, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(w[j], 2), s, b), a.z, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(w[j], 3), s, b), a.w, acc[i]);
-                    } else {
-                        // Word j holds columns 8j..8j+7, two per byte, low
-                        // nibble first: the low nibbles are the even columns.
-                        float4 a = xv[2 * j], c = xv[2 * j + 1];
-                        u32 even = w[j] & 0x0f0f0f0fu;
-                        u32 odd = (w[j] >> 4) & 0x0f0f0f0fu;
-                        acc[i] = fmaf(fmaf(byte_value(even, 0), s, b), a.x, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(odd, 0), s, b), a.y, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(even, 1), s, b), a.z, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(odd, 1), s, b), a.w, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(even, 2), s, b), c.x, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(odd, 2), s, b), c.y, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(even, 3), s, b), c.z, acc[i]);
-                        acc[i] = fmaf(fmaf(byte_value(odd, 3), s, b), c.w, acc[i]);
-                    }
+                for (int i = 0; i < R; ++i) {
+                    dot_word<DT>(rows[i], packed[u][i], w, xs[SHARED_X ? 0 : i], acc[i]);
                 }
             }
         }
     }
 }
 
-// Rows per warp and warps per block of the one-token kernels.
-#define VEC_ROWS 2
+// The words of a row that warp `warp` of `warps` takes: consecutive equal
+// shares (each word stands alone, so any split is valid).
+__device__ __forceinline__ int2 warp_words(int words, int warp, int warps) {
+    return make_int2((int)((i64)words * warp / warps), (int)((i64)words * (warp + 1) / warps));
+}
+
+// Rows per block and warps per block of the one-token kernels: the warps
+// of a block split the columns of its rows (many loads in flight even for
+// a matrix of few rows), and their sums are added in warp order.
+#define VEC_ROWS 4
 #define VEC_WARPS 8
 // Matrices one launch of linear_vector may cover.
 #define MAX_JOBS 4
 
 // One matrix of a linear_vector launch: its blocks are
-// first_block .. first_block + ceil(rows / (VEC_ROWS · VEC_WARPS)).
+// first_block .. first_block + ceil(rows / VEC_ROWS).
 struct MatvecJob {
     const u8* codes;
     const u16* scales;
@@ -249,18 +260,18 @@ struct MatvecJobs {
 
 // out_j[r] (+)= Σ_c w_j[r, c] · x[c] for one token and up to MAX_JOBS
 // matrices of the same type sharing x (one launch for q, k and v, say);
-// cols is a multiple of VEC_COLS(DT). With `accumulate` the result is
+// cols is a multiple of WORD_COLS(DT). With `accumulate` the result is
 // added to out (a residual connection) instead of stored.
 template <int DT>
 __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const float* x,
                                               int cols, int accumulate) {
+    __shared__ float partial[VEC_WARPS][VEC_ROWS];
     int j = 0;
     while (j + 1 < jobs.count && (int)blockIdx.x >= jobs.job[j + 1].first_block) ++j;
     const MatvecJob& job = jobs.job[j];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
-    i64 first = ((i64)(blockIdx.x - job.first_block) * VEC_WARPS + warp) * VEC_ROWS;
-    if (first >= job.rows) return;
+    i64 first = (i64)(blockIdx.x - job.first_block) * VEC_ROWS;
     WeightRow w[VEC_ROWS];
     float acc[VEC_ROWS];
 #pragma unroll
@@ -270,13 +281,19 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
         w[i] = weight_row(DT, job.codes, job.scales, job.biases, r, cols);
         acc[i] = 0.0f;
     }
-    dot_rows<DT, VEC_ROWS, true>(w, &x, cols, lane, acc);
+    int2 range = warp_words(cols / WORD_COLS(DT), warp, VEC_WARPS);
+    dot_rows<DT, VEC_ROWS, true>(w, &x, range.x, range.y, lane, acc);
 #pragma unroll
     for (int i = 0; i < VEC_ROWS; ++i) {
         float v = warp_sum(acc[i]);
-        if (lane == 0 && first + i < job.rows) {
-            job.out[first + i] = accumulate ? job.out[first + i] + v : v;
-        }
+        if (lane == 0) partial[warp][i] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < VEC_ROWS && first + threadIdx.x < job.rows) {
+        float v = 0.0f;
+        for (int k = 0; k < VEC_WARPS; ++k) v += partial[k][threadIdx.x];
+        i64 r = first + threadIdx.x;
+        job.out[r] = accumulate ? job.out[r] + v : v;
     }
 }
 

@@ -83,6 +83,84 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
+// Experts per lane of route_warp: it takes up to 32 · ROUTE_PER_LANE.
+#define ROUTE_PER_LANE 16
+
+// `route` for up to 32 · ROUTE_PER_LANE experts, one warp per token, the
+// logits in registers (lane l holds experts l, l + 32, ...): no block-wide
+// barriers between the top-k rounds, which a decode step cannot hide.
+// Same selection rule (ties to the lower index) and weights.
+extern "C" __global__ void route_warp(const float* logits, u32* experts, float* weights,
+                                      int n, int num_experts, int top_k, int normalize) {
+    int lane = threadIdx.x % WARP_SIZE;
+    i64 t = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
+    if (t >= n) return;
+    const float* row = logits + t * num_experts;
+    float v[ROUTE_PER_LANE];
+    float max_logit = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        int e = lane + i * WARP_SIZE;
+        v[i] = e < num_experts ? row[e] : NEG_INF;
+        max_logit = fmaxf(max_logit, v[i]);
+    }
+    max_logit = warp_max(max_logit);
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        int e = lane + i * WARP_SIZE;
+        if (e < num_experts) total += expf(v[i] - max_logit);
+    }
+    total = warp_sum(total);
+    const int none = 0x7fffffff;
+    u32 chosen = 0;  // bit i: expert lane + 32 i is taken
+    float sum = 0.0f;
+    u32* out_experts = experts + t * top_k;
+    float* out_weights = weights + t * top_k;
+    for (int k = 0; k < top_k; ++k) {
+        float value = NEG_INF;
+        int index = none;
+#pragma unroll
+        for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+            int e = lane + i * WARP_SIZE;
+            if (e < num_experts && !(chosen >> i & 1) && (v[i] > value || (v[i] == value && e < index))) {
+                value = v[i];
+                index = e;
+            }
+        }
+        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+            float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
+            int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
+            if (other_value > value || (other_value == value && other_index < index)) {
+                value = other_value;
+                index = other_index;
+            }
+        }
+        // Only NaN logits leave nothing chosen: take the first free one.
+        if (index == none) {
+            for (int e = 0; e < num_experts; ++e) {
+                int owner_bit = e / WARP_SIZE;
+                u32 taken = __shfl_sync(FULL_MASK, chosen, e % WARP_SIZE);
+                if (!(taken >> owner_bit & 1)) {
+                    index = e;
+                    break;
+                }
+            }
+        }
+        if (index % WARP_SIZE == lane) chosen |= 1u << (index / WARP_SIZE);
+        float p = expf(row[index] - max_logit) / total;
+        sum += p;
+        if (lane == 0) {
+            out_experts[k] = (u32)index;
+            out_weights[k] = p;
+        }
+    }
+    if (normalize && lane == 0) {
+        float scale = 1.0f / sum;
+        for (int k = 0; k < top_k; ++k) out_weights[k] *= scale;
+    }
+}
+
 // xs[i] = x[slots[i] / top_k]: the rows of the tokens routed to one expert
 // (a slot is token · top_k + rank).
 extern "C" __global__ void gather_rows(const float* x, const u32* slots, float* xs, int m,
@@ -134,72 +212,85 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
                       (const u16*)(codes + part.biases), r, cols);
 }
 
+// Warps per block of the one-token expert kernels.
+#define MOE_WARPS 4
+
 // act[k, r] = silu(gate_k[r] · x) · (up_k[r] · x) for expert k = ids[k].
-// Grid: (ceil(inter / VEC_WARPS), top_k); one warp per row of both.
+// Grid: (inter, top_k); the block's warps split the row pair's columns.
 template <int DT>
 __device__ __forceinline__ void moe_gate_up(const unsigned long long* table, const u32* ids,
                                             const float* x, float* act, int inter, int hidden,
                                             ExpertPart gate, ExpertPart up) {
+    __shared__ float partial[MOE_WARPS][2];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
-    i64 r = (i64)blockIdx.x * VEC_WARPS + warp;
-    if (r >= inter) return;
+    i64 r = blockIdx.x;
     unsigned long long base = table[ids[blockIdx.y]];
     WeightRow rows[2] = {expert_row(DT, base, gate, r, hidden),
                          expert_row(DT, base, up, r, hidden)};
     float acc[2] = {0.0f, 0.0f};
-    dot_rows<DT, 2, true>(rows, &x, hidden, lane, acc);
+    int2 range = warp_words(hidden / WORD_COLS(DT), warp, MOE_WARPS);
+    dot_rows<DT, 2, true>(rows, &x, range.x, range.y, lane, acc);
     float g = warp_sum(acc[0]);
     float u = warp_sum(acc[1]);
-    if (lane == 0) act[(i64)blockIdx.y * inter + r] = silu(g) * u;
+    if (lane == 0) {
+        partial[warp][0] = g;
+        partial[warp][1] = u;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        g = 0.0f;
+        u = 0.0f;
+        for (int k = 0; k < MOE_WARPS; ++k) {
+            g += partial[k][0];
+            u += partial[k][1];
+        }
+        act[(i64)blockIdx.y * inter + r] = silu(g) * u;
+    }
 }
 
-// Experts whose down rows a warp reads together.
-#define DOWN_BATCH 4
+// Most experts a token selects that moe_down takes (top_k).
+#define MAX_TOP_K 32
+// Warps per block of moe_down.
+#define DOWN_WARPS 8
 
 // out[r] (+)= Σ_k weights[k] · (down_k[r] · act[k]), k in order; with
 // `accumulate` added to out (the residual stream) instead of stored.
-// Grid: ceil(hidden / VEC_WARPS) blocks; one warp per output row.
+// Grid: hidden blocks; warp w takes experts w, w + DOWN_WARPS, ...
 template <int DT>
 __device__ __forceinline__ void moe_down(const unsigned long long* table, const u32* ids,
                                          const float* weights, const float* act, float* out,
                                          int hidden, int inter, int top_k, ExpertPart down,
                                          int accumulate) {
+    __shared__ float partial[MAX_TOP_K];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
-    i64 r = (i64)blockIdx.x * VEC_WARPS + warp;
-    if (r >= hidden) return;
-    float total = 0.0f;
-    for (int k0 = 0; k0 < top_k; k0 += DOWN_BATCH) {
-        WeightRow rows[DOWN_BATCH];
-        const float* xs[DOWN_BATCH];
-        float acc[DOWN_BATCH];
-#pragma unroll
-        for (int i = 0; i < DOWN_BATCH; ++i) {
-            // Past top_k the last expert repeats; its sum is not used.
-            int k = min(k0 + i, top_k - 1);
-            rows[i] = expert_row(DT, table[ids[k]], down, r, inter);
-            xs[i] = act + (i64)k * inter;
-            acc[i] = 0.0f;
-        }
-        dot_rows<DT, DOWN_BATCH, false>(rows, xs, inter, lane, acc);
-#pragma unroll
-        for (int i = 0; i < DOWN_BATCH; ++i) {
-            float v = warp_sum(acc[i]);
-            if (k0 + i < top_k) total = fmaf(weights[k0 + i], v, total);
-        }
+    i64 r = blockIdx.x;
+    int words = inter / WORD_COLS(DT);
+    for (int k = warp; k < top_k; k += DOWN_WARPS) {
+        WeightRow row = expert_row(DT, table[ids[k]], down, r, inter);
+        const float* x = act + (i64)k * inter;
+        float acc = 0.0f;
+        dot_rows<DT, 1, true>(&row, &x, 0, words, lane, &acc);
+        acc = warp_sum(acc);
+        if (lane == 0) partial[k] = acc;
     }
-    if (lane == 0) out[r] = accumulate ? out[r] + total : total;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.0f;
+        for (int k = 0; k < top_k; ++k) total = fmaf(weights[k], partial[k], total);
+        out[r] = accumulate ? out[r] + total : total;
+    }
 }
 
 #define MOE_DECODE_KERNELS(suffix, DT)                                                     \
-    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                    \
+    extern "C" __global__ void __launch_bounds__(MOE_WARPS * WARP_SIZE)                    \
         moe_gate_up_##suffix(const unsigned long long* table, const u32* ids,              \
                              const float* x, float* act, int inter, int hidden,            \
                              ExpertPart gate, ExpertPart up) {                             \
         moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up);                      \
     }                                                                                      \
-    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                    \
+    extern "C" __global__ void __launch_bounds__(DOWN_WARPS * WARP_SIZE)                   \
         moe_down_##suffix(const unsigned long long* table, const u32* ids,                 \
                           const float* weights, const float* act, float* out, int hidden,  \
                           int inter, int top_k, ExpertPart down, int accumulate) {         \

@@ -1,7 +1,7 @@
 // RMSNorm over consecutive groups of `group` features (a whole row, or one
 // head): one block per group, the sum of squares reduced across the block.
 
-#define NORM_THREADS 256
+#define NORM_THREADS 1024
 
 // out = x · 1/sqrt(mean(x²) + eps) · (offset + w); offset is 0 or 1.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
@@ -44,11 +44,13 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // head (times offset + weight), then the rotation `rope` applies, with the
 // same arithmetic as rms_norm and rope. One block per head of q or k;
 // q is [rows, q_heads · head_dim], k [rows, k_heads · head_dim], both in
-// place. Dynamic shared memory: head_dim floats.
+// place; start_pos is read from `position` on the device when given (a
+// recorded decode step). Dynamic shared memory: head_dim floats.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
                  const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
-                 int half, float eps, float offset, i64 start_pos) {
+                 int half, float eps, float offset, i64 start_pos, const u32* position) {
+    if (position) start_pos = *position;
     extern __shared__ float normed[];
     __shared__ float scratch[32];
     i64 heads = (i64)q_heads + k_heads;
