@@ -14,11 +14,12 @@
 //! resident and passes a table of just the selected ones: the same kernels,
 //! so the results are identical either way.
 //!
-//! Several tokens (prefill) are grouped by expert; experts are computed one
-//! after another in ascending order, each adding its weighted output to the
-//! tokens that chose it, so the sum does not depend on what was cached.
-//! Host reads of the next few missing experts run while the GPU computes
-//! the current ones.
+//! Several tokens (prefill) are sorted by expert into tiles of up to 32
+//! slots and run in three launches of prefill.rs's kernels over the same
+//! kind of address table: the layer's, or a table per batch of streamed
+//! experts (host reads of the next batch run while the GPU computes the
+//! current one). Outputs are per slot and summed in rank order at the end,
+//! so the result does not depend on what was cached.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
