@@ -1,7 +1,8 @@
 //! AVX-512 kernels (F, BW, VL): 16 lanes. A 4-bit group is dequantized
 //! through a 16-entry table of its values (`vpermps`), cheaper than
 //! converting each code. The int8 kernels also need VNNI: one `vpdpbusd`
-//! takes a whole group's 64 code × activation products.
+//! takes 64 code × activation products (an 8-bit group, or the low or
+//! high nibbles of two 4-bit groups).
 
 use std::arch::x86_64::*;
 
@@ -155,10 +156,47 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     unsafe {
         let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
         let xq = x.codes.as_ptr().add(t0 * cols);
-        for g in 0..groups {
-            let xs: [__m512i; T] = std::array::from_fn(|t| {
+        let xs_of = |g: usize| -> [__m512i; T] {
+            std::array::from_fn(|t| {
                 _mm512_loadu_si512(xq.add(t * cols + g * GROUP_SIZE) as *const __m512i)
-            });
+            })
+        };
+        let product =
+            |g: usize, r: usize, t: usize| *params.products.get_unchecked((g * R + r) * T + t);
+        let mut g = 0;
+        // Pairs of 4-bit groups: their 64 code bytes are one register,
+        // unpacked at once into the low nibbles of both (evens) and the
+        // high ones (odds); each `vpdpbusd` then sums both groups, the
+        // first's products in lanes 0-7 and the second's in 8-15, which
+        // one conversion and one FMA (with each group's scale in its half)
+        // add to the accumulators.
+        while BITS == 4 && g + 1 < groups {
+            let (x0, x1) = (xs_of(g), xs_of(g + 1));
+            let evens: [__m512i; T] =
+                std::array::from_fn(|t| _mm512_shuffle_i64x2::<0b01_00_01_00>(x0[t], x1[t]));
+            let odds: [__m512i; T] =
+                std::array::from_fn(|t| _mm512_shuffle_i64x2::<0b11_10_11_10>(x0[t], x1[t]));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let p = codes[r].add(g * group_bytes);
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                let both = _mm512_loadu_si512(p as *const __m512i);
+                let lo = _mm512_and_si512(both, nibble);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble);
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, evens[t]);
+                    let dot = _mm512_dpbusd_epi32(dot, hi, odds[t]);
+                    let scale = _mm512_mask_broadcastss_ps(
+                        _mm512_set1_ps(product(g, r, t)),
+                        0xff00,
+                        _mm_set_ss(product(g + 1, r, t)),
+                    );
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+                }
+            }
+            g += 2;
+        }
+        while g < groups {
+            let xs = xs_of(g);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let p = codes[r].add(g * group_bytes);
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
@@ -170,10 +208,11 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 };
                 for (t, (a, &xv)) in acc.iter_mut().zip(&xs).enumerate() {
                     let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-                    let scale = _mm512_set1_ps(*params.products.get_unchecked((g * R + r) * T + t));
+                    let scale = _mm512_set1_ps(product(g, r, t));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
                 }
             }
+            g += 1;
         }
         for k in (0..stride).step_by(GROUP_LANES) {
             for (r, acc) in acc.iter_mut().enumerate() {
