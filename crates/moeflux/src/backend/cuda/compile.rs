@@ -73,6 +73,10 @@ kernels!(
     linear_vector_bf16,
     linear_vector_q8,
     linear_vector_q4,
+    linear_vector_f32_rows,
+    linear_vector_bf16_rows,
+    linear_vector_q8_rows,
+    linear_vector_q4_rows,
     rms_norm,
     gated_rms_norm,
     qk_norm_rope,
@@ -236,6 +240,9 @@ mod tests {
             let defined = source.contains(&format!(" {name}("))
                 || source.contains(&format!("LINEAR_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
+                || name
+                    .strip_suffix("_rows")
+                    .is_some_and(|base| source.contains(&format!("LINEAR_VECTOR_KERNEL({base},")))
                 || ["moe_gate_up_", "moe_down_"].iter().any(|prefix| {
                     name.strip_prefix(prefix).is_some_and(|suffix| {
                         source.contains(&format!("MOE_DECODE_KERNELS({suffix},"))

@@ -83,6 +83,11 @@ const LINEAR_WARPS: usize = 4;
 const VECTOR_WARPS: usize = 8;
 /// Rows per block of the one-token linear kernel (`VEC_ROWS`).
 const VECTOR_ROWS: usize = 4;
+/// Rows per block of its whole-rows variant (`VEC_WARPS · ROWS_PER_WARP`).
+const WHOLE_ROWS: usize = VECTOR_WARPS * 2;
+/// Rows (over the matrices of one launch) from which the whole-rows
+/// variant is used.
+const WHOLE_ROWS_MIN: usize = 1024;
 /// Matrices one launch of the one-token linear kernel covers (`MAX_JOBS`).
 const MAX_MATVEC_JOBS: usize = 4;
 
@@ -556,13 +561,21 @@ impl CudaBackend {
             ws.len()
         );
         let dtype = ws[0].layout.dtype;
-        let (op, kernel) = match dtype {
-            DType::F32 => ("linear f32", &self.kernels.linear_vector_f32),
-            DType::Bf16 => ("linear bf16", &self.kernels.linear_vector_bf16),
-            DType::Q8 => ("linear q8", &self.kernels.linear_vector_q8),
-            DType::Q4 => ("linear q4", &self.kernels.linear_vector_q4),
+        let k = &self.kernels;
+        // Whole rows per warp stream faster (12.9 vs 18.4 µs for q, k and v
+        // of the 30B shape on an H100); matrices of few rows (a router) need
+        // the columns split to keep enough loads in flight (5.3 vs 10.7 µs).
+        let whole_rows = ws.iter().map(|w| w.layout.rows).sum::<usize>() >= WHOLE_ROWS_MIN;
+        let (op, kernel, rows_per_block) = match (dtype, whole_rows) {
+            (DType::F32, false) => ("linear f32", &k.linear_vector_f32, VECTOR_ROWS),
+            (DType::Bf16, false) => ("linear bf16", &k.linear_vector_bf16, VECTOR_ROWS),
+            (DType::Q8, false) => ("linear q8", &k.linear_vector_q8, VECTOR_ROWS),
+            (DType::Q4, false) => ("linear q4", &k.linear_vector_q4, VECTOR_ROWS),
+            (DType::F32, true) => ("linear f32", &k.linear_vector_f32_rows, WHOLE_ROWS),
+            (DType::Bf16, true) => ("linear bf16", &k.linear_vector_bf16_rows, WHOLE_ROWS),
+            (DType::Q8, true) => ("linear q8", &k.linear_vector_q8_rows, WHOLE_ROWS),
+            (DType::Q4, true) => ("linear q4", &k.linear_vector_q4_rows, WHOLE_ROWS),
         };
-        let rows_per_block = VECTOR_ROWS;
         let mut packed = MatvecJobs {
             job: [MatvecJob::default(); MAX_MATVEC_JOBS],
             count: jobs.len() as i32,

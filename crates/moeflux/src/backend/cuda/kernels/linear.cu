@@ -302,10 +302,49 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
     }
 }
 
+// Rows per warp of linear_vector_rows.
+#define ROWS_PER_WARP 2
+
+// linear_vector with whole rows per warp (ROWS_PER_WARP of them, so a block
+// covers VEC_WARPS · ROWS_PER_WARP rows) instead of columns split across the
+// block's warps: longer-lived warps, no block-wide reduction; faster for
+// matrices of many rows (the host chooses).
+template <int DT>
+__device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const float* x,
+                                                   int cols, int accumulate) {
+    int j = 0;
+    while (j + 1 < jobs.count && (int)blockIdx.x >= jobs.job[j + 1].first_block) ++j;
+    const MatvecJob& job = jobs.job[j];
+    int warp = threadIdx.x / WARP_SIZE;
+    int lane = threadIdx.x % WARP_SIZE;
+    i64 first = ((i64)(blockIdx.x - job.first_block) * VEC_WARPS + warp) * ROWS_PER_WARP;
+    if (first >= job.rows) return;
+    WeightRow w[ROWS_PER_WARP];
+    float acc[ROWS_PER_WARP];
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+        // A row past the end repeats the last one; its sum is not written.
+        i64 r = min(first + i, (i64)job.rows - 1);
+        w[i] = weight_row(DT, job.codes, job.scales, job.biases, r, cols);
+        acc[i] = 0.0f;
+    }
+    dot_rows<DT, ROWS_PER_WARP, true>(w, &x, 0, cols / WORD_COLS(DT), lane, acc);
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+        float v = warp_sum(acc[i]);
+        i64 r = first + i;
+        if (lane == 0 && r < job.rows) job.out[r] = accumulate ? job.out[r] + v : v;
+    }
+}
+
 #define LINEAR_VECTOR_KERNEL(name, DT)                                                    \
     extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
         name(MatvecJobs jobs, const float* x, int cols, int accumulate) {                 \
         linear_vector<DT>(jobs, x, cols, accumulate);                                     \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
+        name##_rows(MatvecJobs jobs, const float* x, int cols, int accumulate) {          \
+        linear_vector_rows<DT>(jobs, x, cols, accumulate);                                \
     }
 
 LINEAR_VECTOR_KERNEL(linear_vector_f32, DT_F32)

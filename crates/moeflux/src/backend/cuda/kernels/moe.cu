@@ -146,9 +146,11 @@ extern "C" __global__ void route_warp(const float* logits, u32* experts, float* 
                     break;
                 }
             }
+            value = row[index];
         }
         if (index % WARP_SIZE == lane) chosen |= 1u << (index / WARP_SIZE);
-        float p = expf(row[index] - max_logit) / total;
+        // The winner's logit came with it: no dependent read per round.
+        float p = expf(value - max_logit) / total;
         sum += p;
         if (lane == 0) {
             out_experts[k] = (u32)index;
