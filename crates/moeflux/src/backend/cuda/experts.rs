@@ -42,8 +42,9 @@ const RESERVE_BYTES: u64 = 4 << 30;
 /// flight beyond the caches.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
-/// Warps per block of the one-token gate/up kernel (`MOE_WARPS` in moe.cu).
-const MOE_WARPS: usize = 4;
+/// Warps (rows) per block of the one-token gate/up kernel (`GATE_UP_WARPS`
+/// in moe.cu).
+const GATE_UP_WARPS: usize = 8;
 /// Warps per block of the one-token down kernel (`DOWN_WARPS`).
 const DOWN_WARPS: usize = 8;
 /// Most experts per token the one-token kernels take (`MAX_TOP_K`).
@@ -364,8 +365,8 @@ impl CudaBackend {
             "routed experts gate/up",
             gate_up,
             LaunchConfig {
-                grid_dim: (inter as u32, top_k as u32, 1),
-                block_dim: ((MOE_WARPS * 32) as u32, 1, 1),
+                grid_dim: (inter.div_ceil(GATE_UP_WARPS) as u32, top_k as u32, 1),
+                block_dim: ((GATE_UP_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
             table,
