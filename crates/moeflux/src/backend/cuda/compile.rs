@@ -87,6 +87,7 @@ kernels!(
     copy_cols,
     rope,
     attention,
+    attention_decode,
     kv_store,
     gdn_conv,
     gdn_conv_history,
@@ -240,6 +241,7 @@ mod tests {
             let defined = source.contains(&format!(" {name}("))
                 || source.contains(&format!("LINEAR_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
+                || source.contains(&format!("ATTENTION_KERNEL({name},"))
                 || name
                     .strip_suffix("_rows")
                     .is_some_and(|base| source.contains(&format!("LINEAR_VECTOR_KERNEL({base},")))

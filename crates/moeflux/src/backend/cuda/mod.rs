@@ -120,6 +120,8 @@ const ROUTE_PER_LANE: usize = 16;
 const ROUTE_WARPS: usize = 4;
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
 const ATTENTION_THREADS: u32 = 128;
+/// Threads per block of its one-token variant (`ATTN_DECODE_WARPS` warps).
+const ATTENTION_DECODE_THREADS: u32 = 512;
 /// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
 const MAX_HEAD_DIM: usize = 512;
 /// Threads per block of the Gated DeltaNet recurrence (`GDN_THREADS`).
@@ -1052,6 +1054,10 @@ impl Backend for CudaBackend {
         self.kv_append(cache, &k.data, &v.data, n);
         let position = self.recorded_position(None);
         let mut out = self.tensor("attention", n, heads * head_dim);
+        let (kernel, threads) = match n {
+            1 => (&self.kernels.attention_decode, ATTENTION_DECODE_THREADS),
+            _ => (&self.kernels.attention, ATTENTION_THREADS),
+        };
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
             int(n, "tokens"),
@@ -1063,8 +1069,8 @@ impl Backend for CudaBackend {
         launch!(
             self,
             "attention",
-            &self.kernels.attention,
-            block_per_item(n * heads, ATTENTION_THREADS, 0),
+            kernel,
+            block_per_item(n * heads, threads, 0),
             &q.data,
             cache.keys(),
             cache.values(),

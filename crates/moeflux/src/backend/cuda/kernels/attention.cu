@@ -1,25 +1,29 @@
 // Causal grouped-query attention over a KV cache `[capacity, kv_heads ·
 // head_dim]` that already holds the new keys and values.
 //
-// One block per (query token, head). Each warp takes every ATTN_WARPS-th
-// visible position and keeps a running (online) softmax: its maximum, the
-// sum of exp(score - maximum) and the weighted sum of values; the warps'
-// partial results are merged at the end. No buffer grows with the context.
+// One block per (query token, head). Each of the block's W warps takes
+// every W-th visible position and keeps a running (online) softmax: its
+// maximum, the sum of exp(score - maximum) and the weighted sum of values;
+// the warps' partial results are merged at the end. No buffer grows with
+// the context. A decode step has one block per head only, so it takes
+// more warps per block (ATTN_DECODE_WARPS) to keep the context's reads in
+// flight; prefill has blocks enough with ATTN_WARPS.
 
 #define ATTN_WARPS 4
+#define ATTN_DECODE_WARPS 16
 // Head dimensions up to ATTN_MAX_PER_LANE · 32 (checked on the host).
 #define ATTN_MAX_PER_LANE 16
 
 // `start` is the position of the first query, read from `position` on the
 // device instead when that is given (a recorded decode step).
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
-    attention(const float* q, const float* keys, const float* values, float* out, int n,
-              int heads, int kv_heads, int head_dim, i64 start, const u32* position,
-              float scale) {
+template <int W>
+__device__ __forceinline__ void attend(const float* q, const float* keys, const float* values,
+                                       float* out, int n, int heads, int kv_heads, int head_dim,
+                                       i64 start, const u32* position, float scale) {
     if (position) start = *position;
-    __shared__ float warp_max_score[ATTN_WARPS];
-    __shared__ float warp_total[ATTN_WARPS];
-    __shared__ float warp_acc[ATTN_WARPS][ATTN_MAX_PER_LANE * WARP_SIZE];
+    __shared__ float warp_max_score[W];
+    __shared__ float warp_total[W];
+    __shared__ float warp_acc[W][ATTN_MAX_PER_LANE * WARP_SIZE];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     int group = heads / kv_heads;
@@ -44,7 +48,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         }
         float max_score = NEG_INF;
         float total = 0.0f;
-        for (i64 j = warp; j < visible; j += ATTN_WARPS) {
+        for (i64 j = warp; j < visible; j += W) {
             const float* key = k_head + j * kv_width;
             float s = 0.0f;
 #pragma unroll
@@ -78,22 +82,34 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         // A warp that saw no position has maximum -inf and weighs 0; at
         // least one warp saw position 0, so the overall maximum is finite.
         float overall = warp_max_score[0];
-        for (int w = 1; w < ATTN_WARPS; ++w) overall = fmaxf(overall, warp_max_score[w]);
-        float weights[ATTN_WARPS];
+        for (int w = 1; w < W; ++w) overall = fmaxf(overall, warp_max_score[w]);
+        float weights[W];
         float denominator = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) {
+        for (int w = 0; w < W; ++w) {
             weights[w] = expf(warp_max_score[w] - overall);
             denominator += warp_total[w] * weights[w];
         }
         float* o = out + t * q_width + (i64)h * head_dim;
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
             float sum = 0.0f;
-            for (int w = 0; w < ATTN_WARPS; ++w) sum += warp_acc[w][d] * weights[w];
+            for (int w = 0; w < W; ++w) sum += warp_acc[w][d] * weights[w];
             o[d] = sum / denominator;
         }
         __syncthreads();  // the next item reuses the shared arrays
     }
 }
+
+#define ATTENTION_KERNEL(name, W)                                                         \
+    extern "C" __global__ void __launch_bounds__(W * WARP_SIZE)                           \
+        name(const float* q, const float* keys, const float* values, float* out, int n,   \
+             int heads, int kv_heads, int head_dim, i64 start, const u32* position,       \
+             float scale) {                                                               \
+        attend<W>(q, keys, values, out, n, heads, kv_heads, head_dim, start, position,    \
+                  scale);                                                                 \
+    }
+
+ATTENTION_KERNEL(attention, ATTN_WARPS)
+ATTENTION_KERNEL(attention_decode, ATTN_DECODE_WARPS)
 
 // keys[start + t] = k[t], values[start + t] = v[t] for the n new rows of
 // `width`; `start` from `position` on the device when given.
