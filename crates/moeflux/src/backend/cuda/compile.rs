@@ -94,7 +94,9 @@ kernels!(
     gdn_qk_norm,
     gdn_recurrence,
     route,
-    route_warp,
+    route_warp_4,
+    route_warp_8,
+    route_warp_16,
     gather_rows,
     scatter_add_rows,
     moe_gate_up_f32,
@@ -242,6 +244,7 @@ mod tests {
                 || source.contains(&format!("LINEAR_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_KERNEL({name},"))
+                || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || name
                     .strip_suffix("_rows")
                     .is_some_and(|base| source.contains(&format!("LINEAR_VECTOR_KERNEL({base},")))

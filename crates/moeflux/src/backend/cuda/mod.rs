@@ -114,8 +114,6 @@ struct MatvecJobs {
 // SAFETY: plain data laid out as the kernels' structs (C layout, device
 // addresses as 64-bit integers).
 unsafe impl DeviceRepr for MatvecJobs {}
-/// Most experts the one-warp router takes (`ROUTE_PER_LANE` · 32 in moe.cu).
-const ROUTE_PER_LANE: usize = 16;
 /// Tokens (warps) per block of the one-warp router.
 const ROUTE_WARPS: usize = 4;
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
@@ -1218,11 +1216,17 @@ impl Backend for CudaBackend {
             int(top_k, "top-k"),
             i32::from(normalize),
         );
-        if experts <= 32 * ROUTE_PER_LANE {
+        let in_warp = match experts {
+            0..=128 => Some(&self.kernels.route_warp_4),
+            129..=256 => Some(&self.kernels.route_warp_8),
+            257..=512 => Some(&self.kernels.route_warp_16),
+            _ => None,
+        };
+        if let Some(kernel) = in_warp {
             launch!(
                 self,
                 "route",
-                &self.kernels.route_warp,
+                kernel,
                 LaunchConfig {
                     grid_dim: (n.div_ceil(ROUTE_WARPS) as u32, 1, 1),
                     block_dim: ((ROUTE_WARPS * 32) as u32, 1, 1),

@@ -83,23 +83,23 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
-// Experts per lane of route_warp: it takes up to 32 · ROUTE_PER_LANE.
-#define ROUTE_PER_LANE 16
-
-// `route` for up to 32 · ROUTE_PER_LANE experts, one warp per token, the
-// logits in registers (lane l holds experts l, l + 32, ...): no block-wide
+// `route` for up to 32 · PER_LANE experts, one warp per token, the logits
+// in registers (lane l holds experts l, l + 32, ...): no block-wide
 // barriers between the top-k rounds, which a decode step cannot hide.
-// Same selection rule (ties to the lower index) and weights.
-extern "C" __global__ void route_warp(const float* logits, u32* experts, float* weights,
-                                      int n, int num_experts, int top_k, int normalize) {
+// Same selection rule (ties to the lower index) and weights. Instantiated
+// for 4, 8 and 16 experts per lane, so a round scans only what exists.
+template <int PER_LANE>
+__device__ __forceinline__ void route_in_warp(const float* logits, u32* experts, float* weights,
+                                              int n, int num_experts, int top_k,
+                                              int normalize) {
     int lane = threadIdx.x % WARP_SIZE;
     i64 t = (i64)blockIdx.x * (blockDim.x / WARP_SIZE) + threadIdx.x / WARP_SIZE;
     if (t >= n) return;
     const float* row = logits + t * num_experts;
-    float v[ROUTE_PER_LANE];
+    float v[PER_LANE];
     float max_logit = NEG_INF;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+    for (int i = 0; i < PER_LANE; ++i) {
         int e = lane + i * WARP_SIZE;
         v[i] = e < num_experts ? row[e] : NEG_INF;
         max_logit = fmaxf(max_logit, v[i]);
@@ -107,7 +107,7 @@ extern "C" __global__ void route_warp(const float* logits, u32* experts, float* 
     max_logit = warp_max(max_logit);
     float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+    for (int i = 0; i < PER_LANE; ++i) {
         int e = lane + i * WARP_SIZE;
         if (e < num_experts) total += expf(v[i] - max_logit);
     }
@@ -121,7 +121,7 @@ extern "C" __global__ void route_warp(const float* logits, u32* experts, float* 
         float value = NEG_INF;
         int index = none;
 #pragma unroll
-        for (int i = 0; i < ROUTE_PER_LANE; ++i) {
+        for (int i = 0; i < PER_LANE; ++i) {
             int e = lane + i * WARP_SIZE;
             if (e < num_experts && !(chosen >> i & 1) && (v[i] > value || (v[i] == value && e < index))) {
                 value = v[i];
@@ -162,6 +162,16 @@ extern "C" __global__ void route_warp(const float* logits, u32* experts, float* 
         for (int k = 0; k < top_k; ++k) out_weights[k] *= scale;
     }
 }
+
+#define ROUTE_WARP_KERNEL(name, PER_LANE)                                                  \
+    extern "C" __global__ void name(const float* logits, u32* experts, float* weights, int n, \
+                                    int num_experts, int top_k, int normalize) {             \
+        route_in_warp<PER_LANE>(logits, experts, weights, n, num_experts, top_k, normalize);  \
+    }
+
+ROUTE_WARP_KERNEL(route_warp_4, 4)
+ROUTE_WARP_KERNEL(route_warp_8, 8)
+ROUTE_WARP_KERNEL(route_warp_16, 16)
 
 // xs[i] = x[slots[i] / top_k]: the rows of the tokens routed to one expert
 // (a slot is token · top_k + rank).
