@@ -1216,43 +1216,27 @@ impl Backend for CudaBackend {
             int(top_k, "top-k"),
             i32::from(normalize),
         );
-        let in_warp = match experts {
-            0..=128 => Some(&self.kernels.route_warp_4),
-            129..=256 => Some(&self.kernels.route_warp_8),
-            257..=512 => Some(&self.kernels.route_warp_16),
-            _ => None,
+        // Up to 512 experts, one warp per token with the logits in registers;
+        // more, one block per token.
+        let warp_config = LaunchConfig {
+            grid_dim: (n.div_ceil(ROUTE_WARPS) as u32, 1, 1),
+            block_dim: ((ROUTE_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
         };
-        if let Some(kernel) = in_warp {
-            launch!(
-                self,
-                "route",
-                kernel,
-                LaunchConfig {
-                    grid_dim: (n.div_ceil(ROUTE_WARPS) as u32, 1, 1),
-                    block_dim: ((ROUTE_WARPS * 32) as u32, 1, 1),
-                    shared_mem_bytes: 0,
-                },
-                &logits.data,
-                &mut ids,
-                &mut weights,
-                &n_i,
-                &experts_i,
-                &top_k_i,
-                &normalize_i
-            );
-            return Routing {
-                top_k,
-                rows: n,
-                experts: ids,
-                weights,
-                host_experts: OnceLock::new(),
-            };
-        }
+        let (kernel, config) = match experts {
+            0..=128 => (&self.kernels.route_warp_4, warp_config),
+            129..=256 => (&self.kernels.route_warp_8, warp_config),
+            257..=512 => (&self.kernels.route_warp_16, warp_config),
+            _ => (
+                &self.kernels.route,
+                block_per_item(n, THREADS, experts as u32),
+            ),
+        };
         launch!(
             self,
             "route",
-            &self.kernels.route,
-            block_per_item(n, THREADS, experts as u32),
+            kernel,
+            config,
             &logits.data,
             &mut ids,
             &mut weights,
