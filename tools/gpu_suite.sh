@@ -9,6 +9,11 @@
 #                             run the CUDA tests, a CUDA-vs-CPU generation and
 #                             `moeflux bench --device cuda` on the bundled and
 #                             a synthetic model, logging to $OUT
+#   tools/gpu_suite.sh perf   on the GPU machine: the CUDA tests, then the
+#                             synthetic qwen3-30b-a3b's decode with and
+#                             without programmatic launch (interleaved),
+#                             device time per operation of a pp512, and
+#                             Nsight Compute's kernel times for decode
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
@@ -111,6 +116,43 @@ run() {
     done
 }
 
+# Where decode and prefill time goes, for kernel work: interleaved A/B
+# decode runs and per-kernel device times.
+perf() {
+    : "${OUT:?run this on the GPU machine through the device tool, which sets OUT}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" synthetic=/tmp/moeflux-synth-q30 ncu
+    if [[ "${PERF_TESTS:-1}" == 1 ]]; then
+        "$SUITE/cuda-tests" >"$OUT/cuda-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|panicked' "$OUT/cuda-tests.log" | head -n 20
+    fi
+    [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
+    local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
+    for round in 1 2; do
+        for pdl in 0 1; do
+            echo "--- decode, MOEFLUX_CUDA_PDL=$pdl, round $round"
+            MOEFLUX_CUDA_PDL=$pdl "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
+        done
+    done
+    echo "--- pp512"
+    "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|^decode|rror' || true
+    echo "--- device time per operation, pp512 (events around each launch; graphs off)"
+    MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 1 --warmup 0 -p 1 --no-ceilings \
+        >"$OUT/profile-prefill.log" 2>&1 || true
+    grep -A 40 'CUDA profile' "$OUT/profile-prefill.log" | head -n 40
+    ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
+    if [[ -n "$ncu" ]]; then
+        echo "--- Nsight Compute, kernel time of decode steps"
+        "$ncu" --metrics gpu__time_duration.sum --csv --print-units base --launch-skip 2000 --launch-count 1600 \
+            "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 0 -p 8 --prefill 0 --no-ceilings \
+            >"$OUT/ncu-decode.csv" 2>"$OUT/ncu-decode.err" || true
+        python3 tools/ncu_summary.py "$OUT/ncu-decode.csv" | head -n 40
+    fi
+}
+
 # The other preset shapes of the CUDA acceptance list, resident and with a
 # VRAM expert budget of a quarter of the expert bytes: one synthetic model at
 # a time (they do not all fit the GPU machine's disk), then removed.
@@ -136,12 +178,13 @@ presets() {
 case "${1:-build}" in
 build) build ;;
 run) run ;;
+perf) perf ;;
 presets)
     shift
     presets "$@"
     ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|presets PRESET...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|presets PRESET...]" >&2
     exit 2
     ;;
 esac

@@ -837,6 +837,41 @@ fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
     step(2, 91, &mut cache_cpu, &mut imported);
 }
 
+/// Prefill chunks (16 tokens and more) take the tiled kernels; head
+/// dimensions of 128 and 256 (the two variants, as in the real models),
+/// chunks that leave partial row and key tiles, and chunks after context.
+#[test]
+fn prefill_attention_matches_cpu_for_both_head_dimensions() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend::default();
+    for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (5, 5, 132)] {
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+        };
+        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+        let mut cache_cpu = cpu.new_kv_cache(shape);
+        let mut cache_gpu = gpu.new_kv_cache(shape);
+        for (i, n) in [70, 16, 1, 45].into_iter().enumerate() {
+            let seed = 1000 + 10 * i as u64 + head_dim as u64;
+            let (q_cpu, q_gpu) = both(&gpu, n, q_width, values(n * q_width, seed));
+            let (k_cpu, k_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 1));
+            let (v_cpu, v_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 2));
+            let want = cpu
+                .attention(&mut cache_cpu, &q_cpu, &k_cpu, &v_cpu, shape)
+                .data;
+            let got = gpu.to_host(&gpu.attention(&mut cache_gpu, &q_gpu, &k_gpu, &v_gpu, shape));
+            assert_close(
+                &format!("attention, head_dim {head_dim}, chunk of {n}"),
+                &got,
+                &want,
+                1e-5,
+            );
+        }
+    }
+}
+
 #[test]
 fn gated_delta_net_matches_cpu_across_chunks_copies_and_import() {
     let Some(gpu) = cuda() else { return };

@@ -88,6 +88,8 @@ kernels!(
     rope,
     attention,
     attention_decode,
+    flash_attention_128,
+    flash_attention_256,
     kv_store,
     gdn_conv,
     gdn_conv_history,
@@ -244,6 +246,7 @@ mod tests {
                 || source.contains(&format!("LINEAR_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_KERNEL({name},"))
+                || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || name
                     .strip_suffix("_rows")
@@ -255,5 +258,34 @@ mod tests {
                 });
             assert!(defined, "kernel {name} is not defined in kernels/");
         }
+    }
+
+    /// Decode recordings link kernels by programmatic edges (graph.rs),
+    /// which are only safe if every kernel waits for its inputs before
+    /// reading them: each kernel body calls `await_inputs()` before any
+    /// other statement but L2 prefetches of weights.
+    #[test]
+    fn every_kernel_awaits_its_inputs_first() {
+        let source = program().replace("\\\n", "\n");
+        let mut kernels = 0;
+        for (at, _) in source.match_indices("__global__") {
+            let body = &source[at..];
+            let open = body.find('{').expect("a kernel has a body");
+            let signature = body[..open]
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ");
+            let statements = body[open + 1..]
+                .split(';')
+                .map(str::trim)
+                .skip_while(|s| s.starts_with("prefetch_"));
+            let first = statements.take(1).collect::<String>();
+            assert_eq!(
+                first, "await_inputs()",
+                "kernel `{signature}` does not begin with await_inputs()"
+            );
+            kernels += 1;
+        }
+        assert!(kernels >= NAMES.len() / 2, "found only {kernels} kernels");
     }
 }

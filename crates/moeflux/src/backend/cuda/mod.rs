@@ -122,6 +122,28 @@ const ATTENTION_THREADS: u32 = 128;
 const ATTENTION_DECODE_THREADS: u32 = 512;
 /// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
 const MAX_HEAD_DIM: usize = 512;
+/// Query rows per block, keys per staged tile and warps of the prefill
+/// attention kernel (`FA_ROWS`, `FA_KEYS`, `FA_WARPS`, `FA_ROWS_PER_WARP`,
+/// `FA_KEY_PAD` in attention.cu).
+const FLASH_ROWS: usize = 32;
+const FLASH_KEYS: usize = 32;
+const FLASH_WARPS: usize = 4;
+const FLASH_ROWS_PER_WARP: usize = 8;
+const FLASH_KEY_PAD: usize = 4;
+/// Largest head dimension of the prefill attention kernels.
+const FLASH_MAX_HEAD_DIM: usize = 256;
+/// Tokens from which attention takes the prefill kernels: with fewer, the
+/// (token, head) blocks of the other kernel are more parallel.
+const FLASH_MIN_TOKENS: usize = 16;
+
+/// Dynamic shared memory of a prefill attention block: the query rows,
+/// a tile of keys (rows padded) and values, and each warp's probabilities.
+fn flash_attention_shared_bytes(head_dim: usize) -> usize {
+    4 * (FLASH_ROWS * head_dim
+        + FLASH_KEYS * (head_dim + FLASH_KEY_PAD)
+        + FLASH_KEYS * head_dim
+        + FLASH_WARPS * FLASH_KEYS * FLASH_ROWS_PER_WARP)
+}
 /// Threads per block of the Gated DeltaNet recurrence (`GDN_THREADS`).
 const GDN_THREADS: usize = 128;
 /// Shared memory a block may use without opting in to more.
@@ -177,6 +199,9 @@ pub struct CudaBackend {
     profiler: Option<profile::Profiler>,
     /// Whether decode steps are recorded and replayed (graph.rs).
     graphs_enabled: bool,
+    /// Whether recordings link kernels by programmatic edges (graph.rs;
+    /// compute capability 9.0 and later).
+    programmatic_launch: bool,
     /// The step being recorded, if one is.
     capture: Mutex<Option<graph::Capture>>,
     recordings: Mutex<graph::Recordings>,
@@ -368,6 +393,15 @@ impl CudaBackend {
             keep_freed_memory(&ctx).map_err(|e| fail("configuring the memory pool", e))?;
         }
         let kernels = compile::load(&ctx).map_err(|e| device_error(ordinal, "kernels", e))?;
+        let flash_shared = flash_attention_shared_bytes(FLASH_MAX_HEAD_DIM) as i32;
+        for kernel in [&kernels.flash_attention_128, &kernels.flash_attention_256] {
+            kernel
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    flash_shared,
+                )
+                .map_err(|e| fail("allowing the attention kernels their shared memory", e))?;
+        }
         let name = ctx.name().map_err(|e| fail("reading the device name", e))?;
         let (major, minor) = ctx
             .compute_capability()
@@ -394,6 +428,7 @@ impl CudaBackend {
             capture: Mutex::new(None),
             recordings: Mutex::new(graph::Recordings::default()),
             graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
+            programmatic_launch: major >= 9 && graph::programmatic_by_env(),
         })
     }
 
@@ -1052,10 +1087,6 @@ impl Backend for CudaBackend {
         self.kv_append(cache, &k.data, &v.data, n);
         let position = self.recorded_position(None);
         let mut out = self.tensor("attention", n, heads * head_dim);
-        let (kernel, threads) = match n {
-            1 => (&self.kernels.attention_decode, ATTENTION_DECODE_THREADS),
-            _ => (&self.kernels.attention, ATTENTION_THREADS),
-        };
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
             int(n, "tokens"),
@@ -1064,6 +1095,43 @@ impl Backend for CudaBackend {
             int(head_dim, "head_dim"),
             long(start),
         );
+        if n >= FLASH_MIN_TOKENS && head_dim <= FLASH_MAX_HEAD_DIM && head_dim.is_multiple_of(4) {
+            let kernel = match head_dim {
+                ..=128 => &self.kernels.flash_attention_128,
+                _ => &self.kernels.flash_attention_256,
+            };
+            let rows = n * (heads / kv_heads);
+            let config = LaunchConfig {
+                grid_dim: (
+                    u32::try_from(rows.div_ceil(FLASH_ROWS)).expect("attention: too many tokens"),
+                    u32::try_from(kv_heads).expect("attention: too many KV heads"),
+                    1,
+                ),
+                block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: flash_attention_shared_bytes(head_dim) as u32,
+            };
+            launch!(
+                self,
+                "attention (prefill)",
+                kernel,
+                config,
+                &q.data,
+                cache.keys(),
+                cache.values(),
+                &mut out.data,
+                &n_i,
+                &heads_i,
+                &kv_heads_i,
+                &head_dim_i,
+                &start_l,
+                &scale
+            );
+            return out;
+        }
+        let (kernel, threads) = match n {
+            1 => (&self.kernels.attention_decode, ATTENTION_DECODE_THREADS),
+            _ => (&self.kernels.attention, ATTENTION_THREADS),
+        };
         launch!(
             self,
             "attention",

@@ -104,6 +104,7 @@ __device__ __forceinline__ void attend(const float* q, const float* keys, const 
         name(const float* q, const float* keys, const float* values, float* out, int n,   \
              int heads, int kv_heads, int head_dim, i64 start, const u32* position,       \
              float scale) {                                                               \
+        await_inputs();                                                                   \
         attend<W>(q, keys, values, out, n, heads, kv_heads, head_dim, start, position,    \
                   scale);                                                                 \
     }
@@ -111,10 +112,180 @@ __device__ __forceinline__ void attend(const float* q, const float* keys, const 
 ATTENTION_KERNEL(attention, ATTN_WARPS)
 ATTENTION_KERNEL(attention_decode, ATTN_DECODE_WARPS)
 
+// ---- Prefill: a block per tile of query rows, keys and values shared ----
+//
+// attend() gives every (token, head) its own block, so a prefill of n
+// tokens reads each layer's keys and values about n · heads / 2 times
+// (from L2, which then bounds it). Here a block takes FA_ROWS query rows
+// of one KV head (rows are (token, head) pairs, token-major, over the heads
+// that share the KV head) and walks the visible keys in tiles of FA_KEYS
+// staged in shared memory, FlashAttention-style: each tile is read once
+// for all the block's rows. Scores: lane j scores key j of the tile for the
+// warp's FA_ROWS_PER_WARP rows; values: lane l accumulates dimensions
+// l, l + 32, ... of those rows. Running maxima and sums per row as in
+// attend(); everything in f32.
+
+#define FA_WARPS 4
+#define FA_ROWS_PER_WARP 8
+#define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
+#define FA_KEYS 32
+// Padding of a staged key row, so lanes reading the same dimension of
+// consecutive keys hit different banks (16-byte reads stay aligned).
+#define FA_KEY_PAD 4
+
+template <int PER_LANE>
+__device__ __forceinline__ void flash_attend(const float* q, const float* keys,
+                                             const float* values, float* out, int n,
+                                             int heads, int kv_heads, int head_dim, i64 start,
+                                             float scale) {
+    extern __shared__ float4 fa_shared[];
+    const int group = heads / kv_heads;
+    const int key_stride = head_dim + FA_KEY_PAD;
+    float* q_tile = (float*)fa_shared;                      // [FA_ROWS][head_dim]
+    float* k_tile = q_tile + FA_ROWS * head_dim;             // [FA_KEYS][key_stride]
+    float* v_tile = k_tile + FA_KEYS * key_stride;           // [FA_KEYS][head_dim]
+    float* p_tile = v_tile + FA_KEYS * head_dim;             // [FA_WARPS][FA_KEYS][8]
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int kv_head = blockIdx.y;
+    const i64 rows = (i64)n * group;
+    const i64 row0 = (i64)blockIdx.x * FA_ROWS;
+    const i64 kv_width = (i64)kv_heads * head_dim;
+    const i64 q_width = (i64)heads * head_dim;
+    const int quads = head_dim / 4;
+
+    // The block's query rows; rows past the end repeat the last one.
+    for (int i = threadIdx.x; i < FA_ROWS * quads; i += blockDim.x) {
+        int local = i / quads;
+        i64 row = min(row0 + local, rows - 1);
+        i64 t = row / group;
+        int h = kv_head * group + (int)(row % group);
+        ((float4*)q_tile)[i] = ((const float4*)(q + t * q_width + (i64)h * head_dim))[i % quads];
+    }
+    // Keys visible to this warp's rows and to the block (rows are
+    // token-major, so the block's last row sees the most).
+    i64 visible[FA_ROWS_PER_WARP];
+#pragma unroll
+    for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
+        i64 row = min(row0 + warp * FA_ROWS_PER_WARP + r, rows - 1);
+        visible[r] = start + row / group + 1;
+    }
+    const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
+
+    float running_max[FA_ROWS_PER_WARP];
+    float lane_total[FA_ROWS_PER_WARP];
+    float acc[FA_ROWS_PER_WARP][PER_LANE];
+#pragma unroll
+    for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
+        running_max[r] = NEG_INF;
+        lane_total[r] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) acc[r][k] = 0.0f;
+    }
+    const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * head_dim;
+    float* warp_p = p_tile + warp * FA_KEYS * FA_ROWS_PER_WARP;
+
+    for (i64 j0 = 0; j0 < block_visible; j0 += FA_KEYS) {
+        int tile = (int)min((i64)FA_KEYS, block_visible - j0);
+        __syncthreads();  // the previous tile is no longer read
+        for (int i = threadIdx.x; i < FA_KEYS * quads; i += blockDim.x) {
+            int key = i / quads;
+            int quad = i % quads;
+            float4 kq = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            float4 vq = kq;
+            if (key < tile) {
+                i64 at = (j0 + key) * kv_width + (i64)kv_head * head_dim;
+                kq = ((const float4*)(keys + at))[quad];
+                vq = ((const float4*)(values + at))[quad];
+            }
+            *(float4*)(k_tile + key * key_stride + 4 * quad) = kq;
+            ((float4*)v_tile)[i] = vq;
+        }
+        __syncthreads();
+
+        // Lane `lane` scores key j0 + lane against each of the warp's rows.
+        float score[FA_ROWS_PER_WARP];
+#pragma unroll
+        for (int r = 0; r < FA_ROWS_PER_WARP; ++r) score[r] = 0.0f;
+        const float* my_key = k_tile + lane * key_stride;
+        for (int d = 0; d < head_dim; d += 4) {
+            float4 kq = *(const float4*)(my_key + d);
+#pragma unroll
+            for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
+                float4 qq = *(const float4*)(warp_q + r * head_dim + d);
+                score[r] = fmaf(qq.x, kq.x, score[r]);
+                score[r] = fmaf(qq.y, kq.y, score[r]);
+                score[r] = fmaf(qq.z, kq.z, score[r]);
+                score[r] = fmaf(qq.w, kq.w, score[r]);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
+            float s = j0 + lane < visible[r] ? score[r] * scale : NEG_INF;
+            // Every row sees key 0, so after the first tile its maximum
+            // is finite; a tile a row cannot see leaves it unchanged.
+            float new_max = fmaxf(running_max[r], warp_max(s));
+            float rescale = expf(running_max[r] - new_max);
+            float p = expf(s - new_max);
+            lane_total[r] = lane_total[r] * rescale + p;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) acc[r][k] *= rescale;
+            running_max[r] = new_max;
+            warp_p[lane * FA_ROWS_PER_WARP + r] = p;
+        }
+        __syncwarp();
+        for (int j = 0; j < tile; ++j) {
+            float4 p_lo = *(const float4*)(warp_p + j * FA_ROWS_PER_WARP);
+            float4 p_hi = *(const float4*)(warp_p + j * FA_ROWS_PER_WARP + 4);
+            float p[FA_ROWS_PER_WARP] = {p_lo.x, p_lo.y, p_lo.z, p_lo.w,
+                                         p_hi.x, p_hi.y, p_hi.z, p_hi.w};
+            const float* value = v_tile + j * head_dim;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                int d = lane + k * WARP_SIZE;
+                float v = d < head_dim ? value[d] : 0.0f;
+#pragma unroll
+                for (int r = 0; r < FA_ROWS_PER_WARP; ++r) acc[r][k] = fmaf(p[r], v, acc[r][k]);
+            }
+        }
+        __syncwarp();  // warp_p is rewritten by the next tile
+    }
+
+#pragma unroll
+    for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
+        float total = warp_sum(lane_total[r]);
+        i64 row = row0 + warp * FA_ROWS_PER_WARP + r;
+        if (row >= rows) continue;
+        i64 t = row / group;
+        int h = kv_head * group + (int)(row % group);
+        float* o = out + t * q_width + (i64)h * head_dim;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            int d = lane + k * WARP_SIZE;
+            if (d < head_dim) o[d] = acc[r][k] / total;
+        }
+    }
+}
+
+// Grid: (ceil(n · heads / kv_heads / FA_ROWS), kv_heads), FA_WARPS warps,
+// dynamic shared memory from flash_attention_shared_bytes (Rust side).
+#define FLASH_ATTENTION_KERNEL(name, PER_LANE)                                            \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
+        name(const float* q, const float* keys, const float* values, float* out, int n,   \
+             int heads, int kv_heads, int head_dim, i64 start, float scale) {             \
+        await_inputs();                                                                   \
+        flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
+                               scale);                                                    \
+    }
+
+FLASH_ATTENTION_KERNEL(flash_attention_128, 4)
+FLASH_ATTENTION_KERNEL(flash_attention_256, 8)
+
 // keys[start + t] = k[t], values[start + t] = v[t] for the n new rows of
 // `width`; `start` from `position` on the device when given.
 extern "C" __global__ void kv_store(float* keys, float* values, const float* k, const float* v,
                                     i64 width, int n, i64 start, const u32* position) {
+    await_inputs();
     if (position) start = *position;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)n * width;
          i += (i64)gridDim.x * blockDim.x) {

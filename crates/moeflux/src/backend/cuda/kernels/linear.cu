@@ -17,6 +17,7 @@
 extern "C" __global__ void embed(const u8* codes, const u16* scales, const u16* biases,
                                  int dtype, const u32* tokens, float* out, int n,
                                  int rows, int cols) {
+    await_inputs();
     i64 total = (i64)n * cols;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {
@@ -98,6 +99,7 @@ __device__ __forceinline__ void linear_tile(const u8* codes, const u16* scales,
     extern "C" __global__ void __launch_bounds__(LINEAR_WARPS * WARP_SIZE)                \
         name(const u8* codes, const u16* scales, const u16* biases, const float* x,       \
              float* out, int rows, int cols, int n) {                                     \
+        await_inputs();                                                                   \
         linear_tile<DT, T>(codes, scales, biases, x, out, rows, cols, n);                 \
     }
 
@@ -263,6 +265,43 @@ struct MatvecJobs {
     int count;
 };
 
+// The job (matrix) this block's rows belong to.
+__device__ __forceinline__ int block_job(const MatvecJobs& jobs) {
+    int j = 0;
+    while (j + 1 < jobs.count && (int)blockIdx.x >= jobs.job[j + 1].first_block) ++j;
+    return j;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Asks L2 for the bytes [p, p + n), one 128-byte line per thread at a time.
+__device__ __forceinline__ void prefetch_span(const void* p, i64 n) {
+    for (i64 at = (i64)threadIdx.x * 128; at < n; at += (i64)blockDim.x * 128) {
+        prefetch_l2((const u8*)p + at);
+    }
+}
+
+// Asks L2 for the weights (codes, scales and biases) of the `per_block`
+// rows this block of a one-token product reads. Weights do not depend on
+// earlier kernels, so this runs before await_inputs: under programmatic
+// launch the fetch overlaps the end of the kernel before.
+template <int DT>
+__device__ __forceinline__ void prefetch_block_rows(const MatvecJobs& jobs, int cols,
+                                                    int per_block) {
+    const MatvecJob& job = jobs.job[block_job(jobs)];
+    i64 first = (i64)(blockIdx.x - job.first_block) * per_block;
+    i64 count = min((i64)per_block, (i64)job.rows - first);
+    if (count <= 0) return;
+    prefetch_span(job.codes + first * row_bytes(DT, cols), count * row_bytes(DT, cols));
+    if (DT == DT_Q4 || DT == DT_Q8) {
+        i64 groups = cols / GROUP_SIZE;
+        prefetch_span(job.scales + first * groups, count * groups * 2);
+        prefetch_span(job.biases + first * groups, count * groups * 2);
+    }
+}
+
 // out_j[r] (+)= Σ_c w_j[r, c] · x[c] for one token and up to MAX_JOBS
 // matrices of the same type sharing x (one launch for q, k and v, say);
 // cols is a multiple of WORD_COLS(DT). With `accumulate` the result is
@@ -271,9 +310,7 @@ template <int DT>
 __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const float* x,
                                               int cols, int accumulate) {
     __shared__ float partial[VEC_WARPS][VEC_ROWS];
-    int j = 0;
-    while (j + 1 < jobs.count && (int)blockIdx.x >= jobs.job[j + 1].first_block) ++j;
-    const MatvecJob& job = jobs.job[j];
+    const MatvecJob& job = jobs.job[block_job(jobs)];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     i64 first = (i64)(blockIdx.x - job.first_block) * VEC_ROWS;
@@ -312,9 +349,7 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
 template <int DT>
 __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const float* x,
                                                    int cols, int accumulate) {
-    int j = 0;
-    while (j + 1 < jobs.count && (int)blockIdx.x >= jobs.job[j + 1].first_block) ++j;
-    const MatvecJob& job = jobs.job[j];
+    const MatvecJob& job = jobs.job[block_job(jobs)];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     i64 first = ((i64)(blockIdx.x - job.first_block) * VEC_WARPS + warp) * ROWS_PER_WARP;
@@ -340,10 +375,14 @@ __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const
 #define LINEAR_VECTOR_KERNEL(name, DT)                                                    \
     extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
         name(MatvecJobs jobs, const float* x, int cols, int accumulate) {                 \
+        prefetch_block_rows<DT>(jobs, cols, VEC_ROWS);                                    \
+        await_inputs();                                                                   \
         linear_vector<DT>(jobs, x, cols, accumulate);                                     \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
         name##_rows(MatvecJobs jobs, const float* x, int cols, int accumulate) {          \
+        prefetch_block_rows<DT>(jobs, cols, VEC_WARPS * ROWS_PER_WARP);                   \
+        await_inputs();                                                                   \
         linear_vector_rows<DT>(jobs, x, cols, accumulate);                                \
     }
 
