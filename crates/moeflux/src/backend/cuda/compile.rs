@@ -142,7 +142,8 @@ pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
         .compute_capability()
         .map_err(|e| format!("reading the compute capability: {e}"))?;
     let arch = format!("sm_{major}{minor}");
-    let options = vec![format!("--gpu-architecture={arch}")];
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    options.extend(tuning_defines());
     let (nvrtc_major, nvrtc_minor) = nvrtc_version()?;
     let source = program();
     let mut key = xxhash_rust::xxh3::Xxh3::new();
@@ -168,6 +169,17 @@ pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
         }
     };
     Kernels::load(&module)
+}
+
+/// `-D` options from `MOEFLUX_CUDA_DEFINES` (`NAME=VALUE ...`), for tuning
+/// experiments on constants the kernels declare overridable (`#ifndef`);
+/// they are part of the cache key like every option.
+fn tuning_defines() -> Vec<String> {
+    std::env::var("MOEFLUX_CUDA_DEFINES")
+        .unwrap_or_default()
+        .split_whitespace()
+        .map(|define| format!("-D{define}"))
+        .collect()
 }
 
 fn nvrtc_version() -> Result<(i32, i32), String> {
@@ -263,7 +275,8 @@ mod tests {
     /// Decode recordings link kernels by programmatic edges (graph.rs),
     /// which are only safe if every kernel waits for its inputs before
     /// reading them: each kernel body calls `await_inputs()` before any
-    /// other statement but L2 prefetches of weights.
+    /// other statement but shared-memory declarations and L2 prefetches of
+    /// weights.
     #[test]
     fn every_kernel_awaits_its_inputs_first() {
         let source = program().replace("\\\n", "\n");
@@ -278,7 +291,7 @@ mod tests {
             let statements = body[open + 1..]
                 .split(';')
                 .map(str::trim)
-                .skip_while(|s| s.starts_with("prefetch_"));
+                .skip_while(|s| s.starts_with("prefetch_") || s.starts_with("extern __shared__"));
             let first = statements.take(1).collect::<String>();
             assert_eq!(
                 first, "await_inputs()",

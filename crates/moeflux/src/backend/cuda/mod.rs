@@ -86,7 +86,8 @@ const VECTOR_ROWS: usize = 4;
 /// Rows per block of its whole-rows variant (`VEC_WARPS · ROWS_PER_WARP`).
 const WHOLE_ROWS: usize = VECTOR_WARPS * 2;
 /// Rows (over the matrices of one launch) from which the whole-rows
-/// variant is used.
+/// variant is used, unless `MOEFLUX_CUDA_WHOLE_ROWS_MIN` says otherwise
+/// (a tuning knob).
 const WHOLE_ROWS_MIN: usize = 1024;
 /// Matrices one launch of the one-token linear kernel covers (`MAX_JOBS`).
 const MAX_MATVEC_JOBS: usize = 4;
@@ -114,6 +115,7 @@ struct MatvecJobs {
 // SAFETY: plain data laid out as the kernels' structs (C layout, device
 // addresses as 64-bit integers).
 unsafe impl DeviceRepr for MatvecJobs {}
+
 /// Tokens (warps) per block of the one-warp router.
 const ROUTE_WARPS: usize = 4;
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
@@ -202,6 +204,8 @@ pub struct CudaBackend {
     /// Whether recordings link kernels by programmatic edges (graph.rs;
     /// compute capability 9.0 and later).
     programmatic_launch: bool,
+    /// See [`WHOLE_ROWS_MIN`].
+    whole_rows_min: usize,
     /// The step being recorded, if one is.
     capture: Mutex<Option<graph::Capture>>,
     recordings: Mutex<graph::Recordings>,
@@ -429,6 +433,10 @@ impl CudaBackend {
             recordings: Mutex::new(graph::Recordings::default()),
             graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
+            whole_rows_min: std::env::var("MOEFLUX_CUDA_WHOLE_ROWS_MIN")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(WHOLE_ROWS_MIN),
         })
     }
 
@@ -600,7 +608,7 @@ impl CudaBackend {
         // Whole rows per warp stream faster (12.9 vs 18.4 µs for q, k and v
         // of the 30B shape on an H100); matrices of few rows (a router) need
         // the columns split to keep enough loads in flight (5.3 vs 10.7 µs).
-        let whole_rows = ws.iter().map(|w| w.layout.rows).sum::<usize>() >= WHOLE_ROWS_MIN;
+        let whole_rows = ws.iter().map(|w| w.layout.rows).sum::<usize>() >= self.whole_rows_min;
         let (op, kernel, rows_per_block) = match (dtype, whole_rows) {
             (DType::F32, false) => ("linear f32", &k.linear_vector_f32, VECTOR_ROWS),
             (DType::Bf16, false) => ("linear bf16", &k.linear_vector_bf16, VECTOR_ROWS),
@@ -1083,9 +1091,14 @@ impl Backend for CudaBackend {
             k.cols == kv_heads * head_dim && v.cols == k.cols && k.rows == n && v.rows == n,
             "attention: key/value shapes"
         );
-        let start = cache.len();
-        self.kv_append(cache, &k.data, &v.data, n);
-        let position = self.recorded_position(None);
+        // One token: the attention kernel stores its key and value itself.
+        let (start, position) = if n == 1 {
+            self.kv_claim_one(cache)
+        } else {
+            let start = cache.len();
+            self.kv_append(cache, &k.data, &v.data, n);
+            (start, self.recorded_position(None))
+        };
         let mut out = self.tensor("attention", n, heads * head_dim);
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
@@ -1128,10 +1141,16 @@ impl Backend for CudaBackend {
             );
             return out;
         }
-        let (kernel, threads) = match n {
-            1 => (&self.kernels.attention_decode, ATTENTION_DECODE_THREADS),
-            _ => (&self.kernels.attention, ATTENTION_THREADS),
+        let (kernel, threads, new_k, new_v) = match n {
+            1 => (
+                &self.kernels.attention_decode,
+                ATTENTION_DECODE_THREADS,
+                k.data.device_ptr(&self.stream).0,
+                v.data.device_ptr(&self.stream).0,
+            ),
+            _ => (&self.kernels.attention, ATTENTION_THREADS, 0, 0),
         };
+        // The cache's keys and values are written by the kernel when n = 1.
         launch!(
             self,
             "attention",
@@ -1147,7 +1166,9 @@ impl Backend for CudaBackend {
             &head_dim_i,
             &start_l,
             &position,
-            &scale
+            &scale,
+            &new_k,
+            &new_v
         );
         out
     }

@@ -161,6 +161,18 @@ impl CudaBackend {
         cache.set_len(len + n);
     }
 
+    /// Makes room for one more position and claims it for a key and value
+    /// that the caller's kernel stores itself (the one-token attention
+    /// kernel does): returns the position, and the device word of a
+    /// recorded step's position as [`CudaBackend::kv_append`] registers it.
+    pub(super) fn kv_claim_one(&self, cache: &mut KvCache) -> (usize, u64) {
+        let len = cache.len();
+        self.kv_reserve(cache, len + 1);
+        let position = self.recorded_position(Some(cache.len_counter()));
+        cache.set_len(len + 1);
+        (len, position)
+    }
+
     pub(super) fn kv_truncate_to(&self, cache: &mut KvCache, len: usize) {
         cache.set_len(cache.len().min(len));
     }

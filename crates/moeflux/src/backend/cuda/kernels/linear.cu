@@ -127,8 +127,21 @@ LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
 
 // Columns one 32-bit word of a row holds.
 #define WORD_COLS(DT) ((DT) == DT_Q4 ? 8 : (DT) == DT_Q8 ? 4 : (DT) == DT_BF16 ? 2 : 1)
-// Words per lane in flight per row.
+// Words per lane in flight per row, by kernel, and the blocks per SM the
+// compiler keeps registers for (1: no constraint). Tunable for experiments
+// through MOEFLUX_CUDA_DEFINES (compile.rs).
+#ifndef WORD_UNROLL
 #define WORD_UNROLL 4
+#endif
+#ifndef LINEAR_SPLIT_UNROLL
+#define LINEAR_SPLIT_UNROLL WORD_UNROLL
+#endif
+#ifndef LINEAR_ROWS_UNROLL
+#define LINEAR_ROWS_UNROLL WORD_UNROLL
+#endif
+#ifndef LINEAR_MIN_BLOCKS
+#define LINEAR_MIN_BLOCKS 1
+#endif
 
 // Bytes of a stored row of `cols` values.
 __device__ __forceinline__ i64 row_bytes(int dt, int cols) {
@@ -204,34 +217,51 @@ __device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word, 
     }
 }
 
-// acc[i] += Σ this lane's share of rows[i] · xs[i] over the words
-// [begin, end) of R rows (a word holds WORD_COLS(DT) columns; each x is
-// aligned to a word's columns: 16 bytes for q4 and q8). WORD_UNROLL words
-// per row are loaded before any is used, so short ranges are in flight at
-// once too. With SHARED_X every row takes xs[0].
-template <int DT, int R, bool SHARED_X>
-__device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* const* xs,
-                                         int begin, int end, int lane, float* acc) {
-    for (int base = begin + lane; base < end; base += WORD_UNROLL * WARP_SIZE) {
-        u32 packed[WORD_UNROLL][R];
+// One batch of a lane's words: U words of each of R rows from word `base`
+// on, a warp's lanes taking consecutive words (zero past `end`).
+template <int R, int U>
+__device__ __forceinline__ void load_words(const WeightRow* rows, int base, int end,
+                                           u32 (&packed)[U][R]) {
 #pragma unroll
-        for (int u = 0; u < WORD_UNROLL; ++u) {
-            int w = base + u * WARP_SIZE;
+    for (int u = 0; u < U; ++u) {
+        int w = base + u * WARP_SIZE;
+#pragma unroll
+        for (int i = 0; i < R; ++i) {
+            packed[u][i] = w < end ? load_streaming(rows[i].codes + 4 * (i64)w) : 0u;
+        }
+    }
+}
+
+// acc[i] += the batch load_words read from `base` · xs[i].
+template <int DT, int R, int U, bool SHARED_X>
+__device__ __forceinline__ void dot_words(const WeightRow* rows, const float* const* xs,
+                                          int base, int end, const u32 (&packed)[U][R],
+                                          float* acc) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        int w = base + u * WARP_SIZE;
+        if (w < end) {
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-                packed[u][i] = w < end ? load_streaming(rows[i].codes + 4 * (i64)w) : 0u;
+                dot_word<DT>(rows[i], packed[u][i], w, xs[SHARED_X ? 0 : i], acc[i]);
             }
         }
-#pragma unroll
-        for (int u = 0; u < WORD_UNROLL; ++u) {
-            int w = base + u * WARP_SIZE;
-            if (w < end) {
-#pragma unroll
-                for (int i = 0; i < R; ++i) {
-                    dot_word<DT>(rows[i], packed[u][i], w, xs[SHARED_X ? 0 : i], acc[i]);
-                }
-            }
-        }
+    }
+}
+
+// acc[i] += Σ this lane's share of rows[i] · xs[i] over the words
+// [begin, end) of R rows (a word holds WORD_COLS(DT) columns; each x is
+// aligned to a word's columns: 16 bytes for q4 and q8). U words per row
+// (WORD_UNROLL unless a kernel tunes it) are loaded before any is used, so
+// short ranges are in flight at once too. With SHARED_X every row takes
+// xs[0].
+template <int DT, int R, bool SHARED_X, int U = WORD_UNROLL>
+__device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* const* xs,
+                                         int begin, int end, int lane, float* acc) {
+    for (int base = begin + lane; base < end; base += U * WARP_SIZE) {
+        u32 packed[U][R];
+        load_words<R, U>(rows, base, end, packed);
+        dot_words<DT, R, U, SHARED_X>(rows, xs, base, end, packed, acc);
     }
 }
 
@@ -324,7 +354,7 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
         acc[i] = 0.0f;
     }
     int2 range = warp_words(cols / WORD_COLS(DT), warp, VEC_WARPS);
-    dot_rows<DT, VEC_ROWS, true>(w, &x, range.x, range.y, lane, acc);
+    dot_rows<DT, VEC_ROWS, true, LINEAR_SPLIT_UNROLL>(w, &x, range.x, range.y, lane, acc);
 #pragma unroll
     for (int i = 0; i < VEC_ROWS; ++i) {
         float v = warp_sum(acc[i]);
@@ -363,7 +393,8 @@ __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const
         w[i] = weight_row(DT, job.codes, job.scales, job.biases, r, cols);
         acc[i] = 0.0f;
     }
-    dot_rows<DT, ROWS_PER_WARP, true>(w, &x, 0, cols / WORD_COLS(DT), lane, acc);
+    dot_rows<DT, ROWS_PER_WARP, true, LINEAR_ROWS_UNROLL>(w, &x, 0, cols / WORD_COLS(DT), lane,
+                                                          acc);
 #pragma unroll
     for (int i = 0; i < ROWS_PER_WARP; ++i) {
         float v = warp_sum(acc[i]);
@@ -373,13 +404,13 @@ __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const
 }
 
 #define LINEAR_VECTOR_KERNEL(name, DT)                                                    \
-    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
         name(MatvecJobs jobs, const float* x, int cols, int accumulate) {                 \
         prefetch_block_rows<DT>(jobs, cols, VEC_ROWS);                                    \
         await_inputs();                                                                   \
         linear_vector<DT>(jobs, x, cols, accumulate);                                     \
     }                                                                                     \
-    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE)                   \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
         name##_rows(MatvecJobs jobs, const float* x, int cols, int accumulate) {          \
         prefetch_block_rows<DT>(jobs, cols, VEC_WARPS * ROWS_PER_WARP);                   \
         await_inputs();                                                                   \

@@ -230,6 +230,19 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
 
 // Warps per block of moe_gate_up.
 #define GATE_UP_WARPS 8
+// Words in flight and blocks per SM to keep registers for (see linear.cu).
+#ifndef GATE_UP_UNROLL
+#define GATE_UP_UNROLL WORD_UNROLL
+#endif
+#ifndef GATE_UP_MIN_BLOCKS
+#define GATE_UP_MIN_BLOCKS 1
+#endif
+#ifndef DOWN_UNROLL
+#define DOWN_UNROLL WORD_UNROLL
+#endif
+#ifndef DOWN_MIN_BLOCKS
+#define DOWN_MIN_BLOCKS 1
+#endif
 
 // act[k, r] = silu(gate_k[r] · x) · (up_k[r] · x) for expert k = ids[k].
 // Grid: (ceil(inter / GATE_UP_WARPS), top_k); a warp per row pair, whole
@@ -248,7 +261,7 @@ __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
     WeightRow rows[2] = {expert_row(DT, base, gate, r, hidden),
                          expert_row(DT, base, up, r, hidden)};
     float acc[2] = {0.0f, 0.0f};
-    dot_rows<DT, 2, true>(rows, &x, 0, hidden / WORD_COLS(DT), lane, acc);
+    dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, hidden / WORD_COLS(DT), lane, acc);
     float g = warp_sum(acc[0]);
     float u = warp_sum(acc[1]);
     if (lane == 0) act[(i64)blockIdx.y * inter + r] = silu(g) * u;
@@ -276,7 +289,7 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
         WeightRow row = expert_row(DT, table[ids[k]], down, r, inter);
         const float* x = act + (i64)k * inter;
         float acc = 0.0f;
-        dot_rows<DT, 1, true>(&row, &x, 0, words, lane, &acc);
+        dot_rows<DT, 1, true, DOWN_UNROLL>(&row, &x, 0, words, lane, &acc);
         acc = warp_sum(acc);
         if (lane == 0) partial[k] = acc;
     }
@@ -289,14 +302,15 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
 }
 
 #define MOE_DECODE_KERNELS(suffix, DT)                                                     \
-    extern "C" __global__ void __launch_bounds__(GATE_UP_WARPS * WARP_SIZE)                \
+    extern "C" __global__ void __launch_bounds__(GATE_UP_WARPS * WARP_SIZE,                \
+                                                 GATE_UP_MIN_BLOCKS)                       \
         moe_gate_up_##suffix(const unsigned long long* table, const u32* ids,              \
                              const float* x, float* act, int inter, int hidden,            \
                              ExpertPart gate, ExpertPart up) {                             \
         await_inputs();                                                                    \
         moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up);                      \
     }                                                                                      \
-    extern "C" __global__ void __launch_bounds__(DOWN_WARPS * WARP_SIZE)                   \
+    extern "C" __global__ void __launch_bounds__(DOWN_WARPS * WARP_SIZE, DOWN_MIN_BLOCKS)  \
         moe_down_##suffix(const unsigned long long* table, const u32* ids,                 \
                           const float* weights, const float* act, float* out, int hidden,  \
                           int inter, int top_k, ExpertPart down, int accumulate) {         \
