@@ -146,8 +146,10 @@ fn flash_attention_shared_bytes(head_dim: usize) -> usize {
         + FLASH_KEYS * head_dim
         + FLASH_WARPS * FLASH_KEYS * FLASH_ROWS_PER_WARP)
 }
-/// Threads per block of the Gated DeltaNet recurrence (`GDN_THREADS`).
-const GDN_THREADS: usize = 128;
+/// Warps (value columns) per block of the Gated DeltaNet recurrence
+/// (`GDN_WARPS`), and its largest key head dimension (32 · `GDN_LANE_ROWS`).
+const GDN_WARPS: usize = 16;
+const GDN_MAX_KEY_DIM: usize = 256;
 /// Shared memory a block may use without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
@@ -1197,8 +1199,8 @@ impl Backend for CudaBackend {
             "gated_delta_net: b and a must be [tokens, value_heads]"
         );
         assert!(
-            nk > 0 && nv.is_multiple_of(nk) && 2 * dk * 4 <= MAX_SHARED_BYTES,
-            "gated_delta_net: {nv} value heads over {nk} key heads of {dk}"
+            nk > 0 && nv.is_multiple_of(nk) && dk <= GDN_MAX_KEY_DIM,
+            "gated_delta_net: {nv} value heads over {nk} key heads of {dk} (at most {GDN_MAX_KEY_DIM})"
         );
         assert_eq!(
             params.conv.vector_len("gated_delta_net"),
@@ -1261,9 +1263,9 @@ impl Backend for CudaBackend {
         );
         let mut out = self.tensor("gated_delta_net", n, cfg.value_dim());
         let config = LaunchConfig {
-            grid_dim: (nv as u32, dv.div_ceil(GDN_THREADS) as u32, 1),
-            block_dim: (GDN_THREADS as u32, 1, 1),
-            shared_mem_bytes: (2 * dk * 4) as u32,
+            grid_dim: (nv as u32, dv.div_ceil(GDN_WARPS) as u32, 1),
+            block_dim: ((GDN_WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
         };
         launch!(
             self,

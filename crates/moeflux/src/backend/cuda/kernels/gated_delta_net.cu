@@ -2,8 +2,6 @@
 // q|k|v channels with a rolling history of kernel - 1 inputs, L2-normalised
 // q and k, then the gated delta rule per value head.
 
-#define GDN_THREADS 128
-
 // mixed[t, c] = silu(Σ_i w[c, i] · window[t + i, c]) where window is the
 // history `[kernel - 1, channels]` followed by the new inputs qkv `[n, channels]`.
 extern "C" __global__ void gdn_conv(const float* qkv, const float* history,
@@ -68,51 +66,95 @@ extern "C" __global__ void gdn_qk_norm(float* mixed, int n, int channels, int ke
     }
 }
 
-// The delta rule, token by token. Grid (value_heads, ceil(dv / GDN_THREADS));
-// thread j owns column j of its head's state S `[dk, dv]`: every step of the
-// rule reads and writes only that column, so the columns run in parallel.
-// Per token: S *= decay; delta = (v - Sᵀk) · beta; S += k ⊗ delta; o = Sᵀq.
-// Dynamic shared memory: 2·dk floats (the head's q and k).
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+// The delta rule, token by token. Per token: S *= decay;
+// delta = (v - Sᵀk) · beta; S += k ⊗ delta; o = Sᵀq, for the head's state
+// S `[dk, dv]`. Every step reads and writes only its own column of S, so a
+// warp owns one column, held in registers across the tokens (lane l holds
+// rows l, l + 32, ...; dk ≤ 32 · GDN_LANE_ROWS, checked on the host), and
+// the two dot products per token are warp sums. The next token's inputs
+// are loaded while the current one computes. Grid (value_heads,
+// ceil(dv / GDN_WARPS)), GDN_WARPS warps per block (columns of one head,
+// which share q and k through L1).
+#define GDN_WARPS 16
+#define GDN_LANE_ROWS 8
+
+// One token's inputs of one column.
+struct GdnStep {
+    float q[GDN_LANE_ROWS];
+    float k[GDN_LANE_ROWS];
+    float v, a, b;
+};
+
+__device__ __forceinline__ void gdn_load(GdnStep& step, const float* mixed, const float* b,
+                                         const float* a, i64 t, int channels, int key,
+                                         int key_dim, int v_index, int h, int value_heads,
+                                         int dk, int lane) {
+    const float* row = mixed + t * channels;
+#pragma unroll
+    for (int r = 0; r < GDN_LANE_ROWS; ++r) {
+        int i = lane + r * WARP_SIZE;
+        step.q[r] = i < dk ? row[key + i] : 0.0f;
+        step.k[r] = i < dk ? row[key_dim + key + i] : 0.0f;
+    }
+    step.v = row[v_index];
+    step.a = a[t * value_heads + h];
+    step.b = b[t * value_heads + h];
+}
+
+extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP_SIZE)
     gdn_recurrence(const float* mixed, const float* b, const float* a, const float* a_log,
                    const float* dt_bias, float* state, float* out, int n, int channels,
                    int key_heads, int value_heads, int dk, int dv) {
     await_inputs();
-    extern __shared__ float qk[];
-    float* qs = qk;
-    float* ks = qk + dk;
+    int warp = threadIdx.x / WARP_SIZE;
+    int lane = threadIdx.x % WARP_SIZE;
     int h = blockIdx.x;
-    int j = blockIdx.y * blockDim.x + threadIdx.x;
+    int j = blockIdx.y * GDN_WARPS + warp;
+    if (j >= dv) return;  // whole warps; no block-wide barriers below
     int key_dim = key_heads * dk;
     int key = (h / (value_heads / key_heads)) * dk;
-    int v_col = 2 * key_dim + h * dv;
-    float* s = state + (i64)h * dk * dv;
+    int v_index = 2 * key_dim + h * dv + j;
+    float* s = state + (i64)h * dk * dv + j;
+    float column[GDN_LANE_ROWS];
+#pragma unroll
+    for (int r = 0; r < GDN_LANE_ROWS; ++r) {
+        int i = lane + r * WARP_SIZE;
+        column[r] = i < dk ? s[(i64)i * dv] : 0.0f;
+    }
     float decay_rate = -expf(a_log[h]);
+    float bias = dt_bias[h];
+    GdnStep next;
+    if (n > 0) {
+        gdn_load(next, mixed, b, a, 0, channels, key, key_dim, v_index, h, value_heads, dk,
+                 lane);
+    }
     for (int t = 0; t < n; ++t) {
-        const float* row = mixed + (i64)t * channels;
-        for (int i = threadIdx.x; i < dk; i += blockDim.x) {
-            qs[i] = row[key + i];
-            ks[i] = row[key_dim + key + i];
+        GdnStep step = next;
+        if (t + 1 < n) {
+            gdn_load(next, mixed, b, a, t + 1, channels, key, key_dim, v_index, h, value_heads,
+                     dk, lane);
         }
-        __syncthreads();
-        float decay = expf(decay_rate * softplus(a[(i64)t * value_heads + h] + dt_bias[h]));
-        float beta = sigmoid(b[(i64)t * value_heads + h]);
-        if (j < dv) {
-            float kv = 0.0f;
-            for (int i = 0; i < dk; ++i) {
-                float v = s[(i64)i * dv + j] * decay;
-                s[(i64)i * dv + j] = v;
-                kv += v * ks[i];
-            }
-            float delta = (row[v_col + j] - kv) * beta;
-            float o = 0.0f;
-            for (int i = 0; i < dk; ++i) {
-                float v = s[(i64)i * dv + j] + ks[i] * delta;
-                s[(i64)i * dv + j] = v;
-                o += v * qs[i];
-            }
-            out[(i64)t * value_heads * dv + (i64)h * dv + j] = o;
+        float decay = expf(decay_rate * softplus(step.a + bias));
+        float beta = sigmoid(step.b);
+        float kv = 0.0f;
+#pragma unroll
+        for (int r = 0; r < GDN_LANE_ROWS; ++r) {
+            column[r] *= decay;
+            kv += column[r] * step.k[r];
         }
-        __syncthreads();  // before the next token overwrites q and k
+        float delta = (step.v - warp_sum(kv)) * beta;
+        float o = 0.0f;
+#pragma unroll
+        for (int r = 0; r < GDN_LANE_ROWS; ++r) {
+            column[r] += step.k[r] * delta;
+            o += column[r] * step.q[r];
+        }
+        o = warp_sum(o);
+        if (lane == 0) out[(i64)t * value_heads * dv + (i64)h * dv + j] = o;
+    }
+#pragma unroll
+    for (int r = 0; r < GDN_LANE_ROWS; ++r) {
+        int i = lane + r * WARP_SIZE;
+        if (i < dk) s[(i64)i * dv] = column[r];
     }
 }
