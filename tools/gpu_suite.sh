@@ -11,7 +11,7 @@
 #                             a synthetic model, logging to $OUT
 #   tools/gpu_suite.sh perf   on the GPU machine: the CUDA tests, then the
 #                             synthetic qwen3-30b-a3b's decode with and
-#                             without programmatic launch (interleaved),
+#                             without graph replay (interleaved),
 #                             device time per operation of a pp512, and
 #                             Nsight Compute's kernel times for decode
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
@@ -132,9 +132,9 @@ perf() {
     [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
     local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
     for round in 1 2; do
-        for pdl in 0 1; do
-            echo "--- decode, MOEFLUX_CUDA_PDL=$pdl, round $round"
-            MOEFLUX_CUDA_PDL=$pdl "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
+        for graphs in 1 0; do
+            echo "--- decode, MOEFLUX_CUDA_GRAPHS=$graphs, round $round"
+            MOEFLUX_CUDA_GRAPHS=$graphs "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
         done
     done
     echo "--- pp512"

@@ -203,9 +203,6 @@ pub struct CudaBackend {
     profiler: Option<profile::Profiler>,
     /// Whether decode steps are recorded and replayed (graph.rs).
     graphs_enabled: bool,
-    /// Whether recordings link kernels by programmatic edges (graph.rs;
-    /// compute capability 9.0 and later).
-    programmatic_launch: bool,
     /// See [`WHOLE_ROWS_MIN`].
     whole_rows_min: usize,
     /// The step being recorded, if one is.
@@ -434,7 +431,6 @@ impl CudaBackend {
             capture: Mutex::new(None),
             recordings: Mutex::new(graph::Recordings::default()),
             graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
-            programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: std::env::var("MOEFLUX_CUDA_WHOLE_ROWS_MIN")
                 .ok()
                 .and_then(|v| v.parse().ok())

@@ -120,7 +120,6 @@ __device__ __forceinline__ void attend(const float* q, float* keys, float* value
         name(const float* q, float* keys, float* values, float* out, int n, int heads,    \
              int kv_heads, int head_dim, i64 start, const u32* position, float scale,     \
              const float* new_k, const float* new_v) {                                    \
-        await_inputs();                                                                   \
         attend<W>(q, keys, values, out, n, heads, kv_heads, head_dim, start, position,    \
                   scale, new_k, new_v);                                                   \
     }
@@ -289,7 +288,6 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
         name(const float* q, const float* keys, const float* values, float* out, int n,   \
              int heads, int kv_heads, int head_dim, i64 start, float scale) {             \
-        await_inputs();                                                                   \
         flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
                                scale);                                                    \
     }
@@ -301,7 +299,6 @@ FLASH_ATTENTION_KERNEL(flash_attention_256, 8)
 // `width`; `start` from `position` on the device when given.
 extern "C" __global__ void kv_store(float* keys, float* values, const float* k, const float* v,
                                     i64 width, int n, i64 start, const u32* position) {
-    await_inputs();
     if (position) start = *position;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)n * width;
          i += (i64)gridDim.x * blockDim.x) {
