@@ -79,7 +79,7 @@ fn matmul_throughput() {
                 256.0 * 2048.0 / secs / 1e9,
                 l.total_bytes as f64 / secs / 1e9
             );
-            for (rows, cols) in [(4096, 2048), (151936, 2048)] {
+            for (rows, cols) in [(768, 2048), (2048, 768), (4096, 2048), (151936, 2048)] {
                 let one = MatrixLayout::new(dtype, rows, cols).unwrap().total_bytes;
                 // Enough matrices to miss the 32 MB L3 on every call.
                 let count = (160usize << 20).div_ceil(one);
@@ -99,7 +99,7 @@ fn matmul_throughput() {
                     secs * 1e6,
                     100.0 * gbs / ceiling
                 );
-                if rows > 4096 {
+                if (rows, cols) != (4096, 2048) {
                     continue;
                 }
                 // A prefill chunk against n matrix-vector products.

@@ -157,7 +157,7 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     params: &Int8Params<'_>,
 ) -> [[f32; T]; R] {
     let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
-    assert!(params.products.len() >= R * T * groups);
+    assert!(params.products.len() >= R * T * stride);
     assert!(params.scales.len() >= R * stride && params.biases.len() >= R * stride);
     assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
     let group_bytes = GROUP_SIZE * BITS as usize / 8;
@@ -190,7 +190,8 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 };
                 for (t, a) in acc.iter_mut().enumerate() {
                     let dot = group_dot::<BITS>(q, abs, xq.add(t * cols + g * GROUP_SIZE));
-                    let scale = _mm256_set1_ps(*params.products.get_unchecked((g * R + r) * T + t));
+                    let scale =
+                        _mm256_set1_ps(*params.products.get_unchecked((r * T + t) * stride + g));
                     *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, *a);
                 }
             }

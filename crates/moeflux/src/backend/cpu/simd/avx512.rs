@@ -139,7 +139,7 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     params: &Int8Params<'_>,
 ) -> [[f32; T]; R] {
     let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
-    assert!(params.products.len() >= R * T * groups);
+    assert!(params.products.len() >= R * T * stride);
     assert!(params.scales.len() >= R * stride && params.biases.len() >= R * stride);
     assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
     let group_bytes = GROUP_SIZE * BITS as usize / 8;
@@ -161,8 +161,9 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 _mm512_loadu_si512(xq.add(t * cols + g * GROUP_SIZE) as *const __m512i)
             })
         };
-        let product =
-            |g: usize, r: usize, t: usize| *params.products.get_unchecked((g * R + r) * T + t);
+        let products = |r: usize, t: usize| params.products.as_ptr().add((r * T + t) * stride);
+        // Lanes 0-7 take the first group of a pair, 8-15 the second.
+        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         let mut g = 0;
         // Pairs of 4-bit groups: their 64 code bytes are one register,
         // unpacked at once into the low nibbles of both (evens) and the
@@ -176,6 +177,12 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 std::array::from_fn(|t| _mm512_shuffle_i64x2::<0b01_00_01_00>(x0[t], x1[t]));
             let odds: [__m512i; T] =
                 std::array::from_fn(|t| _mm512_shuffle_i64x2::<0b11_10_11_10>(x0[t], x1[t]));
+            // The pair's products from the block of 16 groups holding both.
+            let (block, pair) = (
+                g & !(GROUP_LANES - 1),
+                _mm512_set1_epi32((g % GROUP_LANES) as i32),
+            );
+            let pair = _mm512_add_epi32(pair, halves);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let p = codes[r].add(g * group_bytes);
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
@@ -185,11 +192,8 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 for (t, a) in acc.iter_mut().enumerate() {
                     let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, evens[t]);
                     let dot = _mm512_dpbusd_epi32(dot, hi, odds[t]);
-                    let scale = _mm512_mask_broadcastss_ps(
-                        _mm512_set1_ps(product(g, r, t)),
-                        0xff00,
-                        _mm_set_ss(product(g + 1, r, t)),
-                    );
+                    let scale =
+                        _mm512_permutexvar_ps(pair, _mm512_loadu_ps(products(r, t).add(block)));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
                 }
             }
@@ -208,7 +212,7 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 };
                 for (t, (a, &xv)) in acc.iter_mut().zip(&xs).enumerate() {
                     let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-                    let scale = _mm512_set1_ps(product(g, r, t));
+                    let scale = _mm512_set1_ps(*products(r, t).add(g));
                     *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
                 }
             }

@@ -542,9 +542,10 @@ trait Kernels {
 
 /// The group parameters of one tile of the int8 kernels: per row
 /// (`[R, stride]`, zero-padded like [`Int8Acts`]'s arrays) its scales `s`
-/// and its biases shifted by the mean code, `b + c·s`; per group and
-/// (row, token) pair (`[groups, R·T]`, so the kernels walk one pointer)
-/// the products `s·d` the integer sums are scaled by.
+/// and its biases shifted by the mean code, `b + c·s`; per (row, token)
+/// pair (`[R·T, stride]`, row-major by pair, zero-padded) the products
+/// `s·d` of each group that the integer sums are scaled by: one plain
+/// vector loop fills them, and the kernels take a vector of them at once.
 struct Int8Params<'a> {
     scales: &'a [f32],
     biases: &'a [f32],
@@ -664,6 +665,24 @@ fn tile_count(rows: usize, max_rows: usize) -> usize {
     stretch + rows - max_rows * stretch
 }
 
+/// Rows ahead of the current tile's whose group parameters the quantized
+/// drivers prefetch: the scales and biases are two more streams per tile
+/// row, which the hardware prefetchers follow less well than the codes
+/// (the kernels prefetch the codes themselves).
+const PARAMS_AHEAD: usize = 8;
+
+/// Asks for the cache line at `p` (a hint: never faults).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch does not access memory architecturally.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 /// Walks `w` in tiles of at most `max_rows` × `max_tokens`: each tile of
 /// rows is read once for all tokens. Inlined into each instruction set's
 /// entry point so the tiles compile with its features.
@@ -681,6 +700,9 @@ unsafe fn quant_rows_with<K: Kernels>(
     for i in 0..tile_count(w.rows, max_rows) {
         let (tile, rows) = tile(i, w.rows, max_rows);
         for (i, &r) in tile[..rows].iter().enumerate() {
+            let ahead = (r + PARAMS_AHEAD) * g;
+            prefetch(w.scales.as_ptr().wrapping_add(ahead));
+            prefetch(w.biases.as_ptr().wrapping_add(ahead));
             widen_bf16(&w.scales[r * g..(r + 1) * g], &mut scales[i * g..]);
             widen_bf16(&w.biases[r * g..(r + 1) * g], &mut biases[i * g..]);
         }
@@ -721,10 +743,13 @@ unsafe fn int8_rows_with<K: Int8Kernel>(
     let mean = mean_code(w.bits);
     let mut scales = vec![0f32; max_rows * stride];
     let mut biases = vec![0f32; max_rows * stride];
-    let mut products = vec![0f32; max_rows * max_tokens * g];
+    let mut products = vec![0f32; max_rows * max_tokens * stride];
     for i in 0..tile_count(w.rows, max_rows) {
         let (tile, rows) = tile(i, w.rows, max_rows);
         for (i, &r) in tile[..rows].iter().enumerate() {
+            let ahead = (r + PARAMS_AHEAD) * g;
+            prefetch(w.scales.as_ptr().wrapping_add(ahead));
+            prefetch(w.biases.as_ptr().wrapping_add(ahead));
             let (s, b) = (
                 &mut scales[i * stride..][..g],
                 &mut biases[i * stride..][..g],
@@ -742,10 +767,12 @@ unsafe fn int8_rows_with<K: Int8Kernel>(
                 let mut rows_of = [0; R];
                 rows_of.copy_from_slice(&tile[..R]);
                 let tile = rows_of;
-                for (k, p) in products.chunks_exact_mut(R * T).take(g).enumerate() {
-                    for (i, p) in p.chunks_exact_mut(T).enumerate() {
-                        for (t, p) in p.iter_mut().enumerate() {
-                            *p = scales[i * stride + k] * x.scales[(t0 + t) * stride + k];
+                for (i, p) in products.chunks_exact_mut(T * stride).take(R).enumerate() {
+                    let s = &scales[i * stride..][..stride];
+                    for (t, p) in p.chunks_exact_mut(stride).enumerate() {
+                        let d = &x.scales[(t0 + t) * stride..][..stride];
+                        for ((p, &s), &d) in p.iter_mut().zip(s).zip(d) {
+                            *p = s * d;
                         }
                     }
                 }

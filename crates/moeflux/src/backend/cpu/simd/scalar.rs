@@ -44,7 +44,7 @@ impl Int8Kernel for Scalar {
                             .map(|(&q, &v)| q as i32 * v as i32)
                             .sum()
                     };
-                    acc += params.products[(g * R + i) * T + t] * dot as f32;
+                    acc += params.products[(i * T + t) * x.stride + g] * dot as f32;
                 }
                 let row = i * stride;
                 let token = (t0 + t) * stride;
