@@ -158,6 +158,46 @@ __device__ __forceinline__ uint4 bf16_chunk(uint4 v) {
 
 __device__ __forceinline__ void store16(u16* p, uint4 v) { *(uint4*)p = v; }
 
+// Stores a 16-byte load of stored weights (32 q4 codes, 16 q8 codes or
+// 8 bf16 values) as bf16 at dst in a stage's shared memory.
+template <int DT>
+__device__ __forceinline__ void store_weight_chunk(u16* dst, uint4 w) {
+    if (DT == DT_Q4) {
+        store16(dst, q4_chunk(w.x));
+        store16(dst + 8, q4_chunk(w.y));
+        store16(dst + 16, q4_chunk(w.z));
+        store16(dst + 24, q4_chunk(w.w));
+    } else if (DT == DT_Q8) {
+        store16(dst, q8_chunk(w.x, w.y));
+        store16(dst + 8, q8_chunk(w.z, w.w));
+    } else {
+        store16(dst, bf16_chunk(w));
+    }
+}
+
+// Stores 8 activations (a, b) of `token` from column `col` of a stage as
+// their hi and lo bf16 halves; with QUANTIZED also the token's Σx over the
+// stage. The 8 lanes holding one token's stage must be aligned and
+// consecutive (threadIdx.x % 8 is the run), as every caller's layout has.
+template <bool QUANTIZED, typename Shared>
+__device__ __forceinline__ void store_activation_run(Shared& sm, int token, int col, float4 a,
+                                                     float4 b) {
+    uint4 hi, lo;
+    split_pair(a.x, b.x, hi.x, lo.x);
+    split_pair(a.y, b.y, hi.y, lo.y);
+    split_pair(a.z, b.z, hi.z, lo.z);
+    split_pair(a.w, b.w, hi.w, lo.w);
+    store16(&sm.hi[token][col], hi);
+    store16(&sm.lo[token][col], lo);
+    if (QUANTIZED) {
+        float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+        s += __shfl_xor_sync(FULL_MASK, s, 4);
+        s += __shfl_xor_sync(FULL_MASK, s, 2);
+        s += __shfl_xor_sync(FULL_MASK, s, 1);
+        if (threadIdx.x % 8 == 0) sm.xsum[token] = s;
+    }
+}
+
 // One stage in flight between global and shared memory, held in registers.
 template <int DT>
 struct GemmStage {
@@ -223,39 +263,13 @@ struct GemmStage {
             int i = tid + j * GEMM_THREADS;
             int row = i / ROW_VECS, part = i % ROW_VECS;
             u16* dst = &sm.w[row][part * VEC_COLS];
-            if (DT == DT_Q4) {
-                store16(dst, q4_chunk(w[j].x));
-                store16(dst + 8, q4_chunk(w[j].y));
-                store16(dst + 16, q4_chunk(w[j].z));
-                store16(dst + 24, q4_chunk(w[j].w));
-            } else if (DT == DT_Q8) {
-                store16(dst, q8_chunk(w[j].x, w[j].y));
-                store16(dst + 8, q8_chunk(w[j].z, w[j].w));
-            } else {
-                store16(dst, bf16_chunk(w[j]));
-            }
+            store_weight_chunk<DT>(dst, w[j]);
         }
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
             int token = tid / 8 + 32 * j;
             int col = 8 * (tid % 8);
-            const float4 a = x[j][0], b = x[j][1];
-            uint4 hi, lo;
-            split_pair(a.x, b.x, hi.x, lo.x);
-            split_pair(a.y, b.y, hi.y, lo.y);
-            split_pair(a.z, b.z, hi.z, lo.z);
-            split_pair(a.w, b.w, hi.w, lo.w);
-            store16(&sm.hi[token][col], hi);
-            store16(&sm.lo[token][col], lo);
-            if (QUANTIZED) {
-                // The 8 lanes holding one token's stage are aligned and
-                // consecutive (tid % 8 is the run).
-                float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-                s += __shfl_xor_sync(FULL_MASK, s, 4);
-                s += __shfl_xor_sync(FULL_MASK, s, 2);
-                s += __shfl_xor_sync(FULL_MASK, s, 1);
-                if (tid % 8 == 0) sm.xsum[token] = s;
-            }
+            store_activation_run<QUANTIZED>(sm, token, col, x[j][0], x[j][1]);
         }
         if (QUANTIZED && tid < GEMM_BM) {
             float s = bf16_to_float(scale);
@@ -264,6 +278,88 @@ struct GemmStage {
         }
     }
 };
+
+// One stage of a warp's tensor-core products, shared by linear_tc and the
+// grouped expert kernels (moe_prefill.cu): two 16-row A tiles of the staged
+// weights at rows[0] and rows[1], against four 8-token tiles of the split
+// activations (hi + lo) from token0 (those from tiles_n on skipped), over
+// the stage's GEMM_BK columns; the result is folded into acc, with the
+// stage's scale and bias per row for quantized weights (bias · Σx per
+// token). Element e of a C fragment is row g + 8·(e / 2), token
+// 2·i4 + e % 2 of its tile. `Shared` is the kernel's shared-memory stage
+// (fields w, hi, lo, scale, bias, xsum).
+template <bool QUANTIZED, typename Shared>
+__device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2], int token0,
+                                          int tiles_n, float (&acc)[2][4][4]) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+    float part[2][4][4];
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) part[mi][nj][e] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < GEMM_BK; k += 16) {
+        // A: lanes 0-7 address rows 0-7 at k, 8-15 rows 8-15 at k,
+        // 16-23 rows 0-7 at k+8, 24-31 rows 8-15 at k+8.
+        u32 a[2][4];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+            ldmatrix_x4(a[mi], &sm.w[rows[mi] + (lane % 8) + 8 * ((lane / 8) % 2)]
+                                    [k + 8 * (lane / 16)]);
+        }
+#pragma unroll
+        for (int p = 0; p < 2; ++p) {
+            if (2 * p >= tiles_n) continue;
+            // B for 8-token tiles 2p and 2p+1: lanes 0-7 address tokens
+            // 0-7 at k, 8-15 tokens 0-7 at k+8, 16-23 tokens 8-15 at k,
+            // 24-31 tokens 8-15 at k+8; registers 0,1 are b0,b1 of tile
+            // 2p, registers 2,3 those of tile 2p+1.
+            const int token = token0 + 16 * p + (lane % 8) + 8 * (lane / 16);
+            const int col = k + 8 * ((lane / 8) % 2);
+            u32 bh[4], bl[4];
+            ldmatrix_x4(bh, &sm.hi[token][col]);
+            ldmatrix_x4(bl, &sm.lo[token][col]);
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);
+                mma_bf16(part[mi][2 * p], a[mi], bl[0], bl[1]);
+                if (2 * p + 1 < tiles_n) {
+                    mma_bf16(part[mi][2 * p + 1], a[mi], bh[2], bh[3]);
+                    mma_bf16(part[mi][2 * p + 1], a[mi], bl[2], bl[3]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = rows[mi] + g + 8 * h;
+            float scale = 0.0f, bias = 0.0f;
+            if (QUANTIZED) {
+                scale = sm.scale[row];
+                bias = sm.bias[row];
+            }
+#pragma unroll
+            for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& c = acc[mi][nj][2 * h + e];
+                    const float v = part[mi][nj][2 * h + e];
+                    if (QUANTIZED) {
+                        const float xs = sm.xsum[token0 + 8 * nj + 2 * i4 + e];
+                        c = fmaf(scale, v, fmaf(bias, xs, c));
+                    } else {
+                        c += v;
+                    }
+                }
+            }
+        }
+    }
+}
 
 // The kernels' body. Grid: (ceil(rows / GEMM_BM), ceil(n / GEMM_BN)),
 // GEMM_THREADS threads. For DT_BF16, cols must be a multiple of 8; the
@@ -301,78 +397,12 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
     stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, 0);
     stage.store(sm);
     __syncthreads();
+    const int rows_of_warp[2] = {wm, wm + 16};
     for (int s = 0; s < stages; ++s) {
         if (s + 1 < stages) {
             stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, (s + 1) * GEMM_BK);
         }
-        float part[2][4][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int nj = 0; nj < 4; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) part[mi][nj][e] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < GEMM_BK; k += 16) {
-            // A: lanes 0-7 address rows 0-7 at k, 8-15 rows 8-15 at k,
-            // 16-23 rows 0-7 at k+8, 24-31 rows 8-15 at k+8.
-            u32 a[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                ldmatrix_x4(a[mi], &sm.w[wm + 16 * mi + (lane % 8) + 8 * ((lane / 8) % 2)]
-                                        [k + 8 * (lane / 16)]);
-            }
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                if (2 * p >= tiles_n) continue;
-                // B for 8-token tiles 2p and 2p+1: lanes 0-7 address tokens
-                // 0-7 at k, 8-15 tokens 0-7 at k+8, 16-23 tokens 8-15 at k,
-                // 24-31 tokens 8-15 at k+8; registers 0,1 are b0,b1 of tile
-                // 2p, registers 2,3 those of tile 2p+1.
-                const int token = wn + 16 * p + (lane % 8) + 8 * (lane / 16);
-                const int col = k + 8 * ((lane / 8) % 2);
-                u32 bh[4], bl[4];
-                ldmatrix_x4(bh, &sm.hi[token][col]);
-                ldmatrix_x4(bl, &sm.lo[token][col]);
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);
-                    mma_bf16(part[mi][2 * p], a[mi], bl[0], bl[1]);
-                    if (2 * p + 1 < tiles_n) {
-                        mma_bf16(part[mi][2 * p + 1], a[mi], bh[2], bh[3]);
-                        mma_bf16(part[mi][2 * p + 1], a[mi], bl[2], bl[3]);
-                    }
-                }
-            }
-        }
-        // Fold the stage into the running sums: element e of a C fragment
-        // is row g + 8·(e / 2), token 2·i4 + e % 2 of its tile.
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = wm + 16 * mi + g + 8 * h;
-                float scale = 0.0f, bias = 0.0f;
-                if (GemmStage<DT>::QUANTIZED) {
-                    scale = sm.scale[row];
-                    bias = sm.bias[row];
-                }
-#pragma unroll
-                for (int nj = 0; nj < 4; ++nj) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& c = acc[mi][nj][2 * h + e];
-                        const float v = part[mi][nj][2 * h + e];
-                        if (GemmStage<DT>::QUANTIZED) {
-                            const float xs = sm.xsum[wn + 8 * nj + 2 * i4 + e];
-                            c = fmaf(scale, v, fmaf(bias, xs, c));
-                        } else {
-                            c += v;
-                        }
-                    }
-                }
-            }
-        }
+        mma_stage<GemmStage<DT>::QUANTIZED>(sm, rows_of_warp, wn, tiles_n, acc);
         __syncthreads();  // every warp is done reading the stage
         if (s + 1 < stages) {
             stage.store(sm);

@@ -123,37 +123,13 @@ struct MoeStage {
             const int i = tid + j * MP_THREADS;
             const int row = i / ROW_VECS, part = i % ROW_VECS;
             u16* dst = &sm.w[row][part * VEC_COLS];
-            if (DT == DT_Q4) {
-                store16(dst, q4_chunk(w[j].x));
-                store16(dst + 8, q4_chunk(w[j].y));
-                store16(dst + 16, q4_chunk(w[j].z));
-                store16(dst + 24, q4_chunk(w[j].w));
-            } else if (DT == DT_Q8) {
-                store16(dst, q8_chunk(w[j].x, w[j].y));
-                store16(dst + 8, q8_chunk(w[j].z, w[j].w));
-            } else {
-                store16(dst, bf16_chunk(w[j]));
-            }
+            store_weight_chunk<DT>(dst, w[j]);
         }
 #pragma unroll
         for (int j = 0; j < RUNS; ++j) {
             const int token = tid / 8 + (MP_THREADS / 8) * j;
             const int col = 8 * (tid % 8);
-            const float4 a = x[j][0], b = x[j][1];
-            uint4 hi, lo;
-            split_pair(a.x, b.x, hi.x, lo.x);
-            split_pair(a.y, b.y, hi.y, lo.y);
-            split_pair(a.z, b.z, hi.z, lo.z);
-            split_pair(a.w, b.w, hi.w, lo.w);
-            store16(&sm.hi[token][col], hi);
-            store16(&sm.lo[token][col], lo);
-            if (QUANTIZED) {
-                float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-                s += __shfl_xor_sync(FULL_MASK, s, 4);
-                s += __shfl_xor_sync(FULL_MASK, s, 2);
-                s += __shfl_xor_sync(FULL_MASK, s, 1);
-                if (tid % 8 == 0) sm.xsum[token] = s;
-            }
+            store_activation_run<QUANTIZED>(sm, token, col, x[j][0], x[j][1]);
         }
         if (QUANTIZED && tid < MP_BM) {
             const float s = bf16_to_float(scale);
@@ -231,71 +207,13 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
     stage.load(m, split, x, sm.in_row, rows, cols, r0, 0);
     stage.store(sm);
     __syncthreads();
+    const int rows_of_warp[2] = {moe_tile_row<GATE_UP>(warp, 0),
+                                 moe_tile_row<GATE_UP>(warp, 1)};
     for (int s = 0; s < stages; ++s) {
         if (s + 1 < stages) {
             stage.load(m, split, x, sm.in_row, rows, cols, r0, (s + 1) * GEMM_BK);
         }
-        float part[2][4][4];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-            for (int nj = 0; nj < 4; ++nj)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) part[mi][nj][e] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < GEMM_BK; k += 16) {
-            u32 a[2][4];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                ldmatrix_x4(a[mi], &sm.w[moe_tile_row<GATE_UP>(warp, mi) + (lane % 8) +
-                                         8 * ((lane / 8) % 2)][k + 8 * (lane / 16)]);
-            }
-#pragma unroll
-            for (int p = 0; p < 2; ++p) {
-                if (2 * p >= tiles_n) continue;
-                const int token = 16 * p + (lane % 8) + 8 * (lane / 16);
-                const int col = k + 8 * ((lane / 8) % 2);
-                u32 bh[4], bl[4];
-                ldmatrix_x4(bh, &sm.hi[token][col]);
-                ldmatrix_x4(bl, &sm.lo[token][col]);
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);
-                    mma_bf16(part[mi][2 * p], a[mi], bl[0], bl[1]);
-                    if (2 * p + 1 < tiles_n) {
-                        mma_bf16(part[mi][2 * p + 1], a[mi], bh[2], bh[3]);
-                        mma_bf16(part[mi][2 * p + 1], a[mi], bl[2], bl[3]);
-                    }
-                }
-            }
-        }
-        // Fold the stage into the running sums (as linear_tc).
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int row = moe_tile_row<GATE_UP>(warp, mi) + g + 8 * h;
-                float scale = 0.0f, bias = 0.0f;
-                if (MoeStage<DT>::QUANTIZED) {
-                    scale = sm.scale[row];
-                    bias = sm.bias[row];
-                }
-#pragma unroll
-                for (int nj = 0; nj < 4; ++nj) {
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        float& c = acc[mi][nj][2 * h + e];
-                        const float v = part[mi][nj][2 * h + e];
-                        if (MoeStage<DT>::QUANTIZED) {
-                            const float xs = sm.xsum[8 * nj + 2 * i4 + e];
-                            c = fmaf(scale, v, fmaf(bias, xs, c));
-                        } else {
-                            c += v;
-                        }
-                    }
-                }
-            }
-        }
+        mma_stage<MoeStage<DT>::QUANTIZED>(sm, rows_of_warp, 0, tiles_n, acc);
         __syncthreads();  // every warp is done reading the stage
         if (s + 1 < stages) {
             stage.store(sm);
