@@ -1007,6 +1007,20 @@ fn routing_matches_cpu() {
     }
 }
 
+/// The expert store of a small converted model, every expert fitting its
+/// cache.
+fn whole_store(dir: &ModelDir) -> ExpertStore {
+    ExpertStore::open(
+        dir,
+        StoreOptions {
+            cache_bytes: 1 << 30,
+            policy: CachePolicy::Lfu,
+            io: IoMode::Buffered,
+        },
+    )
+    .unwrap()
+}
+
 #[test]
 fn routed_experts_match_cpu() {
     let Some(gpu) = cuda() else { return };
@@ -1014,15 +1028,7 @@ fn routed_experts_match_cpu() {
     for quant in [DType::Bf16, DType::Q4] {
         let converted = convert_fixture("qwen3_5_moe", quant);
         let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
-        let store = ExpertStore::open(
-            &dir,
-            StoreOptions {
-                cache_bytes: 1 << 30,
-                policy: CachePolicy::Lfu,
-                io: IoMode::Buffered,
-            },
-        )
-        .unwrap();
+        let store = whole_store(&dir);
         let cfg = dir.config();
         let (hidden, experts, top_k) = (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.top_k);
         let layer = cfg.moe_layers().next().expect("an MoE layer");
@@ -1225,15 +1231,7 @@ fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
             ("synthetic", convert_checkpoint(synthetic.path(), quant)),
         ] {
             let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
-            let store = ExpertStore::open(
-                &dir,
-                StoreOptions {
-                    cache_bytes: 1 << 30,
-                    policy: CachePolicy::Lfu,
-                    io: IoMode::Buffered,
-                },
-            )
-            .unwrap();
+            let store = whole_store(&dir);
             let cfg = dir.config();
             let (hidden, experts, top_k) = (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.top_k);
             let layer = cfg.moe_layers().next().expect("an MoE layer");

@@ -110,6 +110,21 @@ enum Source {
     Fetching(Fetch),
 }
 
+/// The intermediate size of experts laid out as `parts` (gate, up, down)
+/// for a hidden size of `hidden`, checked against the down projection.
+pub(super) fn expert_inter(parts: &[(usize, MatrixLayout); 3], hidden: usize) -> usize {
+    let (gate, down) = (parts[0].1, parts[2].1);
+    assert!(
+        gate.cols == hidden && down.rows == hidden && down.cols == gate.rows,
+        "routed experts: expert shapes [{}, {}] and [{}, {}] for hidden size {hidden}",
+        gate.rows,
+        gate.cols,
+        down.rows,
+        down.cols
+    );
+    gate.rows
+}
+
 impl CudaBackend {
     /// Whether every expert of `layer` is in VRAM, so a decode step needs
     /// no host round trip for it.
@@ -327,16 +342,7 @@ impl CudaBackend {
         accumulate: bool,
     ) {
         let gate = parts.0[0].1;
-        let down = parts.0[2].1;
-        let (inter, hidden, top_k) = (gate.rows, x.cols, routing.top_k);
-        assert!(
-            gate.cols == hidden && down.rows == hidden && down.cols == inter,
-            "routed experts: expert shapes [{}, {}] and [{}, {}] for hidden size {hidden}",
-            gate.rows,
-            gate.cols,
-            down.rows,
-            down.cols
-        );
+        let (inter, hidden, top_k) = (expert_inter(&parts.0, x.cols), x.cols, routing.top_k);
         let (gate_up, down_kernel) = match gate.dtype {
             DType::F32 => (&self.kernels.moe_gate_up_f32, &self.kernels.moe_down_f32),
             DType::Bf16 => (&self.kernels.moe_gate_up_bf16, &self.kernels.moe_down_bf16),

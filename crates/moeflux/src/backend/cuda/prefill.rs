@@ -20,6 +20,7 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
+use super::experts::expert_inter;
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::quant::{DType, MatrixLayout};
 
@@ -131,16 +132,8 @@ impl CudaBackend {
         if count == 0 {
             return;
         }
-        let (gate, down) = (parts[0].1, parts[2].1);
-        let (inter, hidden) = (gate.rows, x.cols);
-        assert!(
-            gate.cols == hidden && down.rows == hidden && down.cols == inter,
-            "routed experts: expert shapes [{}, {}] and [{}, {}] for hidden size {hidden}",
-            gate.rows,
-            gate.cols,
-            down.rows,
-            down.cols
-        );
+        let gate = parts[0].1;
+        let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
         let (gate_up, down_kernel) = match gate.dtype {
             DType::Q4 => (
                 &self.kernels.moe_prefill_gate_up_q4,

@@ -146,6 +146,20 @@ struct Buffer {
     last_use: LastUse,
 }
 
+impl Buffer {
+    /// A buffer just allocated for an expert of `bytes` laid out as `parts`.
+    /// Allocated on the compute stream, so a copy into it waits for nothing
+    /// else (`LastUse::Unknown`).
+    fn fresh(data: CudaSlice<u8>, parts: [(usize, MatrixLayout); 3], bytes: u64) -> Buffer {
+        Buffer {
+            expert: Arc::new(DeviceExpert { data, parts }),
+            bytes,
+            upload: None,
+            last_use: LastUse::Unknown,
+        }
+    }
+}
+
 struct Entry {
     buffer: Buffer,
     last_use_tick: u64,
@@ -966,33 +980,13 @@ impl CudaBackend {
                 if cached {
                     cache.used += bytes;
                 }
-                break Buffer {
-                    expert: Arc::new(DeviceExpert {
-                        data,
-                        parts: layout.parts,
-                    }),
-                    bytes,
-                    upload: None,
-                    // Allocated on the compute stream: the copy waits.
-                    last_use: LastUse::Unknown,
-                };
+                break Buffer::fresh(data, layout.parts, bytes);
             }
             if !cache.release_one_free(Some(bytes)) && !cache.evict_lru() {
                 // Only buffers still held by layers in flight: drop ours.
                 if !cache.release_one_free(None) {
                     let data = self.alloc_for_expert(cache, bytes as usize)?;
-                    return Ok((
-                        Buffer {
-                            expert: Arc::new(DeviceExpert {
-                                data,
-                                parts: layout.parts,
-                            }),
-                            bytes,
-                            upload: None,
-                            last_use: LastUse::Unknown,
-                        },
-                        false,
-                    ));
+                    return Ok((Buffer::fresh(data, layout.parts, bytes), false));
                 }
             }
         };
