@@ -11,9 +11,11 @@
 #                             a synthetic model, logging to $OUT
 #   tools/gpu_suite.sh perf   on the GPU machine: the CUDA tests, then the
 #                             synthetic qwen3-30b-a3b's decode with and
-#                             without graph replay (interleaved),
+#                             without programmatic launch (interleaved),
 #                             device time per operation of a pp512, and
 #                             Nsight Compute's kernel times for decode
+#                             (PERF_TESTS=0 skips the tests, PERF_NCU=0
+#                             Nsight Compute)
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
@@ -132,9 +134,9 @@ perf() {
     [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
     local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
     for round in 1 2; do
-        for graphs in 1 0; do
-            echo "--- decode, MOEFLUX_CUDA_GRAPHS=$graphs, round $round"
-            MOEFLUX_CUDA_GRAPHS=$graphs "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
+        for pdl in 0 1; do
+            echo "--- decode, MOEFLUX_CUDA_PDL=$pdl, round $round"
+            MOEFLUX_CUDA_PDL=$pdl "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
         done
     done
     echo "--- pp512"
@@ -144,7 +146,7 @@ perf() {
         >"$OUT/profile-prefill.log" 2>&1 || true
     grep -A 40 'CUDA profile' "$OUT/profile-prefill.log" | head -n 40
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
-    if [[ -n "$ncu" ]]; then
+    if [[ -n "$ncu" && "${PERF_NCU:-1}" == 1 ]]; then
         echo "--- Nsight Compute, kernel time of decode steps"
         "$ncu" --metrics gpu__time_duration.sum --csv --print-units base --launch-skip 2000 --launch-count 1600 \
             "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 0 -p 8 --prefill 0 --no-ceilings \

@@ -271,4 +271,34 @@ mod tests {
             assert!(defined, "kernel {name} is not defined in kernels/");
         }
     }
+
+    /// Decode recordings link kernels by programmatic edges (graph.rs),
+    /// which are only safe if every kernel waits for its inputs before
+    /// reading them: each kernel body calls `await_inputs()` before any
+    /// other statement but shared-memory declarations and L2 prefetches of
+    /// weights.
+    #[test]
+    fn every_kernel_awaits_its_inputs_first() {
+        let source = program().replace("\\\n", "\n");
+        let mut kernels = 0;
+        for (at, _) in source.match_indices("__global__") {
+            let body = &source[at..];
+            let open = body.find('{').expect("a kernel has a body");
+            let signature = body[..open]
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ");
+            let statements = body[open + 1..]
+                .split(';')
+                .map(str::trim)
+                .skip_while(|s| s.starts_with("prefetch_") || s.starts_with("extern __shared__"));
+            let first = statements.take(1).collect::<String>();
+            assert_eq!(
+                first, "await_inputs()",
+                "kernel `{signature}` does not begin with await_inputs()"
+            );
+            kernels += 1;
+        }
+        assert!(kernels >= NAMES.len() / 2, "found only {kernels} kernels");
+    }
 }

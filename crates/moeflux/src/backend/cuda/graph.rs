@@ -13,15 +13,26 @@
 //! Replays compute exactly what the recorded code computes: the same
 //! kernels with the same arguments.
 //!
+//! Each kernel of a recording that follows another is linked to it by a
+//! programmatic edge: its blocks may launch while the kernel before is
+//! still running, and wait at `await_inputs` (kernels/common.cuh) for that
+//! kernel to finish before reading anything it wrote. Launch latency then
+//! overlaps work instead of following it, and a one-token product's
+//! weights are fetched into L2 before its input is ready. The driver only
+//! allows such edges in a graph without memory nodes, so a recorded step
+//! takes its temporaries from an [`Arena`] rather than the stream.
+//!
 //! `MOEFLUX_CUDA_GRAPHS=0` turns recording off (and so does profiling,
-//! which times each launch).
+//! which times each launch); `MOEFLUX_CUDA_PDL=0` keeps plain edges
+//! (programmatic ones need compute capability 9.0 or later).
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::ptr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::sys::{self, CUstreamCaptureMode};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
 
 use super::{CudaBackend, KvCache, LinearState, Tensor, ok};
 use crate::error::Result;
@@ -35,14 +46,107 @@ pub(super) struct Capture {
     token: u64,
     position: u64,
     kv_lens: Vec<Arc<AtomicUsize>>,
+    arena: Arena,
+}
+
+/// The memory of a recorded step's temporaries: a memory pool of the
+/// recording's own, allocated from on a stream that is not being captured.
+/// Allocations on the capturing stream would be recorded as memory nodes,
+/// and the driver links kernels by programmatic edges only in graphs
+/// without them; and the pool keeps the memory the replays use for as long
+/// as the recording lives (nothing else allocates from it). Temporaries
+/// freed during the recording are reused by later ones of the same step,
+/// which the recorded order of launches makes safe, as on a stream.
+pub(super) struct Arena {
+    pool: sys::CUmemoryPool,
+    stream: Arc<CudaStream>,
+}
+
+// SAFETY: the pool handle is usable from any thread of the context, and
+// an Arena is only used under the backend's capture or recordings mutex.
+unsafe impl Send for Arena {}
+
+impl Arena {
+    fn new(capturing: &Arc<CudaStream>) -> Result<Arena, DriverError> {
+        let ctx = capturing.context();
+        ctx.bind_to_thread()?;
+        let stream = ctx.new_stream()?;
+        // SAFETY: zero is a valid value of this plain C struct (no handle
+        // types, no security attributes, no size limit).
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        props.location.id = ctx.ordinal() as i32;
+        let mut pool = ptr::null_mut();
+        // SAFETY: valid properties; the pool is destroyed with the Arena.
+        unsafe { sys::cuMemPoolCreate(&mut pool, &props) }.result()?;
+        let arena = Arena { pool, stream };
+        // Never hand memory back to the device while the recording lives:
+        // its replays use it.
+        let mut keep = u64::MAX;
+        // SAFETY: a live pool; the attribute takes a u64.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                arena.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                (&mut keep as *mut u64).cast(),
+            )
+        }
+        .result()?;
+        Ok(arena)
+    }
+
+    /// `len` values of device memory from the pool.
+    pub(super) fn alloc<T: DeviceRepr>(&self, len: usize) -> Result<CudaSlice<T>, DriverError> {
+        let mut ptr = 0;
+        // SAFETY: a live pool and stream; the slice frees the memory back
+        // to the pool on that stream when dropped.
+        unsafe {
+            sys::cuMemAllocFromPoolAsync(
+                &mut ptr,
+                len.max(1) * std::mem::size_of::<T>(),
+                self.pool,
+                self.stream.cu_stream(),
+            )
+            .result()?;
+            Ok(self.stream.upgrade_device_ptr(ptr, len))
+        }
+    }
+
+    /// Bytes of the pool handed out and not yet freed.
+    fn in_use(&self) -> Result<u64, DriverError> {
+        let mut used = 0u64;
+        // SAFETY: a live pool; the attribute is a u64.
+        unsafe {
+            sys::cuMemPoolGetAttribute(
+                self.pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                (&mut used as *mut u64).cast(),
+            )
+        }
+        .result()?;
+        Ok(used)
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: the pool was created by Arena::new and is owned here;
+        // the driver releases it once any outstanding allocation is freed.
+        unsafe {
+            let _ = sys::cuMemPoolDestroy(self.pool);
+        }
+    }
 }
 
 struct Recording {
-    graph: CudaGraph,
+    graph: StepGraph,
     token: CudaSlice<u32>,
     position: CudaSlice<u32>,
     logits: CudaSlice<f32>,
     kv_lens: Vec<Arc<AtomicUsize>>,
+    /// Dropped after the graph, whose replays use its memory.
+    _arena: Arena,
 }
 
 // SAFETY: a recording is only touched under the backend's mutex, and the
@@ -64,6 +168,194 @@ pub(super) fn enabled_by_env() -> bool {
     std::env::var_os("MOEFLUX_CUDA_GRAPHS").is_none_or(|v| v != "0")
 }
 
+/// Programmatic edges are on unless `MOEFLUX_CUDA_PDL=0` (for comparing).
+pub(super) fn programmatic_by_env() -> bool {
+    std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0")
+}
+
+/// A captured and instantiated step. Ours rather than cudarc's `CudaGraph`
+/// because the edges are rewritten between capture and instantiation.
+struct StepGraph {
+    graph: sys::CUgraph,
+    exec: sys::CUgraphExec,
+    stream: Arc<CudaStream>,
+}
+
+impl StepGraph {
+    /// Ends the capture on `stream` and instantiates what it recorded, with
+    /// programmatic kernel-to-kernel edges if asked.
+    fn end_capture(stream: &Arc<CudaStream>, programmatic: bool) -> Result<Self, DriverError> {
+        stream.context().bind_to_thread()?;
+        let mut graph = ptr::null_mut();
+        // SAFETY: the stream is capturing (begun by `record`); the graph
+        // is owned by the StepGraph from here on, which destroys it.
+        unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut graph) }.result()?;
+        let mut step = StepGraph {
+            graph,
+            exec: ptr::null_mut(),
+            stream: stream.clone(),
+        };
+        if graph.is_null() {
+            return Err(DriverError(
+                sys::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            ));
+        }
+        let instantiate = |step: &mut StepGraph| {
+            // SAFETY: a live graph; the exec is destroyed with the StepGraph.
+            unsafe { sys::cuGraphInstantiateWithFlags(&mut step.exec, step.graph, 0) }.result()
+        };
+        if programmatic {
+            // SAFETY: a live graph not yet instantiated.
+            let linked = unsafe { make_programmatic(graph) }
+                .map_err(|(what, e)| format!("{what}: {e:?}"))
+                .and_then(|()| instantiate(&mut step).map_err(|e| format!("instantiating: {e:?}")));
+            match linked {
+                Ok(()) => return Ok(step),
+                Err(why) => {
+                    // A driver that refuses programmatic edges still runs
+                    // the step with plain ones, only slower.
+                    static WARNED: std::sync::Once = std::sync::Once::new();
+                    WARNED.call_once(|| {
+                        eprintln!(
+                            "moeflux: CUDA programmatic launch unavailable ({why}); \
+                             decode steps use plain graph edges"
+                        )
+                    });
+                    // SAFETY: the graph as above; its exec, if any, is
+                    // destroyed before instantiating again.
+                    unsafe {
+                        if !step.exec.is_null() {
+                            sys::cuGraphExecDestroy(step.exec).result()?;
+                            step.exec = ptr::null_mut();
+                        }
+                        retype_kernel_edges(graph, PROGRAMMATIC_EDGE, PLAIN_EDGE)
+                            .map_err(|(_, e)| e)?;
+                    }
+                }
+            }
+        }
+        instantiate(&mut step)?;
+        Ok(step)
+    }
+
+    fn launch(&self) -> Result<(), DriverError> {
+        self.stream.context().bind_to_thread()?;
+        // SAFETY: an instantiated graph, launched on the stream it was
+        // captured from.
+        unsafe { sys::cuGraphLaunch(self.exec, self.stream.cu_stream()) }.result()
+    }
+}
+
+impl Drop for StepGraph {
+    fn drop(&mut self) {
+        // SAFETY: handles created in end_capture and owned here. Errors
+        // (a context already torn down) leave nothing to free.
+        unsafe {
+            if !self.exec.is_null() {
+                let _ = sys::cuGraphExecDestroy(self.exec);
+            }
+            let _ = sys::cuGraphDestroy(self.graph);
+        }
+    }
+}
+
+/// A plain edge: the downstream node starts after the upstream completes.
+const PLAIN_EDGE: sys::CUgraphEdgeData = sys::CUgraphEdgeData {
+    from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_DEFAULT as u8,
+    to_port: 0,
+    type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_DEFAULT as u8,
+    reserved: [0; 5],
+};
+
+/// A programmatic edge: the downstream kernel may launch once every block
+/// of the upstream one has called `griddepcontrol.launch_dependents`.
+const PROGRAMMATIC_EDGE: sys::CUgraphEdgeData = sys::CUgraphEdgeData {
+    from_port: sys::CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC as u8,
+    to_port: 0,
+    type_: sys::CUgraphDependencyType::CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC as u8,
+    reserved: [0; 5],
+};
+
+/// A failed driver call, named.
+type EdgeError = (&'static str, DriverError);
+
+/// Turns every plain kernel-to-kernel edge of `graph` into a programmatic
+/// one (see the module's documentation). Edges to or from other nodes
+/// (copies, memsets) stay as they are.
+///
+/// # Safety
+/// `graph` is a live graph that is not being modified elsewhere, and
+/// every kernel it holds calls `await_inputs` before reading memory.
+unsafe fn make_programmatic(graph: sys::CUgraph) -> Result<(), EdgeError> {
+    // SAFETY: as the caller promises.
+    unsafe { retype_kernel_edges(graph, PLAIN_EDGE, PROGRAMMATIC_EDGE) }
+}
+
+/// Replaces the kernel-to-kernel edges of `graph` annotated `from` by
+/// edges annotated `to`. If the driver refuses the new edges, the old
+/// ones are put back before the error returns.
+///
+/// # Safety
+/// `graph` is a live graph that is not being modified elsewhere.
+unsafe fn retype_kernel_edges(
+    graph: sys::CUgraph,
+    from: sys::CUgraphEdgeData,
+    to: sys::CUgraphEdgeData,
+) -> Result<(), EdgeError> {
+    let mut count = 0usize;
+    // SAFETY (all calls): a live graph, and buffers sized by the first
+    // call's count.
+    unsafe {
+        let (no_nodes, no_data) = (ptr::null_mut(), ptr::null_mut());
+        sys::cuGraphGetEdges_v2(graph, no_nodes, no_nodes, no_data, &mut count)
+            .result()
+            .map_err(|e| ("counting the graph's edges", e))?;
+        let mut sources: Vec<sys::CUgraphNode> = vec![ptr::null_mut(); count];
+        let mut targets: Vec<sys::CUgraphNode> = vec![ptr::null_mut(); count];
+        let mut data = vec![PLAIN_EDGE; count];
+        sys::cuGraphGetEdges_v2(
+            graph,
+            sources.as_mut_ptr(),
+            targets.as_mut_ptr(),
+            data.as_mut_ptr(),
+            &mut count,
+        )
+        .result()
+        .map_err(|e| ("listing the graph's edges", e))?;
+        let is_kernel = |node: sys::CUgraphNode| -> Result<bool, EdgeError> {
+            let mut kind = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            sys::cuGraphNodeGetType(node, &mut kind)
+                .result()
+                .map_err(|e| ("reading a node's type", e))?;
+            Ok(kind == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL)
+        };
+        let (mut kept_sources, mut kept_targets) = (Vec::new(), Vec::new());
+        for i in 0..count {
+            if data[i] == from && is_kernel(sources[i])? && is_kernel(targets[i])? {
+                kept_sources.push(sources[i]);
+                kept_targets.push(targets[i]);
+            }
+        }
+        let n = kept_sources.len();
+        if n == 0 {
+            return Ok(());
+        }
+        let (s, t) = (kept_sources.as_ptr(), kept_targets.as_ptr());
+        sys::cuGraphRemoveDependencies_v2(graph, s, t, vec![from; n].as_ptr(), n)
+            .result()
+            .map_err(|e| ("removing kernel-to-kernel edges", e))?;
+        if let Err(e) =
+            sys::cuGraphAddDependencies_v2(graph, s, t, vec![to; n].as_ptr(), n).result()
+        {
+            sys::cuGraphAddDependencies_v2(graph, s, t, vec![from; n].as_ptr(), n)
+                .result()
+                .map_err(|e| ("restoring kernel-to-kernel edges", e))?;
+            return Err(("adding retyped kernel-to-kernel edges", e));
+        }
+        Ok(())
+    }
+}
+
 impl CudaBackend {
     /// The device word holding the position of the step being recorded,
     /// registering `kv_len` (a KV cache it appends to); 0 (no word) when
@@ -79,6 +371,19 @@ impl CudaBackend {
                 capture.position
             }
         }
+    }
+
+    /// `len` values of device memory for a temporary of the step being
+    /// recorded, if one is (see [`Arena`]).
+    pub(super) fn recording_alloc<T: DeviceRepr>(
+        &self,
+        len: usize,
+    ) -> Option<Result<CudaSlice<T>, DriverError>> {
+        self.capture
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map(|c| c.arena.alloc(len))
     }
 
     /// The device word holding the token of the step being recorded.
@@ -178,6 +483,7 @@ impl CudaBackend {
             token: token_word.device_ptr(&self.stream).0,
             position: position_word.device_ptr(&self.stream).0,
             kv_lens: Vec::new(),
+            arena: ok(op, Arena::new(&self.stream)),
         });
         ok(
             op,
@@ -193,11 +499,22 @@ impl CudaBackend {
             ok(op, self.stream.memcpy_dtod(&out.data, &mut logits));
         });
         let capture = self.capture.lock().unwrap().take().expect("set above");
-        let graph = ok(op, self.stream.end_capture(CUgraphInstantiate_flags(0)));
+        let graph = ok(
+            op,
+            StepGraph::end_capture(&self.stream, self.programmatic_launch),
+        );
         computed?;
-        let graph = graph.unwrap_or_else(|| panic!("{op}: the capture recorded nothing"));
         ok(op, graph.launch());
         let out = self.copy_logits(&logits);
+        // Memory the step kept (none, as written) would be shared by its
+        // holder and every replay: such a recording is used once, not kept.
+        if ok(op, capture.arena.in_use()) != 0 {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                eprintln!("moeflux: a recorded CUDA decode step kept device memory; steps are not replayed")
+            });
+            return Ok(out);
+        }
         let mut recordings = self.recordings.lock().unwrap();
         if recordings.by_key.len() >= MAX_RECORDINGS
             && let Some(oldest) = recordings.order.pop_front()
@@ -213,6 +530,7 @@ impl CudaBackend {
                 position: position_word,
                 logits,
                 kv_lens: capture.kv_lens,
+                _arena: capture.arena,
             },
         );
         Ok(out)

@@ -5,12 +5,10 @@
 // every W-th visible position and keeps a running (online) softmax: its
 // maximum, the sum of exp(score - maximum) and the weighted sum of values;
 // the warps' partial results are merged at the end. No buffer grows with
-// the context. A decode step has one block per head only, so it takes
-// more warps per block (ATTN_DECODE_WARPS) to keep the context's reads in
-// flight; prefill has blocks enough with ATTN_WARPS.
+// the context. One token (decode) takes attend_decode below instead, and
+// sixteen or more the tiled flash_attend.
 
 #define ATTN_WARPS 4
-#define ATTN_DECODE_WARPS 16
 // Head dimensions up to ATTN_MAX_PER_LANE · 32 (checked on the host).
 #define ATTN_MAX_PER_LANE 16
 
@@ -120,12 +118,137 @@ __device__ __forceinline__ void attend(const float* q, float* keys, float* value
         name(const float* q, float* keys, float* values, float* out, int n, int heads,    \
              int kv_heads, int head_dim, i64 start, const u32* position, float scale,     \
              const float* new_k, const float* new_v) {                                    \
+        await_inputs();                                                                   \
         attend<W>(q, keys, values, out, n, heads, kv_heads, head_dim, start, position,    \
                   scale, new_k, new_v);                                                   \
     }
 
 ATTENTION_KERNEL(attention, ATTN_WARPS)
-ATTENTION_KERNEL(attention_decode, ATTN_DECODE_WARPS)
+
+// ---- One token: positions in parallel, one round of loads per chunk ----
+//
+// A decode step has a block per head only, and walking positions one per
+// warp step puts a memory round trip per position on the critical path.
+// Here the block takes the visible positions in chunks of one per thread:
+// each thread scores its position's key whole (the loads of all positions
+// in flight at once), the block's running maximum and sum are updated
+// with two block reductions, and then the warps take the chunk's positions
+// in turn, lanes over dimensions, several values in flight per lane. The
+// maximum and the sum are the block's (every thread holds them), so the
+// warps' weighted sums only need adding at the end. The new token's key
+// and value come from new_k and new_v and are stored as in attend().
+
+#define DECODE_ATTN_WARPS 8
+#define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
+// Positions a warp's lanes load values of before using them.
+#define DECODE_VALUES_IN_FLIGHT 4
+
+extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)
+    attention_decode(const float* q, float* keys, float* values, float* out, int n,
+                     int heads, int kv_heads, int head_dim, i64 start, const u32* position,
+                     float scale, const float* new_k, const float* new_v) {
+    await_inputs();
+    if (position) start = *position;
+    __shared__ float4 query4[ATTN_MAX_PER_LANE * WARP_SIZE / 4];
+    __shared__ float weight[DECODE_ATTN_CHUNK];
+    __shared__ float scratch[32];
+    __shared__ float warp_acc[DECODE_ATTN_WARPS][ATTN_MAX_PER_LANE * WARP_SIZE];
+    float* query_s = (float*)query4;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int h = blockIdx.x;
+    if (h >= heads) return;
+    const int group = heads / kv_heads;
+    const i64 kv_width = (i64)kv_heads * head_dim;
+    const float* k_head = keys + (i64)(h / group) * head_dim;
+    const float* v_head = values + (i64)(h / group) * head_dim;
+    const float* fresh_k = new_k + (i64)(h / group) * head_dim;
+    const float* fresh_v = new_v + (i64)(h / group) * head_dim;
+    const i64 visible = start + 1;
+    const bool quads = head_dim % 4 == 0;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
+    __syncthreads();
+
+    float running_max = NEG_INF;
+    float total = 0.0f;
+    float acc[ATTN_MAX_PER_LANE];
+#pragma unroll
+    for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) acc[k] = 0.0f;
+    for (i64 c0 = 0; c0 < visible; c0 += DECODE_ATTN_CHUNK) {
+        const int chunk = (int)min((i64)DECODE_ATTN_CHUNK, visible - c0);
+        // This thread's position: its score, the whole key read at once.
+        float s = NEG_INF;
+        if (threadIdx.x < chunk) {
+            i64 j = c0 + threadIdx.x;
+            const float* key = j == visible - 1 ? fresh_k : k_head + j * kv_width;
+            float dot = 0.0f;
+            if (quads) {
+                for (int d = 0; d < head_dim; d += 4) {
+                    float4 kq = *(const float4*)(key + d);
+                    float4 qq = query4[d / 4];
+                    dot = fmaf(qq.x, kq.x, dot);
+                    dot = fmaf(qq.y, kq.y, dot);
+                    dot = fmaf(qq.z, kq.z, dot);
+                    dot = fmaf(qq.w, kq.w, dot);
+                }
+            } else {
+                for (int d = 0; d < head_dim; ++d) dot = fmaf(query_s[d], key[d], dot);
+            }
+            s = dot * scale;
+        }
+        float new_max = fmaxf(running_max, block_max(s, scratch));
+        float rescale = expf(running_max - new_max);  // 0 for the first chunk
+        float p = threadIdx.x < chunk ? expf(s - new_max) : 0.0f;
+        weight[threadIdx.x] = p;
+        total = total * rescale + block_sum(p, scratch);  // also publishes weight[]
+        running_max = new_max;
+#pragma unroll
+        for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) acc[k] *= rescale;
+        // Values: warp w takes the chunk's positions w, w + warps, ...
+        for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * DECODE_VALUES_IN_FLIGHT) {
+            float v[DECODE_VALUES_IN_FLIGHT][ATTN_MAX_PER_LANE];
+#pragma unroll
+            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT; ++u) {
+                int i = i0 + u * DECODE_ATTN_WARPS;
+                i64 j = c0 + i;
+                const float* value = j == visible - 1 ? fresh_v : v_head + j * kv_width;
+#pragma unroll
+                for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
+                    int d = lane + k * WARP_SIZE;
+                    v[u][k] = i < chunk && d < head_dim ? value[d] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT; ++u) {
+                int i = i0 + u * DECODE_ATTN_WARPS;
+                float w = i < chunk ? weight[i] : 0.0f;
+#pragma unroll
+                for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) acc[k] = fmaf(w, v[u][k], acc[k]);
+            }
+        }
+        __syncthreads();  // weight[] is rewritten by the next chunk
+    }
+#pragma unroll
+    for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
+        int d = lane + k * WARP_SIZE;
+        if (d < head_dim) warp_acc[warp][d] = acc[k];
+    }
+    __syncthreads();
+    float* o = out + (i64)h * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < DECODE_ATTN_WARPS; ++w) sum += warp_acc[w][d];
+        o[d] = sum / total;
+    }
+    if (h % group == 0) {
+        float* stored_k = keys + start * kv_width + (i64)(h / group) * head_dim;
+        float* stored_v = values + start * kv_width + (i64)(h / group) * head_dim;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            stored_k[d] = fresh_k[d];
+            stored_v[d] = fresh_v[d];
+        }
+    }
+}
 
 // ---- Prefill: a block per tile of query rows, keys and values shared ----
 //
@@ -288,6 +411,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
         name(const float* q, const float* keys, const float* values, float* out, int n,   \
              int heads, int kv_heads, int head_dim, i64 start, float scale) {             \
+        await_inputs();                                                                   \
         flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
                                scale);                                                    \
     }
@@ -299,6 +423,7 @@ FLASH_ATTENTION_KERNEL(flash_attention_256, 8)
 // `width`; `start` from `position` on the device when given.
 extern "C" __global__ void kv_store(float* keys, float* values, const float* k, const float* v,
                                     i64 width, int n, i64 start, const u32* position) {
+    await_inputs();
     if (position) start = *position;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)n * width;
          i += (i64)gridDim.x * blockDim.x) {

@@ -23,6 +23,18 @@ typedef unsigned char u8;
 // Input weights sharing one scale and bias in q8 and q4.
 #define GROUP_SIZE 64
 
+// Programmatic dependent launch (decode graphs, graph.rs): every kernel
+// calls this before touching memory. It waits until the kernels this one
+// depends on have finished and their writes are visible, then lets the next
+// kernel's blocks start launching, so their launch overlaps this kernel's
+// work instead of following it. On a plain launch both are no-ops.
+__device__ __forceinline__ void await_inputs() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bf16_to_float(u16 v) {
     return __int_as_float(((u32)v) << 16);
 }

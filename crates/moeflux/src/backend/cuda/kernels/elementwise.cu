@@ -6,27 +6,32 @@
          i += (i64)gridDim.x * blockDim.x)
 
 extern "C" __global__ void add_assign(float* x, const float* y, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) { x[i] += y[i]; }
 }
 
 // out = silu(gate) · up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) { out[i] = silu(gate[i]) * up[i]; }
 }
 
 // x *= sigmoid(gate), elementwise.
 extern "C" __global__ void mul_sigmoid(float* x, const float* gate, i64 n) {
+    await_inputs();
     GRID_STRIDE(i, n) { x[i] *= sigmoid(gate[i]); }
 }
 
 // x[r, c] *= sigmoid(gate[r]): one gate per row.
 extern "C" __global__ void mul_sigmoid_rows(float* x, const float* gate, i64 rows, int cols) {
+    await_inputs();
     GRID_STRIDE(i, rows * cols) { x[i] *= sigmoid(gate[i / cols]); }
 }
 
 // dst[r, c] = src[r, start + c] for c < width.
 extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int src_cols,
                                      int start, int width) {
+    await_inputs();
     GRID_STRIDE(i, rows * width) {
         i64 r = i / width;
         int c = (int)(i % width);
@@ -40,6 +45,7 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int
 // as the CPU backend computes them.
 extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int cols,
                                 int head_dim, int half, i64 start_pos) {
+    await_inputs();
     int heads = cols / head_dim;
     GRID_STRIDE(i, rows * heads * half) {
         i64 t = i / ((i64)heads * half);

@@ -7,6 +7,7 @@
 extern "C" __global__ void gdn_conv(const float* qkv, const float* history,
                                     const float* weight, float* mixed, int n, int channels,
                                     int kernel) {
+    await_inputs();
     int kept = kernel - 1;
     i64 total = (i64)n * channels;
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total;
@@ -28,6 +29,7 @@ extern "C" __global__ void gdn_conv(const float* qkv, const float* history,
 // (n + r > r) are never overwritten first.
 extern "C" __global__ void gdn_conv_history(const float* qkv, float* history, int n,
                                             int channels, int kernel) {
+    await_inputs();
     int kept = kernel - 1;
     for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < channels;
          c += gridDim.x * blockDim.x) {
@@ -45,6 +47,7 @@ extern "C" __global__ void gdn_conv_history(const float* qkv, float* history, in
 // One warp per (token, head).
 extern "C" __global__ void gdn_qk_norm(float* mixed, int n, int channels, int key_heads,
                                        int key_head_dim, float q_scale) {
+    await_inputs();
     int lane = threadIdx.x % WARP_SIZE;
     i64 warp = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / WARP_SIZE;
     i64 warps = ((i64)gridDim.x * blockDim.x) / WARP_SIZE;
@@ -102,6 +105,7 @@ extern "C" __global__ void __launch_bounds__(GDN_WARPS * WARP_SIZE)
     gdn_recurrence(const float* mixed, const float* b, const float* a, const float* a_log,
                    const float* dt_bias, float* state, float* out, int n, int channels,
                    int key_heads, int value_heads, int dk, int dv) {
+    await_inputs();
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     int h = blockIdx.x;

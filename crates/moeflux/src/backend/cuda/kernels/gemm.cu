@@ -431,6 +431,7 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_tc_q4(const u8* codes, const u16* scales, const u16* biases, const float* x,
                  float* out, int rows, int cols, int n) {
+    await_inputs();
 #if __CUDA_ARCH__ >= 800
     linear_tc<DT_Q4>(codes, scales, biases, x, out, rows, cols, n);
 #endif
@@ -439,6 +440,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_tc_q8(const u8* codes, const u16* scales, const u16* biases, const float* x,
                  float* out, int rows, int cols, int n) {
+    await_inputs();
 #if __CUDA_ARCH__ >= 800
     linear_tc<DT_Q8>(codes, scales, biases, x, out, rows, cols, n);
 #endif
@@ -447,6 +449,7 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_tc_bf16(const u8* codes, const u16* scales, const u16* biases, const float* x,
                    float* out, int rows, int cols, int n) {
+    await_inputs();
 #if __CUDA_ARCH__ >= 800
     linear_tc<DT_BF16>(codes, scales, biases, x, out, rows, cols, n);
 #endif

@@ -17,6 +17,7 @@
 extern "C" __global__ void embed(const u8* codes, const u16* scales, const u16* biases,
                                  int dtype, const u32* tokens, float* out, int n,
                                  int rows, int cols) {
+    await_inputs();
     i64 total = (i64)n * cols;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {
@@ -98,6 +99,7 @@ __device__ __forceinline__ void linear_tile(const u8* codes, const u16* scales,
     extern "C" __global__ void __launch_bounds__(LINEAR_WARPS * WARP_SIZE)                \
         name(const u8* codes, const u16* scales, const u16* biases, const float* x,       \
              float* out, int rows, int cols, int n) {                                     \
+        await_inputs();                                                                   \
         linear_tile<DT, T>(codes, scales, biases, x, out, rows, cols, n);                 \
     }
 
@@ -312,8 +314,9 @@ __device__ __forceinline__ void prefetch_span(const void* p, i64 n) {
 }
 
 // Asks L2 for the weights (codes, scales and biases) of the `per_block`
-// rows this block of a one-token product reads, first thing: the block's
-// whole share is requested at once, before its warps' own loads.
+// rows this block of a one-token product reads. Weights do not depend on
+// earlier kernels, so this runs before await_inputs: under programmatic
+// launch the fetch overlaps the end of the kernel before.
 template <int DT>
 __device__ __forceinline__ void prefetch_block_rows(const MatvecJobs& jobs, int cols,
                                                     int per_block) {
@@ -404,11 +407,13 @@ __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const
     extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
         name(MatvecJobs jobs, const float* x, int cols, int accumulate) {                 \
         prefetch_block_rows<DT>(jobs, cols, VEC_ROWS);                                    \
+        await_inputs();                                                                   \
         linear_vector<DT>(jobs, x, cols, accumulate);                                     \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
         name##_rows(MatvecJobs jobs, const float* x, int cols, int accumulate) {          \
         prefetch_block_rows<DT>(jobs, cols, VEC_WARPS * ROWS_PER_WARP);                   \
+        await_inputs();                                                                   \
         linear_vector_rows<DT>(jobs, x, cols, accumulate);                                \
     }
 

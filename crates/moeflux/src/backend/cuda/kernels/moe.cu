@@ -9,6 +9,7 @@
 extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     route(const float* logits, u32* experts, float* weights, int n, int num_experts,
           int top_k, int normalize) {
+    await_inputs();
     extern __shared__ u8 chosen[];
     __shared__ float scratch[32];
     __shared__ float best_value[32];
@@ -166,6 +167,7 @@ __device__ __forceinline__ void route_in_warp(const float* logits, u32* experts,
 #define ROUTE_WARP_KERNEL(name, PER_LANE)                                                  \
     extern "C" __global__ void name(const float* logits, u32* experts, float* weights, int n, \
                                     int num_experts, int top_k, int normalize) {             \
+        await_inputs();                                                                      \
         route_in_warp<PER_LANE>(logits, experts, weights, n, num_experts, top_k, normalize);  \
     }
 
@@ -177,6 +179,7 @@ ROUTE_WARP_KERNEL(route_warp_16, 16)
 // (a slot is token · top_k + rank).
 extern "C" __global__ void gather_rows(const float* x, const u32* slots, float* xs, int m,
                                        int cols, int top_k) {
+    await_inputs();
     i64 total = (i64)m * cols;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {
@@ -191,6 +194,7 @@ extern "C" __global__ void gather_rows(const float* x, const u32* slots, float* 
 extern "C" __global__ void scatter_add_rows(float* out, const float* y, const u32* slots,
                                             const float* weights, int m, int cols,
                                             int top_k) {
+    await_inputs();
     i64 total = (i64)m * cols;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {
@@ -303,12 +307,14 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
         moe_gate_up_##suffix(const unsigned long long* table, const u32* ids,              \
                              const float* x, float* act, int inter, int hidden,            \
                              ExpertPart gate, ExpertPart up) {                             \
+        await_inputs();                                                                    \
         moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up);                      \
     }                                                                                      \
     extern "C" __global__ void __launch_bounds__(DOWN_WARPS * WARP_SIZE, DOWN_MIN_BLOCKS)  \
         moe_down_##suffix(const unsigned long long* table, const u32* ids,                 \
                           const float* weights, const float* act, float* out, int hidden,  \
                           int inter, int top_k, ExpertPart down, int accumulate) {         \
+        await_inputs();                                                                    \
         moe_down<DT>(table, ids, weights, act, out, hidden, inter, top_k, down, accumulate); \
     }
 

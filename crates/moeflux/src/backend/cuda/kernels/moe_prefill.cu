@@ -264,31 +264,37 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_q4(MOE_PREFILL_PARAMS) {
+    await_inputs();
     moe_prefill_tc<DT_Q4, true>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_q8(MOE_PREFILL_PARAMS) {
+    await_inputs();
     moe_prefill_tc<DT_Q8, true>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_bf16(MOE_PREFILL_PARAMS) {
+    await_inputs();
     moe_prefill_tc<DT_BF16, true>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_down_q4(MOE_PREFILL_PARAMS) {
+    await_inputs();
     moe_prefill_tc<DT_Q4, false>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_down_q8(MOE_PREFILL_PARAMS) {
+    await_inputs();
     moe_prefill_tc<DT_Q8, false>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_down_bf16(MOE_PREFILL_PARAMS) {
+    await_inputs();
     moe_prefill_tc<DT_BF16, false>(MOE_PREFILL_ARGS);
 }
 
@@ -298,6 +304,7 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
 extern "C" __global__ void moe_prefill_combine(const float* y, const float* weights,
                                                float* out, int n, int hidden, int top_k,
                                                int accumulate) {
+    await_inputs();
     const i64 total = (i64)n * hidden;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {

@@ -7,6 +7,7 @@
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* x, const float* weight, float* out, i64 groups, int group,
              float eps, float offset) {
+    await_inputs();
     __shared__ float scratch[32];
     for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* xg = x + g * group;
@@ -25,6 +26,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     gated_rms_norm(const float* x, const float* z, const float* weight, float* out,
                    i64 groups, int group, float eps) {
+    await_inputs();
     __shared__ float scratch[32];
     for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* xg = x + g * group;
@@ -50,6 +52,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
                  const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
                  int half, float eps, float offset, i64 start_pos, const u32* position) {
+    await_inputs();
     if (position) start_pos = *position;
     extern __shared__ float normed[];
     __shared__ float scratch[32];
