@@ -87,7 +87,9 @@ kernels!(
     copy_cols,
     rope,
     attention,
-    attention_decode,
+    attention_decode_128,
+    attention_decode_256,
+    attention_decode_512,
     flash_attention_128,
     flash_attention_256,
     kv_store,
@@ -259,6 +261,7 @@ mod tests {
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))
+                || source.contains(&format!("ATTENTION_DECODE_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || name
                     .strip_suffix("_rows")

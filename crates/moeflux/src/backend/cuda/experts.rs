@@ -359,10 +359,11 @@ impl CudaBackend {
             top_k <= MAX_TOP_K,
             "routed experts: top-{top_k} exceeds the {MAX_TOP_K} the kernels take"
         );
-        let (inter_i, hidden_i, top_k_i) = (
+        let (inter_i, hidden_i, top_k_i, experts_i) = (
             int(inter, "expert intermediate size"),
             int(hidden, "hidden size"),
             int(top_k, "top-k"),
+            int(table.len(), "experts"),
         );
         let (gate_part, up_part, down_part) = (parts.part(0), parts.part(1), parts.part(2));
         let accumulate_i = i32::from(accumulate);
@@ -382,7 +383,8 @@ impl CudaBackend {
             &inter_i,
             &hidden_i,
             &gate_part,
-            &up_part
+            &up_part,
+            &experts_i
         );
         launch!(
             self,

@@ -1153,7 +1153,11 @@ impl Backend for CudaBackend {
         }
         let (kernel, threads, new_k, new_v) = match n {
             1 => (
-                &self.kernels.attention_decode,
+                match head_dim {
+                    ..=128 => &self.kernels.attention_decode_128,
+                    129..=256 => &self.kernels.attention_decode_256,
+                    _ => &self.kernels.attention_decode_512,
+                },
                 ATTENTION_DECODE_THREADS,
                 k.data.device_ptr(&self.stream).0,
                 v.data.device_ptr(&self.stream).0,

@@ -141,18 +141,22 @@ ATTENTION_KERNEL(attention, ATTN_WARPS)
 #define DECODE_ATTN_WARPS 8
 #define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
 // Positions a warp's lanes load values of before using them.
-#define DECODE_VALUES_IN_FLIGHT 4
+#define DECODE_VALUES_IN_FLIGHT 8
+// 16-byte pieces of a key a thread loads before using them.
+#define DECODE_KEY_QUADS 16
 
-extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)
-    attention_decode(const float* q, float* keys, float* values, float* out, int n,
-                     int heads, int kv_heads, int head_dim, i64 start, const u32* position,
-                     float scale, const float* new_k, const float* new_v) {
-    await_inputs();
+// Head dimensions up to PER_LANE · 32.
+template <int PER_LANE>
+__device__ __forceinline__ void attend_decode(const float* q, float* keys, float* values,
+                                              float* out, int heads, int kv_heads,
+                                              int head_dim, i64 start, const u32* position,
+                                              float scale, const float* new_k,
+                                              const float* new_v) {
     if (position) start = *position;
-    __shared__ float4 query4[ATTN_MAX_PER_LANE * WARP_SIZE / 4];
+    __shared__ float4 query4[PER_LANE * WARP_SIZE / 4];
     __shared__ float weight[DECODE_ATTN_CHUNK];
     __shared__ float scratch[32];
-    __shared__ float warp_acc[DECODE_ATTN_WARPS][ATTN_MAX_PER_LANE * WARP_SIZE];
+    __shared__ float warp_acc[DECODE_ATTN_WARPS][PER_LANE * WARP_SIZE];
     float* query_s = (float*)query4;
     const int warp = threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
@@ -165,31 +169,42 @@ extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)
     const float* fresh_k = new_k + (i64)(h / group) * head_dim;
     const float* fresh_v = new_v + (i64)(h / group) * head_dim;
     const i64 visible = start + 1;
-    const bool quads = head_dim % 4 == 0;
+    const int quads = head_dim % 4 == 0 ? head_dim / 4 : 0;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
     __syncthreads();
 
     float running_max = NEG_INF;
     float total = 0.0f;
-    float acc[ATTN_MAX_PER_LANE];
+    float acc[PER_LANE];
 #pragma unroll
-    for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) acc[k] = 0.0f;
+    for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.0f;
     for (i64 c0 = 0; c0 < visible; c0 += DECODE_ATTN_CHUNK) {
         const int chunk = (int)min((i64)DECODE_ATTN_CHUNK, visible - c0);
-        // This thread's position: its score, the whole key read at once.
+        // This thread's position: its score, the key read in batches of
+        // DECODE_KEY_QUADS loads in flight.
         float s = NEG_INF;
         if (threadIdx.x < chunk) {
             i64 j = c0 + threadIdx.x;
             const float* key = j == visible - 1 ? fresh_k : k_head + j * kv_width;
             float dot = 0.0f;
             if (quads) {
-                for (int d = 0; d < head_dim; d += 4) {
-                    float4 kq = *(const float4*)(key + d);
-                    float4 qq = query4[d / 4];
-                    dot = fmaf(qq.x, kq.x, dot);
-                    dot = fmaf(qq.y, kq.y, dot);
-                    dot = fmaf(qq.z, kq.z, dot);
-                    dot = fmaf(qq.w, kq.w, dot);
+                for (int b = 0; b < quads; b += DECODE_KEY_QUADS) {
+                    float4 kq[DECODE_KEY_QUADS];
+#pragma unroll
+                    for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
+                        kq[u] = b + u < quads ? ((const float4*)key)[b + u]
+                                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    }
+#pragma unroll
+                    for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
+                        if (b + u < quads) {
+                            float4 qq = query4[b + u];
+                            dot = fmaf(qq.x, kq[u].x, dot);
+                            dot = fmaf(qq.y, kq[u].y, dot);
+                            dot = fmaf(qq.z, kq[u].z, dot);
+                            dot = fmaf(qq.w, kq[u].w, dot);
+                        }
+                    }
                 }
             } else {
                 for (int d = 0; d < head_dim; ++d) dot = fmaf(query_s[d], key[d], dot);
@@ -203,17 +218,17 @@ extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)
         total = total * rescale + block_sum(p, scratch);  // also publishes weight[]
         running_max = new_max;
 #pragma unroll
-        for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) acc[k] *= rescale;
+        for (int k = 0; k < PER_LANE; ++k) acc[k] *= rescale;
         // Values: warp w takes the chunk's positions w, w + warps, ...
         for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * DECODE_VALUES_IN_FLIGHT) {
-            float v[DECODE_VALUES_IN_FLIGHT][ATTN_MAX_PER_LANE];
+            float v[DECODE_VALUES_IN_FLIGHT][PER_LANE];
 #pragma unroll
             for (int u = 0; u < DECODE_VALUES_IN_FLIGHT; ++u) {
                 int i = i0 + u * DECODE_ATTN_WARPS;
                 i64 j = c0 + i;
                 const float* value = j == visible - 1 ? fresh_v : v_head + j * kv_width;
 #pragma unroll
-                for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
+                for (int k = 0; k < PER_LANE; ++k) {
                     int d = lane + k * WARP_SIZE;
                     v[u][k] = i < chunk && d < head_dim ? value[d] : 0.0f;
                 }
@@ -223,13 +238,13 @@ extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)
                 int i = i0 + u * DECODE_ATTN_WARPS;
                 float w = i < chunk ? weight[i] : 0.0f;
 #pragma unroll
-                for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) acc[k] = fmaf(w, v[u][k], acc[k]);
+                for (int k = 0; k < PER_LANE; ++k) acc[k] = fmaf(w, v[u][k], acc[k]);
             }
         }
         __syncthreads();  // weight[] is rewritten by the next chunk
     }
 #pragma unroll
-    for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
+    for (int k = 0; k < PER_LANE; ++k) {
         int d = lane + k * WARP_SIZE;
         if (d < head_dim) warp_acc[warp][d] = acc[k];
     }
@@ -249,6 +264,47 @@ extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)
         }
     }
 }
+
+// Asks L2 for the keys and values of the first chunk of positions the
+// blocks of one KV head read, before waiting for the step's inputs: they
+// were stored by earlier steps, which no kernel of this one changes (the
+// recorded position is written before the step starts). The first block of
+// each KV head's group asks.
+__device__ __forceinline__ void prefetch_kv_history(const float* keys, const float* values,
+                                                    int heads, int kv_heads, int head_dim,
+                                                    i64 start, const u32* position) {
+    if (position) start = *position;
+    const int group = heads / kv_heads;
+    if (blockIdx.x % group != 0) return;
+    const i64 kv_width = (i64)kv_heads * head_dim;
+    const i64 rows = min(start, (i64)DECODE_ATTN_CHUNK);
+    const int lines = (4 * head_dim + 127) / 128;
+    const i64 head = (i64)(blockIdx.x / group) * head_dim;
+    for (i64 i = threadIdx.x; i < rows * lines; i += blockDim.x) {
+        i64 at = (i / lines) * kv_width + head;
+        int line = (int)(i % lines);
+        prefetch_l2((const u8*)(keys + at) + 128 * line);
+        prefetch_l2((const u8*)(values + at) + 128 * line);
+    }
+}
+
+// One kernel per bound on the head dimension (128, 256, 512), so a lane
+// keeps only the dimensions that exist. Same parameters as `attention`
+// (n is 1).
+#define ATTENTION_DECODE_KERNEL(name, PER_LANE)                                            \
+    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)            \
+        name(const float* q, float* keys, float* values, float* out, int n, int heads,     \
+             int kv_heads, int head_dim, i64 start, const u32* position, float scale,      \
+             const float* new_k, const float* new_v) {                                     \
+        prefetch_kv_history(keys, values, heads, kv_heads, head_dim, start, position);     \
+        await_inputs();                                                                    \
+        attend_decode<PER_LANE>(q, keys, values, out, heads, kv_heads, head_dim, start,    \
+                                position, scale, new_k, new_v);                            \
+    }
+
+ATTENTION_DECODE_KERNEL(attention_decode_128, 4)
+ATTENTION_DECODE_KERNEL(attention_decode_256, 8)
+ATTENTION_DECODE_KERNEL(attention_decode_512, 16)
 
 // ---- Prefill: a block per tile of query rows, keys and values shared ----
 //

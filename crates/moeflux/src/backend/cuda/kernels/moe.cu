@@ -245,6 +245,8 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
 #endif
 
 // act[k, r] = silu(gate_k[r] · x) · (up_k[r] · x) for expert k = ids[k].
+// The kernel asks L2 for the layer's table of `experts` addresses before
+// waiting for the router's ids, which it then looks up.
 // Grid: (ceil(inter / GATE_UP_WARPS), top_k); a warp per row pair, whole
 // rows (measured a little faster than splitting the columns of a row pair
 // across a block).
@@ -306,7 +308,8 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
                                                  GATE_UP_MIN_BLOCKS)                       \
         moe_gate_up_##suffix(const unsigned long long* table, const u32* ids,              \
                              const float* x, float* act, int inter, int hidden,            \
-                             ExpertPart gate, ExpertPart up) {                             \
+                             ExpertPart gate, ExpertPart up, int experts) {                \
+        prefetch_span(table, 8 * (i64)experts);                                            \
         await_inputs();                                                                    \
         moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up);                      \
     }                                                                                      \

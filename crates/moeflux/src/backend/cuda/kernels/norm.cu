@@ -7,6 +7,7 @@
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* x, const float* weight, float* out, i64 groups, int group,
              float eps, float offset) {
+    prefetch_span(weight, 4 * (i64)group);
     await_inputs();
     __shared__ float scratch[32];
     for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
@@ -26,6 +27,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     gated_rms_norm(const float* x, const float* z, const float* weight, float* out,
                    i64 groups, int group, float eps) {
+    prefetch_span(weight, 4 * (i64)group);
     await_inputs();
     __shared__ float scratch[32];
     for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
@@ -52,6 +54,9 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
                  const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
                  int half, float eps, float offset, i64 start_pos, const u32* position) {
+    prefetch_span(q_weight, 4 * (i64)head_dim);
+    prefetch_span(k_weight, 4 * (i64)head_dim);
+    prefetch_span(inv_freq, 4 * (i64)half);
     await_inputs();
     if (position) start_pos = *position;
     extern __shared__ float normed[];
