@@ -3,9 +3,10 @@
 //! Rows are computed in tiles of a few rows × a few tokens by the kernels
 //! of [`super::simd`], so each weight is read from memory once per call
 //! and unpacked once per tile of tokens. Blocks of rows become rayon tasks
-//! only when each has enough work to pay for the split: the small matrices
-//! of experts computed in parallel with each other stay mostly on their
-//! thread instead of flooding the pool.
+//! only when each has enough work to pay for the split. Several products
+//! (a layer's experts, attention's projections) can share one parallel
+//! region ([`matmul_many`]): their rows are split into tasks of about
+//! equal work across all of them, one fork and join for the lot.
 
 use rayon::prelude::*;
 
@@ -32,6 +33,41 @@ pub fn matmul(x: &[f32], n: usize, w: &MatrixView<'_>, activations: Activations)
     matmul_with(Isa::get(), x, n, w, activations)
 }
 
+/// [`matmul`] with the kernels of `isa`.
+pub fn matmul_with(
+    isa: Isa,
+    x: &[f32],
+    n: usize,
+    w: &MatrixView<'_>,
+    activations: Activations,
+) -> Vec<f32> {
+    let product = Product {
+        x,
+        n,
+        w: *w,
+        activations,
+    };
+    let mut out = matmul_many_with(isa, &[product]);
+    out.pop().expect("one product")
+}
+
+/// One product of [`matmul_many`]: `x` (`[n, cols]`) by the rows of `w`.
+#[derive(Clone, Copy)]
+pub struct Product<'a> {
+    pub x: &'a [f32],
+    pub n: usize,
+    pub w: MatrixView<'a>,
+    pub activations: Activations,
+}
+
+/// Each product's result as [`matmul`] gives it, bit for bit, all computed
+/// in one parallel region. Products whose inputs are the same slice (and
+/// whose weights take inputs in the same layout) share one preparation of
+/// them, e.g. one int8 quantization for an expert's gate and up.
+pub fn matmul_many(products: &[Product<'_>]) -> Vec<Vec<f32>> {
+    matmul_many_with(Isa::get(), products)
+}
+
 /// Products below this many multiply-adds per task are not split further
 /// (about 25 us of one core, well above a rayon task's overhead).
 const MIN_TASK_MACS: usize = 1 << 19;
@@ -42,89 +78,133 @@ enum Inputs<'a> {
     Int8(Int8Acts),
 }
 
-/// [`matmul`] with the kernels of `isa`.
-pub fn matmul_with(
-    isa: Isa,
-    x: &[f32],
-    n: usize,
-    w: &MatrixView<'_>,
-    activations: Activations,
-) -> Vec<f32> {
-    let (rows, cols) = (w.rows(), w.cols());
-    assert_eq!(x.len(), n * cols, "matmul: input is not [n, cols]");
-    let l = &w.layout;
-    let inputs = match (activations, l.dtype.bits()) {
-        (Activations::Int8, Some(bits)) => Inputs::Int8(Int8Acts::new(isa, x, n, cols, bits)),
-        (_, bits) => Inputs::Float(Acts::new(isa, x, n, cols, bits)),
-    };
-    // Rows [first, first + len) into `out` ([len, n]).
-    let block = |first: usize, len: usize, out: &mut [f32]| {
-        let data = &w.bytes[first * l.row_bytes..(first + len) * l.row_bytes];
-        match l.dtype.bits() {
-            Some(bits) => {
-                let groups = l.groups_per_row();
-                let params = |offset: usize| {
-                    let bytes = &w.bytes[offset + 2 * first * groups..][..2 * len * groups];
-                    bytemuck::cast_slice(bytes)
-                };
-                let rows = QuantRows {
-                    bits,
-                    rows: len,
-                    codes: data,
-                    row_bytes: l.row_bytes,
-                    scales: params(l.scales_offset),
-                    biases: params(l.biases_offset),
-                };
-                match &inputs {
-                    Inputs::Float(acts) => isa.quant_rows(&rows, acts, out),
-                    Inputs::Int8(acts) => isa.int8_rows(&rows, acts, out),
-                }
+impl<'a> Inputs<'a> {
+    fn new(isa: Isa, p: &Product<'a>) -> Inputs<'a> {
+        let cols = p.w.cols();
+        assert_eq!(p.x.len(), p.n * cols, "matmul: input is not [n, cols]");
+        match (p.activations, p.w.layout.dtype.bits()) {
+            (Activations::Int8, Some(bits)) => {
+                Inputs::Int8(Int8Acts::new(isa, p.x, p.n, cols, bits))
             }
-            None => {
-                let Inputs::Float(acts) = &inputs else {
-                    unreachable!("int8 inputs only for quantized rows")
-                };
-                let rows = FloatRows {
-                    bf16: l.dtype == DType::Bf16,
-                    rows: len,
-                    cols,
-                    data,
-                };
-                isa.float_rows(&rows, acts, out);
-            }
-        }
-    };
-
-    // Computed by weight row ([rows, n]) so each task owns a contiguous
-    // slice; transposed afterwards when n > 1.
-    let mut by_row = vec![0f32; rows * n];
-    let per_task = rows_per_task(rows, cols * n);
-    if per_task >= rows {
-        block(0, rows, &mut by_row);
-    } else {
-        by_row
-            .par_chunks_mut(per_task * n)
-            .enumerate()
-            .for_each(|(i, out)| block(i * per_task, out.len() / n, out));
-    }
-    if n == 1 {
-        return by_row;
-    }
-    let mut out = vec![0f32; n * rows];
-    for (r, row) in by_row.chunks_exact(n).enumerate() {
-        for (t, &v) in row.iter().enumerate() {
-            out[t * rows + r] = v;
+            (_, bits) => Inputs::Float(Acts::new(isa, p.x, p.n, cols, bits)),
         }
     }
-    out
 }
 
-/// Rows per task: at least [`MIN_TASK_MACS`] of work, at most 8 tasks per
-/// thread (enough to balance), a multiple of the 4-row tile.
-fn rows_per_task(rows: usize, macs_per_row: usize) -> usize {
-    let min_rows = MIN_TASK_MACS.div_ceil(macs_per_row.max(1));
-    let balanced = rows.div_ceil(8 * rayon::current_num_threads());
-    min_rows.max(balanced).next_multiple_of(4)
+/// Rows `[first, first + len)` of `w` by `inputs` into `out` (`[len, n]`).
+fn block(
+    isa: Isa,
+    w: &MatrixView<'_>,
+    inputs: &Inputs<'_>,
+    first: usize,
+    len: usize,
+    out: &mut [f32],
+) {
+    let l = &w.layout;
+    let data = &w.bytes[first * l.row_bytes..(first + len) * l.row_bytes];
+    match l.dtype.bits() {
+        Some(bits) => {
+            let groups = l.groups_per_row();
+            let params = |offset: usize| {
+                let bytes = &w.bytes[offset + 2 * first * groups..][..2 * len * groups];
+                bytemuck::cast_slice(bytes)
+            };
+            let rows = QuantRows {
+                bits,
+                rows: len,
+                codes: data,
+                row_bytes: l.row_bytes,
+                scales: params(l.scales_offset),
+                biases: params(l.biases_offset),
+            };
+            match inputs {
+                Inputs::Float(acts) => isa.quant_rows(&rows, acts, out),
+                Inputs::Int8(acts) => isa.int8_rows(&rows, acts, out),
+            }
+        }
+        None => {
+            let Inputs::Float(acts) = inputs else {
+                unreachable!("int8 inputs only for quantized rows")
+            };
+            let rows = FloatRows {
+                bf16: l.dtype == DType::Bf16,
+                rows: len,
+                cols: w.cols(),
+                data,
+            };
+            isa.float_rows(&rows, acts, out);
+        }
+    }
+}
+
+/// [`matmul_many`] with the kernels of `isa`.
+pub fn matmul_many_with(isa: Isa, products: &[Product<'_>]) -> Vec<Vec<f32>> {
+    // Each product's index into `inputs`: the first product with the same
+    // input slice and layout prepares it for all.
+    let mut inputs: Vec<Inputs<'_>> = Vec::new();
+    let mut input_of = Vec::with_capacity(products.len());
+    for (i, p) in products.iter().enumerate() {
+        let same = |q: &Product<'_>| {
+            std::ptr::eq(q.x, p.x)
+                && q.n == p.n
+                && q.activations == p.activations
+                && q.w.layout.dtype.bits() == p.w.layout.dtype.bits()
+        };
+        match products[..i].iter().position(same) {
+            Some(j) => input_of.push(input_of[j]),
+            None => {
+                input_of.push(inputs.len());
+                inputs.push(Inputs::new(isa, p));
+            }
+        }
+    }
+    // Computed by weight row ([rows, n]) so each task owns a contiguous
+    // slice; transposed afterwards when n > 1.
+    let mut by_row: Vec<Vec<f32>> = products
+        .iter()
+        .map(|p| vec![0f32; p.w.rows() * p.n])
+        .collect();
+    let total_macs: usize = products.iter().map(|p| p.w.rows() * p.w.cols() * p.n).sum();
+    let task_macs = MIN_TASK_MACS.max(total_macs.div_ceil(8 * rayon::current_num_threads()));
+    // (product, first row, output rows)
+    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
+    for (i, (p, out)) in products.iter().zip(&mut by_row).enumerate() {
+        let per_task = task_macs
+            .div_ceil((p.w.cols() * p.n).max(1))
+            .next_multiple_of(4);
+        if out.is_empty() {
+            continue;
+        }
+        for (k, chunk) in out.chunks_mut(per_task * p.n).enumerate() {
+            tasks.push((i, k * per_task, chunk));
+        }
+    }
+    let run = |(i, first, out): (usize, usize, &mut [f32])| {
+        let p = &products[i];
+        block(isa, &p.w, &inputs[input_of[i]], first, out.len() / p.n, out);
+    };
+    if tasks.len() == 1 {
+        tasks.into_iter().for_each(run);
+    } else {
+        tasks.into_par_iter().for_each(run);
+    }
+    products
+        .iter()
+        .zip(by_row)
+        .map(|(p, by_row)| {
+            let (n, rows) = (p.n, p.w.rows());
+            if n == 1 {
+                return by_row;
+            }
+            let mut out = vec![0f32; n * rows];
+            for (r, row) in by_row.chunks_exact(n).enumerate() {
+                for (t, &v) in row.iter().enumerate() {
+                    out[t * rows + r] = v;
+                }
+            }
+            out
+        })
+        .collect()
 }
 
 #[cfg(test)]

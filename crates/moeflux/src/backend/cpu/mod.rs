@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
 use crate::quant::DType;
+use linear::{Product, matmul_many};
 
 pub use attention::KvCache;
 pub use bandwidth::memory_read_bandwidth;
@@ -207,6 +208,34 @@ impl Backend for CpuBackend {
             view.rows(),
             matmul(&x.data, x.rows, &view, w.activations),
         )
+    }
+
+    /// The products share one parallel region, and one preparation of `x`
+    /// where their weights take it alike.
+    fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Vec<Tensor> {
+        let products: Vec<Product<'_>> = ws
+            .iter()
+            .map(|w| {
+                let view = w.tensor.view();
+                assert_eq!(
+                    x.cols,
+                    view.cols(),
+                    "linear: input width vs weight {}",
+                    w.tensor.name
+                );
+                Product {
+                    x: &x.data,
+                    n: x.rows,
+                    w: view,
+                    activations: w.activations,
+                }
+            })
+            .collect();
+        matmul_many(&products)
+            .into_iter()
+            .zip(ws)
+            .map(|(out, w)| Tensor::new(x.rows, w.tensor.view().rows(), out))
+            .collect()
     }
 
     fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Tensor {

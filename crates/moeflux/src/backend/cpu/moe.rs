@@ -5,11 +5,12 @@
 //! fetched a few at a time, which bounds the memory in flight beyond the
 //! cache's budget.
 
-use rayon::prelude::*;
+use std::borrow::Cow;
+use std::sync::Arc;
 
-use super::linear::{Activations, matmul};
+use super::linear::{Activations, Product, matmul_many};
 use crate::error::Result;
-use crate::experts::ExpertStore;
+use crate::experts::{Expert, ExpertStore, Fetch};
 
 /// Each token's `top_k` experts (most probable first) and their weights.
 pub struct Routing {
@@ -55,6 +56,9 @@ pub fn route(logits: &[f32], num_experts: usize, top_k: usize, normalize: bool) 
 /// Experts fetched and computed together; the in-flight bound.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
+/// expert -> [(token, weight)]
+type Assigned = std::collections::BTreeMap<usize, Vec<(usize, f32)>>;
+
 pub fn routed_experts(
     x: &[f32],
     hidden: usize,
@@ -64,8 +68,7 @@ pub fn routed_experts(
     activations: Activations,
 ) -> Result<Vec<f32>> {
     let n = x.len() / hidden;
-    // expert -> [(token, weight)]
-    let mut assigned: std::collections::BTreeMap<usize, Vec<(usize, f32)>> = Default::default();
+    let mut assigned = Assigned::new();
     for t in 0..n {
         for j in 0..routing.top_k {
             let i = t * routing.top_k + j;
@@ -79,37 +82,26 @@ pub fn routed_experts(
     let batches: Vec<&[usize]> = order.chunks(EXPERTS_IN_FLIGHT).collect();
     let mut out = vec![0f32; n * hidden];
     // The next batch's reads start before this batch computes, and within
-    // a batch the experts already in memory compute while the others are
-    // read: disk time hides behind compute.
+    // a batch the experts already in memory compute (together) while the
+    // others are read, which then compute as their reads complete: disk
+    // time hides behind compute.
     let mut next = batches.first().map(|b| store.request(layer, b));
     for i in 0..batches.len() {
-        let mut current = next.take().expect("requested ahead");
+        let current = next.take().expect("requested ahead");
         next = batches.get(i + 1).map(|b| store.request(layer, b));
-        current.sort_by_key(|f| !f.is_ready());
-        let results: Vec<(usize, Vec<f32>)> = current
-            .into_par_iter()
-            .map(|fetch| {
-                let expert = store.wait(fetch)?;
-                let tokens = &assigned[&expert.index];
-                let xs: Vec<f32> = tokens
-                    .iter()
-                    .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
-                    .copied()
-                    .collect();
-                let m = tokens.len();
-                let gate = matmul(&xs, m, &expert.gate(), activations);
-                let up = matmul(&xs, m, &expert.up(), activations);
-                let act: Vec<f32> = gate
-                    .iter()
-                    .zip(&up)
-                    .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                    .collect();
-                Ok((expert.index, matmul(&act, m, &expert.down(), activations)))
-            })
+        let (ready, reading): (Vec<Fetch>, Vec<Fetch>) =
+            current.into_iter().partition(Fetch::is_ready);
+        let ready: Vec<Arc<Expert>> = ready
+            .into_iter()
+            .map(|f| store.wait(f))
             .collect::<Result<_>>()?;
+        let mut results = experts(&ready, x, hidden, &assigned, activations);
+        for fetch in reading {
+            let expert = store.wait(fetch)?;
+            results.extend(experts(&[expert], x, hidden, &assigned, activations));
+        }
         // Summed in ascending expert order whatever finished first, so the
         // result does not depend on read timing.
-        let mut results = results;
         results.sort_by_key(|(index, _)| *index);
         for (index, y) in results {
             for (&(t, w), row) in assigned[&index].iter().zip(y.chunks_exact(hidden)) {
@@ -120,4 +112,74 @@ pub fn routed_experts(
         }
     }
     Ok(out)
+}
+
+/// Each expert's `down(silu(gate(x)) * up(x))` for its tokens, with its
+/// index. The gate and up products of all of them form one parallel
+/// region, their down products another: two forks and joins for the lot
+/// instead of three per expert, and tasks of equal work across the
+/// experts, so both threads stream weights until the region's end. When
+/// an expert takes every token (always, in decode) its input is `x`
+/// itself, quantized once for all of them.
+fn experts(
+    experts: &[Arc<Expert>],
+    x: &[f32],
+    hidden: usize,
+    assigned: &Assigned,
+    activations: Activations,
+) -> Vec<(usize, Vec<f32>)> {
+    let n = x.len() / hidden;
+    let inputs: Vec<(Cow<'_, [f32]>, usize)> = experts
+        .iter()
+        .map(|e| {
+            let tokens = &assigned[&e.index];
+            let every = tokens.len() == n && tokens.iter().enumerate().all(|(i, &(t, _))| i == t);
+            let xs = if every {
+                Cow::Borrowed(x)
+            } else {
+                tokens
+                    .iter()
+                    .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
+                    .copied()
+                    .collect()
+            };
+            (xs, tokens.len())
+        })
+        .collect();
+    let gate_up: Vec<Product<'_>> = experts
+        .iter()
+        .zip(&inputs)
+        .flat_map(|(e, (xs, m))| {
+            [e.gate(), e.up()].map(|w| Product {
+                x: xs,
+                n: *m,
+                w,
+                activations,
+            })
+        })
+        .collect();
+    let gate_up = matmul_many(&gate_up);
+    let act: Vec<Vec<f32>> = gate_up
+        .chunks_exact(2)
+        .map(|pair| {
+            let (gate, up) = (&pair[0], &pair[1]);
+            gate.iter()
+                .zip(up)
+                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+                .collect()
+        })
+        .collect();
+    let down: Vec<Product<'_>> = experts
+        .iter()
+        .zip(&act)
+        .zip(&inputs)
+        .map(|((e, act), (_, m))| Product {
+            x: act,
+            n: *m,
+            w: e.down(),
+            activations,
+        })
+        .collect();
+    let down = matmul_many(&down);
+    experts.iter().map(|e| e.index).zip(down).collect()
 }

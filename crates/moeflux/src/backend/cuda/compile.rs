@@ -17,7 +17,7 @@ use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 9] = [
+const SOURCES: [(&str, &str); 10] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -29,6 +29,7 @@ const SOURCES: [(&str, &str); 9] = [
     ),
     ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
+    ("matvec_tc.cu", include_str!("kernels/matvec_tc.cu")),
     ("moe_prefill.cu", include_str!("kernels/moe_prefill.cu")),
 ];
 
@@ -111,6 +112,7 @@ kernels!(
     moe_down_bf16,
     moe_down_q8,
     moe_down_q4,
+    moe_down_tc_q4,
     moe_prefill_gate_up_q4,
     moe_prefill_gate_up_q8,
     moe_prefill_gate_up_bf16,

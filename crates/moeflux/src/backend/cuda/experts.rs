@@ -49,6 +49,18 @@ const GATE_UP_WARPS: usize = 8;
 const DOWN_WARPS: usize = 8;
 /// Most experts per token the one-token kernels take (`MAX_TOP_K`).
 const MAX_TOP_K: usize = 32;
+/// Most warps per block of the tensor-core down kernel (`TC_DOWN_MAX_WARPS`
+/// in matvec_tc.cu).
+const TC_DOWN_MAX_WARPS: usize = 12;
+
+/// Bytes of shared memory moe_down_tc_q4 takes for `top_k` experts of
+/// `inter` columns: per expert a B table (96 words per 64 columns) and the
+/// groups' Σ x (padded to an even count of words), then 16 partial sums
+/// per expert.
+fn down_tc_shared_bytes(top_k: usize, inter: usize) -> usize {
+    let groups = inter / 64;
+    4 * (top_k * (groups * 96 + groups.next_multiple_of(2)) + 16 * top_k)
+}
 
 /// An expert's gate, up and down matrices in one device buffer.
 pub(super) struct DeviceExpert {
@@ -386,15 +398,36 @@ impl CudaBackend {
             &up_part,
             &experts_i
         );
+        // q4 downs run on the tensor cores where the device has them and
+        // the experts' B tables fit in shared memory (matvec_tc.cu).
+        let tc_shared = down_tc_shared_bytes(top_k, inter);
+        let tensor_cores = gate.dtype == DType::Q4
+            && parts.0[2].0.is_multiple_of(8)
+            && self.down_tc_shared.is_some_and(|limit| tc_shared <= limit);
+        let (down_kernel, down_config) = if tensor_cores {
+            (
+                &self.kernels.moe_down_tc_q4,
+                LaunchConfig {
+                    grid_dim: (hidden.div_ceil(16) as u32, 1, 1),
+                    block_dim: ((top_k.min(TC_DOWN_MAX_WARPS) * 32) as u32, 1, 1),
+                    shared_mem_bytes: tc_shared as u32,
+                },
+            )
+        } else {
+            (
+                down_kernel,
+                LaunchConfig {
+                    grid_dim: (hidden as u32, 1, 1),
+                    block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            )
+        };
         launch!(
             self,
             "routed experts down",
             down_kernel,
-            LaunchConfig {
-                grid_dim: (hidden as u32, 1, 1),
-                block_dim: ((DOWN_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            },
+            down_config,
             table,
             ids,
             &routing.weights,

@@ -212,6 +212,10 @@ pub struct CudaBackend {
     programmatic_launch: bool,
     /// See [`WHOLE_ROWS_MIN`].
     whole_rows_min: usize,
+    /// Shared memory the tensor-core expert down kernel (matvec_tc.cu) may
+    /// use per block; None before compute capability 8.0, where it is not
+    /// built.
+    down_tc_shared: Option<usize>,
     /// The step being recorded, if one is.
     capture: Mutex<Option<graph::Capture>>,
     recordings: Mutex<graph::Recordings>,
@@ -416,6 +420,23 @@ impl CudaBackend {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| fail("reading the compute capability", e))?;
+        let down_tc_shared = if major >= 8 {
+            let limit = ctx
+                .attribute(
+                    cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                )
+                .map_err(|e| fail("reading the shared memory limit", e))?;
+            kernels
+                .moe_down_tc_q4
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    limit,
+                )
+                .map_err(|e| fail("allowing the expert down kernel its shared memory", e))?;
+            Some(limit as usize)
+        } else {
+            None
+        };
         let memory = ctx
             .total_mem()
             .map_err(|e| fail("reading the memory size", e))?;
@@ -443,6 +464,7 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(WHOLE_ROWS_MIN),
+            down_tc_shared,
         })
     }
 

@@ -1,0 +1,223 @@
+// One token's routed expert down projections (q4) on the tensor cores.
+//
+// moe.cu's moe_down gives each warp one expert row of `inter` columns, a
+// few 4-bit words per lane, so its warps are short-lived and spend much of
+// their time unpacking codes on CUDA cores (about five instructions a
+// weight). Here a warp takes a 16-row tile of one expert's down matrix
+// over all of its columns, and the codes go straight into mma.sync
+// m16n8k16 as exact bf16 (centred, q - 8: gemm.cu's q4_pair). The token is
+// the MMA's B operand: column 0 holds bf16(x), column 1 bf16(x - hi) and
+// column 2 the bf16 of what is still left, so hi + mid + lo carries 24
+// significant bits of x, and the sum of the three output columns is the
+// f32 product up to the tensor cores' f32 accumulation (measured within
+// 3e-7 of moe_down's results relative to the largest output). As in
+// gemm.cu the affine map is applied per 64-column group in f32:
+// Σ w·x = scale · Σ (q - 8)·x + (bias + 8·scale) · Σ x.
+//
+// Which weights a lane holds: a tile-group is 16 rows × one 64-column
+// group (32 bytes per row); lane (g = lane / 4, t = lane % 4) loads bytes
+// 8t..8t+7 of rows g and g + 8, i.e. columns 16t .. 16t + 15 of the group,
+// two 32-bit words. Step s (0..3) of the group feeds the MMA's k slots 2t,
+// 2t+1, 2t+8, 2t+9 (see gemm.cu for the fragment layout) with nibbles
+// (s, s+4) of word 0 and of word 1: columns 16t + s, 16t + s + 4,
+// 16t + 8 + s, 16t + 12 + s. The B operand follows the same order; it
+// depends only on x, so each warp stages it once in shared memory (the "B
+// table": per group and step, the two registers of lanes 0-11; lanes 12-31
+// hold B's columns 3-7, which are zero).
+//
+// H100, 8 of 128 experts of the 30B shape: 7.5 µs a launch against 9.7 µs
+// for moe_down; the same scheme for gate/up and the dense products was
+// slower than linear.cu's and moe.cu's CUDA-core kernels (whose loads are
+// already in flight across many short warps), so it is used here only.
+//
+// sm_80+ only, like gemm.cu; elsewhere the kernel is empty and the host
+// takes moe_down.
+
+// Lanes whose B registers are not zero: columns 0-2 (g = 0, 1, 2).
+#define TC_B_LANES 12
+// Groups (16 rows × 64 columns) whose loads a warp issues before using any.
+#define TC_GROUPS_IN_FLIGHT 8
+
+// u32 words of the B table for `groups` groups.
+__device__ __forceinline__ int tc_table_words(int groups) { return groups * 4 * TC_B_LANES * 2; }
+
+// u32 words of one expert's staged x: its B table, then Σ x per group,
+// rounded up to an even count so the next table stays 8-byte aligned.
+__device__ __forceinline__ int tc_staged_words(int groups) {
+    return tc_table_words(groups) + groups + (groups & 1);
+}
+
+#if __CUDA_ARCH__ >= 800
+
+// Splits x into three bf16 pairs (first in the low half): hi = bf16(x),
+// mid = bf16(x - hi), lo = bf16(x - hi - mid); every subtraction is exact.
+__device__ __forceinline__ void split3_pair(float a, float b, u32& hi, u32& mid, u32& lo) {
+    hi = bf16x2_rn(a, b);
+    a -= __uint_as_float(hi << 16);
+    b -= __uint_as_float(hi & 0xffff0000u);
+    mid = bf16x2_rn(a, b);
+    a -= __uint_as_float(mid << 16);
+    b -= __uint_as_float(mid & 0xffff0000u);
+    lo = bf16x2_rn(a, b);
+}
+
+// Stages x (`cols` floats, a multiple of 64) as the B table and Σ x per
+// group, by threads `thread` of `threads` (a multiple of 32, all of a warp
+// together). The caller synchronises before reading.
+__device__ __forceinline__ void stage_tc_x(const float* x, int cols, u32* table, float* sums,
+                                           int thread, int threads) {
+    const int groups = cols / GROUP_SIZE;
+    // An item is (group, t, s): the four columns one lane of t takes at
+    // step s, for each of the three parts.
+    for (int item = thread; item < groups * 16; item += threads) {
+        int group = item / 16, t = (item / 4) % 4, s = item % 4;
+        const float* xg = x + group * GROUP_SIZE + 16 * t + s;
+        u32 hi0, mid0, lo0, hi1, mid1, lo1;
+        split3_pair(xg[0], xg[4], hi0, mid0, lo0);
+        split3_pair(xg[8], xg[12], hi1, mid1, lo1);
+        uint2* step = (uint2*)table + (group * 4 + s) * TC_B_LANES;
+        step[t] = make_uint2(hi0, hi1);
+        step[4 + t] = make_uint2(mid0, mid1);
+        step[8 + t] = make_uint2(lo0, lo1);
+    }
+    const int lane = thread % WARP_SIZE;
+    for (int group = thread / WARP_SIZE; group < groups; group += threads / WARP_SIZE) {
+        float v = x[group * GROUP_SIZE + lane] + x[group * GROUP_SIZE + WARP_SIZE + lane];
+        v = warp_sum(v);
+        if (lane == 0) sums[group] = v;
+    }
+}
+
+// One tile's weights for one group, as lane (g, t) holds them: words 0 and
+// 1 of rows g and g + 8, and those rows' scale and bias + 8 · scale.
+struct TcGroup {
+    uint2 row_g;
+    uint2 row_g8;
+    float scale_g, offset_g, scale_g8, offset_g8;
+};
+
+__device__ __forceinline__ uint2 load_u64_streaming(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p));
+    return v;
+}
+
+// Loads group `group` of the tile whose lane rows are `row_g` and `row_g8`.
+__device__ __forceinline__ TcGroup load_tc_group(const WeightRow& row_g, const WeightRow& row_g8,
+                                                 int group, int t) {
+    TcGroup w;
+    w.row_g = load_u64_streaming(row_g.codes + group * 32 + 8 * t);
+    w.row_g8 = load_u64_streaming(row_g8.codes + group * 32 + 8 * t);
+    w.scale_g = bf16_to_float(row_g.scales[group]);
+    w.offset_g = fmaf(8.0f, w.scale_g, bf16_to_float(row_g.biases[group]));
+    w.scale_g8 = bf16_to_float(row_g8.scales[group]);
+    w.offset_g8 = fmaf(8.0f, w.scale_g8, bf16_to_float(row_g8.biases[group]));
+    return w;
+}
+
+// acc_g / acc_g8 (lanes with t = 0: rows g and g + 8) += the tile's
+// products over one group, B table and Σ x at `table` and `sums`.
+__device__ __forceinline__ void mma_tc_group(const TcGroup& w, const u32* table,
+                                             const float* sums, int group, int lane,
+                                             float& acc_g, float& acc_g8) {
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        u32 a[4] = {q4_pair(w.row_g.x >> (4 * s)), q4_pair(w.row_g8.x >> (4 * s)),
+                    q4_pair(w.row_g.y >> (4 * s)), q4_pair(w.row_g8.y >> (4 * s))};
+        uint2 b = lane < TC_B_LANES ? ((const uint2*)table)[(group * 4 + s) * TC_B_LANES + lane]
+                                    : make_uint2(0u, 0u);
+        mma_bf16(c, a, b.x, b.y);
+    }
+    // Columns 0 and 1 (hi, mid) are in lanes t = 0, column 2 (lo) in t = 1.
+    float lo_g = __shfl_down_sync(FULL_MASK, c[0], 1);
+    float lo_g8 = __shfl_down_sync(FULL_MASK, c[2], 1);
+    float xs = sums[group];
+    acc_g = fmaf(w.scale_g, c[0] + c[1] + lo_g, fmaf(w.offset_g, xs, acc_g));
+    acc_g8 = fmaf(w.scale_g8, c[2] + c[3] + lo_g8, fmaf(w.offset_g8, xs, acc_g8));
+}
+
+// A batch of up to TC_GROUPS_IN_FLIGHT groups [g0, min(g0 + batch, end))
+// of one tile (rows g / g + 8 at row_g / row_g8): all loads issued, then
+// all computed (acc_g / acc_g8 valid in lanes with t = 0).
+struct TcBatch {
+    TcGroup w[TC_GROUPS_IN_FLIGHT];
+
+    __device__ __forceinline__ void load(const WeightRow& row_g, const WeightRow& row_g8,
+                                         int g0, int end, int lane) {
+#pragma unroll
+        for (int j = 0; j < TC_GROUPS_IN_FLIGHT; ++j) {
+            if (g0 + j < end) w[j] = load_tc_group(row_g, row_g8, g0 + j, lane % 4);
+        }
+    }
+
+    __device__ __forceinline__ void mma(const u32* table, const float* sums, int g0, int end,
+                                        int lane, float& acc_g, float& acc_g8) const {
+#pragma unroll
+        for (int j = 0; j < TC_GROUPS_IN_FLIGHT; ++j) {
+            if (g0 + j < end) mma_tc_group(w[j], table, sums, g0 + j, lane, acc_g, acc_g8);
+        }
+    }
+};
+
+#endif
+
+// Most warps of moe_down_tc_q4 (one per selected expert, then experts in
+// turn).
+#define TC_DOWN_MAX_WARPS 12
+
+// moe.cu's moe_down for q4 on the tensor cores: a block per 16-row tile of
+// the output, warp w taking that tile of experts w, w + warps, ... over
+// their whole rows (each with its own B table, staged by the warp from its
+// act row); the experts' sums are weighted and added in order. Grid:
+// ceil(hidden / 16) blocks of min(top_k, TC_DOWN_MAX_WARPS) warps. Dynamic
+// shared memory: top_k · tc_staged_words(inter / 64) + 16 · top_k words.
+// The down matrices' codes start 8-byte aligned (rows are read 8 bytes at
+// a time; the host checks).
+extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
+    moe_down_tc_q4(const unsigned long long* table_of_experts, const u32* ids,
+                   const float* weights, const float* act, float* out, int hidden, int inter,
+                   int top_k, ExpertPart down, int accumulate) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ u32 tc_shared[];
+    const int groups = inter / GROUP_SIZE;
+    const int per_expert = tc_staged_words(groups);
+    float* partial = (float*)(tc_shared + top_k * per_expert);  // [top_k][16]
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    const i64 first = (i64)blockIdx.x * 16;
+    const i64 last = hidden - 1;
+    for (int k = warp; k < top_k; k += warps) {
+        u32* table = tc_shared + k * per_expert;
+        float* sums = (float*)(table + tc_table_words(groups));
+        const unsigned long long base = table_of_experts[ids[k]];
+        WeightRow row_g = expert_row(DT_Q4, base, down, min(first + lane / 4, last), inter);
+        WeightRow row_g8 = expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
+        // The first batch's weights are requested before x is staged.
+        TcBatch batch;
+        batch.load(row_g, row_g8, 0, groups, lane);
+        stage_tc_x(act + (i64)k * inter, inter, table, sums, lane, WARP_SIZE);
+        __syncwarp();
+        float acc_g = 0.0f, acc_g8 = 0.0f;
+        batch.mma(table, sums, 0, groups, lane, acc_g, acc_g8);
+        for (int g0 = TC_GROUPS_IN_FLIGHT; g0 < groups; g0 += TC_GROUPS_IN_FLIGHT) {
+            batch.load(row_g, row_g8, g0, groups, lane);
+            batch.mma(table, sums, g0, groups, lane, acc_g, acc_g8);
+        }
+        if (lane % 4 == 0) {
+            partial[k * 16 + lane / 4] = acc_g;
+            partial[k * 16 + lane / 4 + 8] = acc_g8;
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < 16 && first + threadIdx.x < hidden) {
+        float total = 0.0f;
+        for (int k = 0; k < top_k; ++k) total = fmaf(weights[k], partial[k * 16 + threadIdx.x], total);
+        i64 r = first + threadIdx.x;
+        out[r] = accumulate ? out[r] + total : total;
+    }
+#endif
+}
