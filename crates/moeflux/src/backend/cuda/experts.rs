@@ -49,17 +49,18 @@ const GATE_UP_WARPS: usize = 8;
 const DOWN_WARPS: usize = 8;
 /// Most experts per token the one-token kernels take (`MAX_TOP_K`).
 const MAX_TOP_K: usize = 32;
-/// Most warps per block of the tensor-core down kernel (`TC_DOWN_MAX_WARPS`
-/// in matvec_tc.cu).
-const TC_DOWN_MAX_WARPS: usize = 12;
+/// Warps per expert and most warps per block of the tensor-core down
+/// kernel (`TC_DOWN_SPLIT`, `TC_DOWN_MAX_WARPS` in matvec_tc.cu).
+const TC_DOWN_SPLIT: usize = 2;
+const TC_DOWN_MAX_WARPS: usize = 16;
 
 /// Bytes of shared memory moe_down_tc_q4 takes for `top_k` experts of
 /// `inter` columns: per expert a B table (96 words per 64 columns) and the
 /// groups' Σ x (padded to an even count of words), then 16 partial sums
-/// per expert.
+/// per expert and share of its groups.
 fn down_tc_shared_bytes(top_k: usize, inter: usize) -> usize {
     let groups = inter / 64;
-    4 * (top_k * (groups * 96 + groups.next_multiple_of(2)) + 16 * top_k)
+    4 * (top_k * (groups * 96 + groups.next_multiple_of(2)) + 16 * top_k * TC_DOWN_SPLIT)
 }
 
 /// An expert's gate, up and down matrices in one device buffer.
@@ -409,7 +410,11 @@ impl CudaBackend {
                 &self.kernels.moe_down_tc_q4,
                 LaunchConfig {
                     grid_dim: (hidden.div_ceil(16) as u32, 1, 1),
-                    block_dim: ((top_k.min(TC_DOWN_MAX_WARPS) * 32) as u32, 1, 1),
+                    block_dim: (
+                        ((top_k * TC_DOWN_SPLIT).min(TC_DOWN_MAX_WARPS) * 32) as u32,
+                        1,
+                        1,
+                    ),
                     shared_mem_bytes: tc_shared as u32,
                 },
             )

@@ -125,7 +125,7 @@ const ROUTE_WARPS: usize = 4;
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
 const ATTENTION_THREADS: u32 = 128;
 /// Threads per block of its one-token variant (`DECODE_ATTN_WARPS` warps).
-const ATTENTION_DECODE_THREADS: u32 = 256;
+const ATTENTION_DECODE_THREADS: u32 = 512;
 /// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
 const MAX_HEAD_DIM: usize = 512;
 /// Query rows per block, keys per staged tile and warps of the prefill

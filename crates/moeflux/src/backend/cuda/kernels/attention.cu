@@ -138,10 +138,11 @@ ATTENTION_KERNEL(attention, ATTN_WARPS)
 // warps' weighted sums only need adding at the end. The new token's key
 // and value come from new_k and new_v and are stored as in attend().
 
-#define DECODE_ATTN_WARPS 8
+#define DECODE_ATTN_WARPS 16
 #define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
-// Positions a warp's lanes load values of before using them.
-#define DECODE_VALUES_IN_FLIGHT 8
+// Positions a warp's lanes load values of before using them (half as many
+// for heads over 256 wide, to stay in registers).
+#define DECODE_VALUES_IN_FLIGHT(PER_LANE) ((PER_LANE) <= 8 ? 8 : 4)
 // 16-byte pieces of a key a thread loads before using them.
 #define DECODE_KEY_QUADS 16
 
@@ -220,10 +221,10 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) acc[k] *= rescale;
         // Values: warp w takes the chunk's positions w, w + warps, ...
-        for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * DECODE_VALUES_IN_FLIGHT) {
-            float v[DECODE_VALUES_IN_FLIGHT][PER_LANE];
+        for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * DECODE_VALUES_IN_FLIGHT(PER_LANE)) {
+            float v[DECODE_VALUES_IN_FLIGHT(PER_LANE)][PER_LANE];
 #pragma unroll
-            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT; ++u) {
+            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT(PER_LANE); ++u) {
                 int i = i0 + u * DECODE_ATTN_WARPS;
                 i64 j = c0 + i;
                 const float* value = j == visible - 1 ? fresh_v : v_head + j * kv_width;
@@ -234,7 +235,7 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
                 }
             }
 #pragma unroll
-            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT; ++u) {
+            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT(PER_LANE); ++u) {
                 int i = i0 + u * DECODE_ATTN_WARPS;
                 float w = i < chunk ? weight[i] : 0.0f;
 #pragma unroll

@@ -36,7 +36,7 @@
 // Lanes whose B registers are not zero: columns 0-2 (g = 0, 1, 2).
 #define TC_B_LANES 12
 // Groups (16 rows × 64 columns) whose loads a warp issues before using any.
-#define TC_GROUPS_IN_FLIGHT 8
+#define TC_GROUPS_IN_FLIGHT 6
 
 // u32 words of the B table for `groups` groups.
 __device__ __forceinline__ int tc_table_words(int groups) { return groups * 4 * TC_B_LANES * 2; }
@@ -61,16 +61,15 @@ __device__ __forceinline__ void split3_pair(float a, float b, u32& hi, u32& mid,
     lo = bf16x2_rn(a, b);
 }
 
-// Stages x (`cols` floats, a multiple of 64) as the B table and Σ x per
-// group, by threads `thread` of `threads` (a multiple of 32, all of a warp
-// together). The caller synchronises before reading.
-__device__ __forceinline__ void stage_tc_x(const float* x, int cols, u32* table, float* sums,
-                                           int thread, int threads) {
-    const int groups = cols / GROUP_SIZE;
+// Stages groups [begin, end) of x (64 floats each) into the B table and
+// Σ x per group, by threads `thread` of `threads` (a multiple of 32, all of
+// a warp together). The caller synchronises before reading.
+__device__ __forceinline__ void stage_tc_x(const float* x, int begin, int end, u32* table,
+                                           float* sums, int thread, int threads) {
     // An item is (group, t, s): the four columns one lane of t takes at
     // step s, for each of the three parts.
-    for (int item = thread; item < groups * 16; item += threads) {
-        int group = item / 16, t = (item / 4) % 4, s = item % 4;
+    for (int item = thread; item < (end - begin) * 16; item += threads) {
+        int group = begin + item / 16, t = (item / 4) % 4, s = item % 4;
         const float* xg = x + group * GROUP_SIZE + 16 * t + s;
         u32 hi0, mid0, lo0, hi1, mid1, lo1;
         split3_pair(xg[0], xg[4], hi0, mid0, lo0);
@@ -81,7 +80,7 @@ __device__ __forceinline__ void stage_tc_x(const float* x, int cols, u32* table,
         step[8 + t] = make_uint2(lo0, lo1);
     }
     const int lane = thread % WARP_SIZE;
-    for (int group = thread / WARP_SIZE; group < groups; group += threads / WARP_SIZE) {
+    for (int group = begin + thread / WARP_SIZE; group < end; group += threads / WARP_SIZE) {
         float v = x[group * GROUP_SIZE + lane] + x[group * GROUP_SIZE + WARP_SIZE + lane];
         v = warp_sum(v);
         if (lane == 0) sums[group] = v;
@@ -164,18 +163,22 @@ struct TcBatch {
 
 #endif
 
-// Most warps of moe_down_tc_q4 (one per selected expert, then experts in
-// turn).
-#define TC_DOWN_MAX_WARPS 12
+// Warps per selected expert of moe_down_tc_q4 (each takes a share of the
+// groups), and its most warps per block (items (expert, share) beyond them
+// are taken in turn).
+#define TC_DOWN_SPLIT 2
+#define TC_DOWN_MAX_WARPS 16
 
 // moe.cu's moe_down for q4 on the tensor cores: a block per 16-row tile of
-// the output, warp w taking that tile of experts w, w + warps, ... over
-// their whole rows (each with its own B table, staged by the warp from its
-// act row); the experts' sums are weighted and added in order. Grid:
-// ceil(hidden / 16) blocks of min(top_k, TC_DOWN_MAX_WARPS) warps. Dynamic
-// shared memory: top_k · tc_staged_words(inter / 64) + 16 · top_k words.
-// The down matrices' codes start 8-byte aligned (rows are read 8 bytes at
-// a time; the host checks).
+// the output; item i = (expert i / TC_DOWN_SPLIT, share i % TC_DOWN_SPLIT)
+// is that tile of the expert over its share of the groups (staged by the
+// warp from the expert's act row into the expert's B table), warp w taking
+// items w, w + warps, ...; the shares are added and the experts' sums
+// weighted and added in order. Grid: ceil(hidden / 16) blocks of
+// min(top_k · TC_DOWN_SPLIT, TC_DOWN_MAX_WARPS) warps. Dynamic shared
+// memory: top_k · tc_staged_words(inter / 64) + 16 · top_k · TC_DOWN_SPLIT
+// words. The down matrices' codes start 8-byte aligned (rows are read 8
+// bytes at a time; the host checks).
 extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
     moe_down_tc_q4(const unsigned long long* table_of_experts, const u32* ids,
                    const float* weights, const float* act, float* out, int hidden, int inter,
@@ -185,12 +188,14 @@ extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
     extern __shared__ u32 tc_shared[];
     const int groups = inter / GROUP_SIZE;
     const int per_expert = tc_staged_words(groups);
-    float* partial = (float*)(tc_shared + top_k * per_expert);  // [top_k][16]
+    float* partial = (float*)(tc_shared + top_k * per_expert);  // [top_k][split][16]
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
     const int warps = blockDim.x / WARP_SIZE;
     const i64 first = (i64)blockIdx.x * 16;
     const i64 last = hidden - 1;
-    for (int k = warp; k < top_k; k += warps) {
+    for (int item = warp; item < top_k * TC_DOWN_SPLIT; item += warps) {
+        const int k = item / TC_DOWN_SPLIT;
+        const int2 share = warp_words(groups, item % TC_DOWN_SPLIT, TC_DOWN_SPLIT);
         u32* table = tc_shared + k * per_expert;
         float* sums = (float*)(table + tc_table_words(groups));
         const unsigned long long base = table_of_experts[ids[k]];
@@ -198,24 +203,30 @@ extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
         WeightRow row_g8 = expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
         // The first batch's weights are requested before x is staged.
         TcBatch batch;
-        batch.load(row_g, row_g8, 0, groups, lane);
-        stage_tc_x(act + (i64)k * inter, inter, table, sums, lane, WARP_SIZE);
+        batch.load(row_g, row_g8, share.x, share.y, lane);
+        stage_tc_x(act + (i64)k * inter, share.x, share.y, table, sums, lane, WARP_SIZE);
         __syncwarp();
         float acc_g = 0.0f, acc_g8 = 0.0f;
-        batch.mma(table, sums, 0, groups, lane, acc_g, acc_g8);
-        for (int g0 = TC_GROUPS_IN_FLIGHT; g0 < groups; g0 += TC_GROUPS_IN_FLIGHT) {
-            batch.load(row_g, row_g8, g0, groups, lane);
-            batch.mma(table, sums, g0, groups, lane, acc_g, acc_g8);
+        batch.mma(table, sums, share.x, share.y, lane, acc_g, acc_g8);
+        for (int g0 = share.x + TC_GROUPS_IN_FLIGHT; g0 < share.y; g0 += TC_GROUPS_IN_FLIGHT) {
+            batch.load(row_g, row_g8, g0, share.y, lane);
+            batch.mma(table, sums, g0, share.y, lane, acc_g, acc_g8);
         }
         if (lane % 4 == 0) {
-            partial[k * 16 + lane / 4] = acc_g;
-            partial[k * 16 + lane / 4 + 8] = acc_g8;
+            partial[item * 16 + lane / 4] = acc_g;
+            partial[item * 16 + lane / 4 + 8] = acc_g8;
         }
     }
     __syncthreads();
     if (threadIdx.x < 16 && first + threadIdx.x < hidden) {
         float total = 0.0f;
-        for (int k = 0; k < top_k; ++k) total = fmaf(weights[k], partial[k * 16 + threadIdx.x], total);
+        for (int k = 0; k < top_k; ++k) {
+            float expert = 0.0f;
+            for (int part = 0; part < TC_DOWN_SPLIT; ++part) {
+                expert += partial[(k * TC_DOWN_SPLIT + part) * 16 + threadIdx.x];
+            }
+            total = fmaf(weights[k], expert, total);
+        }
         i64 r = first + threadIdx.x;
         out[r] = accumulate ? out[r] + total : total;
     }
