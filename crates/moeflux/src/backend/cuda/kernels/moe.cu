@@ -84,6 +84,17 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS)
     }
 }
 
+// A float's bits as a u32 that orders like the float (-0 taken as +0, so
+// equal logits stay equal), and back; no finite or infinite float maps to 0.
+__device__ __forceinline__ u32 ordered_key(float v) {
+    u32 u = __float_as_uint(v + 0.0f);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
 // `route` for up to 32 · PER_LANE experts, one warp per token, the logits
 // in registers (lane l holds experts l, l + 32, ...): no block-wide
 // barriers between the top-k rounds, which a decode step cannot hide.
@@ -129,6 +140,16 @@ __device__ __forceinline__ void route_in_warp(const float* logits, u32* experts,
                 index = e;
             }
         }
+#if __CUDA_ARCH__ >= 800
+        // The warp's best in two reductions: the largest logit (as an
+        // order-preserving key; 0 is "none"), then the lowest index among
+        // the lanes holding it.
+        u32 key = index == none ? 0u : ordered_key(value);
+        u32 best = __reduce_max_sync(FULL_MASK, key);
+        u32 lowest = __reduce_min_sync(FULL_MASK, key == best && best != 0u ? (u32)index : ~0u);
+        index = best == 0u ? none : (int)lowest;
+        value = best == 0u ? NEG_INF : key_value(best);
+#else
         for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
             float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
             int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
@@ -137,6 +158,7 @@ __device__ __forceinline__ void route_in_warp(const float* logits, u32* experts,
                 index = other_index;
             }
         }
+#endif
         // Only NaN logits leave nothing chosen: take the first free one.
         if (index == none) {
             for (int e = 0; e < num_experts; ++e) {
