@@ -71,6 +71,18 @@ pub struct Weight {
 }
 
 impl Weight {
+    /// The matrix, checked to take rows of `x`'s width.
+    fn view_for(&self, x: &Tensor) -> crate::quant::MatrixView<'_> {
+        let view = self.tensor.view();
+        assert_eq!(
+            x.cols,
+            view.cols(),
+            "linear: input width vs weight {}",
+            self.tensor.name
+        );
+        view
+    }
+
     /// The values of an f32 tensor (norm weights and other vectors),
     /// without the padding that aligns the next tensor in the file.
     fn f32s(&self) -> &[f32] {
@@ -196,13 +208,7 @@ impl Backend for CpuBackend {
     }
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
-        let view = w.tensor.view();
-        assert_eq!(
-            x.cols,
-            view.cols(),
-            "linear: input width vs weight {}",
-            w.tensor.name
-        );
+        let view = w.view_for(x);
         Tensor::new(
             x.rows,
             view.rows(),
@@ -216,13 +222,7 @@ impl Backend for CpuBackend {
         let products: Vec<Product<'_>> = ws
             .iter()
             .map(|w| {
-                let view = w.tensor.view();
-                assert_eq!(
-                    x.cols,
-                    view.cols(),
-                    "linear: input width vs weight {}",
-                    w.tensor.name
-                );
+                let view = w.view_for(x);
                 Product {
                     x: &x.data,
                     n: x.rows,
