@@ -293,13 +293,7 @@ __device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2]
                                           int tiles_n, float (&acc)[2][4][4]) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
-    float part[2][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) part[mi][nj][e] = 0.0f;
+    float part[2][4][4] = {};
 #pragma unroll
     for (int k = 0; k < GEMM_BK; k += 16) {
         // A: lanes 0-7 address rows 0-7 at k, 8-15 rows 8-15 at k,
@@ -384,13 +378,7 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
 
     // acc[mi][nj]: rows wm + 16·mi (+ g, + g+8), tokens wn + 8·nj (+ 2·i4, +1),
     // in the C fragment's order.
-    float acc[2][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
+    float acc[2][4][4] = {};
 
     GemmStage<DT> stage;
     const int stages = (cols + GEMM_BK - 1) / GEMM_BK;

@@ -194,13 +194,7 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 
     // acc[mi][nj]: shared rows moe_tile_row(warp, mi) (+ g, + g+8), slots
     // 8·nj (+ 2·i4, +1), in the C fragment's order.
-    float acc[2][4][4];
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi)
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[mi][nj][e] = 0.0f;
+    float acc[2][4][4] = {};
 
     MoeStage<DT> stage;
     const int stages = (cols + GEMM_BK - 1) / GEMM_BK;
