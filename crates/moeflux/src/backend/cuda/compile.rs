@@ -261,7 +261,6 @@ mod tests {
             let defined = source.contains(&format!(" {name}("))
                 || source.contains(&format!("LINEAR_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
-                || source.contains(&format!("ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))

@@ -1173,25 +1173,42 @@ impl Backend for CudaBackend {
             );
             return out;
         }
-        let (kernel, threads, new_k, new_v) = match n {
-            1 => (
-                match head_dim {
-                    ..=128 => &self.kernels.attention_decode_128,
-                    129..=256 => &self.kernels.attention_decode_256,
-                    _ => &self.kernels.attention_decode_512,
-                },
-                ATTENTION_DECODE_THREADS,
-                k.data.device_ptr(&self.stream).0,
-                v.data.device_ptr(&self.stream).0,
-            ),
-            _ => (&self.kernels.attention, ATTENTION_THREADS, 0, 0),
+        if n > 1 {
+            launch!(
+                self,
+                "attention",
+                &self.kernels.attention,
+                block_per_item(n * heads, ATTENTION_THREADS, 0),
+                &q.data,
+                cache.keys(),
+                cache.values(),
+                &mut out.data,
+                &n_i,
+                &heads_i,
+                &kv_heads_i,
+                &head_dim_i,
+                &start_l,
+                &position,
+                &scale
+            );
+            return out;
+        }
+        // One token: the kernel reads the token's key and value from k and
+        // v and writes them into the cache.
+        let kernel = match head_dim {
+            ..=128 => &self.kernels.attention_decode_128,
+            129..=256 => &self.kernels.attention_decode_256,
+            _ => &self.kernels.attention_decode_512,
         };
-        // The cache's keys and values are written by the kernel when n = 1.
+        let (new_k, new_v) = (
+            k.data.device_ptr(&self.stream).0,
+            v.data.device_ptr(&self.stream).0,
+        );
         launch!(
             self,
             "attention",
             kernel,
-            block_per_item(n * heads, threads, 0),
+            block_per_item(heads, ATTENTION_DECODE_THREADS, 0),
             &q.data,
             cache.keys(),
             cache.values(),

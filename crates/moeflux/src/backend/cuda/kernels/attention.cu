@@ -13,16 +13,13 @@
 #define ATTN_MAX_PER_LANE 16
 
 // `start` is the position of the first query, read from `position` on the
-// device instead when that is given (a recorded decode step). With
-// `new_k` and `new_v` (one token, n = 1) the cache does not yet hold the
-// token's key and value: they are read from there, and the first block of
-// each KV head's group stores them into the cache (no other block reads
-// that position of the cache), saving a launch per layer.
-template <int W>
-__device__ __forceinline__ void attend(const float* q, float* keys, float* values, float* out,
-                                       int n, int heads, int kv_heads, int head_dim, i64 start,
-                                       const u32* position, float scale, const float* new_k,
-                                       const float* new_v) {
+// device instead when that is given (a recorded step).
+extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
+    attention(const float* q, const float* keys, const float* values, float* out, int n,
+              int heads, int kv_heads, int head_dim, i64 start, const u32* position,
+              float scale) {
+    await_inputs();
+    const int W = ATTN_WARPS;
     if (position) start = *position;
     __shared__ float warp_max_score[W];
     __shared__ float warp_total[W];
@@ -40,8 +37,6 @@ __device__ __forceinline__ void attend(const float* q, float* keys, float* value
         const float* k_head = keys + (i64)(h / group) * head_dim;
         const float* v_head = values + (i64)(h / group) * head_dim;
         i64 visible = start + t + 1;
-        const float* fresh_k = new_k ? new_k + (i64)(h / group) * head_dim : nullptr;
-        const float* fresh_v = new_v ? new_v + (i64)(h / group) * head_dim : nullptr;
 
         float qv[ATTN_MAX_PER_LANE];
         float acc[ATTN_MAX_PER_LANE];
@@ -54,8 +49,7 @@ __device__ __forceinline__ void attend(const float* q, float* keys, float* value
         float max_score = NEG_INF;
         float total = 0.0f;
         for (i64 j = warp; j < visible; j += W) {
-            bool fresh = fresh_k && j == visible - 1;
-            const float* key = fresh ? fresh_k : k_head + j * kv_width;
+            const float* key = k_head + j * kv_width;
             float s = 0.0f;
 #pragma unroll
             for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
@@ -67,7 +61,7 @@ __device__ __forceinline__ void attend(const float* q, float* keys, float* value
             float rescale = expf(max_score - new_max);  // 0 for the first position
             float p = expf(s - new_max);
             total = total * rescale + p;
-            const float* value = fresh ? fresh_v : v_head + j * kv_width;
+            const float* value = v_head + j * kv_width;
 #pragma unroll
             for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
                 int d = lane + k * WARP_SIZE;
@@ -101,29 +95,9 @@ __device__ __forceinline__ void attend(const float* q, float* keys, float* value
             for (int w = 0; w < W; ++w) sum += warp_acc[w][d] * weights[w];
             o[d] = sum / denominator;
         }
-        if (fresh_k && h % group == 0) {
-            float* stored_k = keys + start * kv_width + (i64)(h / group) * head_dim;
-            float* stored_v = values + start * kv_width + (i64)(h / group) * head_dim;
-            for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-                stored_k[d] = fresh_k[d];
-                stored_v[d] = fresh_v[d];
-            }
-        }
         __syncthreads();  // the next item reuses the shared arrays
     }
 }
-
-#define ATTENTION_KERNEL(name, W)                                                         \
-    extern "C" __global__ void __launch_bounds__(W * WARP_SIZE)                           \
-        name(const float* q, float* keys, float* values, float* out, int n, int heads,    \
-             int kv_heads, int head_dim, i64 start, const u32* position, float scale,     \
-             const float* new_k, const float* new_v) {                                    \
-        await_inputs();                                                                   \
-        attend<W>(q, keys, values, out, n, heads, kv_heads, head_dim, start, position,    \
-                  scale, new_k, new_v);                                                   \
-    }
-
-ATTENTION_KERNEL(attention, ATTN_WARPS)
 
 // ---- One token: positions in parallel, one round of loads per chunk ----
 //
@@ -135,8 +109,11 @@ ATTENTION_KERNEL(attention, ATTN_WARPS)
 // with two block reductions, and then the warps take the chunk's positions
 // in turn, lanes over dimensions, several values in flight per lane. The
 // maximum and the sum are the block's (every thread holds them), so the
-// warps' weighted sums only need adding at the end. The new token's key
-// and value come from new_k and new_v and are stored as in attend().
+// warps' weighted sums only need adding at the end. The cache does not
+// yet hold the token's key and value: they are read from new_k and new_v,
+// and the first block of each KV head's group stores them into the cache
+// (no other block reads that position of the cache), saving a launch per
+// layer.
 
 #define DECODE_ATTN_WARPS 16
 #define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
