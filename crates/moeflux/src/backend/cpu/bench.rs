@@ -123,3 +123,162 @@ fn matmul_throughput() {
         }
     }
 }
+
+/// Decode of the qwen3-30b-a3b shapes without the rest of the engine: per
+/// token and layer the q/k/v, o, 8 experts' gate/up and down products (q4),
+/// then the LM head, int8 activations, as a forward pass issues them; the
+/// weights (about 700 MB) are far beyond the caches. Each run is followed
+/// by the memory read probe, so the two are compared run by run. Run with
+/// `cargo test --release -p moeflux --lib decode_layers_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark"]
+fn decode_layers_throughput() {
+    use super::linear::{Product, matmul_many_with};
+    fn view((l, b): &(MatrixLayout, AlignedBuf)) -> MatrixView<'_> {
+        MatrixView::new(*l, b)
+    }
+    let isa = Isa::get();
+    let (hidden, q_width, kv_width, inter, top_k, vocab) = (2048, 4096, 512, 768, 8, 151936);
+    let layers = 16;
+    let activations = Activations::Int8;
+    let mut seed = 1;
+    let mut matrices = |shapes: &[(usize, usize)]| -> Vec<(MatrixLayout, AlignedBuf)> {
+        shapes
+            .iter()
+            .map(|&(rows, cols)| {
+                seed += 1;
+                matrix(DType::Q4, rows, cols, seed)
+            })
+            .collect()
+    };
+    let attention: Vec<_> = (0..layers)
+        .map(|_| {
+            matrices(&[
+                (q_width, hidden),
+                (kv_width, hidden),
+                (kv_width, hidden),
+                (hidden, q_width),
+            ])
+        })
+        .collect();
+    let experts: Vec<_> = (0..layers)
+        .map(|_| {
+            (0..top_k)
+                .map(|_| matrices(&[(inter, hidden), (inter, hidden), (hidden, inter)]))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let head = matrices(&[(vocab, hidden)]);
+    let bytes: usize = attention
+        .iter()
+        .flatten()
+        .chain(experts.iter().flatten().flatten())
+        .chain(&head)
+        .map(|(l, _)| l.total_bytes)
+        .sum();
+    let x: Vec<f32> = (0..hidden).map(|i| (i % 17) as f32 / 17.0 - 0.5).collect();
+    let token = || {
+        for (attn, experts) in attention.iter().zip(&experts) {
+            let qkv: Vec<Product<'_>> = attn[..3]
+                .iter()
+                .map(|w| Product {
+                    x: &x,
+                    n: 1,
+                    w: view(w),
+                    activations,
+                })
+                .collect();
+            let qkv = matmul_many_with(isa, &qkv);
+            let o = Product {
+                x: &qkv[0],
+                n: 1,
+                w: view(&attn[3]),
+                activations,
+            };
+            std::hint::black_box(matmul_many_with(isa, &[o]));
+            let gate_up: Vec<Product<'_>> = experts
+                .iter()
+                .flat_map(|e| {
+                    [&e[0], &e[1]].map(|w| Product {
+                        x: &x,
+                        n: 1,
+                        w: view(w),
+                        activations,
+                    })
+                })
+                .collect();
+            let act: Vec<Vec<f32>> = matmul_many_with(isa, &gate_up)
+                .chunks_exact(2)
+                .map(|p| p[0].iter().zip(&p[1]).map(|(g, u)| g * u).collect())
+                .collect();
+            let down: Vec<Product<'_>> = experts
+                .iter()
+                .zip(&act)
+                .map(|(e, a)| Product {
+                    x: a,
+                    n: 1,
+                    w: view(&e[2]),
+                    activations,
+                })
+                .collect();
+            std::hint::black_box(matmul_many_with(isa, &down));
+        }
+        let head = Product {
+            x: &x,
+            n: 1,
+            w: view(&head[0]),
+            activations,
+        };
+        std::hint::black_box(matmul_many_with(isa, &[head]));
+    };
+    let big = vec![1f32; 128 << 20];
+    let tokens = 16;
+    println!(
+        "{isa:?}, {} threads, {:.1} MB of weights per token",
+        rayon::current_num_threads(),
+        bytes as f64 / 1e6
+    );
+    // The kernels' compute speed: one core, an expert's matrices in L2.
+    let one = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for w in &experts[0][0][1..] {
+        let x = &x[..w.0.cols];
+        let secs = one.install(|| {
+            best_of(5, || {
+                for _ in 0..100 {
+                    std::hint::black_box(matmul_with(isa, x, 1, &view(w), activations));
+                }
+            }) / 100.0
+        });
+        println!(
+            "  in L2, 1 thread: {} x {}: {:.1} Gweights/s",
+            w.0.rows,
+            w.0.cols,
+            (w.0.rows * w.0.cols) as f64 / secs / 1e9
+        );
+    }
+    for _ in 0..6 {
+        // On a pool worker, as the engine runs its forward pass.
+        let secs = rayon::join(
+            || {
+                token();
+                let t = std::time::Instant::now();
+                for _ in 0..tokens {
+                    token();
+                }
+                t.elapsed().as_secs_f64() / tokens as f64
+            },
+            || (),
+        )
+        .0;
+        let achieved = bytes as f64 / secs / 1e9;
+        let probe = read_bandwidth(isa, &big);
+        println!(
+            "  {:.2} ms/token, {achieved:.1} GB/s; probe {probe:.1} GB/s; {:.0}%",
+            secs * 1e3,
+            100.0 * achieved / probe
+        );
+    }
+}

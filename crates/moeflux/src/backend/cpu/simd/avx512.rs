@@ -6,9 +6,11 @@
 
 use std::arch::x86_64::*;
 
+use half::bf16;
+
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows,
-    float_rows_with, int8_rows_with, quant_rows_with,
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, PARAMS_AHEAD, QuantRows, float_rows_with,
+    mean_code, prefetch, prefetch_first_params, quant_rows_with, tile, tile_count, with_tile,
 };
 use crate::quant::GROUP_SIZE;
 
@@ -129,6 +131,26 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
+/// `count` (at most 16) bf16 values from `p` as f32, the other lanes zero.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn widen_bf16(p: *const bf16, count: usize) -> __m512 {
+    let mask = if count >= 16 {
+        !0
+    } else {
+        ((1u32 << count) - 1) as __mmask16
+    };
+    // SAFETY: the caller passes `count` values; the mask keeps the load
+    // within them.
+    let h = unsafe { _mm256_maskz_loadu_epi16(mask, p as *const i16) };
+    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+}
+
+/// The int8 tile kernel. Each (row, token) pair sums `s·d·Σ (q - o)·x̂`
+/// over the groups, then `(b + c·s)·Σ x` and `s·offsets` in blocks of
+/// [`GROUP_LANES`] groups, as `Int8Acts` defines the product. The group
+/// parameters are widened from bf16 and multiplied in registers, a block of
+/// 16 groups at a time, rather than prepared in memory for each tile.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
@@ -136,11 +158,9 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     rows: [usize; R],
     x: &Int8Acts,
     t0: usize,
-    params: &Int8Params<'_>,
 ) -> [[f32; T]; R] {
     let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
-    assert!(params.products.len() >= R * T * stride);
-    assert!(params.scales.len() >= R * stride && params.biases.len() >= R * stride);
+    assert!(x.scales.len() >= (t0 + T) * stride);
     assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
     let group_bytes = GROUP_SIZE * BITS as usize / 8;
     // A 4-bit group's 32 code bytes go to both halves of a register; the
@@ -149,83 +169,89 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     // the order of the activations.
     let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
     let nibble = _mm512_set1_epi8(15);
+    let mean = _mm512_set1_ps(mean_code(BITS));
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // SAFETY: the caller checked that the rows and tokens exist, and the
-    // asserts above the parameters; prefetches may point past them (they
-    // never fault).
+    // SAFETY: the caller checked that the rows and tokens exist (with their
+    // `groups` parameters each), and the asserts above the activations';
+    // prefetches may point past them (they never fault).
     unsafe {
         let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let params = |at: &[bf16], r: usize, k: usize| {
+            widen_bf16(at.as_ptr().add(rows[r] * groups + k), groups - k)
+        };
+        let token = |at: &[f32], t: usize, k: usize| {
+            _mm512_loadu_ps(at.as_ptr().add((t0 + t) * stride + k))
+        };
         let xq = x.codes.as_ptr().add(t0 * cols);
         let xs_of = |g: usize| -> [__m512i; T] {
             std::array::from_fn(|t| {
                 _mm512_loadu_si512(xq.add(t * cols + g * GROUP_SIZE) as *const __m512i)
             })
         };
-        let products = |r: usize, t: usize| params.products.as_ptr().add((r * T + t) * stride);
         // Lanes 0-7 take the first group of a pair, 8-15 the second.
         let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         let mut g = 0;
-        // Pairs of 4-bit groups: their 64 code bytes are one register,
-        // unpacked at once into the low nibbles of both (evens) and the
-        // high ones (odds); each `vpdpbusd` then sums both groups, the
-        // first's products in lanes 0-7 and the second's in 8-15, which
-        // one conversion and one FMA (with each group's scale in its half)
-        // add to the accumulators.
-        while BITS == 4 && g + 1 < groups {
-            let (x0, x1) = (xs_of(g), xs_of(g + 1));
-            let evens: [__m512i; T] =
-                std::array::from_fn(|t| _mm512_shuffle_i64x2::<0b01_00_01_00>(x0[t], x1[t]));
-            let odds: [__m512i; T] =
-                std::array::from_fn(|t| _mm512_shuffle_i64x2::<0b11_10_11_10>(x0[t], x1[t]));
-            // The pair's products from the block of 16 groups holding both.
-            let (block, pair) = (
-                g & !(GROUP_LANES - 1),
-                _mm512_set1_epi32((g % GROUP_LANES) as i32),
-            );
-            let pair = _mm512_add_epi32(pair, halves);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let p = codes[r].add(g * group_bytes);
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                let both = _mm512_loadu_si512(p as *const __m512i);
-                let lo = _mm512_and_si512(both, nibble);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble);
-                for (t, a) in acc.iter_mut().enumerate() {
-                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, evens[t]);
-                    let dot = _mm512_dpbusd_epi32(dot, hi, odds[t]);
-                    let scale =
-                        _mm512_permutexvar_ps(pair, _mm512_loadu_ps(products(r, t).add(block)));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+        for k in (0..groups).step_by(GROUP_LANES) {
+            let end = groups.min(k + GROUP_LANES);
+            // `s·d` of the block's groups for each pair of the tile.
+            let d: [__m512; T] = std::array::from_fn(|t| token(&x.scales, t, k));
+            let products: [[__m512; T]; R] = std::array::from_fn(|r| {
+                let s = params(w.scales, r, k);
+                std::array::from_fn(|t| _mm512_mul_ps(s, d[t]))
+            });
+            // Pairs of 4-bit groups: their 64 code bytes are one register,
+            // unpacked at once into the low nibbles of both (evens) and the
+            // high ones (odds); each `vpdpbusd` then sums both groups, the
+            // first's products in lanes 0-7 and the second's in 8-15, which
+            // one conversion and one FMA (with each group's scale in its
+            // half) add to the accumulators.
+            while BITS == 4 && g + 1 < end {
+                // Laid out by `Int8Acts` as the pair's evens, then its odds.
+                let (evens, odds) = (xs_of(g), xs_of(g + 1));
+                let pair = _mm512_add_epi32(_mm512_set1_epi32((g - k) as i32), halves);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let p = codes[r].add(g * group_bytes);
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                    let both = _mm512_loadu_si512(p as *const __m512i);
+                    let lo = _mm512_and_si512(both, nibble);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble);
+                    for (t, a) in acc.iter_mut().enumerate() {
+                        let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, evens[t]);
+                        let dot = _mm512_dpbusd_epi32(dot, hi, odds[t]);
+                        let scale = _mm512_permutexvar_ps(pair, products[r][t]);
+                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+                    }
                 }
+                g += 2;
             }
-            g += 2;
-        }
-        while g < groups {
-            let xs = xs_of(g);
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let p = codes[r].add(g * group_bytes);
-                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                let q = if BITS == 4 {
-                    let both = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
-                    _mm512_and_si512(_mm512_srlv_epi16(both, shifts), nibble)
-                } else {
-                    _mm512_loadu_si512(p as *const __m512i)
-                };
-                for (t, (a, &xv)) in acc.iter_mut().zip(&xs).enumerate() {
-                    let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
-                    let scale = _mm512_set1_ps(*products(r, t).add(g));
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+            while g < end {
+                let xs = xs_of(g);
+                let one = _mm512_set1_epi32((g - k) as i32);
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let p = codes[r].add(g * group_bytes);
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                    let q = if BITS == 4 {
+                        let both = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
+                        _mm512_and_si512(_mm512_srlv_epi16(both, shifts), nibble)
+                    } else {
+                        _mm512_loadu_si512(p as *const __m512i)
+                    };
+                    for (t, (a, &xv)) in acc.iter_mut().zip(&xs).enumerate() {
+                        let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                        let scale = _mm512_permutexvar_ps(one, products[r][t]);
+                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
+                    }
                 }
+                g += 1;
             }
-            g += 1;
         }
-        for k in (0..stride).step_by(GROUP_LANES) {
+        for k in (0..groups).step_by(GROUP_LANES) {
             for (r, acc) in acc.iter_mut().enumerate() {
-                let s = _mm512_loadu_ps(params.scales.as_ptr().add(r * stride + k));
-                let b = _mm512_loadu_ps(params.biases.as_ptr().add(r * stride + k));
+                let s = params(w.scales, r, k);
+                let b = _mm512_add_ps(params(w.biases, r, k), _mm512_mul_ps(mean, s));
                 for (t, a) in acc.iter_mut().enumerate() {
-                    let token = (t0 + t) * stride + k;
-                    *a = _mm512_fmadd_ps(b, _mm512_loadu_ps(x.sums.as_ptr().add(token)), *a);
-                    *a = _mm512_fmadd_ps(s, _mm512_loadu_ps(x.offsets.as_ptr().add(token)), *a);
+                    *a = _mm512_fmadd_ps(b, token(&x.sums, t, k), *a);
+                    *a = _mm512_fmadd_ps(s, token(&x.offsets, t, k), *a);
                 }
             }
         }
@@ -309,24 +335,42 @@ pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     unsafe { quant_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
-impl Int8Kernel for Avx512 {
-    #[inline(always)]
-    unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
-        w: &QuantRows<'_>,
-        rows: [usize; R],
-        x: &Int8Acts,
-        t0: usize,
-        params: &Int8Params<'_>,
-    ) -> [[f32; T]; R] {
-        // SAFETY: forwarded.
-        unsafe { int8_tile::<BITS, R, T>(w, rows, x, t0, params) }
-    }
-}
-
+/// The int8 products, in tiles as [`super::quant_rows_with`] walks them
+/// (the shared int8 driver prepares group parameters in memory per tile,
+/// which these kernels do in registers).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
-    // SAFETY: forwarded.
-    unsafe { int8_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+    let (n, g) = (x.n, x.cols / GROUP_SIZE);
+    prefetch_first_params(w, g, MAX_ROWS);
+    for i in 0..tile_count(w.rows, MAX_ROWS) {
+        let (tile, rows) = tile(i, w.rows, MAX_ROWS);
+        for &r in &tile[..rows] {
+            let ahead = (r + PARAMS_AHEAD) * g;
+            prefetch(w.scales.as_ptr().wrapping_add(ahead));
+            prefetch(w.biases.as_ptr().wrapping_add(ahead));
+        }
+        let mut t0 = 0;
+        while t0 < n {
+            let tokens = MAX_TOKENS.min(n - t0);
+            with_tile!(rows, tokens, |R, T| {
+                let mut rows_of = [0; R];
+                rows_of.copy_from_slice(&tile[..R]);
+                let tile = rows_of;
+                // SAFETY: forwarded from the caller.
+                let acc = unsafe {
+                    if w.bits == 4 {
+                        int8_tile::<4, R, T>(w, tile, x, t0)
+                    } else {
+                        int8_tile::<8, R, T>(w, tile, x, t0)
+                    }
+                };
+                for (&r, acc) in tile.iter().zip(&acc) {
+                    out[r * n + t0..][..T].copy_from_slice(acc);
+                }
+            });
+            t0 += tokens;
+        }
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]

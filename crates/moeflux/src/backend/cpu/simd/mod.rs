@@ -342,7 +342,9 @@ const GROUP_LANES: usize = 16;
 ///   against plain `s·d·Σ q·x̂` for evenly spread codes.
 ///
 /// For 4-bit rows each group's codes are reordered [evens, odds], the
-/// order in which the kernels unpack a group's low then high nibbles.
+/// order in which the kernels unpack a group's low then high nibbles; for
+/// the AVX-512 kernels, which unpack two groups at once, each pair of
+/// groups is [evens, evens of the next, odds, odds of the next].
 pub struct Int8Acts {
     pub n: usize,
     pub cols: usize,
@@ -444,6 +446,14 @@ impl Int8Acts {
                 self.scales[at] = d;
                 self.sums[at] = sum(x);
                 self.offsets[at] = -shift * d * code_sum as f32;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if self.bits == 4 && self.kernels == Int8Kernels::Avx512Vnni {
+                for pair in codes.chunks_exact_mut(2 * GROUP_SIZE) {
+                    let (odds, evens) =
+                        pair[GROUP_SIZE / 2..][..GROUP_SIZE].split_at_mut(GROUP_SIZE / 2);
+                    odds.swap_with_slice(evens);
+                }
             }
         }
     }
@@ -552,7 +562,9 @@ struct Int8Params<'a> {
     products: &'a [f32],
 }
 
-/// The int8 tile kernels of an instruction set.
+/// The int8 tile kernels of an instruction set whose group parameters
+/// [`int8_rows_with`] prepares in memory per tile (AVX2, scalar; the
+/// AVX-512 kernels widen them in registers and have their own driver).
 trait Int8Kernel {
     /// Rows `rows` against tokens `t0..t0 + T`: each (row, token) pair sums
     /// `products·Σ (q - o)·x̂` over the groups, then `biases·Σ x` and
@@ -636,6 +648,8 @@ macro_rules! with_tile {
         }
     };
 }
+// By path, for the AVX-512 int8 driver (declared above the macro).
+use with_tile;
 
 /// The tiles of a block of `rows` rows: `max_rows` rows at a time taken
 /// from `max_rows` equal stretches of the block (so each tile row reads
