@@ -5,8 +5,9 @@
 // moe_down_tc_q4, next to load-only probes over the same rows (what memory
 // alone allows) and the device-to-device copy bandwidth. Weights do not
 // stay in L2: each launch of a recorded graph takes another copy of the
-// matrix, or other experts. The tensor-core down is checked against
-// moe_down.
+// matrix, or other experts; the dense products are also timed on one copy
+// (weights in L2), what prefetching them ahead could at best give. The
+// tensor-core down is checked against moe_down.
 //
 // On the GPU machine (it has nvcc), from the repository root:
 //   bash tools/kernel_bench/run.sh ["-DWORD_UNROLL=2" ...]
@@ -250,6 +251,12 @@ static void bench_dense(const char* name, std::vector<std::pair<int, int>> parts
            bytes);
     report("linear_vector_rows",
            time_launches(launches, [&](cudaStream_t s, int i) { launch_rows(s, i, out_old); }),
+           bytes);
+    report("linear_vector_rows, weights in L2",
+           time_launches(launches, [&](cudaStream_t s, int) { launch_rows(s, 0, out_old); }),
+           bytes);
+    report("linear_vector, weights in L2",
+           time_launches(launches, [&](cudaStream_t s, int) { launch_split(s, 0, out_old); }),
            bytes);
     if (parts.size() == 1 && dt == DT_Q4) {
         u32* sink;

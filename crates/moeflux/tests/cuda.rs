@@ -711,6 +711,111 @@ fn norms_match_cpu() {
     }
 }
 
+/// A decode step's RMSNorm applied by the one-token products that read it
+/// (both the column-split and the whole-row kernels, every type) agrees
+/// with the norm's own launch followed by the products: the normalised
+/// input the launch stores matches the CPU's norm, and each product is
+/// within f32 rounding of the terms' magnitudes (1e-5 of Σ|w·x|, as for
+/// `linear`) of the separate launches' (the fused kernels scale the sum
+/// by the norm's factor instead of each input, so they round differently).
+#[test]
+fn norm_fused_into_one_token_products_matches_separate_launches() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend::default();
+    // Matrices of one launch: few rows (columns split across warps) and
+    // more than a thousand (whole rows per warp).
+    let launches: [&[usize]; 2] = [&[37, 5], &[1100]];
+    let mut specs: Vec<_> = [320, 2048]
+        .map(|cols| {
+            (
+                format!("test.norm.{cols}"),
+                DType::F32,
+                vec![cols],
+                values(cols, 7),
+            )
+        })
+        .into();
+    for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+        for cols in [320, 2048] {
+            for (l, rows) in launches.iter().enumerate() {
+                for (m, &r) in rows.iter().enumerate() {
+                    let name = format!("test.{}.{cols}.{l}.{m}", dtype.name());
+                    let data = values(r * cols, (l * 10 + m) as u64);
+                    specs.push((name, dtype, vec![r, cols], data));
+                }
+            }
+        }
+    }
+    let refs: Vec<(&str, DType, Vec<usize>, Vec<f32>)> = specs
+        .iter()
+        .map(|(n, d, s, v)| (n.as_str(), *d, s.clone(), v.clone()))
+        .collect();
+    let weights = TestWeights::new(&refs);
+    for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+        for cols in [320, 2048] {
+            let norm_name = format!("test.norm.{cols}");
+            let (nw_cpu, nw_gpu) = (
+                weights.load(&cpu, &norm_name, &[cols]),
+                weights.load(&gpu, &norm_name, &[cols]),
+            );
+            let mut x = values(cols, cols as u64 + 3);
+            x[cols / 5] = 11.0;
+            let (x_cpu, x_gpu) = both(&gpu, 1, cols, x);
+            for (l, rows) in launches.iter().enumerate() {
+                let ws: Vec<_> = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(m, &r)| {
+                        let name = format!("test.{}.{cols}.{l}.{m}", dtype.name());
+                        weights.load(&gpu, &name, &[r, cols])
+                    })
+                    .collect();
+                let ws: Vec<_> = ws.iter().collect();
+                for unit_offset in [false, true] {
+                    let norm = RmsNorm {
+                        eps: 1e-6,
+                        unit_offset,
+                    };
+                    let what = format!(
+                        "{} {cols} cols, rows {rows:?}, offset {unit_offset}",
+                        dtype.name()
+                    );
+                    let (normed, fused) = gpu.rms_norm_linear_many(&x_gpu, &nw_gpu, norm, &ws);
+                    let separate_norm = gpu.rms_norm(&x_gpu, &nw_gpu, norm);
+                    let separate = gpu.linear_many(&separate_norm, &ws);
+                    let h = cpu.to_host(&cpu.rms_norm(&x_cpu, &nw_cpu, norm));
+                    assert_close(
+                        &format!("{what}: normalised input against the CPU"),
+                        &gpu.to_host(&normed),
+                        &h,
+                        1e-5,
+                    );
+                    for (m, (f, s)) in fused.iter().zip(&separate).enumerate() {
+                        let (got, want) = (gpu.to_host(f), gpu.to_host(s));
+                        let name = format!("test.{}.{cols}.{l}.{m}", dtype.name());
+                        let view = weights.dir.tensor(&name, &[rows[m], cols]).unwrap();
+                        let mut row = vec![0f32; cols];
+                        for r in 0..rows[m] {
+                            view.view().dequantize_row(r, &mut row);
+                            let magnitude: f64 = row
+                                .iter()
+                                .zip(&h)
+                                .map(|(&w, &v)| (w as f64 * v as f64).abs())
+                                .sum();
+                            assert!(
+                                ((got[r] - want[r]).abs() as f64) <= 1e-5 * magnitude,
+                                "{what}: product {m} row {r}: {} fused vs {} separate",
+                                got[r],
+                                want[r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn elementwise_ops_match_cpu() {
     let Some(gpu) = cuda() else { return };

@@ -183,6 +183,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
         ws.iter().map(|w| self.linear(x, w)).collect()
     }
 
+    /// `rms_norm(x)` and [`Backend::linear_many`] of it: the normalised x
+    /// (for the products after) and the products. A GPU normalises inside
+    /// the products' launch during decode, saving the norm's own.
+    fn rms_norm_linear_many(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        norm: RmsNorm,
+        ws: &[&Self::Weight],
+    ) -> (Self::Tensor, Vec<Self::Tensor>) {
+        let normed = self.rms_norm(x, weight, norm);
+        let products = self.linear_many(&normed, ws);
+        (normed, products)
+    }
+
     /// `residual += x · wᵀ` (a GPU adds as it computes).
     fn linear_add(&self, residual: &mut Self::Tensor, x: &Self::Tensor, w: &Self::Weight) {
         let y = self.linear(x, w);

@@ -63,18 +63,22 @@ impl<B: Backend> Attention<B> {
         })
     }
 
-    /// `residual += attention(x)`.
+    /// `residual += attention(norm(residual))` with the layer's input norm
+    /// (weight `input_norm`), which the backend may fuse into the q/k/v
+    /// products.
     pub fn forward_add(
         &self,
         b: &B,
-        x: &B::Tensor,
+        input_norm: &B::Weight,
+        norm: RmsNorm,
         cache: &mut B::KvCache,
         residual: &mut B::Tensor,
     ) {
         let start = b.kv_len(cache);
         let q_dim = self.shape.num_heads * self.shape.head_dim;
-        let [projected, k, v]: [B::Tensor; 3] = b
-            .linear_many(x, &[&self.q_proj, &self.k_proj, &self.v_proj])
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &projections);
+        let [projected, k, v]: [B::Tensor; 3] = projected
             .try_into()
             .unwrap_or_else(|_| unreachable!("three projections"));
         let (q, gate) = if self.output_gate {

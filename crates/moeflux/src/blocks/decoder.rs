@@ -191,22 +191,32 @@ impl<B: Backend> Decoder<B> {
     ) -> Result<Option<B::Tensor>> {
         let mut x = b.embed(&self.embed, tokens);
         for (i, (layer, layer_state)) in self.layers.iter().zip(state.iter_mut()).enumerate() {
-            let h = b.rms_norm(&x, &layer.input_norm, self.norm);
+            let (norm, input_norm) = (self.norm, &layer.input_norm);
             match (&layer.mixer, layer_state) {
                 (Mixer::Attention(attn), LayerState::Attention(cache)) => {
-                    attn.forward_add(b, &h, cache, &mut x)
+                    attn.forward_add(b, input_norm, norm, cache, &mut x)
                 }
-                (Mixer::Linear(gdn), LayerState::Linear(s)) => gdn.forward_add(b, &h, s, &mut x),
+                (Mixer::Linear(gdn), LayerState::Linear(s)) => {
+                    gdn.forward_add(b, input_norm, norm, s, &mut x)
+                }
                 _ => unreachable!("state built by new_state for these layers"),
             };
-            let h = b.rms_norm(&x, &layer.post_attention_norm, self.norm);
-            if tokens.len() == 1 {
-                self.predict_next_layer(b, i, &h, store);
-            }
+            let post_norm = &layer.post_attention_norm;
             match &layer.ffn {
-                FeedForward::Dense(mlp) => mlp.forward_add(b, &h, &mut x),
+                FeedForward::Dense(mlp) => {
+                    let h = b.rms_norm(&x, post_norm, norm);
+                    if tokens.len() == 1 {
+                        self.predict_next_layer(b, i, &h, store);
+                    }
+                    mlp.forward_add(b, &h, &mut x)
+                }
                 FeedForward::Sparse(moe) => {
-                    moe.forward_add(b, &h, store, self.prefetch != Prefetch::Off, &mut x)?
+                    let (h, routing) = moe.route(b, &x, post_norm, norm);
+                    if tokens.len() == 1 {
+                        self.predict_next_layer(b, i, &h, store);
+                    }
+                    let track = self.prefetch != Prefetch::Off;
+                    moe.forward_add(b, &h, &routing, store, track, &mut x)?
                 }
             };
         }

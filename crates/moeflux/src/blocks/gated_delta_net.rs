@@ -4,7 +4,7 @@
 
 use super::Weights;
 use crate::arch::names;
-use crate::backend::{Backend, GatedDeltaNetParams};
+use crate::backend::{Backend, GatedDeltaNetParams, RmsNorm};
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 
@@ -51,18 +51,24 @@ impl<B: Backend> GatedDeltaNet<B> {
         })
     }
 
-    /// `residual += gated_delta_net(x)`.
+    /// `residual += gated_delta_net(norm(residual))` with the layer's input
+    /// norm (weight `input_norm`), which the backend may fuse into the
+    /// input projection.
     pub fn forward_add(
         &self,
         b: &B,
-        x: &B::Tensor,
+        input_norm: &B::Weight,
+        norm: RmsNorm,
         state: &mut B::LinearState,
         residual: &mut B::Tensor,
     ) {
         let c = &self.cfg;
-        let projected = b.linear(x, &self.in_proj);
+        let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &[&self.in_proj]);
+        let [projected] = projected.as_slice() else {
+            unreachable!("one projection")
+        };
         let parts = b.split_cols(
-            &projected,
+            projected,
             &[
                 c.conv_dim(),
                 c.value_dim(),

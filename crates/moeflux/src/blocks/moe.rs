@@ -4,7 +4,7 @@
 
 use super::Weights;
 use crate::arch::names;
-use crate::backend::Backend;
+use crate::backend::{Backend, RmsNorm};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 
@@ -95,26 +95,46 @@ impl<B: Backend> SparseMoe<B> {
         b.selected_experts(&b.route(&logits, self.top_k, self.normalize))
     }
 
-    /// `residual += moe(x)`. `track_routing`: tell the store which experts
-    /// a decode step used (for prefetch prediction; costs a device-to-host
-    /// copy on a GPU).
+    /// The block's input, `norm(residual)` with the layer's
+    /// post-attention norm (weight `post_attention_norm`), and the router's
+    /// choice for it; the backend may fuse the norm into the router's
+    /// product.
+    pub fn route(
+        &self,
+        b: &B,
+        residual: &B::Tensor,
+        post_attention_norm: &B::Weight,
+        norm: RmsNorm,
+    ) -> (B::Tensor, B::Routing) {
+        let (x, logits) =
+            b.rms_norm_linear_many(residual, post_attention_norm, norm, &[&self.router]);
+        let [logits] = logits.as_slice() else {
+            unreachable!("one product")
+        };
+        let routing = b.route(logits, self.top_k, self.normalize);
+        (x, routing)
+    }
+
+    /// `residual += moe(x)` for the `routing` [`SparseMoe::route`] gave
+    /// with x. `track_routing`: tell the store which experts a decode step
+    /// used (for prefetch prediction; costs a device-to-host copy on a
+    /// GPU).
     pub fn forward_add(
         &self,
         b: &B,
         x: &B::Tensor,
+        routing: &B::Routing,
         store: &ExpertStore,
         track_routing: bool,
         residual: &mut B::Tensor,
     ) -> Result<()> {
-        let logits = b.linear(x, &self.router);
-        let routing = b.route(&logits, self.top_k, self.normalize);
         if track_routing && b.rows(x) == 1 && !b.experts_resident(store, self.layer) {
-            store.note_decode_routing(self.layer, &b.selected_experts(&routing));
+            store.note_decode_routing(self.layer, &b.selected_experts(routing));
         }
         match &self.shared {
-            None => b.routed_experts_add(residual, x, &routing, store, self.layer),
+            None => b.routed_experts_add(residual, x, routing, store, self.layer),
             Some((mlp, gate)) => {
-                let mut out = b.routed_experts(x, &routing, store, self.layer)?;
+                let mut out = b.routed_experts(x, routing, store, self.layer)?;
                 let mut shared = mlp.forward(b, x);
                 b.mul_sigmoid(&mut shared, &b.linear(x, gate));
                 b.add_assign(&mut out, &shared);

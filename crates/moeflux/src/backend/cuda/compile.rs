@@ -78,6 +78,14 @@ kernels!(
     linear_vector_bf16_rows,
     linear_vector_q8_rows,
     linear_vector_q4_rows,
+    linear_vector_f32_normed,
+    linear_vector_bf16_normed,
+    linear_vector_q8_normed,
+    linear_vector_q4_normed,
+    linear_vector_f32_rows_normed,
+    linear_vector_bf16_rows_normed,
+    linear_vector_q8_rows_normed,
+    linear_vector_q4_rows_normed,
     rms_norm,
     gated_rms_norm,
     qk_norm_rope,
@@ -264,9 +272,11 @@ mod tests {
                 || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
-                || name
-                    .strip_suffix("_rows")
-                    .is_some_and(|base| source.contains(&format!("LINEAR_VECTOR_KERNEL({base},")))
+                || ["_rows", "_normed", "_rows_normed"].iter().any(|suffix| {
+                    name.strip_suffix(suffix).is_some_and(|base| {
+                        source.contains(&format!("LINEAR_VECTOR_KERNEL({base},"))
+                    })
+                })
                 || ["moe_gate_up_", "moe_down_"].iter().any(|prefix| {
                     name.strip_prefix(prefix).is_some_and(|suffix| {
                         source.contains(&format!("MOE_DECODE_KERNELS({suffix},"))

@@ -120,6 +120,22 @@ struct MatvecJobs {
 // addresses as 64-bit integers).
 unsafe impl DeviceRepr for MatvecJobs {}
 
+/// The RMSNorm a one-token product applies to its input (`FusedNorm` in
+/// linear.cu): the norm's weight, where block 0 stores the normalised
+/// input, and the norm's parameters.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct FusedNorm {
+    weight: u64,
+    normed: u64,
+    eps: f32,
+    offset: f32,
+}
+
+// SAFETY: plain data laid out as the kernels' struct (C layout, device
+// addresses as 64-bit integers).
+unsafe impl DeviceRepr for FusedNorm {}
+
 /// Tokens (warps) per block of the one-warp router.
 const ROUTE_WARPS: usize = 4;
 /// Threads per block of the attention kernel (`ATTN_WARPS` warps).
@@ -603,7 +619,7 @@ impl CudaBackend {
     /// linear.cu).
     fn matvec(&self, x: &CudaSlice<f32>, w: &Matrix<'_>) -> CudaSlice<f32> {
         let mut out = self.alloc::<f32>("linear", w.layout.rows);
-        self.matvecs(x, &mut [(w, &mut out)], false);
+        self.matvecs(x, &mut [(w, &mut out)], false, None);
         out
     }
 
@@ -620,12 +636,15 @@ impl CudaBackend {
 
     /// `out_j (+)= w_j · x` for one token `x` and up to
     /// [`MAX_MATVEC_JOBS`] matrices of one type, in one launch; with
-    /// `accumulate` each result is added to its output.
+    /// `accumulate` each result is added to its output. With `norm` the
+    /// products take the RMSNorm of x instead (see `FusedNorm` in
+    /// linear.cu), which the launch also stores where `norm` says.
     fn matvecs(
         &self,
         x: &CudaSlice<f32>,
         jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
         accumulate: bool,
+        norm: Option<FusedNorm>,
     ) {
         let ws: Vec<&Matrix<'_>> = jobs.iter().map(|(w, _)| *w).collect();
         let cols = ws[0].layout.cols;
@@ -641,16 +660,47 @@ impl CudaBackend {
         // the columns split to keep enough loads in flight (5.3 vs 10.7 µs).
         let whole_rows = cols < SPLIT_COLS_MIN
             && ws.iter().map(|w| w.layout.rows).sum::<usize>() >= self.whole_rows_min;
-        let (op, kernel, rows_per_block) = match (dtype, whole_rows) {
-            (DType::F32, false) => ("linear f32", &k.linear_vector_f32, VECTOR_ROWS),
-            (DType::Bf16, false) => ("linear bf16", &k.linear_vector_bf16, VECTOR_ROWS),
-            (DType::Q8, false) => ("linear q8", &k.linear_vector_q8, VECTOR_ROWS),
-            (DType::Q4, false) => ("linear q4", &k.linear_vector_q4, VECTOR_ROWS),
-            (DType::F32, true) => ("linear f32", &k.linear_vector_f32_rows, WHOLE_ROWS),
-            (DType::Bf16, true) => ("linear bf16", &k.linear_vector_bf16_rows, WHOLE_ROWS),
-            (DType::Q8, true) => ("linear q8", &k.linear_vector_q8_rows, WHOLE_ROWS),
-            (DType::Q4, true) => ("linear q4", &k.linear_vector_q4_rows, WHOLE_ROWS),
+        // Per type: columns split, whole rows, and both with the norm fused.
+        let (op, kernels) = match dtype {
+            DType::F32 => (
+                "linear f32",
+                [
+                    &k.linear_vector_f32,
+                    &k.linear_vector_f32_rows,
+                    &k.linear_vector_f32_normed,
+                    &k.linear_vector_f32_rows_normed,
+                ],
+            ),
+            DType::Bf16 => (
+                "linear bf16",
+                [
+                    &k.linear_vector_bf16,
+                    &k.linear_vector_bf16_rows,
+                    &k.linear_vector_bf16_normed,
+                    &k.linear_vector_bf16_rows_normed,
+                ],
+            ),
+            DType::Q8 => (
+                "linear q8",
+                [
+                    &k.linear_vector_q8,
+                    &k.linear_vector_q8_rows,
+                    &k.linear_vector_q8_normed,
+                    &k.linear_vector_q8_rows_normed,
+                ],
+            ),
+            DType::Q4 => (
+                "linear q4",
+                [
+                    &k.linear_vector_q4,
+                    &k.linear_vector_q4_rows,
+                    &k.linear_vector_q4_normed,
+                    &k.linear_vector_q4_rows_normed,
+                ],
+            ),
         };
+        let kernel = kernels[usize::from(whole_rows) + 2 * usize::from(norm.is_some())];
+        let rows_per_block = if whole_rows { WHOLE_ROWS } else { VECTOR_ROWS };
         let mut packed = MatvecJobs {
             job: [MatvecJob::default(); MAX_MATVEC_JOBS],
             count: jobs.len() as i32,
@@ -680,7 +730,22 @@ impl CudaBackend {
             shared_mem_bytes: 0,
         };
         let (cols_i, accumulate_i) = (int(cols, "columns"), i32::from(accumulate));
-        launch!(self, op, kernel, config, &packed, x, &cols_i, &accumulate_i);
+        match &norm {
+            None => launch!(self, op, kernel, config, &packed, x, &cols_i, &accumulate_i),
+            Some(norm) => {
+                launch!(
+                    self,
+                    op,
+                    kernel,
+                    config,
+                    &packed,
+                    x,
+                    &cols_i,
+                    &accumulate_i,
+                    norm
+                )
+            }
+        }
     }
 
     fn silu_mul_raw(
@@ -1422,7 +1487,7 @@ impl Backend for CudaBackend {
             .collect();
         let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
             refs.into_iter().zip(outs.iter_mut()).collect();
-        self.matvecs(&x.data, &mut jobs, false);
+        self.matvecs(&x.data, &mut jobs, false, None);
         outs.into_iter()
             .zip(ws)
             .map(|(data, w)| Tensor {
@@ -1431,6 +1496,49 @@ impl Backend for CudaBackend {
                 data,
             })
             .collect()
+    }
+
+    fn rms_norm_linear_many(
+        &self,
+        x: &Tensor,
+        weight: &Weight,
+        norm: RmsNorm,
+        ws: &[&Weight],
+    ) -> (Tensor, Vec<Tensor>) {
+        let matrices: Vec<Matrix<'_>> = ws.iter().map(|w| w.matrix()).collect();
+        let refs: Vec<&Matrix<'_>> = matrices.iter().collect();
+        if x.rows != 1
+            || weight.vector_len("rms_norm") != x.cols
+            || !Self::matvecs_fit(x.cols, &refs)
+        {
+            let normed = self.rms_norm(x, weight, norm);
+            let products = self.linear_many(&normed, ws);
+            return (normed, products);
+        }
+        let mut normed = self.tensor("rms_norm", 1, x.cols);
+        let fused = FusedNorm {
+            weight: weight.data.device_ptr(&self.stream).0,
+            normed: normed.data.device_ptr_mut(&self.stream).0,
+            eps: norm.eps,
+            offset: if norm.unit_offset { 1.0 } else { 0.0 },
+        };
+        let mut outs: Vec<CudaSlice<f32>> = ws
+            .iter()
+            .map(|w| self.alloc("linear", w.layout.rows))
+            .collect();
+        let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
+            refs.into_iter().zip(outs.iter_mut()).collect();
+        self.matvecs(&x.data, &mut jobs, false, Some(fused));
+        let products = outs
+            .into_iter()
+            .zip(ws)
+            .map(|(data, w)| Tensor {
+                rows: 1,
+                cols: w.layout.rows,
+                data,
+            })
+            .collect();
+        (normed, products)
     }
 
     fn linear_add(&self, residual: &mut Tensor, x: &Tensor, w: &Weight) {
@@ -1444,7 +1552,7 @@ impl Backend for CudaBackend {
             w.layout.rows
         );
         if x.rows == 1 && Self::matvecs_fit(x.cols, &[&m]) {
-            self.matvecs(&x.data, &mut [(&m, &mut residual.data)], true);
+            self.matvecs(&x.data, &mut [(&m, &mut residual.data)], true, None);
         } else {
             let y = self.linear(x, w);
             self.add_assign(residual, &y);

@@ -188,28 +188,57 @@ __device__ __forceinline__ WeightRow weight_row(int dt, const u8* codes, const u
     return row;
 }
 
-// acc += word w of `row` · x (x at the row's first column).
+// The x values word `word` of a row multiplies (x at the row's first
+// column; aligned to a word's columns).
 template <int DT>
-__device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word, const float* x,
-                                         float& acc) {
+__device__ __forceinline__ void word_x(const float* x, int word, float (&v)[WORD_COLS(DT)]) {
     const int c0 = word * WORD_COLS(DT);
     if (DT == DT_F32) {
-        acc = fmaf(__uint_as_float(w), x[c0], acc);
+        v[0] = x[c0];
     } else if (DT == DT_BF16) {
         float2 a = *(const float2*)(x + c0);
-        acc = fmaf(__uint_as_float(w << 16), a.x, acc);
-        acc = fmaf(__uint_as_float(w & 0xffff0000u), a.y, acc);
+        v[0] = a.x;
+        v[1] = a.y;
+    } else if (DT == DT_Q8) {
+        float4 a = *(const float4*)(x + c0);
+        v[0] = a.x;
+        v[1] = a.y;
+        v[2] = a.z;
+        v[3] = a.w;
+    } else {
+        float4 a = *(const float4*)(x + c0);
+        float4 c = *(const float4*)(x + c0 + 4);
+        v[0] = a.x;
+        v[1] = a.y;
+        v[2] = a.z;
+        v[3] = a.w;
+        v[4] = c.x;
+        v[5] = c.y;
+        v[6] = c.z;
+        v[7] = c.w;
+    }
+}
+
+// acc += word w of `row` · its x values v.
+template <int DT>
+__device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word,
+                                         const float (&v)[WORD_COLS(DT)], float& acc) {
+    const int c0 = word * WORD_COLS(DT);
+    if (DT == DT_F32) {
+        acc = fmaf(__uint_as_float(w), v[0], acc);
+    } else if (DT == DT_BF16) {
+        acc = fmaf(__uint_as_float(w << 16), v[0], acc);
+        acc = fmaf(__uint_as_float(w & 0xffff0000u), v[1], acc);
     } else {
         int group = c0 / GROUP_SIZE;
         float s = bf16_to_float(row.scales[group]);
         float b = bf16_to_float(row.biases[group]);
         if (DT == DT_Q8) {
             // Columns c0..c0+3, lowest byte first.
-            float4 a = *(const float4*)(x + c0);
-            acc = fmaf(fmaf(byte_value(w, 0), s, b), a.x, acc);
-            acc = fmaf(fmaf(byte_value(w, 1), s, b), a.y, acc);
-            acc = fmaf(fmaf(byte_value(w, 2), s, b), a.z, acc);
-            acc = fmaf(fmaf(byte_value(w, 3), s, b), a.w, acc);
+            acc = fmaf(fmaf(byte_value(w, 0), s, b), v[0], acc);
+            acc = fmaf(fmaf(byte_value(w, 1), s, b), v[1], acc);
+            acc = fmaf(fmaf(byte_value(w, 2), s, b), v[2], acc);
+            acc = fmaf(fmaf(byte_value(w, 3), s, b), v[3], acc);
         } else {
             // Columns c0..c0+7, two per byte, low nibble first: the low
             // nibbles are the even columns. w·x = s·(16 + q)·x + (b - 16 s)·x,
@@ -218,19 +247,17 @@ __device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word, 
             // a quarter fewer instructions a weight than dequantizing each
             // one, which bounds these kernels (a load-only pass over the
             // same rows streams 2.3 times faster on an H100).
-            float4 a = *(const float4*)(x + c0);
-            float4 c = *(const float4*)(x + c0 + 4);
             u32 even = even_codes(w);
             u32 odd = odd_codes(w);
-            float dot = code16(even, 0) * a.x;
-            dot = fmaf(code16(odd, 0), a.y, dot);
-            dot = fmaf(code16(even, 1), a.z, dot);
-            dot = fmaf(code16(odd, 1), a.w, dot);
-            dot = fmaf(code16(even, 2), c.x, dot);
-            dot = fmaf(code16(odd, 2), c.y, dot);
-            dot = fmaf(code16(even, 3), c.z, dot);
-            dot = fmaf(code16(odd, 3), c.w, dot);
-            float sum = a.x + a.y + a.z + a.w + c.x + c.y + c.z + c.w;
+            float dot = code16(even, 0) * v[0];
+            dot = fmaf(code16(odd, 0), v[1], dot);
+            dot = fmaf(code16(even, 1), v[2], dot);
+            dot = fmaf(code16(odd, 1), v[3], dot);
+            dot = fmaf(code16(even, 2), v[4], dot);
+            dot = fmaf(code16(odd, 2), v[5], dot);
+            dot = fmaf(code16(even, 3), v[6], dot);
+            dot = fmaf(code16(odd, 3), v[7], dot);
+            float sum = v[0] + v[1] + v[2] + v[3] + v[4] + v[5] + v[6] + v[7];
             acc = fmaf(s, dot, fmaf(fmaf(-16.0f, s, b), sum, acc));
         }
     }
@@ -251,18 +278,47 @@ __device__ __forceinline__ void load_words(const WeightRow* rows, int base, int 
     }
 }
 
-// acc[i] += the batch load_words read from `base` · xs[i].
-template <int DT, int R, int U, bool SHARED_X>
+// The input of a one-token product whose RMSNorm the product applies
+// itself (the `_normed` kernels below): the products run over
+// x · (offset + weight), each lane adds up its columns' x² as it goes, and
+// the sums are scaled by 1/sqrt(mean(x²) + eps) at the end. No barrier or
+// extra memory round trip comes before the first product. `normed`, where
+// block 0 stores the normalised x for the products after, may be null.
+struct FusedNorm {
+    const float* weight;
+    float* normed;
+    float eps;
+    float offset;
+};
+
+// acc[i] += the batch load_words read from `base` · xs[i]. With NORMED
+// (and SHARED_X) the x values are scaled by offset + norm.weight as they
+// are read and their squares added to `squares`.
+template <int DT, int R, int U, bool SHARED_X, bool NORMED>
 __device__ __forceinline__ void dot_words(const WeightRow* rows, const float* const* xs,
                                           int base, int end, const u32 (&packed)[U][R],
-                                          float* acc) {
+                                          float* acc, const FusedNorm& norm, float& squares) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         int w = base + u * WARP_SIZE;
         if (w < end) {
+            float v[WORD_COLS(DT)];
+            if (SHARED_X) {
+                word_x<DT>(xs[0], w, v);
+                if (NORMED) {
+                    float g[WORD_COLS(DT)];
+                    word_x<DT>(norm.weight, w, g);
+#pragma unroll
+                    for (int j = 0; j < WORD_COLS(DT); ++j) {
+                        squares = fmaf(v[j], v[j], squares);
+                        v[j] *= norm.offset + g[j];
+                    }
+                }
+            }
 #pragma unroll
             for (int i = 0; i < R; ++i) {
-                dot_word<DT>(rows[i], packed[u][i], w, xs[SHARED_X ? 0 : i], acc[i]);
+                if (!SHARED_X) word_x<DT>(xs[i], w, v);
+                dot_word<DT>(rows[i], packed[u][i], w, v, acc[i]);
             }
         }
     }
@@ -273,14 +329,33 @@ __device__ __forceinline__ void dot_words(const WeightRow* rows, const float* co
 // aligned to a word's columns: 16 bytes for q4 and q8). U words per row
 // (WORD_UNROLL unless a kernel tunes it) are loaded before any is used, so
 // short ranges are in flight at once too. With SHARED_X every row takes
-// xs[0].
-template <int DT, int R, bool SHARED_X, int U = WORD_UNROLL>
+// xs[0]; NORMED as dot_words.
+template <int DT, int R, bool SHARED_X, int U = WORD_UNROLL, bool NORMED = false>
 __device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* const* xs,
-                                         int begin, int end, int lane, float* acc) {
+                                         int begin, int end, int lane, float* acc,
+                                         const FusedNorm& norm = FusedNorm{},
+                                         float* squares = nullptr) {
+    float lane_squares = 0.0f;
     for (int base = begin + lane; base < end; base += U * WARP_SIZE) {
         u32 packed[U][R];
         load_words<R, U>(rows, base, end, packed);
-        dot_words<DT, R, U, SHARED_X>(rows, xs, base, end, packed, acc);
+        dot_words<DT, R, U, SHARED_X, NORMED>(rows, xs, base, end, packed, acc, norm,
+                                               lane_squares);
+    }
+    if (NORMED) *squares = lane_squares;
+}
+
+// 1/sqrt(mean(x²) + eps) from the sum of squares of `cols` values.
+__device__ __forceinline__ float inverse_rms(float squares, int cols, float eps) {
+    return 1.0f / sqrtf(squares / (float)cols + eps);
+}
+
+// Block 0 stores x · inv · (offset + weight) for the products after.
+__device__ __forceinline__ void store_normed(const float* x, int cols, const FusedNorm& norm,
+                                             float inv) {
+    if (blockIdx.x != 0 || !norm.normed) return;
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        norm.normed[c] = x[c] * inv * (norm.offset + norm.weight[c]);
     }
 }
 
@@ -354,11 +429,13 @@ __device__ __forceinline__ void prefetch_block_rows(const MatvecJobs& jobs, int 
 // out_j[r] (+)= Σ_c w_j[r, c] · x[c] for one token and up to MAX_JOBS
 // matrices of the same type sharing x (one launch for q, k and v, say);
 // cols is a multiple of WORD_COLS(DT). With `accumulate` the result is
-// added to out (a residual connection) instead of stored.
-template <int DT>
+// added to out (a residual connection) instead of stored. With NORMED the
+// products take RMSNorm(x) (see FusedNorm).
+template <int DT, bool NORMED>
 __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const float* x,
-                                              int cols, int accumulate) {
+                                              int cols, int accumulate, const FusedNorm& norm) {
     __shared__ float partial[VEC_WARPS][VEC_ROWS];
+    __shared__ float partial_squares[VEC_WARPS];
     const MatvecJob& job = jobs.job[block_job(jobs)];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
@@ -373,19 +450,33 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
         acc[i] = 0.0f;
     }
     int2 range = warp_words(cols / WORD_COLS(DT), warp, VEC_WARPS);
-    dot_rows<DT, VEC_ROWS, true, LINEAR_SPLIT_UNROLL>(w, &x, range.x, range.y, lane, acc);
+    float squares = 0.0f;
+    dot_rows<DT, VEC_ROWS, true, LINEAR_SPLIT_UNROLL, NORMED>(w, &x, range.x, range.y, lane,
+                                                              acc, norm, &squares);
 #pragma unroll
     for (int i = 0; i < VEC_ROWS; ++i) {
         float v = warp_sum(acc[i]);
         if (lane == 0) partial[warp][i] = v;
     }
+    if (NORMED) {
+        squares = warp_sum(squares);
+        if (lane == 0) partial_squares[warp] = squares;
+    }
     __syncthreads();
+    float inv = 1.0f;
+    if (NORMED) {
+        float total = 0.0f;
+        for (int k = 0; k < VEC_WARPS; ++k) total += partial_squares[k];
+        inv = inverse_rms(total, cols, norm.eps);
+    }
     if (threadIdx.x < VEC_ROWS && first + threadIdx.x < job.rows) {
         float v = 0.0f;
         for (int k = 0; k < VEC_WARPS; ++k) v += partial[k][threadIdx.x];
+        if (NORMED) v *= inv;
         i64 r = first + threadIdx.x;
         job.out[r] = accumulate ? job.out[r] + v : v;
     }
+    if (NORMED) store_normed(x, cols, norm, inv);
 }
 
 // Rows per warp of linear_vector_rows.
@@ -394,15 +485,19 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
 // linear_vector with whole rows per warp (ROWS_PER_WARP of them, so a block
 // covers VEC_WARPS · ROWS_PER_WARP rows) instead of columns split across the
 // block's warps: longer-lived warps, no block-wide reduction; faster for
-// matrices of many rows (the host chooses).
-template <int DT>
+// matrices of many rows (the host chooses). With NORMED each warp sees all
+// of x, so each finds the norm's scale alone.
+template <int DT, bool NORMED>
 __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const float* x,
-                                                   int cols, int accumulate) {
+                                                   int cols, int accumulate,
+                                                   const FusedNorm& norm) {
     const MatvecJob& job = jobs.job[block_job(jobs)];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     i64 first = ((i64)(blockIdx.x - job.first_block) * VEC_WARPS + warp) * ROWS_PER_WARP;
-    if (first >= job.rows) return;
+    // Warps past the end leave, except in block 0 of a NORMED launch, which
+    // stores the normalised x (they repeat the last row and write no sum).
+    if (first >= job.rows && !(NORMED && blockIdx.x == 0)) return;
     WeightRow w[ROWS_PER_WARP];
     float acc[ROWS_PER_WARP];
 #pragma unroll
@@ -412,14 +507,18 @@ __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const
         w[i] = weight_row(DT, job.codes, job.scales, job.biases, r, cols);
         acc[i] = 0.0f;
     }
-    dot_rows<DT, ROWS_PER_WARP, true, LINEAR_ROWS_UNROLL>(w, &x, 0, cols / WORD_COLS(DT), lane,
-                                                          acc);
+    float squares = 0.0f;
+    dot_rows<DT, ROWS_PER_WARP, true, LINEAR_ROWS_UNROLL, NORMED>(
+        w, &x, 0, cols / WORD_COLS(DT), lane, acc, norm, &squares);
+    float inv = NORMED ? inverse_rms(warp_sum(squares), cols, norm.eps) : 1.0f;
 #pragma unroll
     for (int i = 0; i < ROWS_PER_WARP; ++i) {
         float v = warp_sum(acc[i]);
+        if (NORMED) v *= inv;
         i64 r = first + i;
         if (lane == 0 && r < job.rows) job.out[r] = accumulate ? job.out[r] + v : v;
     }
+    if (NORMED) store_normed(x, cols, norm, inv);
 }
 
 #define LINEAR_VECTOR_KERNEL(name, DT)                                                    \
@@ -427,13 +526,29 @@ __device__ __forceinline__ void linear_vector_rows(const MatvecJobs& jobs, const
         name(MatvecJobs jobs, const float* x, int cols, int accumulate) {                 \
         prefetch_block_rows<DT>(jobs, cols, VEC_ROWS);                                    \
         await_inputs();                                                                   \
-        linear_vector<DT>(jobs, x, cols, accumulate);                                     \
+        linear_vector<DT, false>(jobs, x, cols, accumulate, FusedNorm{});                 \
     }                                                                                     \
     extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
         name##_rows(MatvecJobs jobs, const float* x, int cols, int accumulate) {          \
         prefetch_block_rows<DT>(jobs, cols, VEC_WARPS * ROWS_PER_WARP);                   \
         await_inputs();                                                                   \
-        linear_vector_rows<DT>(jobs, x, cols, accumulate);                                \
+        linear_vector_rows<DT, false>(jobs, x, cols, accumulate, FusedNorm{});            \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
+        name##_normed(MatvecJobs jobs, const float* x, int cols, int accumulate,          \
+                      FusedNorm norm) {                                                   \
+        prefetch_block_rows<DT>(jobs, cols, VEC_ROWS);                                    \
+        prefetch_span(norm.weight, 4 * (i64)cols);                                        \
+        await_inputs();                                                                   \
+        linear_vector<DT, true>(jobs, x, cols, accumulate, norm);                         \
+    }                                                                                     \
+    extern "C" __global__ void __launch_bounds__(VEC_WARPS * WARP_SIZE, LINEAR_MIN_BLOCKS)\
+        name##_rows_normed(MatvecJobs jobs, const float* x, int cols, int accumulate,     \
+                           FusedNorm norm) {                                              \
+        prefetch_block_rows<DT>(jobs, cols, VEC_WARPS * ROWS_PER_WARP);                   \
+        prefetch_span(norm.weight, 4 * (i64)cols);                                        \
+        await_inputs();                                                                   \
+        linear_vector_rows<DT, true>(jobs, x, cols, accumulate, norm);                    \
     }
 
 LINEAR_VECTOR_KERNEL(linear_vector_f32, DT_F32)
