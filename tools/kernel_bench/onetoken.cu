@@ -258,6 +258,31 @@ static void bench_dense(const char* name, std::vector<std::pair<int, int>> parts
     report("linear_vector, weights in L2",
            time_launches(launches, [&](cudaStream_t s, int) { launch_split(s, 0, out_old); }),
            bytes);
+    if (parts.size() == 1 && dt == DT_Q4 && parts[0].first >= 65536) {
+        // The tensor-core product for matrices of many rows, checked
+        // against linear_vector_rows.
+        int groups = cols / 64;
+        int smem = 4 * (groups * 96 + groups + (groups & 1));
+        float* out_tc;
+        CHECK(cudaMalloc(&out_tc, 4 * (size_t)total_rows));
+        int sms = 0;
+        CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        for (int per_sm : {1, 2, 4}) {
+            auto launch_tc = [&](cudaStream_t s, int i, float* out) {
+                const Mat& m = mats[0][i % copies];
+                linear_vector_tc_q4<<<sms * per_sm, TC_VECTOR_WARPS * 32, smem, s>>>(
+                    m.codes, m.scales, m.biases, x, out, m.rows, cols);
+            };
+            launch_tc(0, 0, out_tc);
+            launch_rows(0, 0, out_old);
+            CHECK(cudaDeviceSynchronize());
+            printf("  linear_vector_tc_q4 (%d blocks per SM) vs rows: max diff / max |out| = %.2e\n",
+                   per_sm, rel_diff(download(out_old, total_rows), download(out_tc, total_rows)));
+            report("linear_vector_tc_q4", time_launches(launches, [&](cudaStream_t s, int i) {
+                launch_tc(s, i, out_tc); }), bytes);
+        }
+        CHECK(cudaFree(out_tc));
+    }
     if (parts.size() == 1 && dt == DT_Q4) {
         u32* sink;
         CHECK(cudaMalloc(&sink, 4));

@@ -711,6 +711,44 @@ fn norms_match_cpu() {
     }
 }
 
+/// One token's q4 product with a matrix of many rows (an LM head) runs on
+/// the tensor cores (linear_vector_tc_q4) and matches the CPU within f32
+/// rounding of the terms' magnitudes (1e-5 of Σ|w·x|, as for `linear`);
+/// the row count is no multiple of the kernel's 16-row tiles.
+#[test]
+fn many_row_q4_product_of_one_token_matches_cpu() {
+    let Some(gpu) = cuda() else { return };
+    let cpu = CpuBackend::default();
+    let (rows, cols) = (40_009, 192);
+    let name = "test.lm_head";
+    let weights = TestWeights::new(&[(name, DType::Q4, vec![rows, cols], values(rows * cols, 5))]);
+    let (w_cpu, w_gpu) = (
+        weights.load(&cpu, name, &[rows, cols]),
+        weights.load(&gpu, name, &[rows, cols]),
+    );
+    let mut x = values(cols, 17);
+    x[cols / 3] = 9.0;
+    let (x_cpu, x_gpu) = both(&gpu, 1, cols, x.clone());
+    let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu));
+    let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu));
+    let view = weights.dir.tensor(name, &[rows, cols]).unwrap();
+    let mut row = vec![0f32; cols];
+    for r in 0..rows {
+        view.view().dequantize_row(r, &mut row);
+        let magnitude: f64 = row
+            .iter()
+            .zip(&x)
+            .map(|(&w, &v)| (w as f64 * v as f64).abs())
+            .sum();
+        assert!(
+            ((got[r] - want[r]).abs() as f64) <= 1e-5 * magnitude,
+            "row {r}: {} vs {}",
+            got[r],
+            want[r]
+        );
+    }
+}
+
 /// A decode step's RMSNorm applied by the one-token products that read it
 /// (both the column-split and the whole-row kernels, every type) agrees
 /// with the norm's own launch followed by the products: the normalised

@@ -121,6 +121,7 @@ kernels!(
     moe_down_q8,
     moe_down_q4,
     moe_down_tc_q4,
+    linear_vector_tc_q4,
     moe_prefill_gate_up_q4,
     moe_prefill_gate_up_q8,
     moe_prefill_gate_up_bf16,

@@ -26,9 +26,11 @@
 // hold B's columns 3-7, which are zero).
 //
 // H100, 8 of 128 experts of the 30B shape: 7.5 µs a launch against 9.7 µs
-// for moe_down; the same scheme for gate/up and the dense products was
-// slower than linear.cu's and moe.cu's CUDA-core kernels (whose loads are
-// already in flight across many short warps), so it is used here only.
+// for moe_down; the same scheme for gate/up and the dense products of a
+// layer was slower than linear.cu's and moe.cu's CUDA-core kernels (whose
+// loads are already in flight across many short warps). It also takes the
+// one-token product of a matrix of many rows (linear_vector_tc_q4, the LM
+// head: 79.0 vs 92.4 µs).
 //
 // sm_80+ only, like gemm.cu; elsewhere the kernel is empty and the host
 // takes moe_down.
@@ -229,6 +231,51 @@ extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
         }
         i64 r = first + threadIdx.x;
         out[r] = accumulate ? out[r] + total : total;
+    }
+#endif
+}
+
+// Warps per block of linear_vector_tc_q4.
+#define TC_VECTOR_WARPS 8
+
+// One token's product with a q4 matrix of many rows (the LM head) on the
+// tensor cores: each block stages x's B table and Σ x per group once, then
+// its warps take 16-row tiles in turn (moe_down_tc_q4's per-tile scheme),
+// so a tile costs no staging. out[r] = Σ_c w[r, c] · x[c]; cols a multiple
+// of 64, rows 8-byte aligned (cols / 2 bytes). Dynamic shared memory:
+// tc_staged_words(cols / 64) words. Grid: any number of blocks (a few per
+// SM).
+extern "C" __global__ void __launch_bounds__(TC_VECTOR_WARPS * WARP_SIZE)
+    linear_vector_tc_q4(const u8* codes, const u16* scales, const u16* biases, const float* x,
+                        float* out, int rows, int cols) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ u32 tc_shared[];
+    const int groups = cols / GROUP_SIZE;
+    u32* table = tc_shared;
+    float* sums = (float*)(table + tc_table_words(groups));
+    stage_tc_x(x, 0, groups, table, sums, threadIdx.x, blockDim.x);
+    __syncthreads();
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const i64 tiles = ((i64)rows + 15) / 16;
+    for (i64 tile = (i64)blockIdx.x * TC_VECTOR_WARPS + warp; tile < tiles;
+         tile += (i64)gridDim.x * TC_VECTOR_WARPS) {
+        const i64 first = tile * 16;
+        WeightRow row_g =
+            weight_row(DT_Q4, codes, scales, biases, min(first + lane / 4, (i64)rows - 1), cols);
+        WeightRow row_g8 = weight_row(DT_Q4, codes, scales, biases,
+                                      min(first + lane / 4 + 8, (i64)rows - 1), cols);
+        float acc_g = 0.0f, acc_g8 = 0.0f;
+        for (int g0 = 0; g0 < groups; g0 += TC_GROUPS_IN_FLIGHT) {
+            TcBatch batch;
+            batch.load(row_g, row_g8, g0, groups, lane);
+            batch.mma(table, sums, g0, groups, lane, acc_g, acc_g8);
+        }
+        if (lane % 4 == 0) {
+            const i64 r = first + lane / 4;
+            if (r < rows) out[r] = acc_g;
+            if (r + 8 < rows) out[r + 8] = acc_g8;
+        }
     }
 #endif
 }
