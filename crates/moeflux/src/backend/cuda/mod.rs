@@ -684,6 +684,30 @@ impl CudaBackend {
         Some(out)
     }
 
+    /// [`CudaBackend::matvecs`] into a new one-row tensor per matrix.
+    fn matvecs_to_tensors(
+        &self,
+        x: &CudaSlice<f32>,
+        matrices: &[&Matrix<'_>],
+        norm: Option<FusedNorm>,
+    ) -> Vec<Tensor> {
+        let mut outs: Vec<CudaSlice<f32>> = matrices
+            .iter()
+            .map(|m| self.alloc("linear", m.layout.rows))
+            .collect();
+        let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
+            matrices.iter().copied().zip(outs.iter_mut()).collect();
+        self.matvecs(x, &mut jobs, false, norm);
+        outs.into_iter()
+            .zip(matrices)
+            .map(|(data, m)| Tensor {
+                rows: 1,
+                cols: m.layout.rows,
+                data,
+            })
+            .collect()
+    }
+
     /// Whether [`CudaBackend::matvecs`] takes these matrices for one token
     /// of width `cols`: the same type, rows a whole number of 16-byte loads.
     fn matvecs_fit(cols: usize, ws: &[&Matrix<'_>]) -> bool {
@@ -1542,21 +1566,7 @@ impl Backend for CudaBackend {
         if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
             return ws.iter().map(|w| self.linear(x, w)).collect();
         }
-        let mut outs: Vec<CudaSlice<f32>> = ws
-            .iter()
-            .map(|w| self.alloc("linear", w.layout.rows))
-            .collect();
-        let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
-            refs.into_iter().zip(outs.iter_mut()).collect();
-        self.matvecs(&x.data, &mut jobs, false, None);
-        outs.into_iter()
-            .zip(ws)
-            .map(|(data, w)| Tensor {
-                rows: 1,
-                cols: w.layout.rows,
-                data,
-            })
-            .collect()
+        self.matvecs_to_tensors(&x.data, &refs, None)
     }
 
     fn rms_norm_linear_many(
@@ -1583,22 +1593,7 @@ impl Backend for CudaBackend {
             eps: norm.eps,
             offset: if norm.unit_offset { 1.0 } else { 0.0 },
         };
-        let mut outs: Vec<CudaSlice<f32>> = ws
-            .iter()
-            .map(|w| self.alloc("linear", w.layout.rows))
-            .collect();
-        let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
-            refs.into_iter().zip(outs.iter_mut()).collect();
-        self.matvecs(&x.data, &mut jobs, false, Some(fused));
-        let products = outs
-            .into_iter()
-            .zip(ws)
-            .map(|(data, w)| Tensor {
-                rows: 1,
-                cols: w.layout.rows,
-                data,
-            })
-            .collect();
+        let products = self.matvecs_to_tensors(&x.data, &refs, Some(fused));
         (normed, products)
     }
 
