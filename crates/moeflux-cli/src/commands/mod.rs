@@ -182,6 +182,18 @@ impl ModelArgs {
         if !quiet {
             with_model!(&opened, |model| describe(&**model, &dir, &options));
         }
+        if let OpenedModel::Cpu(model) = &opened {
+            let experts = model.experts();
+            let start = std::time::Instant::now();
+            model.prepare_experts(&crate::commands::convert::progress_bar())?;
+            if !quiet && experts.total_expert_bytes() <= experts.cache_budget() {
+                eprintln!(
+                    "moeflux: every expert in memory ({} read in {:.1} s)",
+                    human_bytes(experts.total_expert_bytes()),
+                    start.elapsed().as_secs_f64()
+                );
+            }
+        }
         if let OpenedModel::Cuda(model) = &opened {
             let start = std::time::Instant::now();
             model.prepare_experts(&crate::commands::convert::progress_bar())?;

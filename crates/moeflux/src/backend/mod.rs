@@ -303,8 +303,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
         None
     }
 
-    /// Work before the first token: a GPU uploads every expert when they
-    /// all fit in its memory.
+    /// Work before the first token: the CPU reads every expert into the
+    /// store's cache when they all fit its budget, a GPU uploads every
+    /// expert when they all fit in its memory.
     fn prepare_experts(&self, _store: &ExpertStore, _progress: &dyn Progress) -> Result<()> {
         Ok(())
     }

@@ -25,11 +25,15 @@ pub use cache::{CachePolicy, ExpertCache, ExpertKey, Weighted, simulate};
 use crate::error::{Error, Result};
 use crate::format::{ExpertLayerEntry, ModelDir};
 use crate::quant::{MatrixLayout, MatrixView};
-use crate::util::{AlignedBuf, parse_hex64};
+use crate::util::{AlignedBuf, Progress, parse_hex64};
 
 /// Expert reads in flight at once: parallel positional reads keep the
 /// disk's queue full (several times faster than one at a time).
 pub const READ_PARALLELISM: usize = 8;
+
+/// Reads [`ExpertStore::load_all`] keeps in flight: a few per I/O thread,
+/// few enough to bound the memory of reads not yet in the cache.
+const LOAD_ALL_IN_FLIGHT: usize = 4 * READ_PARALLELISM;
 
 /// How expert files are read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -437,6 +441,43 @@ impl ExpertStore {
             .unwrap()
             .insert((layer as u32, index as u32), expert.clone());
         Ok(expert)
+    }
+
+    /// Reads every expert into the cache when the cache's budget holds them
+    /// all, so decoding never waits for the disk (a model that fits runs at
+    /// memory speed from its first token). Reads run in parallel on the I/O
+    /// threads; they count as bytes read, not as cache misses. Returns
+    /// whether it did.
+    pub fn load_all(&self, progress: &dyn Progress) -> Result<bool> {
+        if self.total_expert_bytes() > self.cache_budget() {
+            return Ok(false);
+        }
+        progress.start(self.total_expert_bytes());
+        for layer in self.moe_layers() {
+            let missing: Vec<usize> = {
+                let cache = self.shared.cache.lock().unwrap();
+                (0..self.expert_count(layer))
+                    .filter(|&e| !cache.contains((layer as u32, e as u32)))
+                    .collect()
+            };
+            for chunk in missing.chunks(LOAD_ALL_IN_FLIGHT) {
+                let reads: Vec<Fetch> = chunk
+                    .iter()
+                    .map(|&index| Fetch::Reading {
+                        layer,
+                        index,
+                        slot: self.start_read(layer, index),
+                        prefetched: false,
+                    })
+                    .collect();
+                for read in reads {
+                    let expert = self.wait(read)?;
+                    progress.advance(expert.nbytes() as u64, "reading experts into memory");
+                }
+            }
+        }
+        progress.finish();
+        Ok(true)
     }
 
     /// Returns the requested experts of `layer` once all are in memory.

@@ -197,8 +197,9 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Readies the backend before the first token: a GPU uploads every
-    /// expert when they all fit in its memory (see
+    /// Readies the backend before the first token: the CPU reads every
+    /// expert into the expert cache when they all fit its budget, a GPU
+    /// uploads every expert when they all fit in its memory (see
     /// [`Backend::prepare_experts`]).
     pub fn prepare_experts(&self, progress: &dyn Progress) -> Result<()> {
         self.backend.prepare_experts(&self.store, progress)

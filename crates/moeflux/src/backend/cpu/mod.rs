@@ -19,6 +19,7 @@ use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
 use crate::quant::DType;
+use crate::util::Progress;
 use linear::{Product, matmul_many};
 
 pub use attention::KvCache;
@@ -376,5 +377,11 @@ impl Backend for CpuBackend {
             self.options.activations,
         )?;
         Ok(Tensor::new(x.rows, x.cols, out))
+    }
+
+    /// Every expert read into the store's cache when they all fit its
+    /// budget (see [`ExpertStore::load_all`]).
+    fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
+        store.load_all(progress).map(|_| ())
     }
 }
