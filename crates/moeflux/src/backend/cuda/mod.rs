@@ -56,7 +56,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
-    LaunchConfig, ValidAsZeroBits,
+    LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
 };
 
 pub use state::{KvCache, LinearState};
@@ -135,6 +135,10 @@ struct FusedNorm {
 // SAFETY: plain data laid out as the kernels' struct (C layout, device
 // addresses as 64-bit integers).
 unsafe impl DeviceRepr for FusedNorm {}
+
+/// Values from which [`Backend::to_host`] copies through page-locked
+/// memory (a vocabulary's logits; small downloads are not worth it).
+const PINNED_DOWNLOAD_MIN: usize = 1 << 14;
 
 /// Rows from which a one-token q4 product runs on the tensor cores
 /// ([`CudaBackend::matvec_tensor_cores`]): LM heads, not layer matrices.
@@ -239,6 +243,10 @@ pub struct CudaBackend {
     whole_rows_min: usize,
     /// Streaming multiprocessors of the device.
     sm_count: usize,
+    /// Page-locked memory that large downloads (a decode step's logits)
+    /// pass through: a copy from the device into it runs at the bus's
+    /// speed, one into pageable memory is staged by the driver.
+    download_staging: Mutex<Option<PinnedHostSlice<f32>>>,
     /// Shared memory the tensor-core expert down kernel (matvec_tc.cu) may
     /// use per block; None before compute capability 8.0, where it is not
     /// built.
@@ -497,6 +505,7 @@ impl CudaBackend {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(WHOLE_ROWS_MIN),
             sm_count,
+            download_staging: Mutex::new(None),
             down_tc_shared,
         })
     }
@@ -1064,7 +1073,27 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, x: &Tensor) -> Vec<f32> {
-        self.download("to_host", &x.data, x.rows * x.cols)
+        let len = x.rows * x.cols;
+        if len < PINNED_DOWNLOAD_MIN {
+            return self.download("to_host", &x.data, len);
+        }
+        let op = "to_host";
+        let mut staging = self.download_staging.lock().unwrap();
+        if staging.as_ref().is_none_or(|s| s.len() < len) {
+            // SAFETY: page-locked memory the copy below writes before it is
+            // read (cached, not write-combined: the host reads it).
+            *staging = Some(ok(op, unsafe { self.ctx.alloc_pinned_with_flags(len, 0) }));
+        }
+        // The buffer may be longer than this download: copy into its first
+        // `len` values only.
+        let host = &mut ok(
+            op,
+            staging.as_mut().expect("allocated above").as_mut_slice(),
+        )[..len];
+        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host));
+        ok(op, self.stream.synchronize());
+        ok(op, self.ctx.check_err());
+        host.to_vec()
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Tensor {
