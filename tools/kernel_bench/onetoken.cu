@@ -88,25 +88,26 @@ __global__ void fill_random(u32* p, i64 words, u32 seed) {
     }
 }
 
+// A value in [lo, hi) hashed from index i and the seed.
+__device__ float hashed_value(i64 i, float lo, float hi, u32 seed) {
+    u32 h = (u32)i * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    return lo + (hi - lo) * (float)(h >> 8) / 16777216.0f;
+}
+
 // bf16 values in [lo, hi).
 __global__ void fill_bf16(u16* p, i64 n, float lo, float hi, u32 seed) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        float v = lo + (hi - lo) * (float)(h >> 8) / 16777216.0f;
-        p[i] = (u16)(__float_as_uint(v) >> 16);
+        p[i] = (u16)(__float_as_uint(hashed_value(i, lo, hi, seed)) >> 16);
     }
 }
 
 __global__ void fill_float(float* p, i64 n, float lo, float hi, u32 seed) {
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (i64)gridDim.x * blockDim.x) {
-        u32 h = (u32)i * 2654435761u ^ seed;
-        h ^= h >> 15;
-        h *= 2246822519u;
-        p[i] = lo + (hi - lo) * (float)(h >> 8) / 16777216.0f;
+        p[i] = hashed_value(i, lo, hi, seed);
     }
 }
 

@@ -182,10 +182,11 @@ impl ModelArgs {
         if !quiet {
             with_model!(&opened, |model| describe(&**model, &dir, &options));
         }
+        let start = std::time::Instant::now();
+        with_model!(&opened, |model| model
+            .prepare_experts(&crate::commands::convert::progress_bar()))?;
         if let OpenedModel::Cpu(model) = &opened {
             let experts = model.experts();
-            let start = std::time::Instant::now();
-            model.prepare_experts(&crate::commands::convert::progress_bar())?;
             if !quiet && experts.total_expert_bytes() <= experts.cache_budget() {
                 eprintln!(
                     "moeflux: every expert in memory ({} read in {:.1} s)",
@@ -195,8 +196,6 @@ impl ModelArgs {
             }
         }
         if let OpenedModel::Cuda(model) = &opened {
-            let start = std::time::Instant::now();
-            model.prepare_experts(&crate::commands::convert::progress_bar())?;
             let stats = model.backend().expert_cache_stats();
             if !quiet {
                 let moe_layers = model.config().moe_layers().count() as u64;

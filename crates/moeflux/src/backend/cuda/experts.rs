@@ -54,13 +54,20 @@ const MAX_TOP_K: usize = 32;
 const TC_DOWN_SPLIT: usize = 2;
 const TC_DOWN_MAX_WARPS: usize = 16;
 
+/// Bytes of shared memory one token's input of `cols` values takes staged
+/// for the tensor-core products of matvec_tc.cu (`tc_staged_words`): a B
+/// table (96 words per 64 columns) and the groups' Σ x (padded to an even
+/// count of words).
+pub(super) fn tc_staged_bytes(cols: usize) -> usize {
+    let groups = cols / 64;
+    4 * (groups * 96 + groups.next_multiple_of(2))
+}
+
 /// Bytes of shared memory moe_down_tc_q4 takes for `top_k` experts of
-/// `inter` columns: per expert a B table (96 words per 64 columns) and the
-/// groups' Σ x (padded to an even count of words), then 16 partial sums
-/// per expert and share of its groups.
+/// `inter` columns: per expert its staged input, then 16 partial sums per
+/// expert and share of its groups.
 fn down_tc_shared_bytes(top_k: usize, inter: usize) -> usize {
-    let groups = inter / 64;
-    4 * (top_k * (groups * 96 + groups.next_multiple_of(2)) + 16 * top_k * TC_DOWN_SPLIT)
+    top_k * tc_staged_bytes(inter) + 4 * 16 * top_k * TC_DOWN_SPLIT
 }
 
 /// An expert's gate, up and down matrices in one device buffer.

@@ -659,8 +659,7 @@ impl CudaBackend {
     /// shape's LM head on an H100 (kernel bench).
     fn matvec_tensor_cores(&self, x: &CudaSlice<f32>, w: &Matrix<'_>) -> Option<CudaSlice<f32>> {
         let l = w.layout;
-        let groups = l.cols / 64;
-        let shared = 4 * (groups * 96 + groups.next_multiple_of(2));
+        let shared = experts::tc_staged_bytes(l.cols);
         if l.dtype != DType::Q4
             || l.rows < TC_VECTOR_ROWS_MIN
             || self.down_tc_shared.is_none()
