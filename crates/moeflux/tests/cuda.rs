@@ -1017,7 +1017,10 @@ fn prefill_attention_matches_cpu_for_both_head_dimensions() {
 
 /// Head sizes that leave lanes and warps of the recurrence partly idle
 /// (24 × 40), and the real models' (128 × 128, a warp's lanes holding
-/// four rows of a state column each).
+/// four rows of a state column each). Runs of 64 tokens and more take the
+/// chunked tensor-core form (one whole chunk, partial last chunks, many
+/// chunks), the shorter ones the recurrence, each continuing the other's
+/// state.
 #[test]
 fn gated_delta_net_matches_cpu_across_chunks_copies_and_import() {
     let Some(gpu) = cuda() else { return };
@@ -1113,7 +1116,7 @@ fn check_gated_delta_net(cpu: &CpuBackend, gpu: &CudaBackend, cfg: LinearAttenti
             1e-5,
         );
     };
-    for (i, n) in [5, 1, 2, 9, 200].into_iter().enumerate() {
+    for (i, n) in [5, 1, 2, 9, 200, 64, 3, 130, 700].into_iter().enumerate() {
         step(n, 10 * i as u64, &mut state_cpu, &mut state_gpu);
         compare_states(&format!("after chunk {i}"), &state_gpu, &state_cpu);
     }

@@ -17,7 +17,7 @@ use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 10] = [
+const SOURCES: [(&str, &str); 11] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -27,6 +27,7 @@ const SOURCES: [(&str, &str); 10] = [
         "gated_delta_net.cu",
         include_str!("kernels/gated_delta_net.cu"),
     ),
+    ("gdn_chunked.cu", include_str!("kernels/gdn_chunked.cu")),
     ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("matvec_tc.cu", include_str!("kernels/matvec_tc.cu")),
@@ -106,6 +107,8 @@ kernels!(
     gdn_conv_history,
     gdn_qk_norm,
     gdn_recurrence,
+    gdn_chunk_prepare,
+    gdn_chunk_state,
     route,
     route_warp_4,
     route_warp_8,

@@ -411,7 +411,7 @@ impl CudaBackend {
         let tc_shared = down_tc_shared_bytes(top_k, inter);
         let tensor_cores = gate.dtype == DType::Q4
             && parts.0[2].0.is_multiple_of(8)
-            && self.down_tc_shared.is_some_and(|limit| tc_shared <= limit);
+            && self.tc_shared_limit.is_some_and(|limit| tc_shared <= limit);
         let (down_kernel, down_config) = if tensor_cores {
             (
                 &self.kernels.moe_down_tc_q4,

@@ -183,6 +183,29 @@ fn flash_attention_shared_bytes(head_dim: usize) -> usize {
 /// (`GDN_WARPS`), and its largest key head dimension (32 · `GDN_LANE_ROWS`).
 const GDN_WARPS: usize = 16;
 const GDN_MAX_KEY_DIM: usize = 256;
+/// Tokens from which Gated DeltaNet's delta rule runs in chunks on the
+/// tensor cores (gdn_chunked.cu) instead of token by token, unless
+/// `MOEFLUX_CUDA_GDN_CHUNKED_MIN` says otherwise (a tuning knob).
+const GDN_CHUNKED_MIN: usize = 64;
+/// Tokens per chunk (`GDN_CHUNK`) and state columns per block of
+/// gdn_chunk_state (`GDN_STATE_COLS`), and the latter's threads.
+const GDN_CHUNK: usize = 64;
+const GDN_STATE_COLS: usize = 32;
+const GDN_CHUNK_THREADS: u32 = 256;
+
+/// Dynamic shared memory of gdn_chunk_prepare: K and Q (then the two
+/// right-hand sides) at padded strides, L and T, g and β.
+fn gdn_prepare_shared_bytes(dk: usize, dv: usize) -> usize {
+    let ldk = dk.next_multiple_of(32) + 4;
+    let ldx = dk.max(dv).next_multiple_of(32) + 4;
+    4 * (GDN_CHUNK * (ldk + ldx + 2 * (GDN_CHUNK + 4)) + 2 * GDN_CHUNK)
+}
+
+/// Dynamic shared memory of gdn_chunk_state: the state tile and U at
+/// stride `GDN_TILE_LD`, g and the update factors.
+fn gdn_state_shared_bytes(dk: usize) -> usize {
+    4 * ((dk.next_multiple_of(16) + GDN_CHUNK) * (GDN_STATE_COLS + 8) + 2 * GDN_CHUNK)
+}
 /// Shared memory a block may use without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
@@ -241,16 +264,19 @@ pub struct CudaBackend {
     programmatic_launch: bool,
     /// See [`WHOLE_ROWS_MIN`].
     whole_rows_min: usize,
+    /// See [`GDN_CHUNKED_MIN`].
+    gdn_chunked_min: usize,
     /// Streaming multiprocessors of the device.
     sm_count: usize,
     /// Page-locked memory that large downloads (a decode step's logits)
     /// pass through: a copy from the device into it runs at the bus's
     /// speed, one into pageable memory is staged by the driver.
     download_staging: Mutex<Option<PinnedHostSlice<f32>>>,
-    /// Shared memory the tensor-core expert down kernel (matvec_tc.cu) may
-    /// use per block; None before compute capability 8.0, where it is not
-    /// built.
-    down_tc_shared: Option<usize>,
+    /// Shared memory a block of the kernels that opt in to more than
+    /// [`MAX_SHARED_BYTES`] may use (the tensor-core expert down and the
+    /// chunked Gated DeltaNet); None before compute capability 8.0, where
+    /// those kernels are not built.
+    tc_shared_limit: Option<usize>,
     /// The step being recorded, if one is.
     capture: Mutex<Option<graph::Capture>>,
     recordings: Mutex<graph::Recordings>,
@@ -460,19 +486,24 @@ impl CudaBackend {
         let (major, minor) = ctx
             .compute_capability()
             .map_err(|e| fail("reading the compute capability", e))?;
-        let down_tc_shared = if major >= 8 {
+        let tc_shared_limit = if major >= 8 {
             let limit = ctx
                 .attribute(
                     cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                 )
                 .map_err(|e| fail("reading the shared memory limit", e))?;
-            kernels
-                .moe_down_tc_q4
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    limit,
-                )
-                .map_err(|e| fail("allowing the expert down kernel its shared memory", e))?;
+            for kernel in [
+                &kernels.moe_down_tc_q4,
+                &kernels.gdn_chunk_prepare,
+                &kernels.gdn_chunk_state,
+            ] {
+                kernel
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        limit,
+                    )
+                    .map_err(|e| fail("allowing the tensor-core kernels their shared memory", e))?;
+            }
             Some(limit as usize)
         } else {
             None
@@ -504,9 +535,13 @@ impl CudaBackend {
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(WHOLE_ROWS_MIN),
+            gdn_chunked_min: std::env::var("MOEFLUX_CUDA_GDN_CHUNKED_MIN")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(GDN_CHUNKED_MIN),
             sm_count,
             download_staging: Mutex::new(None),
-            down_tc_shared,
+            tc_shared_limit,
         })
     }
 
@@ -662,7 +697,7 @@ impl CudaBackend {
         let shared = experts::tc_staged_bytes(l.cols);
         if l.dtype != DType::Q4
             || l.rows < TC_VECTOR_ROWS_MIN
-            || self.down_tc_shared.is_none()
+            || self.tc_shared_limit.is_none()
             || shared > MAX_SHARED_BYTES
             || !w.offset.is_multiple_of(8)
         {
@@ -1491,30 +1526,85 @@ impl Backend for CudaBackend {
             &q_scale
         );
         let mut out = self.tensor("gated_delta_net", n, cfg.value_dim());
-        let config = LaunchConfig {
-            grid_dim: (nv as u32, dv.div_ceil(GDN_WARPS) as u32, 1),
-            block_dim: ((GDN_WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        launch!(
-            self,
-            "gdn_recurrence",
-            &self.kernels.gdn_recurrence,
-            config,
-            &mixed,
-            &b.data,
-            &a.data,
-            &params.a_log.data,
-            &params.dt_bias.data,
-            &mut state.recurrent,
-            &mut out.data,
-            &n_i,
-            &channels_i,
-            &nk_i,
-            &nv_i,
-            &dk_i,
-            &dv_i
-        );
+        let chunked_shared = (gdn_prepare_shared_bytes(dk, dv), gdn_state_shared_bytes(dk));
+        let chunked = n >= self.gdn_chunked_min
+            && self
+                .tc_shared_limit
+                .is_some_and(|limit| chunked_shared.0.max(chunked_shared.1) <= limit);
+        if chunked {
+            let chunks = n.div_ceil(GDN_CHUNK);
+            let mut work = self.alloc::<f32>(
+                "gated_delta_net",
+                nv * chunks * GDN_CHUNK * (dv + dk + GDN_CHUNK + 1),
+            );
+            launch!(
+                self,
+                "gdn_chunk_prepare",
+                &self.kernels.gdn_chunk_prepare,
+                LaunchConfig {
+                    grid_dim: (nv as u32, chunks as u32, 1),
+                    block_dim: (GDN_CHUNK_THREADS, 1, 1),
+                    shared_mem_bytes: chunked_shared.0 as u32,
+                },
+                &mixed,
+                &b.data,
+                &a.data,
+                &params.a_log.data,
+                &params.dt_bias.data,
+                &mut work,
+                &n_i,
+                &channels_i,
+                &nk_i,
+                &nv_i,
+                &dk_i,
+                &dv_i
+            );
+            launch!(
+                self,
+                "gdn_chunk_state",
+                &self.kernels.gdn_chunk_state,
+                LaunchConfig {
+                    grid_dim: (nv as u32, dv.div_ceil(GDN_STATE_COLS) as u32, 1),
+                    block_dim: (GDN_CHUNK_THREADS, 1, 1),
+                    shared_mem_bytes: chunked_shared.1 as u32,
+                },
+                &mixed,
+                &mut work,
+                &mut state.recurrent,
+                &mut out.data,
+                &n_i,
+                &channels_i,
+                &nk_i,
+                &nv_i,
+                &dk_i,
+                &dv_i
+            );
+        } else {
+            let config = LaunchConfig {
+                grid_dim: (nv as u32, dv.div_ceil(GDN_WARPS) as u32, 1),
+                block_dim: ((GDN_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            launch!(
+                self,
+                "gdn_recurrence",
+                &self.kernels.gdn_recurrence,
+                config,
+                &mixed,
+                &b.data,
+                &a.data,
+                &params.a_log.data,
+                &params.dt_bias.data,
+                &mut state.recurrent,
+                &mut out.data,
+                &n_i,
+                &channels_i,
+                &nk_i,
+                &nv_i,
+                &dk_i,
+                &dv_i
+            );
+        }
         out
     }
 
