@@ -1020,12 +1020,13 @@ fn prefill_attention_matches_cpu_for_both_head_dimensions() {
 /// four rows of a state column each). Runs of 64 tokens and more take the
 /// chunked tensor-core form (one whole chunk, partial last chunks, many
 /// chunks), the shorter ones the recurrence, each continuing the other's
-/// state.
+/// state. 20 × 36 pads the chunked form's key rows to whole MMA steps;
+/// 160 × 48 is too wide for it, so long runs take the recurrence.
 #[test]
 fn gated_delta_net_matches_cpu_across_chunks_copies_and_import() {
     let Some(gpu) = cuda() else { return };
     let cpu = CpuBackend::default();
-    for (key_head_dim, value_head_dim) in [(24, 40), (128, 128)] {
+    for (key_head_dim, value_head_dim) in [(24, 40), (128, 128), (20, 36), (160, 48)] {
         check_gated_delta_net(
             &cpu,
             &gpu,

@@ -109,6 +109,7 @@ kernels!(
     gdn_recurrence,
     gdn_chunk_prepare,
     gdn_chunk_state,
+    gdn_chunk_output,
     route,
     route_warp_4,
     route_warp_8,

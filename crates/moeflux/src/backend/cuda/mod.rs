@@ -187,24 +187,28 @@ const GDN_MAX_KEY_DIM: usize = 256;
 /// tensor cores (gdn_chunked.cu) instead of token by token, unless
 /// `MOEFLUX_CUDA_GDN_CHUNKED_MIN` says otherwise (a tuning knob).
 const GDN_CHUNKED_MIN: usize = 64;
-/// Tokens per chunk (`GDN_CHUNK`) and state columns per block of
-/// gdn_chunk_state (`GDN_STATE_COLS`), and the latter's threads.
+/// Tokens per chunk (`GDN_CHUNK`), state columns per block
+/// (`GDN_STATE_COLS`), threads per block and the largest head dimension
+/// (`GDN_MAX_DIM`) of the chunked kernels.
 const GDN_CHUNK: usize = 64;
 const GDN_STATE_COLS: usize = 32;
 const GDN_CHUNK_THREADS: u32 = 256;
+const GDN_CHUNK_MAX_DIM: usize = 128;
 
-/// Dynamic shared memory of gdn_chunk_prepare: K and Q (then the two
-/// right-hand sides) at padded strides, L and T, g and β.
-fn gdn_prepare_shared_bytes(dk: usize, dv: usize) -> usize {
+/// Dynamic shared memory of the chunked Gated DeltaNet kernels
+/// (gdn_chunked.cu; strides as there): gdn_chunk_prepare's K and Q (then
+/// the right-hand sides), L, T, g and β; gdn_chunk_state's state tile, U,
+/// W_k, Kᵀ and update factors; gdn_chunk_output's Q, M, S0 tile, U and g.
+fn gdn_chunked_shared_bytes(dk: usize, dv: usize) -> [usize; 3] {
     let ldk = dk.next_multiple_of(32) + 4;
     let ldx = dk.max(dv).next_multiple_of(32) + 4;
-    4 * (GDN_CHUNK * (ldk + ldx + 2 * (GDN_CHUNK + 4)) + 2 * GDN_CHUNK)
-}
-
-/// Dynamic shared memory of gdn_chunk_state: the state tile and U at
-/// stride `GDN_TILE_LD`, g and the update factors.
-fn gdn_state_shared_bytes(dk: usize) -> usize {
-    4 * ((dk.next_multiple_of(16) + GDN_CHUNK) * (GDN_STATE_COLS + 8) + 2 * GDN_CHUNK)
+    let (tile_ld, tri_ld) = (GDN_STATE_COLS + 8, GDN_CHUNK + 4);
+    let dk16 = dk.next_multiple_of(16);
+    [
+        4 * (GDN_CHUNK * (ldk + ldx + 2 * tri_ld) + 2 * GDN_CHUNK),
+        4 * (dk16 * (tile_ld + tri_ld) + GDN_CHUNK * (tile_ld + ldk) + GDN_CHUNK),
+        4 * (GDN_CHUNK * (ldk + tri_ld + tile_ld) + dk.next_multiple_of(8) * tile_ld + GDN_CHUNK),
+    ]
 }
 /// Shared memory a block may use without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
@@ -496,6 +500,7 @@ impl CudaBackend {
                 &kernels.moe_down_tc_q4,
                 &kernels.gdn_chunk_prepare,
                 &kernels.gdn_chunk_state,
+                &kernels.gdn_chunk_output,
             ] {
                 kernel
                     .set_attribute(
@@ -1526,26 +1531,33 @@ impl Backend for CudaBackend {
             &q_scale
         );
         let mut out = self.tensor("gated_delta_net", n, cfg.value_dim());
-        let chunked_shared = (gdn_prepare_shared_bytes(dk, dv), gdn_state_shared_bytes(dk));
+        let shared = gdn_chunked_shared_bytes(dk, dv);
         let chunked = n >= self.gdn_chunked_min
+            && dk <= GDN_CHUNK_MAX_DIM
+            && dv <= GDN_CHUNK_MAX_DIM
+            && dk.is_multiple_of(4)
+            && dv.is_multiple_of(4)
             && self
                 .tc_shared_limit
-                .is_some_and(|limit| chunked_shared.0.max(chunked_shared.1) <= limit);
+                .is_some_and(|limit| shared.iter().all(|&bytes| bytes <= limit));
         if chunked {
             let chunks = n.div_ceil(GDN_CHUNK);
+            let pieces = nv * chunks;
             let mut work = self.alloc::<f32>(
                 "gated_delta_net",
-                nv * chunks * GDN_CHUNK * (dv + dk + GDN_CHUNK + 1),
+                pieces * (GDN_CHUNK * (dv + dk + GDN_CHUNK + 1) + dk * dv),
             );
+            let config = |grid_dim: (u32, u32, u32), shared_mem_bytes: usize| LaunchConfig {
+                grid_dim,
+                block_dim: (GDN_CHUNK_THREADS, 1, 1),
+                shared_mem_bytes: shared_mem_bytes as u32,
+            };
+            let column_tiles = dv.div_ceil(GDN_STATE_COLS) as u32;
             launch!(
                 self,
                 "gdn_chunk_prepare",
                 &self.kernels.gdn_chunk_prepare,
-                LaunchConfig {
-                    grid_dim: (nv as u32, chunks as u32, 1),
-                    block_dim: (GDN_CHUNK_THREADS, 1, 1),
-                    shared_mem_bytes: chunked_shared.0 as u32,
-                },
+                config((nv as u32, chunks as u32, 1), shared[0]),
                 &mixed,
                 &b.data,
                 &a.data,
@@ -1563,14 +1575,24 @@ impl Backend for CudaBackend {
                 self,
                 "gdn_chunk_state",
                 &self.kernels.gdn_chunk_state,
-                LaunchConfig {
-                    grid_dim: (nv as u32, dv.div_ceil(GDN_STATE_COLS) as u32, 1),
-                    block_dim: (GDN_CHUNK_THREADS, 1, 1),
-                    shared_mem_bytes: chunked_shared.1 as u32,
-                },
+                config((nv as u32, column_tiles, 1), shared[1]),
                 &mixed,
                 &mut work,
                 &mut state.recurrent,
+                &n_i,
+                &channels_i,
+                &nk_i,
+                &nv_i,
+                &dk_i,
+                &dv_i
+            );
+            launch!(
+                self,
+                "gdn_chunk_output",
+                &self.kernels.gdn_chunk_output,
+                config((nv as u32, chunks as u32, column_tiles), shared[2]),
+                &mixed,
+                &mut work,
                 &mut out.data,
                 &n_i,
                 &channels_i,

@@ -13,9 +13,15 @@
 //   O = diag(Γ) Q S0 + M U,   M_ts = exp(g_t - g_s) q_t·k_s   (s ≤ t),
 //   S_end = Γ_last S0 + Kᵀ diag(exp(g_last - g)) U,
 // with U's rows the δ_t. W_v, W_k and M depend on the chunk alone:
-// gdn_chunk_prepare computes them for every (head, chunk) in parallel;
+// gdn_chunk_prepare computes them for every (head, chunk) in parallel.
 // gdn_chunk_state then walks the chunks in order, a block per (head,
-// GDN_STATE_COLS columns of S), the columns being independent.
+// GDN_STATE_COLS columns of S), the columns being independent: it keeps
+// each chunk's S0 and U. gdn_chunk_output computes O from them, again for
+// every (head, chunk, columns) in parallel.
+//
+// Rows of q, k, v, W and S are moved as float4 and fetched into registers
+// ahead of use: the host takes this path only when dk and dv are multiples
+// of 4 (so are then every row start) and at most GDN_MAX_DIM.
 //
 // Products run as three TF32 MMAs per step (hi·hi + hi·lo + lo·hi of the
 // operands split as x = hi + lo, both TF32): about f32 accuracy, which the
@@ -25,6 +31,7 @@
 
 #define GDN_CHUNK 64
 #define GDN_CHUNK_THREADS 256
+#define GDN_MAX_DIM 128
 #define GDN_STATE_COLS 32
 // Row stride of U and of the state tile: ≡ 8 (mod 32) words, so the B
 // fragment's loads (k = lane % 4 rows apart, n = lane / 4 columns) hit 32
@@ -109,32 +116,90 @@ __device__ __forceinline__ void zero(float (&acc)[NT][4]) {
 
 __device__ __forceinline__ int round_up(int x, int m) { return (x + m - 1) / m * m; }
 
-// Where gdn_chunk_prepare leaves a (head, chunk)'s W_v [GDN_CHUNK, dv],
-// W_k [GDN_CHUNK, dk], M [GDN_CHUNK, GDN_CHUNK] and g [GDN_CHUNK] in the
-// work buffer (each array over all heads and chunks, head-major).
+// Where the chunked kernels keep a (head, chunk)'s W_v (then U)
+// [GDN_CHUNK, dv], W_k [GDN_CHUNK, dk], M [GDN_CHUNK, GDN_CHUNK], g
+// [GDN_CHUNK] and S0 [dk, dv] in the work buffer (each array over all heads
+// and chunks, head-major). The host sizes the buffer the same way.
 struct GdnChunkWork {
     float* wv;
     float* wk;
     float* m;
     float* g;
+    float* s0;
 };
 
 __device__ __forceinline__ GdnChunkWork gdn_chunk_work(float* work, int value_heads, int chunks,
                                                        int h, int c, int dk, int dv) {
-    i64 items = (i64)value_heads * chunks * GDN_CHUNK;
-    i64 item = ((i64)h * chunks + c) * GDN_CHUNK;
+    i64 pieces = (i64)value_heads * chunks;
+    i64 piece = (i64)h * chunks + c;
+    i64 rows = pieces * GDN_CHUNK, row = piece * GDN_CHUNK;
     GdnChunkWork w;
-    w.wv = work + item * dv;
-    w.wk = work + items * dv + item * dk;
-    w.m = work + items * (dv + dk) + item * GDN_CHUNK;
-    w.g = work + items * (dv + dk + GDN_CHUNK) + item;
+    w.wv = work + row * dv;
+    w.wk = work + rows * dv + row * dk;
+    w.m = work + rows * (dv + dk) + row * GDN_CHUNK;
+    w.g = work + rows * (dv + dk + GDN_CHUNK) + row;
+    w.s0 = work + rows * (dv + dk + GDN_CHUNK + 1) + piece * dk * dv;
     return w;
+}
+
+// Float4s per thread of a [GDN_CHUNK, ≤ GDN_MAX_DIM] block, of a state
+// tile [≤ GDN_MAX_DIM, GDN_STATE_COLS], of a U tile [GDN_CHUNK,
+// GDN_STATE_COLS] and of M.
+#define GDN_FETCH (GDN_CHUNK * GDN_MAX_DIM / 4 / GDN_CHUNK_THREADS)
+#define GDN_FETCH_STATE (GDN_MAX_DIM * GDN_STATE_COLS / 4 / GDN_CHUNK_THREADS)
+#define GDN_FETCH_U (GDN_CHUNK * GDN_STATE_COLS / 4 / GDN_CHUNK_THREADS)
+#define GDN_FETCH_M (GDN_CHUNK * GDN_CHUNK / 4 / GDN_CHUNK_THREADS)
+
+// Fetches rows [0, valid) of a block of `cols` columns whose row t starts
+// at src + t · stride (cols, stride and src 4-aligned) into registers,
+// zeros for later rows; every load is issued before any is used.
+template <int N>
+__device__ __forceinline__ void gdn_fetch(float4 (&v)[N], const float* src, i64 stride, int valid,
+                                          int cols) {
+    int per_row = cols / 4;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int idx = threadIdx.x + k * GDN_CHUNK_THREADS;
+        int t = idx / per_row, j = (idx % per_row) * 4;
+        v[k] = t < valid ? *(const float4*)(src + t * stride + j) : make_float4(0, 0, 0, 0);
+    }
+}
+
+// Hands each fetched float4 of rows [0, rows) to f(t, j, value) (row t,
+// columns j..j+3).
+template <int N, typename F>
+__device__ __forceinline__ void gdn_each_fetched(const float4 (&v)[N], int rows, int cols, F f) {
+    int per_row = cols / 4;
+#pragma unroll
+    for (int k = 0; k < N; ++k) {
+        int idx = threadIdx.x + k * GDN_CHUNK_THREADS;
+        if (idx < rows * per_row) f(idx / per_row, (idx % per_row) * 4, v[k]);
+    }
+}
+
+// Every shared-memory row of these kernels starts 16-byte aligned (strides
+// and buffer sizes are multiples of 4 floats), as does every column j of a
+// fetch.
+__device__ __forceinline__ void store4(float* p, float4 v) { *(float4*)p = v; }
+
+// Zeros the padding of a [rows, cols] block of shared memory (stride ld)
+// whose first [rows_set, cols_set] corner the fetches write: columns
+// [cols_set, cols) of the first rows, then whole rows [rows_set, rows).
+__device__ __forceinline__ void gdn_zero_padding(float* dst, int ld, int rows, int cols,
+                                                 int rows_set, int cols_set) {
+    int extra = cols - cols_set;
+    for (int idx = threadIdx.x; idx < rows_set * extra; idx += GDN_CHUNK_THREADS) {
+        dst[(idx / extra) * ld + cols_set + idx % extra] = 0.0f;
+    }
+    for (int idx = threadIdx.x; idx < (rows - rows_set) * cols; idx += GDN_CHUNK_THREADS) {
+        dst[(rows_set + idx / cols) * ld + idx % cols] = 0.0f;
+    }
 }
 
 // Grid (value_heads, chunks), GDN_CHUNK_THREADS threads; dynamic shared
 // memory: K and Q rows (strides round_up(dk, 32) + 4 and
 // round_up(max(dk, dv), 32) + 4, ≡ 4 mod 32 for the A fragments), L and T
-// (stride GDN_TRI_LD), g and β. compile.rs's caller sizes it the same way.
+// (stride GDN_TRI_LD), g and β. mod.rs sizes it the same way.
 extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
     gdn_chunk_prepare(const float* mixed, const float* b, const float* a, const float* a_log,
                       const float* dt_bias, float* work, int n, int channels, int key_heads,
@@ -158,14 +223,20 @@ extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
     float* gs = ts + GDN_CHUNK * GDN_TRI_LD;   // g
     float* betas = gs + GDN_CHUNK;             // β
     GdnChunkWork out = gdn_chunk_work(work, value_heads, chunks, h, c, dk, dv);
+    const float* rows = mixed + (i64)t0 * channels;
 
-    for (int idx = tid; idx < GDN_CHUNK * dk8; idx += GDN_CHUNK_THREADS) {
-        int t = idx / dk8, i = idx % dk8;
-        bool real = t < len && i < dk;
-        const float* row = mixed + (i64)(t0 + t) * channels;
-        ks[t * ldk + i] = real ? row[key_dim + key + i] : 0.0f;
-        xs[t * ldx + i] = real ? row[key + i] : 0.0f;
+    {
+        float4 k4[GDN_FETCH], q4[GDN_FETCH];
+        gdn_fetch(k4, rows + key_dim + key, channels, len, dk);
+        gdn_fetch(q4, rows + key, channels, len, dk);
+        gdn_each_fetched(k4, GDN_CHUNK, dk, [&](int t, int j, float4 v) { store4(&ks[t * ldk + j], v); });
+        gdn_each_fetched(q4, GDN_CHUNK, dk, [&](int t, int j, float4 v) { store4(&xs[t * ldx + j], v); });
     }
+    gdn_zero_padding(ks, ldk, GDN_CHUNK, dk8, GDN_CHUNK, dk);
+    gdn_zero_padding(xs, ldx, GDN_CHUNK, dk8, GDN_CHUNK, dk);
+    // V stays in registers until Q's place is free.
+    float4 v4[GDN_FETCH];
+    gdn_fetch(v4, rows + 2 * key_dim + h * dv, channels, len, dv);
     if (warp == 0) {
         // Log decays and β of the lane's two tokens, then g as an
         // inclusive scan over the chunk.
@@ -220,136 +291,180 @@ extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
         int t = idx / dk8, i = idx % dk8;
         ks[t * ldk + i] *= betas[t] * expf(gs[t]);
     }
-    for (int idx = tid; idx < GDN_CHUNK * dv8; idx += GDN_CHUNK_THREADS) {
-        int t = idx / dv8, j = idx % dv8;
-        xs[t * ldx + j] = t < len && j < dv
-                              ? betas[t] * mixed[(i64)(t0 + t) * channels + 2 * key_dim + h * dv + j]
-                              : 0.0f;
-    }
-    // T = (I + L)⁻¹ by forward substitution, four lanes per column j:
-    // T_tj = -Σ_{j ≤ s < t} L_ts T_sj, each lane summing every fourth s.
-    {
-        int j = tid / 4, part = tid % 4;
-        for (int t = 0; t < GDN_CHUNK; ++t) {
-            float sum = 0.0f;
-            for (int s = j + part; s < t; s += 4) sum += ls[t * GDN_TRI_LD + s] * ts[s * GDN_TRI_LD + j];
-            sum += __shfl_xor_sync(FULL_MASK, sum, 1);
-            sum += __shfl_xor_sync(FULL_MASK, sum, 2);
-            if (part == 0) ts[t * GDN_TRI_LD + j] = t < j ? 0.0f : t == j ? 1.0f : -sum;
-            __syncwarp();
+    gdn_each_fetched(v4, GDN_CHUNK, dv, [&](int t, int j, float4 v) {
+        float beta = betas[t];
+        store4(&xs[t * ldx + j], make_float4(beta * v.x, beta * v.y, beta * v.z, beta * v.w));
+    });
+    gdn_zero_padding(xs, ldx, GDN_CHUNK, dv8, GDN_CHUNK, dv);
+    // The inverses of L's four 16 × 16 diagonal blocks, D_b = (I + L_bb)⁻¹:
+    // a lane of warps 0-1 per column of a block, held in registers:
+    // x_t = [t = j] - Σ_{s<t} L_ts x_s.
+    if (warp < 2) {
+        int blk = (tid / 16) * 16, j = tid % 16;
+        float x[16];
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+            float acc = t == j ? 1.0f : 0.0f;
+#pragma unroll
+            for (int s = 0; s < t; ++s) acc -= ls[(blk + t) * GDN_TRI_LD + blk + s] * x[s];
+            x[t] = acc;
+            ts[(blk + t) * GDN_TRI_LD + blk + j] = acc;
         }
     }
     __syncthreads();
 
-    // W_v = T · β V and W_k = T · β Γ K: units of one row tile × four
-    // column tiles over the warps; T is lower triangular, so a row tile
-    // needs only k < its end.
-    int units_v = 4 * ((dv8 + 31) / 32), units = units_v + 4 * ((dk8 + 31) / 32);
+    // W = (I + L)⁻¹ X for X = [β V | β Γ K], by block rows:
+    // W_b = D_b (X_b - Σ_{c<b} L_bc W_c), W_b replacing X_b. A warp owns
+    // 32 columns of X throughout, so only its own rows of W feed it and
+    // no block barrier is needed.
+    int units_v = (dv8 + 31) / 32, units = units_v + (dk8 + 31) / 32;
     for (int unit = warp; unit < units; unit += GDN_CHUNK_THREADS / WARP_SIZE) {
         bool is_v = unit < units_v;
-        int u = is_v ? unit : unit - units_v;
-        int rt = u % 4, ct = (u / 4) * 4;
+        int c0 = (is_v ? unit : unit - units_v) * 32;
         int width = is_v ? dv : dk;
-        const float* rhs = is_v ? xs : ks;
-        int ld = is_v ? ldx : ldk;
         int cols = is_v ? dv8 : dk8;
+        float* rhs = is_v ? xs : ks;
+        int ld = is_v ? ldx : ldk;
         float* dst = is_v ? out.wv : out.wk;
-        float acc[4][4];
-        zero(acc);
-        warp_product(
-            acc, (rt + 1) * 16, [&](int r, int k) { return ts[(rt * 16 + r) * GDN_TRI_LD + k]; },
-            [&](int k, int col) {
-                int j = ct * 8 + col;
-                return j < cols ? rhs[k * ld + j] : 0.0f;
+        auto rhs_b = [&](int k, int col) {
+            int j = c0 + col;
+            return j < cols ? rhs[k * ld + j] : 0.0f;
+        };
+        for (int blk = 0; blk < 4; ++blk) {
+            float acc[4][4];
+            zero(acc);
+            warp_product(
+                acc, blk * 16,
+                [&](int r, int k) { return ls[(blk * 16 + r) * GDN_TRI_LD + k]; }, rhs_b);
+            // Y = X_b - acc, into X_b's rows (only this warp reads them).
+            warp_tile_each(acc, [&](int r, int col, float v) {
+                int j = c0 + col;
+                if (j < cols) rhs[(blk * 16 + r) * ld + j] -= v;
             });
-        warp_tile_each(acc, [&](int r, int col, float v) {
-            int t = rt * 16 + r, j = ct * 8 + col;
-            if (j < width) dst[(i64)t * width + j] = v;
-        });
+            __syncwarp();
+            zero(acc);
+            warp_product(
+                acc, 16, [&](int r, int k) { return ts[(blk * 16 + r) * GDN_TRI_LD + blk * 16 + k]; },
+                [&](int k, int col) { return rhs_b(blk * 16 + k, col); });
+            __syncwarp();
+            warp_tile_each(acc, [&](int r, int col, float v) {
+                int t = blk * 16 + r, j = c0 + col;
+                if (j < cols) rhs[t * ld + j] = v;
+                if (j < width) dst[(i64)t * width + j] = v;
+            });
+            __syncwarp();
+        }
     }
 #endif
 }
 
-// Grid (value_heads, ceil(dv / GDN_STATE_COLS)), GDN_CHUNK_THREADS threads;
-// dynamic shared memory: the state tile [round_up(dk, 16), GDN_TILE_LD],
-// U [GDN_CHUNK, GDN_TILE_LD], g and the state-update factors.
+// The inputs of one chunk of gdn_chunk_state, fetched a chunk ahead.
+struct GdnStateInputs {
+    float4 wk[GDN_FETCH];   // W_k
+    float4 k[GDN_FETCH];    // K
+    float4 wv[GDN_FETCH_U]; // the block's columns of W_v
+    float g;                // g of token threadIdx.x (< GDN_CHUNK)
+    float g_last;
+};
+
+__device__ __forceinline__ void gdn_state_fetch(GdnStateInputs& in, const float* mixed,
+                                                float* work, int n, int channels, int key_heads,
+                                                int value_heads, int dk, int dv, int h, int c,
+                                                int col0, int width) {
+    int chunks = (n + GDN_CHUNK - 1) / GDN_CHUNK;
+    int t0 = c * GDN_CHUNK;
+    int key = (h / (value_heads / key_heads)) * dk;
+    GdnChunkWork w = gdn_chunk_work(work, value_heads, chunks, h, c, dk, dv);
+    gdn_fetch(in.wk, w.wk, dk, GDN_CHUNK, dk);
+    gdn_fetch(in.k, mixed + (i64)t0 * channels + key_heads * dk + key, channels,
+              min(GDN_CHUNK, n - t0), dk);
+    gdn_fetch(in.wv, w.wv + col0, dv, GDN_CHUNK, width);
+    in.g = w.g[threadIdx.x % GDN_CHUNK];
+    in.g_last = w.g[GDN_CHUNK - 1];
+}
+
+// The chunks in order for GDN_STATE_COLS columns of a head's state:
+// U = W_v - W_k S0 (kept in place of W_v), S0 kept for gdn_chunk_output,
+// S = Γ_last S0 + Kᵀ diag(exp(g_last - g)) U. The next chunk's inputs are
+// fetched while this one computes. Grid (value_heads,
+// ceil(dv / GDN_STATE_COLS)), GDN_CHUNK_THREADS threads; dynamic shared
+// memory: the state tile [round_up(dk, 16), GDN_TILE_LD], U [GDN_CHUNK,
+// GDN_TILE_LD], W_k [GDN_CHUNK, round_up(dk, 32) + 4], Kᵀ
+// [round_up(dk, 16), GDN_TRI_LD], and the update factors.
 extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
-    gdn_chunk_state(const float* mixed, float* work, float* state, float* out, int n,
-                    int channels, int key_heads, int value_heads, int dk, int dv) {
+    gdn_chunk_state(const float* mixed, float* work, float* state, int n, int channels,
+                    int key_heads, int value_heads, int dk, int dv) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ float shared[];
     int h = blockIdx.x, col0 = blockIdx.y * GDN_STATE_COLS;
     int chunks = (n + GDN_CHUNK - 1) / GDN_CHUNK;
     int tid = threadIdx.x, warp = tid / WARP_SIZE;
-    int key_dim = key_heads * dk;
-    int key = (h / (value_heads / key_heads)) * dk;
     int dk8 = round_up(dk, 8), dk16 = round_up(dk, 16);
+    int ldk = round_up(dk, 32) + 4;
     float* ss = shared;                      // S[:, col0..]
-    float* us = ss + dk16 * GDN_TILE_LD;     // U
-    float* gs = us + GDN_CHUNK * GDN_TILE_LD;
-    float* fac = gs + GDN_CHUNK;             // exp(g_last - g_t)
+    float* us = ss + dk16 * GDN_TILE_LD;     // W_v, then U
+    float* wks = us + GDN_CHUNK * GDN_TILE_LD;
+    float* kts = wks + GDN_CHUNK * ldk;      // Kᵀ
+    float* fac = kts + dk16 * GDN_TRI_LD;    // exp(g_last - g_t)
     float* s_global = state + (i64)h * dk * dv + col0;
     int width = min(GDN_STATE_COLS, dv - col0);
 
-    for (int idx = tid; idx < dk16 * GDN_STATE_COLS; idx += GDN_CHUNK_THREADS) {
-        int i = idx / GDN_STATE_COLS, j = idx % GDN_STATE_COLS;
-        ss[i * GDN_TILE_LD + j] = i < dk && j < width ? s_global[(i64)i * dv + j] : 0.0f;
-    }
+    float4 s4[GDN_FETCH_STATE];
+    gdn_fetch(s4, s_global, dv, dk, width);
+    GdnStateInputs in;
+    gdn_state_fetch(in, mixed, work, n, channels, key_heads, value_heads, dk, dv, h, 0, col0,
+                    width);
+    // What no fetch writes stays zero: padding rows and columns.
+    gdn_zero_padding(ss, GDN_TILE_LD, dk16, GDN_STATE_COLS, dk, width);
+    gdn_zero_padding(us, GDN_TILE_LD, GDN_CHUNK, GDN_STATE_COLS, GDN_CHUNK, width);
+    gdn_zero_padding(wks, ldk, GDN_CHUNK, dk8, GDN_CHUNK, dk);
+    gdn_zero_padding(kts, GDN_TRI_LD, dk16, GDN_CHUNK, dk, GDN_CHUNK);
+    gdn_each_fetched(s4, dk, width, [&](int i, int j, float4 v) { store4(&ss[i * GDN_TILE_LD + j], v); });
     for (int c = 0; c < chunks; ++c) {
-        int t0 = c * GDN_CHUNK;
-        int len = min(GDN_CHUNK, n - t0);
         GdnChunkWork w = gdn_chunk_work(work, value_heads, chunks, h, c, dk, dv);
-        if (tid < GDN_CHUNK) gs[tid] = w.g[tid];
+        gdn_each_fetched(in.wk, GDN_CHUNK, dk,
+                         [&](int t, int j, float4 v) { store4(&wks[t * ldk + j], v); });
+        gdn_each_fetched(in.k, GDN_CHUNK, dk, [&](int t, int j, float4 v) {
+            kts[j * GDN_TRI_LD + t] = v.x;
+            kts[(j + 1) * GDN_TRI_LD + t] = v.y;
+            kts[(j + 2) * GDN_TRI_LD + t] = v.z;
+            kts[(j + 3) * GDN_TRI_LD + t] = v.w;
+        });
+        gdn_each_fetched(in.wv, GDN_CHUNK, width,
+                         [&](int t, int j, float4 v) { store4(&us[t * GDN_TILE_LD + j], v); });
+        float g_last = in.g_last;
+        if (tid < GDN_CHUNK) fac[tid] = expf(g_last - in.g);
         __syncthreads();
-        float g_last = gs[GDN_CHUNK - 1];
-        if (tid < GDN_CHUNK) fac[tid] = expf(g_last - gs[tid]);
-        const float* rows = mixed + (i64)t0 * channels;
-        // 4 row tiles × 4 column tiles: a warp takes a row tile and two
-        // column tiles.
-        int rt = warp / 2, ct = (warp % 2) * 2;
-        auto state_b = [&](int k, int col) { return ss[k * GDN_TILE_LD + ct * 8 + col]; };
-        {
-            // U = W_v - W_k S.
-            float acc[2][4];
-            zero(acc);
-            warp_product(
-                acc, dk8,
-                [&](int r, int k) { return k < dk ? w.wk[(rt * 16 + r) * dk + k] : 0.0f; },
-                state_b);
-            warp_tile_each(acc, [&](int r, int col, float v) {
-                int t = rt * 16 + r, j = ct * 8 + col;
-                us[t * GDN_TILE_LD + j] = (j < width ? w.wv[t * dv + col0 + j] : 0.0f) - v;
-            });
+        if (c + 1 < chunks) {
+            gdn_state_fetch(in, mixed, work, n, channels, key_heads, value_heads, dk, dv, h,
+                            c + 1, col0, width);
         }
-        __syncthreads();
+        // S0 for gdn_chunk_output.
+        int per_row = width / 4;
+#pragma unroll
+        for (int k = 0; k < GDN_FETCH_STATE; ++k) {
+            int idx = tid + k * GDN_CHUNK_THREADS;
+            int i = idx / per_row, j = (idx % per_row) * 4;
+            if (i < dk) {
+                const float* src = &ss[i * GDN_TILE_LD + j];
+                *(float4*)(w.s0 + (i64)i * dv + col0 + j) = make_float4(src[0], src[1], src[2], src[3]);
+            }
+        }
         {
-            // O = diag(Γ) Q S + M U.
+            // U = W_v - W_k S: 4 row tiles × 4 column tiles, a warp takes
+            // a row tile and two column tiles.
+            int rt = warp / 2, ct = (warp % 2) * 2;
             float acc[2][4];
             zero(acc);
             warp_product(
-                acc, dk8,
-                [&](int r, int k) {
-                    int t = rt * 16 + r;
-                    return t < len && k < dk ? rows[(i64)t * channels + key + k] : 0.0f;
-                },
-                state_b);
-            int lane = tid % WARP_SIZE;
-            float decay_lo = expf(gs[rt * 16 + lane / 4]), decay_hi = expf(gs[rt * 16 + lane / 4 + 8]);
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                acc[nt][0] *= decay_lo;
-                acc[nt][1] *= decay_lo;
-                acc[nt][2] *= decay_hi;
-                acc[nt][3] *= decay_hi;
-            }
-            warp_product(
-                acc, (rt + 1) * 16,
-                [&](int r, int k) { return w.m[(rt * 16 + r) * GDN_CHUNK + k]; },
-                [&](int k, int col) { return us[k * GDN_TILE_LD + ct * 8 + col]; });
+                acc, dk8, [&](int r, int k) { return wks[(rt * 16 + r) * ldk + k]; },
+                [&](int k, int col) { return ss[k * GDN_TILE_LD + ct * 8 + col]; });
             warp_tile_each(acc, [&](int r, int col, float v) {
                 int t = rt * 16 + r, j = ct * 8 + col;
-                if (t < len && j < width) out[(i64)(t0 + t) * value_heads * dv + h * dv + col0 + j] = v;
+                float u = us[t * GDN_TILE_LD + j] - v;
+                us[t * GDN_TILE_LD + j] = u;
+                if (j < width) w.wv[t * dv + col0 + j] = u;
             });
         }
         __syncthreads();
@@ -360,11 +475,7 @@ extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
             float acc[4][4];
             zero(acc);
             warp_product(
-                acc, GDN_CHUNK,
-                [&](int r, int k) {
-                    int i = st * 16 + r;
-                    return k < len && i < dk ? rows[(i64)k * channels + key_dim + key + i] : 0.0f;
-                },
+                acc, GDN_CHUNK, [&](int r, int k) { return kts[(st * 16 + r) * GDN_TRI_LD + k]; },
                 [&](int k, int col) { return us[k * GDN_TILE_LD + col] * fac[k]; });
             warp_tile_each(acc, [&](int r, int col, float v) {
                 float* s = &ss[(st * 16 + r) * GDN_TILE_LD + col];
@@ -377,5 +488,72 @@ extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
         int i = idx / GDN_STATE_COLS, j = idx % GDN_STATE_COLS;
         if (j < width) s_global[(i64)i * dv + j] = ss[i * GDN_TILE_LD + j];
     }
+#endif
+}
+
+// O = diag(Γ) Q S0 + M U for GDN_STATE_COLS columns of one (head, chunk).
+// Grid (value_heads, chunks, ceil(dv / GDN_STATE_COLS)), GDN_CHUNK_THREADS
+// threads; dynamic shared memory: Q [GDN_CHUNK, round_up(dk, 32) + 4], M
+// [GDN_CHUNK, GDN_TRI_LD], S0 [round_up(dk, 8), GDN_TILE_LD], U
+// [GDN_CHUNK, GDN_TILE_LD], g.
+extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
+    gdn_chunk_output(const float* mixed, float* work, float* out, int n, int channels,
+                     int key_heads, int value_heads, int dk, int dv) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ float shared[];
+    int h = blockIdx.x, c = blockIdx.y, chunks = gridDim.y, col0 = blockIdx.z * GDN_STATE_COLS;
+    int tid = threadIdx.x, warp = tid / WARP_SIZE, lane = tid % WARP_SIZE;
+    int t0 = c * GDN_CHUNK;
+    int len = min(GDN_CHUNK, n - t0);
+    int key = (h / (value_heads / key_heads)) * dk;
+    int dk8 = round_up(dk, 8);
+    int ldk = round_up(dk, 32) + 4;
+    int width = min(GDN_STATE_COLS, dv - col0);
+    float* qs = shared;
+    float* ms = qs + GDN_CHUNK * ldk;
+    float* ss = ms + GDN_CHUNK * GDN_TRI_LD;
+    float* us = ss + dk8 * GDN_TILE_LD;
+    float* gs = us + GDN_CHUNK * GDN_TILE_LD;
+    GdnChunkWork w = gdn_chunk_work(work, value_heads, chunks, h, c, dk, dv);
+    float4 q4[GDN_FETCH], m4[GDN_FETCH_M], s4[GDN_FETCH_STATE], u4[GDN_FETCH_U];
+    gdn_fetch(q4, mixed + (i64)t0 * channels + key, channels, len, dk);
+    gdn_fetch(m4, w.m, GDN_CHUNK, GDN_CHUNK, GDN_CHUNK);
+    gdn_fetch(s4, w.s0 + col0, dv, dk, width);
+    gdn_fetch(u4, w.wv + col0, dv, GDN_CHUNK, width);
+    if (tid < GDN_CHUNK) gs[tid] = w.g[tid];
+    gdn_zero_padding(qs, ldk, GDN_CHUNK, dk8, GDN_CHUNK, dk);
+    gdn_zero_padding(ss, GDN_TILE_LD, dk8, GDN_STATE_COLS, dk, width);
+    gdn_zero_padding(us, GDN_TILE_LD, GDN_CHUNK, GDN_STATE_COLS, GDN_CHUNK, width);
+    gdn_each_fetched(q4, GDN_CHUNK, dk, [&](int t, int j, float4 v) { store4(&qs[t * ldk + j], v); });
+    gdn_each_fetched(m4, GDN_CHUNK, GDN_CHUNK,
+                     [&](int t, int s, float4 v) { store4(&ms[t * GDN_TRI_LD + s], v); });
+    gdn_each_fetched(s4, dk, width, [&](int i, int j, float4 v) { store4(&ss[i * GDN_TILE_LD + j], v); });
+    gdn_each_fetched(u4, GDN_CHUNK, width,
+                     [&](int t, int j, float4 v) { store4(&us[t * GDN_TILE_LD + j], v); });
+    __syncthreads();
+    // 4 row tiles × 4 column tiles: a warp takes a row tile and two
+    // column tiles.
+    int rt = warp / 2, ct = (warp % 2) * 2;
+    float acc[2][4];
+    zero(acc);
+    warp_product(
+        acc, dk8, [&](int r, int k) { return qs[(rt * 16 + r) * ldk + k]; },
+        [&](int k, int col) { return ss[k * GDN_TILE_LD + ct * 8 + col]; });
+    float decay_lo = expf(gs[rt * 16 + lane / 4]), decay_hi = expf(gs[rt * 16 + lane / 4 + 8]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        acc[nt][0] *= decay_lo;
+        acc[nt][1] *= decay_lo;
+        acc[nt][2] *= decay_hi;
+        acc[nt][3] *= decay_hi;
+    }
+    warp_product(
+        acc, (rt + 1) * 16, [&](int r, int k) { return ms[(rt * 16 + r) * GDN_TRI_LD + k]; },
+        [&](int k, int col) { return us[k * GDN_TILE_LD + ct * 8 + col]; });
+    warp_tile_each(acc, [&](int r, int col, float v) {
+        int t = rt * 16 + r, j = ct * 8 + col;
+        if (t < len && j < width) out[(i64)(t0 + t) * value_heads * dv + h * dv + col0 + j] = v;
+    });
 #endif
 }
