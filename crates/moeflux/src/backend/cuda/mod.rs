@@ -55,8 +55,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut, DeviceRepr, DriverError,
-    LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DevicePtr, DevicePtrMut,
+    DeviceRepr, DriverError, LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
 };
 
 pub use state::{KvCache, LinearState};
@@ -1571,35 +1571,42 @@ impl Backend for CudaBackend {
                 &dk_i,
                 &dv_i
             );
-            launch!(
-                self,
+            // The state pass, then the outputs: the same parameters, the
+            // last buffer written.
+            let mut pass = |op: &str,
+                            kernel: &CudaFunction,
+                            grid: (u32, u32, u32),
+                            shared_bytes: usize,
+                            written: &mut CudaSlice<f32>| {
+                launch!(
+                    self,
+                    op,
+                    kernel,
+                    config(grid, shared_bytes),
+                    &mixed,
+                    &mut work,
+                    written,
+                    &n_i,
+                    &channels_i,
+                    &nk_i,
+                    &nv_i,
+                    &dk_i,
+                    &dv_i
+                );
+            };
+            pass(
                 "gdn_chunk_state",
                 &self.kernels.gdn_chunk_state,
-                config((nv as u32, column_tiles, 1), shared[1]),
-                &mixed,
-                &mut work,
+                (nv as u32, column_tiles, 1),
+                shared[1],
                 &mut state.recurrent,
-                &n_i,
-                &channels_i,
-                &nk_i,
-                &nv_i,
-                &dk_i,
-                &dv_i
             );
-            launch!(
-                self,
+            pass(
                 "gdn_chunk_output",
                 &self.kernels.gdn_chunk_output,
-                config((nv as u32, chunks as u32, column_tiles), shared[2]),
-                &mixed,
-                &mut work,
+                (nv as u32, chunks as u32, column_tiles),
+                shared[2],
                 &mut out.data,
-                &n_i,
-                &channels_i,
-                &nk_i,
-                &nv_i,
-                &dk_i,
-                &dv_i
             );
         } else {
             let config = LaunchConfig {
