@@ -309,4 +309,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn prepare_experts(&self, _store: &ExpertStore, _progress: &dyn Progress) -> Result<()> {
         Ok(())
     }
+
+    /// Whether the operations fork onto the rayon thread pool (the CPU
+    /// backend's), so that a forward pass is best run on one of its
+    /// workers. A device backend's operations only queue work.
+    fn forks_on_host(&self) -> bool {
+        false
+    }
 }

@@ -270,16 +270,20 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         logit_rows: usize,
     ) -> Result<Option<Vec<f32>>> {
-        // Run on a worker of the thread pool: the CPU backend's parallel
-        // operations then fork from inside the pool instead of each being
-        // injected from outside and waited for (hundreds per token).
-        let (logits, ()) = rayon::join(
-            || {
-                self.decoder
-                    .forward(&self.backend, tokens, layers, &self.store, logit_rows)
-            },
-            || (),
-        );
+        let mut forward = || {
+            self.decoder
+                .forward(&self.backend, tokens, layers, &self.store, logit_rows)
+        };
+        // On a worker of the thread pool, the CPU backend's parallel
+        // operations fork from inside the pool instead of each being
+        // injected from outside and waited for (hundreds per token). A
+        // device backend runs on this thread: the hand-over to a worker and
+        // back would add two thread wake-ups to every token.
+        let logits = if self.backend.forks_on_host() {
+            rayon::join(forward, || ()).0
+        } else {
+            forward()
+        };
         Ok(logits?.map(|l| self.backend.to_host(&l)))
     }
 

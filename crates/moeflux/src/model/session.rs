@@ -225,7 +225,12 @@ impl<B: Backend> Session<B> {
             let logits = self.model.run_chunk(&mut self.layers, chunk, rows)?;
             self.tokens.extend_from_slice(chunk);
             if let Some(logits) = logits {
-                data.extend(logits);
+                // One chunk's logits (a decode step's) are moved, not copied.
+                if data.is_empty() {
+                    data = logits;
+                } else {
+                    data.extend(logits);
+                }
             }
         }
         self.logits = Some(data[data.len() - vocab..].to_vec());

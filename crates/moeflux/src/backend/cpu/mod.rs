@@ -384,4 +384,8 @@ impl Backend for CpuBackend {
     fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
         store.load_all(progress).map(|_| ())
     }
+
+    fn forks_on_host(&self) -> bool {
+        true
+    }
 }
