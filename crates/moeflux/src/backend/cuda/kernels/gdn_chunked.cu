@@ -198,8 +198,9 @@ __device__ __forceinline__ void gdn_zero_padding(float* dst, int ld, int rows, i
 
 // Grid (value_heads, chunks), GDN_CHUNK_THREADS threads; dynamic shared
 // memory: K and Q rows (strides round_up(dk, 32) + 4 and
-// round_up(max(dk, dv), 32) + 4, ≡ 4 mod 32 for the A fragments), L and T
-// (stride GDN_TRI_LD), g and β. mod.rs sizes it the same way.
+// round_up(max(dk, dv), 32) + 4, ≡ 4 mod 32 for the A fragments), L and
+// the inverses of its diagonal blocks (stride GDN_TRI_LD), g and β. mod.rs
+// sizes it the same way.
 extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
     gdn_chunk_prepare(const float* mixed, const float* b, const float* a, const float* a_log,
                       const float* dt_bias, float* work, int n, int channels, int key_heads,
@@ -219,7 +220,7 @@ extern "C" __global__ void __launch_bounds__(GDN_CHUNK_THREADS)
     float* ks = shared;                        // K, then β Γ K
     float* xs = ks + GDN_CHUNK * ldk;          // Q, then β V
     float* ls = xs + GDN_CHUNK * ldx;          // L
-    float* ts = ls + GDN_CHUNK * GDN_TRI_LD;   // T = (I + L)⁻¹
+    float* ts = ls + GDN_CHUNK * GDN_TRI_LD;   // (I + L_bb)⁻¹ of the diagonal blocks
     float* gs = ts + GDN_CHUNK * GDN_TRI_LD;   // g
     float* betas = gs + GDN_CHUNK;             // β
     GdnChunkWork out = gdn_chunk_work(work, value_heads, chunks, h, c, dk, dv);
