@@ -197,7 +197,7 @@ const GDN_CHUNK_MAX_DIM: usize = 128;
 
 /// Dynamic shared memory of the chunked Gated DeltaNet kernels
 /// (gdn_chunked.cu; strides as there): gdn_chunk_prepare's K and Q (then
-/// the right-hand sides), L, T, g and β; gdn_chunk_state's state tile, U,
+/// the right-hand sides), L, the inverses of L's diagonal blocks, g and β; gdn_chunk_state's state tile, U,
 /// W_k, Kᵀ and update factors; gdn_chunk_output's Q, M, S0 tile, U and g.
 fn gdn_chunked_shared_bytes(dk: usize, dv: usize) -> [usize; 3] {
     let ldk = dk.next_multiple_of(32) + 4;
@@ -212,6 +212,15 @@ fn gdn_chunked_shared_bytes(dk: usize, dv: usize) -> [usize; 3] {
 }
 /// Shared memory a block may use without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
+
+/// A count from the environment variable `name` (a tuning knob for
+/// experiments), else `default`.
+fn tuning_knob(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
 
 /// CUDA devices this process can use: 0 when there is no driver library
 /// or no device, an error when a driver is installed but fails.
@@ -536,14 +545,8 @@ impl CudaBackend {
             recordings: Mutex::new(graph::Recordings::default()),
             graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
-            whole_rows_min: std::env::var("MOEFLUX_CUDA_WHOLE_ROWS_MIN")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(WHOLE_ROWS_MIN),
-            gdn_chunked_min: std::env::var("MOEFLUX_CUDA_GDN_CHUNKED_MIN")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(GDN_CHUNKED_MIN),
+            whole_rows_min: tuning_knob("MOEFLUX_CUDA_WHOLE_ROWS_MIN", WHOLE_ROWS_MIN),
+            gdn_chunked_min: tuning_knob("MOEFLUX_CUDA_GDN_CHUNKED_MIN", GDN_CHUNKED_MIN),
             sm_count,
             download_staging: Mutex::new(None),
             tc_shared_limit,
