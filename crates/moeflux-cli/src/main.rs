@@ -6,8 +6,8 @@
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-mod bundled;
 mod commands;
+mod interrupt;
 
 use std::process::ExitCode;
 
@@ -61,6 +61,10 @@ fn main() -> ExitCode {
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        Err(err) if matches!(err.downcast_ref(), Some(moeflux::Error::Interrupted)) => {
+            eprintln!("moeflux: interrupted");
+            ExitCode::from(130)
+        }
         Err(err) => {
             eprintln!("error: {err:#}");
             ExitCode::FAILURE

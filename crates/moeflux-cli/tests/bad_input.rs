@@ -116,7 +116,8 @@ fn edit_json(path: &Path, edit: impl FnOnce(&mut serde_json::Value)) {
     fs::write(path, serde_json::to_string_pretty(&json).unwrap()).unwrap();
 }
 
-/// Converting into `out` fails, and neither `out` nor a staging folder
+/// Converting into `out` fails, and neither `out` nor anything a
+/// conversion keeps beside it while it runs (staging folder, lock file)
 /// remains.
 fn convert_fails(input: &Path, out: &Path) -> String {
     let stderr = fails(moeflux().args([
@@ -129,9 +130,9 @@ fn convert_fails(input: &Path, out: &Path) -> String {
     let leftovers: Vec<_> = fs::read_dir(out.parent().unwrap())
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().contains("moeflux-partial"))
+        .filter(|e| e.file_name().to_string_lossy().contains(".moeflux-"))
         .collect();
-    assert!(leftovers.is_empty(), "staging folder left behind");
+    assert!(leftovers.is_empty(), "left behind: {leftovers:?}");
     stderr
 }
 

@@ -7,13 +7,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// An operating-system error while touching a file.
-    #[error("{}: {action}: {source}", path.display())]
+    /// An operating-system error while touching a file. The OS error is
+    /// part of the message, not a separate `source`, so a report that
+    /// prints the chain of causes does not print it twice.
+    #[error("{}: {action}: {cause}", path.display())]
     Io {
         path: PathBuf,
         action: &'static str,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     /// A file exists but its contents are not what was expected
@@ -53,6 +54,11 @@ pub enum Error {
     /// A user-supplied option or argument is out of range.
     #[error("{option}: {msg}")]
     InvalidArgument { option: String, msg: String },
+
+    /// The work was stopped on request (Ctrl-C, a cancelled request)
+    /// before it completed; nothing half-done was kept.
+    #[error("interrupted")]
+    Interrupted,
 }
 
 impl Error {
@@ -60,7 +66,7 @@ impl Error {
         Error::Io {
             path: path.as_ref().to_path_buf(),
             action,
-            source,
+            cause: source,
         }
     }
 

@@ -13,12 +13,14 @@
 //! - [`experts`]: the expert store (positional reads, cache);
 //! - [`model`]: an opened model and its sessions;
 //! - [`bench`]: speed measured beside the machine's ceilings;
-//! - [`synth`]: random-weight models with real models' shapes.
+//! - [`synth`]: random-weight models with real models' shapes;
+//! - [`bundled`]: the small trained model compiled into the library.
 
 pub mod arch;
 pub mod backend;
 pub mod bench;
 pub mod blocks;
+pub mod bundled;
 pub mod config;
 pub mod convert;
 pub mod error;

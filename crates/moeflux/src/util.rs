@@ -143,6 +143,8 @@ pub trait Progress: Sync {
     /// `done` more units were completed; `what` names the current step.
     fn advance(&self, _done: u64, _what: &str) {}
     fn finish(&self) {}
+    /// A line for the user about the work (a wait, a choice made).
+    fn note(&self, _text: &str) {}
 }
 
 /// Reports nothing.

@@ -41,38 +41,63 @@ pub struct Args {
     force: bool,
 }
 
-/// The conversion progress bar (hidden when stderr is not a terminal).
-pub struct Bar(ProgressBar);
+/// The progress bar of long work (hidden when stderr is not a terminal),
+/// and its notes (`moeflux: ...` lines on stderr unless quiet).
+pub struct Bar {
+    bar: ProgressBar,
+    quiet: bool,
+}
 
 pub fn progress_bar() -> Bar {
-    Bar(ProgressBar::new(0).with_style(
-        ProgressStyle::with_template(
-            "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta}  {msg}",
-        )
-        .expect("valid template"),
-    ))
+    Bar {
+        bar: ProgressBar::new(0).with_style(
+            ProgressStyle::with_template(
+                "{spinner} [{elapsed_precise}] {wide_bar} {percent:>3}% eta {eta}  {msg}",
+            )
+            .expect("valid template"),
+        ),
+        quiet: false,
+    }
+}
+
+impl Bar {
+    /// The same bar with its notes silenced.
+    pub fn quiet(mut self, quiet: bool) -> Bar {
+        self.quiet = quiet;
+        self
+    }
 }
 
 impl Progress for Bar {
     fn start(&self, total: u64) {
-        self.0.set_length(total);
+        self.bar.set_length(total);
     }
     fn advance(&self, done: u64, what: &str) {
-        self.0.set_message(what.to_string());
-        self.0.inc(done);
+        self.bar.set_message(what.to_string());
+        self.bar.inc(done);
     }
     fn finish(&self) {
-        self.0.finish_and_clear();
+        self.bar.finish_and_clear();
+    }
+    fn note(&self, text: &str) {
+        if !self.quiet {
+            self.bar.suspend(|| eprintln!("moeflux: {text}"));
+        }
     }
 }
 
 pub fn run(args: Args) -> Result<()> {
     let quant = args.quant.dtype();
+    let interrupt = crate::interrupt::install()?;
     let options = ConvertOptions {
         quant,
         overwrite: args.force,
+        cancel: Some(interrupt.flag().clone()),
     };
-    let summary = convert(&args.input, &args.output, &options, &progress_bar())?;
+    interrupt.begin();
+    let summary = convert(&args.input, &args.output, &options, &progress_bar());
+    interrupt.end();
+    let summary = summary?;
     let mut skipped: std::collections::BTreeMap<&str, usize> = Default::default();
     for (_, why) in &summary.skipped {
         *skipped.entry(why).or_default() += 1;

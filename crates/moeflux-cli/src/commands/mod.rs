@@ -142,7 +142,7 @@ impl ModelArgs {
     pub fn open(&self, quiet: bool) -> Result<OpenedModel> {
         let dir = match &self.model {
             Some(dir) => dir.clone(),
-            None => crate::bundled::default_model_dir(quiet)?,
+            None => moeflux::bundled::model_dir(&convert::progress_bar().quiet(quiet))?,
         };
         let options = ModelOptions {
             expert_cache_bytes: self.expert_cache_mb.map(|mb| mb << 20),

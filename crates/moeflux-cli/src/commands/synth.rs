@@ -42,11 +42,16 @@ pub fn run(args: Args) -> Result<()> {
         unreachable!("clap requires --preset and -o without --list")
     };
     let config = preset_config(preset(&name)?, args.layers)?;
+    let interrupt = crate::interrupt::install()?;
     let options = ConvertOptions {
         quant: args.quant.dtype(),
         overwrite: args.force,
+        cancel: Some(interrupt.flag().clone()),
     };
-    let summary = synthesize(config, &output, &options, &progress_bar())?;
+    interrupt.begin();
+    let summary = synthesize(config, &output, &options, &progress_bar());
+    interrupt.end();
+    let summary = summary?;
     println!(
         "wrote synthetic {} ({}, {} layers, random weights) to {}: dense {}, experts {}",
         name,

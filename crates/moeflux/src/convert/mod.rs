@@ -8,13 +8,16 @@
 //! into place; a failed or interrupted conversion leaves no partial model.
 
 pub mod checkpoint;
+mod output;
 pub mod plan;
 
 use std::fs::File;
 use std::io::Read;
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rayon::prelude::*;
 
@@ -28,6 +31,9 @@ use crate::format::{
 use crate::quant::{ALIGN, DType, EncodedRows, GROUP_SIZE, MatrixLayout, RowEncoder, align_up};
 use crate::util::{Progress, hex64, parse_hex64};
 use checkpoint::Checkpoint;
+pub use output::OutputLock;
+pub(crate) use output::{SOURCE, check_not_nested, is_model_dir};
+
 use plan::{ConversionPlan, DenseTensorPlan, ExpertLayerPlan, RowSource, TensorRole};
 
 /// Where converted weights come from: a checkpoint, or generated values for
@@ -53,8 +59,12 @@ pub trait TensorSource: Sync {
 pub struct ConvertOptions {
     /// `Q4`, `Q8` or `Bf16`.
     pub quant: DType,
-    /// Replace an existing output directory.
+    /// Replace an existing output directory (only an empty one, or a
+    /// model moeflux wrote holding nothing else).
     pub overwrite: bool,
+    /// Raised (by Ctrl-C, say) to stop the conversion; what it staged is
+    /// removed and it returns [`Error::Interrupted`].
+    pub cancel: Option<Arc<AtomicBool>>,
 }
 
 impl Default for ConvertOptions {
@@ -62,6 +72,16 @@ impl Default for ConvertOptions {
         ConvertOptions {
             quant: DType::Q4,
             overwrite: false,
+            cancel: None,
+        }
+    }
+}
+
+impl ConvertOptions {
+    fn check_cancel(&self) -> Result<()> {
+        match &self.cancel {
+            Some(flag) if flag.load(Ordering::Relaxed) => Err(Error::Interrupted),
+            _ => Ok(()),
         }
     }
 }
@@ -86,21 +106,62 @@ pub fn convert(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
-    let config_path = input.join("config.json");
-    let config_json = read_json(&config_path)?;
-    let config = ModelConfig::from_hf_json(&config_json, &config_path)?;
-    let ckpt = Checkpoint::open(input)?;
-    let plan = config.architecture.conversion_plan(&config, &ckpt.index)?;
+    check_not_nested(input, output)?;
+    let source = CheckpointSource::open(input)?;
     write_model(
-        &ckpt,
-        plan,
-        config_json,
-        config,
+        &source.ckpt,
+        source.plan,
+        source.config_json,
+        source.config,
         Some(input),
         output,
         options,
         progress,
     )
+}
+
+/// [`convert`] for a caller that already holds the output's lock.
+pub(crate) fn convert_locked(
+    lock: &mut OutputLock,
+    input: &Path,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
+    let source = CheckpointSource::open(input)?;
+    write_model_locked(
+        lock,
+        &source.ckpt,
+        source.plan,
+        source.config_json,
+        source.config,
+        Some(input),
+        options,
+        progress,
+    )
+}
+
+/// A checkpoint opened for conversion, with its configuration and plan.
+struct CheckpointSource {
+    ckpt: Checkpoint,
+    plan: ConversionPlan,
+    config_json: serde_json::Value,
+    config: ModelConfig,
+}
+
+impl CheckpointSource {
+    fn open(input: &Path) -> Result<CheckpointSource> {
+        let config_path = input.join("config.json");
+        let config_json = read_json(&config_path)?;
+        let config = ModelConfig::from_hf_json(&config_json, &config_path)?;
+        let ckpt = Checkpoint::open(input)?;
+        let plan = config.architecture.conversion_plan(&config, &ckpt.index)?;
+        Ok(CheckpointSource {
+            ckpt,
+            plan,
+            config_json,
+            config,
+        })
+    }
 }
 
 /// Writes a model directory from a plan and a source of weights, staged
@@ -120,13 +181,50 @@ pub(crate) fn write_model(
     if !matches!(options.quant, DType::Q4 | DType::Q8 | DType::Bf16) {
         return Err(Error::invalid("--quant", "must be q4, q8 or bf16"));
     }
-    if output.exists() && !options.overwrite {
-        return Err(Error::bad_file(
+    output::check_output(output, options.overwrite)?;
+    let existed = output.exists();
+    let mut lock = OutputLock::acquire(output, options.cancel.as_deref(), &|o| {
+        progress.note(&format!(
+            "another moeflux process is writing {}: waiting for it to finish",
+            o.display()
+        ))
+    })?;
+    if !existed && is_model_dir(output) {
+        return converted_meanwhile(
             output,
-            "already exists; choose another output or pass --force to replace it",
-        ));
+            &config_json,
+            options.quant,
+            side_files,
+            plan,
+            config,
+        );
     }
-    let staging = Staging::create(output)?;
+    write_model_locked(
+        &mut lock,
+        source,
+        plan,
+        config_json,
+        config,
+        side_files,
+        options,
+        progress,
+    )
+}
+
+/// [`write_model`] for a caller that holds the output's lock.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn write_model_locked(
+    lock: &mut OutputLock,
+    source: &dyn TensorSource,
+    plan: ConversionPlan,
+    config_json: serde_json::Value,
+    config: ModelConfig,
+    side_files: Option<&Path>,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
+    output::check_output(lock.output(), options.overwrite)?;
+    let staging = lock.side_folder(output::STAGING)?;
     progress.start(total_weights(&plan));
     let mut manifest = Manifest {
         format: FORMAT_NAME.into(),
@@ -143,15 +241,14 @@ pub(crate) fn write_model(
     write_dense(
         source,
         &plan.dense,
-        options.quant,
+        options,
         &staging.path,
         &mut manifest,
         progress,
     )?;
     let mut expert_files = Vec::with_capacity(plan.experts.len());
     for layer in &plan.experts {
-        let (entry, file) =
-            write_expert_layer(source, layer, options.quant, &staging.path, progress)?;
+        let (entry, file) = write_expert_layer(source, layer, options, &staging.path, progress)?;
         manifest.experts.push(entry);
         expert_files.push(file);
     }
@@ -172,7 +269,7 @@ pub(crate) fn write_model(
             verify_checksums: true,
         },
     )?;
-    staging.commit(output)?;
+    lock.commit(staging, options.overwrite)?;
     Ok(ConvertSummary {
         tensors: manifest.tensors.len(),
         moe_layers: manifest.experts.len(),
@@ -249,7 +346,7 @@ const BLOCK_VALUES: usize = 16 << 20;
 fn write_dense(
     ckpt: &dyn TensorSource,
     tensors: &[DenseTensorPlan],
-    quant: DType,
+    options: &ConvertOptions,
     dir: &Path,
     manifest: &mut Manifest,
     progress: &dyn Progress,
@@ -262,7 +359,7 @@ fn write_dense(
     };
     let mut cursor = 0usize;
     for t in tensors {
-        let dtype = storage_dtype(t.role, t.cols, quant);
+        let dtype = storage_dtype(t.role, t.cols, options.quant);
         let layout = MatrixLayout::new(dtype, t.rows, t.cols).expect("dtype chosen to fit");
         let encoder = RowEncoder::new(layout);
         let offset = align_up(cursor, ALIGN);
@@ -273,6 +370,7 @@ fn write_dense(
         };
         let block_rows = (BLOCK_VALUES / t.cols.max(1)).max(1);
         for start in (0..t.rows).step_by(block_rows) {
+            options.check_cancel()?;
             let end = (start + block_rows).min(t.rows);
             // Gather and encode slices of the block in parallel, then write
             // them in order.
@@ -354,11 +452,11 @@ const EXPERT_BATCH: usize = 16;
 fn write_expert_layer(
     ckpt: &dyn TensorSource,
     layer: &ExpertLayerPlan,
-    quant: DType,
+    options: &ConvertOptions,
     dir: &Path,
     progress: &dyn Progress,
 ) -> Result<(ExpertLayerEntry, FileEntry)> {
-    let blob = blob_layout(layer, quant);
+    let blob = blob_layout(layer, options.quant);
     let stride = align_up(blob.nbytes as usize, EXPERT_ALIGN);
     let rel = expert_file_name(layer.layer);
     let path = dir.join(&rel);
@@ -397,6 +495,7 @@ fn write_expert_layer(
         .collect::<Vec<_>>()
         .chunks(EXPERT_BATCH)
     {
+        options.check_cancel()?;
         let blobs: Vec<Vec<u8>> = batch
             .par_iter()
             .map(|&e| encode_expert(e))
@@ -513,61 +612,41 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(|e| Error::io(path, "renaming into place", e))
 }
 
-/// A hidden directory beside the output that becomes the output only when
-/// complete; removed if dropped before [`Staging::commit`].
-struct Staging {
-    path: PathBuf,
-    committed: bool,
-}
-
-impl Staging {
-    fn create(output: &Path) -> Result<Staging> {
-        let name = output.file_name().ok_or_else(|| {
-            Error::invalid(
-                "-o",
-                format!("`{}` is not a directory name", output.display()),
-            )
-        })?;
-        let parent = match output.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        std::fs::create_dir_all(&parent).map_err(|e| Error::io(&parent, "creating folder", e))?;
-        let path = parent.join(format!(".{}.moeflux-partial", name.to_string_lossy()));
-        if path.exists() {
-            // Left by an interrupted conversion to the same output.
-            std::fs::remove_dir_all(&path)
-                .map_err(|e| Error::io(&path, "removing stale staging folder", e))?;
-        }
-        std::fs::create_dir(&path).map_err(|e| Error::io(&path, "creating", e))?;
-        Ok(Staging {
-            path,
-            committed: false,
-        })
+/// The summary of a model another process converted into `output` while
+/// this one waited for the lock, provided it is the model this one would
+/// have written.
+fn converted_meanwhile(
+    output: &Path,
+    config_json: &serde_json::Value,
+    quant: DType,
+    side_files: Option<&Path>,
+    plan: ConversionPlan,
+    config: ModelConfig,
+) -> Result<ConvertSummary> {
+    let manifest = Manifest::read(&output.join(MANIFEST_FILE))?;
+    if manifest.config != *config_json
+        || manifest.quantization != quant
+        || manifest.synthetic != side_files.is_none()
+    {
+        return Err(Error::bad_file(
+            output,
+            "another moeflux process wrote a different model here while this one waited; \
+             choose another output, or pass --force to replace it",
+        ));
     }
-
-    fn commit(mut self, output: &Path) -> Result<()> {
-        if output.exists() {
-            let old = self.path.with_extension("moeflux-old");
-            std::fs::rename(output, &old)
-                .map_err(|e| Error::io(output, "moving the old output aside", e))?;
-            std::fs::rename(&self.path, output)
-                .map_err(|e| Error::io(output, "renaming into place", e))?;
-            std::fs::remove_dir_all(&old)
-                .map_err(|e| Error::io(&old, "removing the old output", e))?;
-        } else {
-            std::fs::rename(&self.path, output)
-                .map_err(|e| Error::io(output, "renaming into place", e))?;
-        }
-        self.committed = true;
-        Ok(())
-    }
-}
-
-impl Drop for Staging {
-    fn drop(&mut self) {
-        if !self.committed {
-            let _ = std::fs::remove_dir_all(&self.path);
-        }
-    }
+    ModelDir::open(
+        output,
+        OpenOptions {
+            verify_checksums: false,
+        },
+    )?;
+    Ok(ConvertSummary {
+        tensors: manifest.tensors.len(),
+        moe_layers: manifest.experts.len(),
+        dense_bytes: manifest.dense_bytes(),
+        expert_bytes: manifest.expert_bytes(),
+        skipped: plan.skipped,
+        unknown: plan.unknown,
+        config,
+    })
 }

@@ -41,7 +41,7 @@ pub fn convert_checkpoint(checkpoint: &Path, quant: DType) -> Converted {
     let dir = tmp.path().join("model");
     let options = ConvertOptions {
         quant,
-        overwrite: false,
+        ..ConvertOptions::default()
     };
     convert(checkpoint, &dir, &options, &NoProgress)
         .unwrap_or_else(|e| panic!("converting {}: {e}", checkpoint.display()));
