@@ -1,40 +1,45 @@
-//! `moeflux chat`: a conversation with history, typed at a terminal or
-//! piped through stdin. `/reset` starts over, `/exit` quits, Ctrl-C stops
-//! the answer being written (a second Ctrl-C, or one at the prompt, quits).
+//! `moeflux chat`: a conversation with history, typed at a terminal (line
+//! editing and history; a line ending in `\` or a block between `"""`
+//! lines spans several lines) or piped through stdin. `/reset` starts over,
+//! `/exit` quits, Ctrl-C stops the prompt being read or the answer being
+//! written and keeps the conversation (a second Ctrl-C, or one at the
+//! input line, quits).
 //!
 //! Each turn renders the whole conversation with the chat template and
 //! prefills only what the session does not already hold: the part shared
 //! with the previous turn is kept (a checkpoint after each answer makes
-//! rewinding to it cheap for linear-attention layers).
+//! rewinding to it cheap for linear-attention layers). When the
+//! conversation no longer fits the context, the oldest turns are dropped,
+//! and the user is told which.
 
 use std::io::{BufRead, IsTerminal, Write};
+use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::Result;
-use moeflux::Model;
+use anyhow::{Result, bail};
 use moeflux::backend::Backend;
-use moeflux::text::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
+use moeflux::sampling::Sampler;
+use moeflux::text::{ChatMessage, ChatTemplate, FinishReason, TextGeneration, Tokenizer};
+use moeflux::{Model, Session};
+use rustyline::error::ReadlineError;
+use rustyline::validate::{ValidationContext, ValidationResult, Validator};
 
-use super::text::{TextGeneration, rate};
-use super::{ModelArgs, SamplingArgs};
+use super::{ModelArgs, SamplingArgs, TemplateArgs, new_session, rate};
+use crate::interrupt::Interrupt;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
-    /// System prompt.
-    #[arg(long)]
-    system: Option<String>,
-    /// Turn the template's thinking mode on (Qwen3 `enable_thinking`).
-    #[arg(long, conflicts_with = "no_think")]
-    think: bool,
-    /// Turn the template's thinking mode off.
-    #[arg(long)]
-    no_think: bool,
+    #[command(flatten)]
+    template: TemplateArgs,
     /// Tokens per answer at most.
     #[arg(short = 'n', long = "max-tokens", default_value_t = 256)]
     max_tokens: usize,
+    /// Positions the conversation may take (default: the model's context,
+    /// bounded by memory); beyond it the oldest turns are dropped.
+    #[arg(long)]
+    ctx: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
     /// Print no speeds.
@@ -42,67 +47,169 @@ pub struct Args {
     quiet: bool,
 }
 
-/// Ctrl-C handling: the flag stops the answer being generated.
-struct Interrupt {
-    requested: Arc<AtomicBool>,
-    generating: Arc<AtomicBool>,
-}
-
-impl Interrupt {
-    fn install() -> Result<Interrupt> {
-        let requested = Arc::new(AtomicBool::new(false));
-        let generating = Arc::new(AtomicBool::new(false));
-        let (r, g) = (requested.clone(), generating.clone());
-        ctrlc::set_handler(move || {
-            if g.load(Ordering::SeqCst) && !r.swap(true, Ordering::SeqCst) {
-                return; // stop the answer, keep chatting
-            }
-            eprintln!();
-            std::process::exit(130);
-        })?;
-        Ok(Interrupt {
-            requested,
-            generating,
-        })
-    }
+/// The tokenizer, template and sampler, made before the model is loaded.
+struct Prepared {
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    sampler: Sampler,
 }
 
 pub fn run(args: Args) -> Result<()> {
-    with_model!(args.model.open(args.quiet)?, |model| chat(&model, &args))
+    let files = args.model.resolve(args.quiet)?;
+    files.check_context(args.ctx)?;
+    let tokenizer = Tokenizer::from_dir(&files.dir)?;
+    let prepared = Prepared {
+        template: ChatTemplate::from_dir(&files.dir, tokenizer.special_tokens(), None)?,
+        sampler: args.sampling.sampler(&files.dir)?,
+        tokenizer,
+    };
+    let interrupt = crate::interrupt::install()?;
+    with_model!(args.model.load(&files, args.quiet)?, |model| chat(
+        &model, &args, prepared, interrupt
+    ))
 }
 
-fn chat<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
-    let interactive = std::io::stdin().is_terminal();
-    let dir = model.dir().root().to_path_buf();
-    let tokenizer = Tokenizer::from_dir(&dir)?;
-    let template = ChatTemplate::from_dir(&dir, tokenizer.special_tokens(), None)?;
-    let mut sampler = args.sampling.sampler(&dir)?;
-    let mut options = ChatOptions {
-        add_generation_prompt: true,
-        ..Default::default()
-    };
-    if args.think || args.no_think {
-        options
-            .extra
-            .insert("enable_thinking".into(), args.think.into());
+/// Where the typed lines come from.
+enum Input {
+    Terminal(Box<rustyline::Editor<MultiLine, rustyline::history::FileHistory>>),
+    Piped(std::io::StdinLock<'static>),
+}
+
+/// Input that continues on the next line: after a trailing `\`, or inside
+/// a `"""` block.
+fn continues(text: &str) -> bool {
+    let fenced = text.trim_start().starts_with("\"\"\"");
+    (fenced && (text.trim() == "\"\"\"" || !text.trim_end().ends_with("\"\"\"")))
+        || text.ends_with('\\')
+}
+
+/// A message from the lines typed: continuation marks removed.
+fn message(text: &str) -> String {
+    let text = text.trim();
+    if let Some(inner) = text.strip_prefix("\"\"\"") {
+        return inner
+            .strip_suffix("\"\"\"")
+            .unwrap_or(inner)
+            .trim()
+            .to_string();
     }
-    let interrupt = Interrupt::install()?;
-    let fresh = || -> Vec<ChatMessage> { args.system.iter().map(ChatMessage::system).collect() };
+    text.replace("\\\n", "\n")
+}
+
+/// rustyline's hook for multi-line input.
+struct MultiLine;
+
+impl Validator for MultiLine {
+    fn validate(&self, ctx: &mut ValidationContext) -> rustyline::Result<ValidationResult> {
+        Ok(match continues(ctx.input()) {
+            true => ValidationResult::Incomplete,
+            false => ValidationResult::Valid(None),
+        })
+    }
+}
+impl rustyline::completion::Completer for MultiLine {
+    type Candidate = String;
+}
+impl rustyline::hint::Hinter for MultiLine {
+    type Hint = String;
+}
+impl rustyline::highlight::Highlighter for MultiLine {}
+impl rustyline::Helper for MultiLine {}
+
+/// The chat history file: `$XDG_STATE_HOME/moeflux/chat_history`, else
+/// `~/.local/state/moeflux/chat_history`.
+fn history_file() -> Option<PathBuf> {
+    let var = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    var("XDG_STATE_HOME")
+        .or_else(|| var("HOME").map(|h| h.join(".local/state")))
+        .map(|d| d.join("moeflux/chat_history"))
+}
+
+impl Input {
+    fn new() -> Result<Input> {
+        if !std::io::stdin().is_terminal() {
+            return Ok(Input::Piped(std::io::stdin().lock()));
+        }
+        let mut editor = rustyline::Editor::new()?;
+        editor.set_helper(Some(MultiLine));
+        if let Some(path) = history_file() {
+            let _ = editor.load_history(&path);
+        }
+        Ok(Input::Terminal(Box::new(editor)))
+    }
+
+    fn interactive(&self) -> bool {
+        matches!(self, Input::Terminal(_))
+    }
+
+    /// The next message; `None` at the end of input.
+    fn read(&mut self) -> Result<Option<String>> {
+        match self {
+            Input::Terminal(editor) => match editor.readline("> ") {
+                Ok(text) => {
+                    if !text.trim().is_empty() {
+                        let _ = editor.add_history_entry(text.as_str());
+                        if let Some(path) = history_file() {
+                            let _ = path.parent().map(std::fs::create_dir_all);
+                            let _ = editor.save_history(&path);
+                        }
+                    }
+                    Ok(Some(message(&text)))
+                }
+                Err(ReadlineError::Eof) => Ok(None),
+                Err(ReadlineError::Interrupted) => Err(moeflux::Error::Interrupted.into()),
+                Err(e) => Err(e.into()),
+            },
+            Input::Piped(stdin) => {
+                let mut text = String::new();
+                loop {
+                    let mut line = String::new();
+                    if stdin.read_line(&mut line)? == 0 {
+                        return Ok((!text.is_empty()).then(|| message(&text)));
+                    }
+                    text.push_str(line.trim_end_matches(['\n', '\r']));
+                    if !continues(&text) {
+                        return Ok(Some(message(&text)));
+                    }
+                    text.push('\n');
+                }
+            }
+        }
+    }
+}
+
+fn chat<B: Backend>(
+    model: &Arc<Model<B>>,
+    args: &Args,
+    mut prepared: Prepared,
+    interrupt: &Interrupt,
+) -> Result<()> {
+    let mut input = Input::new()?;
+    let interactive = input.interactive();
+    let options = args.template.options();
+    let fresh = || -> Vec<ChatMessage> {
+        args.template
+            .system
+            .iter()
+            .map(ChatMessage::system)
+            .collect()
+    };
     let mut messages = fresh();
-    let mut session = model.session();
+    let mut session = new_session(model, args.ctx, args.quiet || !interactive);
+    session.set_interrupt(Some(interrupt.flag().clone()));
     if interactive && !args.quiet {
-        eprintln!("Chat with the model; /reset starts over, /exit quits, Ctrl-C stops an answer.");
+        eprintln!(
+            "Chat with the model. /reset starts over, /exit quits; Ctrl-C stops an answer. \
+             End a line with \\ or wrap text in \"\"\" for several lines."
+        );
     }
     let mut stdout = std::io::stdout().lock();
-    let mut lines = std::io::stdin().lock().lines();
-    loop {
-        if interactive {
-            eprint!("> ");
-            std::io::stderr().flush()?;
-        }
-        let Some(line) = lines.next() else { break };
-        let line = line?;
-        match line.trim() {
+    while let Some(text) = input.read()? {
+        match text.trim() {
             "" => continue,
             "/exit" | "/quit" => break,
             "/reset" => {
@@ -115,8 +222,11 @@ fn chat<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
             }
             _ => {}
         }
-        messages.push(ChatMessage::user(line.trim()));
-        let ids = tokenizer.encode(&template.render(&messages, &options)?, false)?;
+        messages.push(ChatMessage::user(text.trim()));
+        let Some(ids) = fit_context(&mut messages, &prepared, &options, &session, args)? else {
+            messages.pop();
+            continue;
+        };
         let shared = session
             .tokens()
             .iter()
@@ -125,25 +235,36 @@ fn chat<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
             .count();
         // Keep at least one token to prefill, so the logits are fresh.
         session.truncate(shared.min(ids.len() - 1))?;
+        interrupt.begin();
         let prompt_start = std::time::Instant::now();
-        session.prefill(&ids[session.position()..])?;
-        let prompt = (ids.len() - shared, prompt_start.elapsed().as_secs_f64());
-
-        interrupt.requested.store(false, Ordering::SeqCst);
-        interrupt.generating.store(true, Ordering::SeqCst);
-        let answer = TextGeneration {
-            tokenizer: &tokenizer,
-            sampler: &mut sampler,
-            stop_strings: &args.sampling.stop,
-            max_tokens: args.max_tokens,
-            interrupt: Some(&interrupt.requested),
+        let from = session.position();
+        let prefilled = session.prefill(&ids[from..]);
+        let prompt = (ids.len() - from, prompt_start.elapsed().as_secs_f64());
+        match prefilled {
+            Ok(_) => {}
+            Err(moeflux::Error::Interrupted) => {
+                interrupt.end();
+                eprintln!("(stopped while reading your message; it was left out)");
+                messages.pop();
+                continue;
+            }
+            Err(e) => {
+                interrupt.end();
+                return Err(e.into());
+            }
         }
-        .run(&mut session, &mut stdout);
-        interrupt.generating.store(false, Ordering::SeqCst);
+        let answer = answer(&mut session, args, &mut prepared, interrupt, &mut stdout);
+        interrupt.end();
         let answer = answer?;
         writeln!(stdout)?;
-        if answer.interrupted {
-            eprintln!("(stopped)");
+        match answer.finish {
+            FinishReason::Interrupted => eprintln!("(stopped)"),
+            FinishReason::ContextFull => eprintln!(
+                "(the context is full ({} tokens): the answer was cut short; the next message \
+                 drops the oldest turns, /reset starts over)",
+                session.capacity()
+            ),
+            _ => {}
         }
         if interactive && !args.quiet {
             eprintln!(
@@ -156,4 +277,77 @@ fn chat<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
         session.checkpoint();
     }
     Ok(())
+}
+
+fn answer<B: Backend>(
+    session: &mut Session<B>,
+    args: &Args,
+    prepared: &mut Prepared,
+    interrupt: &Interrupt,
+    out: &mut dyn Write,
+) -> moeflux::Result<moeflux::text::Generated> {
+    TextGeneration {
+        tokenizer: &prepared.tokenizer,
+        sampler: &mut prepared.sampler,
+        stop_strings: &args.sampling.stop,
+        max_tokens: args.max_tokens,
+        interrupt: Some(interrupt.flag()),
+        logprobs: None,
+    }
+    .run(session, &mut |piece| {
+        out.write_all(piece.as_bytes())
+            .and_then(|()| out.flush())
+            .map_err(|e| moeflux::Error::invalid("standard output", e.to_string()))
+    })
+}
+
+/// The conversation's tokens, after dropping the oldest turns (user
+/// message and answer) until it leaves room for an answer in the context;
+/// `None`, with a message to the user, when the newest message alone does
+/// not fit.
+fn fit_context<B: Backend>(
+    messages: &mut Vec<ChatMessage>,
+    prepared: &Prepared,
+    options: &moeflux::text::ChatOptions,
+    session: &Session<B>,
+    args: &Args,
+) -> Result<Option<Vec<u32>>> {
+    let capacity = session.capacity();
+    let room = args.max_tokens.clamp(1, (capacity / 4).max(1));
+    let first_turn = messages.iter().take_while(|m| m.role == "system").count();
+    let mut dropped = 0;
+    loop {
+        let rendered = prepared.template.render(messages, options)?;
+        let ids = prepared.tokenizer.encode(&rendered, false)?;
+        if ids.is_empty() {
+            bail!("the chat template rendered no tokens");
+        }
+        // The newest message is the last; an older turn can go.
+        let droppable = messages.len() - first_turn > 1;
+        if ids.len() + room <= capacity || (!droppable && ids.len() < capacity) {
+            if dropped > 0 {
+                eprintln!(
+                    "(the context is full: dropped the oldest {dropped} exchange{} of the \
+                     conversation; /reset starts over)",
+                    if dropped == 1 { "" } else { "s" }
+                );
+            }
+            return Ok(Some(ids));
+        }
+        if !droppable {
+            eprintln!(
+                "(your message takes {} tokens with the conversation's start, and the context \
+                 holds {capacity}: shorten it, or raise --ctx up to the model's {})",
+                ids.len(),
+                session.model().config().max_position_embeddings
+            );
+            return Ok(None);
+        }
+        // The oldest user message and the answer after it.
+        let end = (first_turn + 1..messages.len() - 1)
+            .find(|&i| messages[i].role == "user")
+            .unwrap_or(messages.len() - 1);
+        dropped += 1;
+        messages.drain(first_turn..end);
+    }
 }

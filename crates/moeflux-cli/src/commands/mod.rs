@@ -20,7 +20,6 @@ pub mod inspect;
 pub mod logits;
 pub mod perplexity;
 pub mod synth;
-pub mod text;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,9 +29,11 @@ use moeflux::backend::Backend;
 use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
 use moeflux::backend::cuda::{CudaBackend, CudaOptions, device_count};
 use moeflux::experts::{CachePolicy, IoMode, Prefetch};
+use moeflux::format::{MANIFEST_FILE, Manifest};
 use moeflux::sampling::{Sampler, SamplerConfig};
+use moeflux::text::ChatOptions;
 use moeflux::util::human_bytes;
-use moeflux::{Model, ModelOptions};
+use moeflux::{Model, ModelConfig, ModelOptions, Session, SessionOptions};
 
 /// Options for opening a model directory.
 #[derive(clap::Args)]
@@ -136,16 +137,69 @@ pub enum PrefetchArg {
     PreviousToken,
 }
 
+/// A model directory found and its configuration read, weights not yet
+/// touched: what the options and files a command was given are checked
+/// against before the (possibly long) load.
+pub struct ModelFiles {
+    pub dir: PathBuf,
+    pub config: ModelConfig,
+}
+
+impl ModelFiles {
+    /// Checks `--ctx` against the model's context.
+    pub fn check_context(&self, ctx: Option<usize>) -> Result<()> {
+        let model = self.config.max_position_embeddings;
+        match ctx {
+            Some(0) => bail!("--ctx: must be at least 1"),
+            Some(n) if n > model => {
+                bail!("--ctx: {n} is more than the model's context of {model} positions")
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// `MiB` from an option, as bytes, refusing sizes beyond any memory.
+fn mebibytes(option: &str, mb: Option<u64>) -> Result<Option<u64>> {
+    mb.map(|mb| {
+        mb.checked_mul(1 << 20)
+            .with_context(|| format!("{option}: {mb} MiB is more than any machine's memory"))
+    })
+    .transpose()
+}
+
 impl ModelArgs {
-    /// Opens the model on the chosen device, printing a one-line
-    /// description to stderr unless `quiet`.
-    pub fn open(&self, quiet: bool) -> Result<OpenedModel> {
+    /// Finds the model directory (converting the bundled model on first
+    /// use) and reads its configuration; checks the model options.
+    pub fn resolve(&self, quiet: bool) -> Result<ModelFiles> {
+        mebibytes("--expert-cache-mb", self.expert_cache_mb)?;
+        mebibytes("--gpu-expert-cache-mb", self.gpu_expert_cache_mb)?;
+        mebibytes("--pinned-cache-mb", self.pinned_cache_mb)?;
+        if self.prefill_chunk == Some(0) {
+            bail!("--prefill-chunk: must be at least 1");
+        }
         let dir = match &self.model {
             Some(dir) => dir.clone(),
             None => moeflux::bundled::model_dir(&convert::progress_bar().quiet(quiet))?,
         };
+        let manifest_path = dir.join(MANIFEST_FILE);
+        if !dir.is_dir() {
+            bail!(
+                "{}: not a directory: pass a moeflux model directory made by `moeflux convert`",
+                dir.display()
+            );
+        }
+        let manifest = Manifest::read(&manifest_path)?;
+        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
+        Ok(ModelFiles { dir, config })
+    }
+
+    /// Opens the model on the chosen device, printing a one-line
+    /// description to stderr unless `quiet`, and readies its experts.
+    pub fn load(&self, files: &ModelFiles, quiet: bool) -> Result<OpenedModel> {
+        let dir = &files.dir;
         let options = ModelOptions {
-            expert_cache_bytes: self.expert_cache_mb.map(|mb| mb << 20),
+            expert_cache_bytes: mebibytes("--expert-cache-mb", self.expert_cache_mb)?,
             cache_policy: match self.cache_policy {
                 CachePolicyArg::Lru => CachePolicy::Lru,
                 CachePolicyArg::Lfu => CachePolicy::Lfu,
@@ -166,8 +220,8 @@ impl ModelArgs {
         };
         let opened = match self.cuda_backend()? {
             Some(cuda) => {
-                cuda.set_pinned_cache_bytes(self.pinned_cache_mb.map(|mb| mb << 20));
-                OpenedModel::Cuda(Arc::new(Model::open_with(cuda, &dir, &options)?))
+                cuda.set_pinned_cache_bytes(mebibytes("--pinned-cache-mb", self.pinned_cache_mb)?);
+                OpenedModel::Cuda(Arc::new(Model::open_with(cuda, dir, &options)?))
             }
             None => {
                 let cpu = CpuBackend::with_options(CpuOptions {
@@ -176,11 +230,11 @@ impl ModelArgs {
                         ActivationsArg::Int8 => Activations::Int8,
                     },
                 });
-                OpenedModel::Cpu(Arc::new(Model::open_with(cpu, &dir, &options)?))
+                OpenedModel::Cpu(Arc::new(Model::open_with(cpu, dir, &options)?))
             }
         };
         if !quiet {
-            with_model!(&opened, |model| describe(&**model, &dir, &options));
+            with_model!(&opened, |model| describe(&**model, dir, &options));
         }
         let start = std::time::Instant::now();
         with_model!(&opened, |model| model
@@ -214,6 +268,13 @@ impl ModelArgs {
             }
         }
         Ok(opened)
+    }
+
+    /// [`ModelArgs::resolve`] then [`ModelArgs::load`], for commands with
+    /// nothing of their own to check first.
+    pub fn open(&self, quiet: bool) -> Result<OpenedModel> {
+        let files = self.resolve(quiet)?;
+        self.load(&files, quiet)
     }
 
     /// The CUDA backend `--device` asks for, or `None` for the CPU. `auto`
@@ -250,7 +311,7 @@ fn describe<B: Backend>(model: &Model<B>, dir: &std::path::Path, options: &Model
     let manifest = model.dir().manifest();
     let experts = model.experts();
     eprintln!(
-        "moeflux: {} ({}, {}{}) on {}; expert cache {} of {} ({:?}, {} reads, prefetch {:?})",
+        "moeflux: {} ({}, {}{}) on {}; expert cache {} of {} ({}, {} reads, prefetch: {})",
         dir.display(),
         model.config().architecture.name(),
         manifest.quantization.name(),
@@ -262,14 +323,51 @@ fn describe<B: Backend>(model: &Model<B>, dir: &std::path::Path, options: &Model
         model.backend().name(),
         human_bytes(experts.cache_budget()),
         human_bytes(manifest.expert_bytes()),
-        experts.cache_policy(),
+        match experts.cache_policy() {
+            CachePolicy::Lfu => "least frequently used out",
+            CachePolicy::Lru => "least recently used out",
+        },
         if experts.direct_io() {
             "direct"
         } else {
             "buffered"
         },
-        options.prefetch,
+        match options.prefetch {
+            Prefetch::Off => "off",
+            Prefetch::Router => "router prediction",
+            Prefetch::PreviousToken => "previous token's experts",
+        },
     );
+}
+
+/// A session with `--ctx` positions (default: the model's context, bounded
+/// by memory), saying how many unless `quiet`.
+pub fn new_session<B: Backend>(
+    model: &Arc<Model<B>>,
+    ctx: Option<usize>,
+    quiet: bool,
+) -> Session<B> {
+    let context = ctx.unwrap_or_else(|| model.default_context());
+    if !quiet {
+        let bound = if ctx.is_some() {
+            "--ctx"
+        } else if context < model.config().max_position_embeddings {
+            "bounded by free memory; --ctx sets it"
+        } else {
+            "the model's; --ctx sets it"
+        };
+        eprintln!(
+            "moeflux: context {context} tokens ({bound}; KV cache up to {})",
+            human_bytes(context as u64 * model.kv_bytes_per_position())
+        );
+    }
+    Session::new(
+        model.clone(),
+        SessionOptions {
+            context: Some(context),
+            ..SessionOptions::default()
+        },
+    )
 }
 
 /// Sampling and stopping, with the model's `generation_config.json` as the
@@ -328,26 +426,101 @@ impl SamplingArgs {
     }
 }
 
-/// Expert-store counters since the model was opened, to stderr.
+/// How a conversation is rendered with the model's chat template.
+#[derive(clap::Args)]
+pub struct TemplateArgs {
+    /// System prompt.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Turn the template's thinking mode on (Qwen3 `enable_thinking`).
+    #[arg(long, conflicts_with = "no_think")]
+    pub think: bool,
+    /// Turn the template's thinking mode off.
+    #[arg(long)]
+    pub no_think: bool,
+}
+
+impl TemplateArgs {
+    pub fn given(&self) -> bool {
+        self.system.is_some() || self.think || self.no_think
+    }
+
+    /// Rendering options ending with the assistant's turn.
+    pub fn options(&self) -> ChatOptions {
+        let mut options = ChatOptions {
+            add_generation_prompt: true,
+            ..ChatOptions::default()
+        };
+        if self.think || self.no_think {
+            options
+                .extra
+                .insert("enable_thinking".into(), self.think.into());
+        }
+        options
+    }
+}
+
+/// A UTF-8 text file named by `option` (`-`: standard input).
+pub fn read_text(option: &str, path: &std::path::Path) -> Result<String> {
+    if path == std::path::Path::new("-") {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .with_context(|| format!("{option}: reading standard input (must be UTF-8)"))?;
+        return Ok(text);
+    }
+    std::fs::read_to_string(path)
+        .with_context(|| format!("{option}: {}: reading (must be UTF-8 text)", path.display()))
+}
+
+/// `N tokens in S s (R tok/s)`.
+pub fn rate(tokens: usize, seconds: f64) -> String {
+    format!(
+        "{tokens} tokens in {seconds:.2} s ({:.1} tok/s)",
+        tokens as f64 / seconds.max(1e-9)
+    )
+}
+
+/// Expert-store counters since the model was opened, to stderr, as an
+/// aligned table.
 pub fn print_expert_stats<B: Backend>(model: &Model<B>) {
     let s = model.expert_stats();
     let rate = |v: Option<f64>| v.map_or("-".into(), |v| format!("{:.1}%", 100.0 * v));
-    eprintln!(
-        "experts: {} hits, {} waits on prefetch, {} misses ({:.1}% hit rate); {} read{}; {} prefetched; prediction router {} / previous token {}",
-        s.hits,
-        s.prefetch_waits,
-        s.misses,
-        100.0 * s.hit_rate(),
-        human_bytes(s.bytes_read),
-        if s.read_nanos > 0 {
-            format!(" at {:.2} GB/s", s.bytes_read as f64 / s.read_nanos as f64)
-        } else {
-            String::new()
-        },
-        s.prefetches_issued,
-        rate(s.router_prediction_rate()),
-        rate(s.previous_token_prediction_rate()),
-    );
+    let rows = [
+        (
+            "expert cache",
+            format!(
+                "{:.1}% hit rate: {} hits, {} waited on a read ahead, {} misses",
+                100.0 * s.hit_rate(),
+                s.hits,
+                s.prefetch_waits,
+                s.misses
+            ),
+        ),
+        (
+            "read from disk",
+            format!(
+                "{}{}",
+                human_bytes(s.bytes_read),
+                if s.read_nanos > 0 {
+                    format!(" at {:.2} GB/s", s.bytes_read as f64 / s.read_nanos as f64)
+                } else {
+                    String::new()
+                }
+            ),
+        ),
+        ("read ahead", format!("{} experts", s.prefetches_issued)),
+        (
+            "predictions right",
+            format!(
+                "router {}, previous token {}",
+                rate(s.router_prediction_rate()),
+                rate(s.previous_token_prediction_rate())
+            ),
+        ),
+    ];
+    for (k, v) in rows {
+        eprintln!("{k:<18} {v}");
+    }
 }
 
 /// Parses `1,2,3` (commas and/or spaces) into token ids.

@@ -310,6 +310,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(())
     }
 
+    /// Bytes free now in the memory that holds sequences' KV caches and
+    /// states (host memory on the CPU, device memory on a GPU); bounds the
+    /// default context. `None` when unknown.
+    fn state_memory(&self) -> Option<u64> {
+        crate::experts::available_memory()
+    }
+
     /// Whether the operations fork onto the rayon thread pool (the CPU
     /// backend's), so that a forward pass is best run on one of its
     /// workers. A device backend's operations only queue work.

@@ -246,6 +246,22 @@ impl<B: Backend> Model<B> {
         self.kv.used.load(Ordering::Relaxed)
     }
 
+    /// Bytes of KV cache one position of a session takes.
+    pub fn kv_bytes_per_position(&self) -> u64 {
+        self.kv.bytes_per_position
+    }
+
+    /// The context a session gets by default: the model's
+    /// (`max_position_embeddings`), bounded so that one session's KV cache
+    /// takes at most half the memory free now on the backend.
+    pub fn default_context(&self) -> usize {
+        let model = self.config().max_position_embeddings;
+        match (self.backend.state_memory(), self.kv.bytes_per_position) {
+            (Some(free), per) if per > 0 => model.min((free / 2 / per).max(1) as usize),
+            _ => model,
+        }
+    }
+
     /// A new, empty session with default options.
     pub fn session(self: &Arc<Self>) -> Session<B> {
         Session::new(self.clone(), SessionOptions::default())

@@ -10,6 +10,7 @@
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::state;
 use super::{Logits, LogitsWanted, Model};
@@ -59,6 +60,7 @@ pub struct Session<B: Backend = CpuBackend> {
     max_checkpoints: usize,
     clock: u64,
     kv_reserved: u64,
+    interrupt: Option<Arc<AtomicBool>>,
 }
 
 impl<B: Backend> Session<B> {
@@ -74,6 +76,7 @@ impl<B: Backend> Session<B> {
             max_checkpoints: options.max_checkpoints.max(1),
             clock: 0,
             kv_reserved: 0,
+            interrupt: None,
         }
     }
 
@@ -89,6 +92,19 @@ impl<B: Backend> Session<B> {
     /// Most tokens the session can hold.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// Tokens the session can still take before its context is full.
+    pub fn remaining(&self) -> usize {
+        self.capacity - self.position()
+    }
+
+    /// A flag that, once raised, stops a long [`Session::forward`] (or
+    /// prefill) between two of its chunks with [`Error::Interrupted`]. The
+    /// chunks already run stay in the session, a consistent state ending
+    /// earlier than asked.
+    pub fn set_interrupt(&mut self, flag: Option<Arc<AtomicBool>>) {
+        self.interrupt = flag;
     }
 
     /// Every token the session holds, in order.
@@ -145,13 +161,18 @@ impl<B: Backend> Session<B> {
 
     /// Appends `tokens` and returns the logits asked for. On failure (a
     /// damaged expert file, say) the session is rebuilt to the position
-    /// before the call where possible, never left half-updated.
+    /// before the call where possible, never left half-updated; an
+    /// interruption ([`Session::set_interrupt`]) keeps the chunks done.
     pub fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Logits> {
         self.check_tokens(tokens)?;
         let start = self.position();
         self.reserve_kv(start + tokens.len())?;
         match self.run(tokens, wanted) {
             Ok(logits) => Ok(logits),
+            Err(Error::Interrupted) => {
+                self.sync_kv();
+                Err(Error::Interrupted)
+            }
             Err(err) => {
                 let _ = self.rebuild(start);
                 self.sync_kv();
@@ -170,11 +191,13 @@ impl<B: Backend> Session<B> {
         self.prefill(&[token])
     }
 
-    /// Generates up to `max_new_tokens`. Each token is chosen by `pick`
-    /// from the current logits, the tokens before this call (the prompt)
-    /// and those generated so far; it is appended to the session (so the
-    /// session always ends with the logits of what comes next) and passed
-    /// to `on_token`, which can stop generation. Returns the new tokens.
+    /// Generates up to `max_new_tokens`, fewer if the context fills up
+    /// first ([`Session::remaining`] is then 0). Each token is chosen by
+    /// `pick` from the current logits, the tokens before this call (the
+    /// prompt) and those generated so far; it is appended to the session
+    /// (so the session always ends with the logits of what comes next) and
+    /// passed to `on_token`, which can stop generation. Returns the new
+    /// tokens.
     pub fn generate(
         &mut self,
         max_new_tokens: usize,
@@ -183,8 +206,9 @@ impl<B: Backend> Session<B> {
     ) -> Result<Vec<u32>> {
         let mut logits = self.current_logits()?;
         let prompt_len = self.position();
-        let mut out = Vec::with_capacity(max_new_tokens);
-        for _ in 0..max_new_tokens {
+        let steps = max_new_tokens.min(self.remaining());
+        let mut out = Vec::with_capacity(steps);
+        for _ in 0..steps {
             let next = pick(&logits, &self.tokens[..prompt_len], &out)?;
             logits = self.decode(next)?;
             out.push(next);
@@ -217,6 +241,10 @@ impl<B: Backend> Session<B> {
         let chunks: Vec<&[u32]> = tokens.chunks(self.model.prefill_chunk).collect();
         let mut data = Vec::new();
         for (i, chunk) in chunks.iter().enumerate() {
+            if i > 0 && self.interrupt.as_ref().is_some_and(|f| f.load(Ordering::Relaxed)) {
+                self.logits = None;
+                return Err(Error::Interrupted);
+            }
             let rows = match wanted {
                 LogitsWanted::All => chunk.len(),
                 LogitsWanted::Last if i + 1 == chunks.len() => 1,

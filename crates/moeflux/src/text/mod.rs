@@ -8,13 +8,19 @@
 //! - [`StreamDecoder`]: ids to text as they are generated, whole
 //!   characters only;
 //! - [`ChatTemplate`]: the model's Jinja chat template, rendered as
-//!   transformers renders it.
+//!   transformers renders it;
+//! - [`TextGeneration`]: generated text streamed as it arrives, with stop
+//!   strings, limits and interruption; [`complete`]: prompt in, text out.
 
 mod chat;
+mod generation;
 mod stream;
 mod tokenizer;
 
 pub use chat::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, ChatMessage, ChatOptions, ChatTemplate};
+pub use generation::{
+    Completion, FinishReason, Generated, TextGeneration, TokenLogprob, complete,
+};
 pub use stream::StreamDecoder;
 pub(crate) use tokenizer::read_json_if_present;
 pub use tokenizer::{

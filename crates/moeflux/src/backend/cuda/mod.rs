@@ -1883,6 +1883,10 @@ impl Backend for CudaBackend {
         Some(self.streaming_stats())
     }
 
+    fn state_memory(&self) -> Option<u64> {
+        self.ctx.mem_get_info().ok().map(|(free, _)| free as u64)
+    }
+
     fn host_to_device_bandwidth(&self) -> Option<f64> {
         self.pinned_upload_bandwidth().ok()
     }

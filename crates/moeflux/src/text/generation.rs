@@ -1,0 +1,255 @@
+//! Text generation: tokens sampled, decoded into whole characters, checked
+//! against stop strings and handed out as they arrive; and [`complete`],
+//! prompt in, text out, for programs that want nothing more.
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::model::{Model, Session};
+use crate::sampling::{Sampler, SamplerConfig, StopCondition};
+
+/// Why a generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// The model wrote an end-of-text token.
+    EndOfText,
+    /// One of the stop strings appeared.
+    StopString,
+    /// The most tokens asked for were generated.
+    MaxTokens,
+    /// The session's context is full.
+    ContextFull,
+    /// The interrupt flag was raised.
+    Interrupted,
+}
+
+impl FinishReason {
+    /// A few words for people.
+    pub fn describe(self) -> &'static str {
+        match self {
+            FinishReason::EndOfText => "end of text",
+            FinishReason::StopString => "stop string",
+            FinishReason::MaxTokens => "token limit",
+            FinishReason::ContextFull => "context full",
+            FinishReason::Interrupted => "interrupted",
+        }
+    }
+}
+
+/// The log-probability of a generated token under the model's
+/// distribution (softmax of the raw logits, before any sampling setting),
+/// with the most likely alternatives.
+#[derive(Clone, Debug, Serialize)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// The `top` most likely tokens at this step, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// What one generation produced.
+#[derive(Clone, Debug)]
+pub struct Generated {
+    pub tokens: Vec<u32>,
+    /// The text handed out (without stop strings or end-of-text tokens).
+    pub text: String,
+    pub seconds: f64,
+    pub finish: FinishReason,
+    /// One per token when asked for ([`TextGeneration::logprobs`]).
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+/// One streamed generation's settings.
+pub struct TextGeneration<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub sampler: &'a mut Sampler,
+    pub stop_strings: &'a [String],
+    pub max_tokens: usize,
+    /// Raised (by Ctrl-C, a cancelled request) to end the generation
+    /// before the next token.
+    pub interrupt: Option<&'a AtomicBool>,
+    /// Record each token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl TextGeneration<'_> {
+    /// Generates from the session's current state (which must hold at
+    /// least one token), handing each new piece of text to `on_text`.
+    pub fn run<B: Backend>(
+        &mut self,
+        session: &mut Session<B>,
+        on_text: &mut dyn FnMut(&str) -> Result<()>,
+    ) -> Result<Generated> {
+        let mut stop = StopCondition::new(
+            self.tokenizer.special_tokens().stop_ids.clone(),
+            self.stop_strings.to_vec(),
+        )?;
+        let mut decoder = self.tokenizer.stream_decoder(true);
+        let mut text = String::new();
+        let mut finish = FinishReason::MaxTokens;
+        let mut logprobs = Vec::new();
+        let start = Instant::now();
+        let sampler = &mut *self.sampler;
+        let (interrupt, top) = (self.interrupt, self.logprobs);
+        let interrupted = || interrupt.is_some_and(|flag| flag.load(Ordering::Relaxed));
+        let tokens = if interrupted() {
+            finish = FinishReason::Interrupted;
+            Vec::new()
+        } else {
+            session.generate(
+                self.max_tokens,
+                |logits, prompt, generated| {
+                    let token = sampler.sample(logits, prompt, generated)?;
+                    if let Some(top) = top {
+                        logprobs.push(token_logprob(logits, token, top));
+                    }
+                    Ok(token)
+                },
+                |id| {
+                    if stop.is_eos(id) {
+                        finish = FinishReason::EndOfText;
+                        return Ok(ControlFlow::Break(()));
+                    }
+                    let step = stop.push(&decoder.step(id)?);
+                    text.push_str(&step.text);
+                    on_text(&step.text)?;
+                    if step.stopped_by.is_some() {
+                        finish = FinishReason::StopString;
+                        return Ok(ControlFlow::Break(()));
+                    }
+                    if interrupted() {
+                        finish = FinishReason::Interrupted;
+                        return Ok(ControlFlow::Break(()));
+                    }
+                    Ok(ControlFlow::Continue(()))
+                },
+            )?
+        };
+        if finish == FinishReason::MaxTokens && session.remaining() == 0 {
+            finish = FinishReason::ContextFull;
+        }
+        if !matches!(finish, FinishReason::EndOfText | FinishReason::StopString) {
+            let rest = stop.push(&decoder.finish()?).text + &stop.finish();
+            text.push_str(&rest);
+            on_text(&rest)?;
+        }
+        Ok(Generated {
+            tokens,
+            text,
+            seconds: start.elapsed().as_secs_f64(),
+            finish,
+            logprobs,
+        })
+    }
+}
+
+/// `token`'s log-probability under `logits` and the `top` most likely
+/// tokens'.
+fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let log_sum = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() < top || l > best[best.len() - 1].1 {
+                let at = best.partition_point(|&(_, b)| b >= l);
+                best.insert(at, (i as u32, l));
+                best.truncate(top);
+            }
+        }
+    }
+    TokenLogprob {
+        token,
+        logprob: logits[token as usize] - log_sum,
+        top: best.into_iter().map(|(i, l)| (i, l - log_sum)).collect(),
+    }
+}
+
+/// A prompt and how to continue it, for [`complete`].
+#[derive(Clone, Debug)]
+pub struct Completion {
+    pub prompt: String,
+    /// Wrap the prompt in the model's chat template as a user message
+    /// (after `system`, if given).
+    pub chat: bool,
+    pub system: Option<String>,
+    pub max_tokens: usize,
+    pub sampling: SamplerConfig,
+    pub stop: Vec<String>,
+}
+
+impl Completion {
+    /// Greedy continuation of `prompt`, at most `max_tokens` long.
+    pub fn new(prompt: impl Into<String>, max_tokens: usize) -> Completion {
+        Completion {
+            prompt: prompt.into(),
+            chat: false,
+            system: None,
+            max_tokens,
+            sampling: SamplerConfig {
+                temperature: 0.0,
+                ..SamplerConfig::default()
+            },
+            stop: Vec::new(),
+        }
+    }
+}
+
+/// Prompt in, text out: tokenizes the prompt (through the chat template
+/// when asked), prefills it in a new session of `model` and generates.
+///
+/// ```no_run
+/// use std::sync::Arc;
+/// use moeflux::text::{Completion, complete};
+/// use moeflux::{Model, ModelOptions};
+///
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+/// let mut request = Completion::new("It is a truth universally acknowledged,", 20);
+/// request.stop.push(".".into());
+/// println!("{}", complete(&model, &request)?.text);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
+pub fn complete<B: Backend>(model: &Arc<Model<B>>, request: &Completion) -> Result<Generated> {
+    let dir = model.dir().root();
+    let tokenizer = Tokenizer::from_dir(dir)?;
+    let prompt = if request.chat {
+        let template = ChatTemplate::from_dir(dir, tokenizer.special_tokens(), None)?;
+        let mut messages: Vec<ChatMessage> =
+            request.system.iter().map(ChatMessage::system).collect();
+        messages.push(ChatMessage::user(&request.prompt));
+        let options = ChatOptions {
+            add_generation_prompt: true,
+            ..ChatOptions::default()
+        };
+        tokenizer.encode(&template.render(&messages, &options)?, false)?
+    } else {
+        tokenizer.encode(&request.prompt, true)?
+    };
+    if prompt.is_empty() {
+        return Err(Error::invalid(
+            "prompt",
+            "is empty after tokenization: give some text",
+        ));
+    }
+    let mut sampler = Sampler::new(request.sampling.clone())?;
+    let mut session = model.session();
+    session.prefill(&prompt)?;
+    TextGeneration {
+        tokenizer: &tokenizer,
+        sampler: &mut sampler,
+        stop_strings: &request.stop,
+        max_tokens: request.max_tokens,
+        interrupt: None,
+        logprobs: None,
+    }
+    .run(&mut session, &mut |_| Ok(()))
+}
