@@ -142,14 +142,14 @@ perf() {
     echo "--- pp512"
     "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|^decode|rror' || true
     echo "--- device time per operation, pp512 (events around each launch; graphs off)"
-    MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 1 --warmup 0 -p 1 --no-ceilings \
+    MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 1 --warmup 0 --prompt-len 1 --no-ceilings \
         >"$OUT/profile-prefill.log" 2>&1 || true
     grep -A 40 'CUDA profile' "$OUT/profile-prefill.log" | head -n 40
     ncu=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null || true)
     if [[ -n "$ncu" && "${PERF_NCU:-1}" == 1 ]]; then
         echo "--- Nsight Compute, kernel time of decode steps"
         "$ncu" --metrics gpu__time_duration.sum --csv --print-units base --launch-skip 2000 --launch-count 1600 \
-            "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 0 -p 8 --prefill 0 --no-ceilings \
+            "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 0 --prompt-len 8 --prefill 0 --no-ceilings \
             >"$OUT/ncu-decode.csv" 2>"$OUT/ncu-decode.err" || true
         python3 tools/ncu_summary.py "$OUT/ncu-decode.csv" | head -n 40
     fi

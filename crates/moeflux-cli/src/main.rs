@@ -45,6 +45,10 @@ enum Command {
     Synth(commands::synth::Args),
     /// Measure decode and prefill speed beside the machine's ceilings.
     Bench(commands::bench::Args),
+    /// Print the token ids of a text.
+    Tokenize(commands::tokens::TokenizeArgs),
+    /// Print the text of token ids.
+    Detokenize(commands::tokens::DetokenizeArgs),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +62,8 @@ fn main() -> ExitCode {
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Synth(args) => commands::synth::run(args),
         Command::Bench(args) => commands::bench::run_command(args),
+        Command::Tokenize(args) => commands::tokens::tokenize(args),
+        Command::Detokenize(args) => commands::tokens::detokenize(args),
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -72,9 +78,15 @@ fn main() -> ExitCode {
     }
 }
 
+/// More worker threads than any machine has cores.
+const MAX_THREADS: usize = 4096;
+
 fn configure_threads(threads: Option<usize>) -> anyhow::Result<()> {
     if let Some(n) = threads {
-        anyhow::ensure!(n > 0, "--threads: must be at least 1");
+        anyhow::ensure!(
+            (1..=MAX_THREADS).contains(&n),
+            "--threads: {n} is not between 1 and {MAX_THREADS}"
+        );
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
             .build_global()

@@ -121,6 +121,19 @@ impl ModelConfig {
         (0..self.layers.len()).filter(|&l| self.is_moe_layer(l))
     }
 
+    /// Bytes of KV cache one position of a sequence takes: keys and values
+    /// of every full-attention layer, in f32 (Gated DeltaNet layers hold a
+    /// fixed-size state instead).
+    pub fn kv_bytes_per_position(&self) -> u64 {
+        let attention_layers = self
+            .layers
+            .iter()
+            .filter(|l| l.kind == LayerKind::FullAttention)
+            .count() as u64;
+        let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
+        attention_layers * 2 * width * 4
+    }
+
     /// Parses a Hugging Face `config.json` (already read as JSON), choosing
     /// the architecture from `model_type`.
     pub fn from_hf_json(json: &Value, source: &Path) -> Result<ModelConfig> {

@@ -3,23 +3,23 @@
 
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
+use anyhow::{Result, bail};
 use moeflux::Model;
 use moeflux::backend::Backend;
 use moeflux::bench::{BenchOptions, BenchReport, run};
 use moeflux::text::Tokenizer;
 use moeflux::util::human_bytes;
 
-use super::ModelArgs;
 use super::convert::progress_bar;
+use super::{ModelArgs, read_text};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
     /// Prompt tokens before decoding.
-    #[arg(short = 'p', long, default_value_t = 16)]
-    prompt: usize,
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
     /// Tokens decoded and timed.
     #[arg(short = 'n', long, default_value_t = 32)]
     decode: usize,
@@ -46,25 +46,47 @@ pub struct Args {
 }
 
 pub fn run_command(args: Args) -> Result<()> {
-    with_model!(args.model.open(false)?, |model| bench(&model, &args))
+    let text = args
+        .text
+        .as_ref()
+        .map(|p| read_text("--text", p))
+        .transpose()?;
+    let files = args.model.resolve(false)?;
+    let text_tokens = match text {
+        Some(text) => Some(Tokenizer::from_dir(&files.dir)?.encode(&text, false)?),
+        None => None,
+    };
+    let needed = args
+        .prompt_len
+        .checked_add(args.warmup)
+        .and_then(|n| n.checked_add(args.decode))
+        .filter(|&n| n <= files.config.max_position_embeddings);
+    if needed.is_none() || args.prefill > files.config.max_position_embeddings {
+        bail!(
+            "--prompt-len + --warmup + -n and --prefill must each fit the model's context of {} positions",
+            files.config.max_position_embeddings
+        );
+    }
+    with_model!(args.model.load(&files, false)?, |model| bench(
+        &model,
+        &args,
+        text_tokens
+    ))
 }
 
-fn bench<B: Backend>(model: &Arc<Model<B>>, args: &Args) -> Result<()> {
+fn bench<B: Backend>(
+    model: &Arc<Model<B>>,
+    args: &Args,
+    text_tokens: Option<Vec<u32>>,
+) -> Result<()> {
     let options = BenchOptions {
-        prompt_tokens: args.prompt,
+        prompt_tokens: args.prompt_len,
         decode_tokens: args.decode,
         warmup_tokens: args.warmup,
         prefill_tokens: args.prefill,
         ceilings: !args.no_ceilings,
         compare_policies: args.compare_policies,
-        text_tokens: match &args.text {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .with_context(|| format!("{}: reading the benchmark text", path.display()))?;
-                Some(Tokenizer::from_dir(model.dir().root())?.encode(&text, false)?)
-            }
-            None => None,
-        },
+        text_tokens,
     };
     let report = run(model, &options, &progress_bar())?;
     if args.json {

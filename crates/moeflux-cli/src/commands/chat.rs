@@ -293,6 +293,7 @@ fn answer<B: Backend>(
         max_tokens: args.max_tokens,
         interrupt: Some(interrupt.flag()),
         logprobs: None,
+        ignore_eos: args.sampling.ignore_eos,
     }
     .run(session, &mut |piece| {
         out.write_all(piece.as_bytes())

@@ -6,6 +6,7 @@ use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
 use moeflux::convert::{ConvertOptions, convert};
 use moeflux::quant::DType;
+use moeflux::text::TOKENIZER_FILE;
 use moeflux::util::Progress;
 use moeflux::util::human_bytes;
 
@@ -88,6 +89,14 @@ impl Progress for Bar {
 
 pub fn run(args: Args) -> Result<()> {
     let quant = args.quant.dtype();
+    if args.input.is_dir() && !args.input.join(TOKENIZER_FILE).is_file() {
+        eprintln!(
+            "warning: {} has no {TOKENIZER_FILE}: the converted model takes and prints token ids \
+             only (generate --prompt-tokens, --print-token-ids; logits); text prompts, chat, \
+             tokenize and perplexity need it (copy it into the model directory later)",
+            args.input.display()
+        );
+    }
     let interrupt = crate::interrupt::install()?;
     let options = ConvertOptions {
         quant,

@@ -156,7 +156,13 @@ pub fn run(args: Args) -> Result<()> {
             }
             ids
         }
-        (None, Some(ids)) => parse_tokens("--prompt-tokens", ids)?,
+        (None, Some(ids)) => {
+            let ids = parse_tokens("--prompt-tokens", ids)?;
+            if ids.is_empty() {
+                bail!("--prompt-tokens: the prompt is empty: give at least one token id");
+            }
+            ids
+        }
         (None, None) => Vec::new(),
     };
     if let Some(bad) = prompt
@@ -315,6 +321,7 @@ fn run_generation<B: Backend>(
                 max_tokens: args.max_tokens,
                 interrupt: Some(interrupt.flag()),
                 logprobs: args.logprobs,
+                ignore_eos: args.sampling.ignore_eos,
             }
             .run(session, &mut |piece| {
                 if stream {
@@ -346,11 +353,10 @@ fn generate_ids<B: Backend>(
     interrupt: &Interrupt,
 ) -> moeflux::Result<Generated> {
     let start = Instant::now();
-    let stop_ids = prepared
-        .tokenizer
-        .as_ref()
-        .map(|t| t.special_tokens().stop_ids.clone())
-        .unwrap_or_default();
+    let stop_ids = match &prepared.tokenizer {
+        Some(t) if !args.sampling.ignore_eos => t.special_tokens().stop_ids.clone(),
+        _ => Vec::new(),
+    };
     let mut finish = FinishReason::MaxTokens;
     let sampler = &mut prepared.sampler;
     let tokens = session.generate(

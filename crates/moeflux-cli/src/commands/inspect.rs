@@ -5,16 +5,18 @@ use moeflux::config::{FeedForwardKind, LayerKind};
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::util::human_bytes;
 
+use super::ModelPath;
+
 #[derive(clap::Args)]
 pub struct Args {
-    /// A moeflux model directory.
-    #[arg(short = 'm', long = "model")]
-    model: std::path::PathBuf,
+    #[command(flatten)]
+    model: ModelPath,
 }
 
 pub fn run(args: Args) -> Result<()> {
+    let path = args.model.resolve(false)?.dir;
     let dir = ModelDir::open(
-        &args.model,
+        &path,
         OpenOptions {
             verify_checksums: false,
         },
@@ -22,7 +24,7 @@ pub fn run(args: Args) -> Result<()> {
     let m = dir.manifest();
     let c = dir.config();
     let a = &c.attention;
-    println!("model          {}", args.model.display());
+    println!("model          {}", path.display());
     println!(
         "architecture   {}{}",
         c.architecture.name(),
@@ -66,6 +68,11 @@ pub fn run(args: Args) -> Result<()> {
         moe.shared_expert_intermediate_size
             .map(|s| format!(", shared expert {s}"))
             .unwrap_or_default()
+    );
+    println!(
+        "context        {} positions; KV cache {} per position",
+        c.max_position_embeddings,
+        human_bytes(c.kv_bytes_per_position())
     );
     println!("layers         {}", c.num_layers());
     for (i, l) in c.layers.iter().enumerate() {

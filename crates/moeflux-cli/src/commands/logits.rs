@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use moeflux::LogitsWanted;
 use npyz::WriterBuilder;
 
@@ -22,14 +22,47 @@ pub struct Args {
 
 pub fn run(args: Args) -> Result<()> {
     let tokens = parse_tokens("--tokens", &args.tokens)?;
-    let logits = with_model!(args.model.open(true)?, |model| model
+    let files = args.model.resolve(true)?;
+    if tokens.is_empty() {
+        bail!("--tokens: give at least one token id");
+    }
+    if let Some(bad) = tokens
+        .iter()
+        .find(|&&t| t as usize >= files.config.vocab_size)
+    {
+        bail!(
+            "--tokens: token id {bad} is out of range: the vocabulary has {} ids",
+            files.config.vocab_size
+        );
+    }
+    if tokens.len() > files.config.max_position_embeddings {
+        bail!(
+            "--tokens: {} tokens are more than the model's context of {}",
+            tokens.len(),
+            files.config.max_position_embeddings
+        );
+    }
+    if args.output.is_dir() {
+        bail!(
+            "-o: {} is a directory; name a .npy file",
+            args.output.display()
+        );
+    }
+    let logits = with_model!(args.model.load(&files, true)?, |model| model
         .session()
         .forward(&tokens, LogitsWanted::All))?;
     write_npy(
         &args.output,
         &logits.data,
         &[logits.rows as u64, logits.vocab as u64],
-    )
+    )?;
+    println!(
+        "wrote {}: float32 logits, shape [{}, {}] (positions, vocabulary)",
+        args.output.display(),
+        logits.rows,
+        logits.vocab
+    );
+    Ok(())
 }
 
 /// Writes through a temporary file renamed into place.

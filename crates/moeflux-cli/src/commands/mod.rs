@@ -20,6 +20,7 @@ pub mod inspect;
 pub mod logits;
 pub mod perplexity;
 pub mod synth;
+pub mod tokens;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -35,13 +36,41 @@ use moeflux::text::ChatOptions;
 use moeflux::util::human_bytes;
 use moeflux::{Model, ModelConfig, ModelOptions, Session, SessionOptions};
 
-/// Options for opening a model directory.
+/// Which model directory.
 #[derive(clap::Args)]
-pub struct ModelArgs {
+pub struct ModelPath {
     /// A moeflux model directory (made by `moeflux convert`); default: the
     /// bundled tiny model, converted into the cache on first use.
     #[arg(short = 'm', long = "model")]
     pub model: Option<PathBuf>,
+}
+
+impl ModelPath {
+    /// Finds the model directory (converting the bundled model on first
+    /// use) and reads its configuration.
+    pub fn resolve(&self, quiet: bool) -> Result<ModelFiles> {
+        let dir = match &self.model {
+            Some(dir) => dir.clone(),
+            None => moeflux::bundled::model_dir(&convert::progress_bar().quiet(quiet))?,
+        };
+        let manifest_path = dir.join(MANIFEST_FILE);
+        if !dir.is_dir() {
+            bail!(
+                "{}: not a directory: pass a moeflux model directory made by `moeflux convert`",
+                dir.display()
+            );
+        }
+        let manifest = Manifest::read(&manifest_path)?;
+        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
+        Ok(ModelFiles { dir, config })
+    }
+}
+
+/// Options for opening a model directory.
+#[derive(clap::Args)]
+pub struct ModelArgs {
+    #[command(flatten)]
+    pub path: ModelPath,
     /// Memory for cached experts, in MiB (default: all experts if they fit
     /// in half the available memory, else half the available memory).
     #[arg(long)]
@@ -178,20 +207,7 @@ impl ModelArgs {
         if self.prefill_chunk == Some(0) {
             bail!("--prefill-chunk: must be at least 1");
         }
-        let dir = match &self.model {
-            Some(dir) => dir.clone(),
-            None => moeflux::bundled::model_dir(&convert::progress_bar().quiet(quiet))?,
-        };
-        let manifest_path = dir.join(MANIFEST_FILE);
-        if !dir.is_dir() {
-            bail!(
-                "{}: not a directory: pass a moeflux model directory made by `moeflux convert`",
-                dir.display()
-            );
-        }
-        let manifest = Manifest::read(&manifest_path)?;
-        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
-        Ok(ModelFiles { dir, config })
+        self.path.resolve(quiet)
     }
 
     /// Opens the model on the chosen device, printing a one-line
@@ -268,13 +284,6 @@ impl ModelArgs {
             }
         }
         Ok(opened)
-    }
-
-    /// [`ModelArgs::resolve`] then [`ModelArgs::load`], for commands with
-    /// nothing of their own to check first.
-    pub fn open(&self, quiet: bool) -> Result<OpenedModel> {
-        let files = self.resolve(quiet)?;
-        self.load(&files, quiet)
     }
 
     /// The CUDA backend `--device` asks for, or `None` for the CPU. `auto`
@@ -399,9 +408,13 @@ pub struct SamplingArgs {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Stop when this text appears (repeatable); the model's end-of-text
-    /// tokens always stop.
+    /// tokens stop too, unless --ignore-eos.
     #[arg(long = "stop")]
     pub stop: Vec<String>,
+    /// Go on past the model's end-of-text tokens, to the token limit or the
+    /// context's end (for measurements).
+    #[arg(long)]
+    pub ignore_eos: bool,
 }
 
 impl SamplingArgs {

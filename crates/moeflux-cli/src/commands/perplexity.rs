@@ -5,14 +5,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
+use anyhow::{Result, bail};
 use moeflux::Model;
 use moeflux::backend::Backend;
 use moeflux::perplexity::{Perplexity, perplexity};
 use moeflux::text::Tokenizer;
 
-use super::ModelArgs;
 use super::convert::progress_bar;
+use super::{ModelArgs, read_text};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -30,14 +30,26 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let text = std::fs::read_to_string(&args.file).with_context(|| {
-        format!(
-            "{}: reading the text to score (must be UTF-8)",
-            args.file.display()
-        )
-    })?;
-    let opened = args.model.open(args.json)?;
-    let (tokens, result, seconds) = with_model!(opened, |model| score(&model, &text, args.ctx))?;
+    let text = read_text("-f", &args.file)?;
+    let files = args.model.resolve(args.json)?;
+    let context = files.config.max_position_embeddings;
+    if args.ctx < 2 || args.ctx > context {
+        bail!(
+            "--ctx: {} is not between 2 and the model's context of {context}",
+            args.ctx
+        );
+    }
+    let tokens = Tokenizer::from_dir(&files.dir)?.encode(&text, false)?;
+    if tokens.len() < args.ctx {
+        bail!(
+            "-f: {} has {} tokens, fewer than one window of --ctx {}; use a longer text or a smaller --ctx",
+            args.file.display(),
+            tokens.len(),
+            args.ctx
+        );
+    }
+    let opened = args.model.load(&files, args.json)?;
+    let (result, seconds) = with_model!(opened, |model| score(&model, &tokens, args.ctx))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
     } else {
@@ -55,15 +67,13 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The text's tokens, their perplexity and the seconds it took to compute.
+/// The tokens' perplexity and the seconds it took to compute.
 fn score<B: Backend>(
     model: &Arc<Model<B>>,
-    text: &str,
+    tokens: &[u32],
     ctx: usize,
-) -> Result<(Vec<u32>, Perplexity, f64)> {
-    let tokenizer = Tokenizer::from_dir(model.dir().root())?;
-    let tokens = tokenizer.encode(text, false)?;
+) -> Result<(Perplexity, f64)> {
     let start = Instant::now();
-    let result = perplexity(model, &tokens, ctx, &progress_bar())?;
-    Ok((tokens, result, start.elapsed().as_secs_f64()))
+    let result = perplexity(model, tokens, ctx, &progress_bar())?;
+    Ok((result, start.elapsed().as_secs_f64()))
 }

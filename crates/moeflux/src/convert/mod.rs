@@ -189,7 +189,7 @@ pub(crate) fn write_model(
             o.display()
         ))
     })?;
-    if !existed && is_model_dir(output) {
+    if !existed && !lock.restored() && is_model_dir(output) {
         return converted_meanwhile(
             output,
             &config_json,

@@ -209,6 +209,9 @@ pub struct OutputLock {
     /// committed into them.
     created: Vec<PathBuf>,
     committed: bool,
+    /// Whether taking the lock put back a model a killed run had moved
+    /// aside.
+    restored: bool,
 }
 
 impl OutputLock {
@@ -254,7 +257,7 @@ impl OutputLock {
             }
             std::thread::sleep(Duration::from_millis(100));
         };
-        let lock = OutputLock {
+        let mut lock = OutputLock {
             output: output.to_path_buf(),
             parent,
             name,
@@ -262,14 +265,21 @@ impl OutputLock {
             file,
             created,
             committed: false,
+            restored: false,
         };
-        lock.recover()?;
+        lock.restored = lock.recover()?;
         Ok(lock)
     }
 
     /// The output this lock guards.
     pub fn output(&self) -> &Path {
         &self.output
+    }
+
+    /// Whether taking the lock put back a model that a run killed while
+    /// replacing it had moved aside.
+    pub fn restored(&self) -> bool {
+        self.restored
     }
 
     /// A new, empty, uniquely named folder beside the output.
@@ -315,8 +325,8 @@ impl OutputLock {
     }
 
     /// Removes the side folders of runs that were killed, after putting
-    /// back an output one of them had moved aside.
-    fn recover(&self) -> Result<()> {
+    /// back an output one of them had moved aside; returns whether it did.
+    fn recover(&self) -> Result<bool> {
         let prefix = format!(".{}.moeflux-", self.name);
         let lock_name = format!("{prefix}lock");
         let mut leftovers = Vec::new();
@@ -330,6 +340,7 @@ impl OutputLock {
             }
         }
         let replaced = format!("{prefix}{REPLACED}-");
+        let mut restored = false;
         if !self.output.exists()
             && let Some(old) = leftovers.iter().find(|p| {
                 p.file_name()
@@ -344,6 +355,7 @@ impl OutputLock {
                     e,
                 )
             })?;
+            restored = true;
         }
         for path in leftovers.iter().filter(|p| p.exists()) {
             let removed = if path.is_dir() {
@@ -353,7 +365,7 @@ impl OutputLock {
             };
             removed.map_err(|e| Error::io(path, "removing what a killed run left", e))?;
         }
-        Ok(())
+        Ok(restored)
     }
 }
 

@@ -32,17 +32,40 @@ use crate::util::{Progress, human_bytes};
 /// prefers another number ([`Backend::default_prefill_chunk`]).
 pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
+/// How [`Model::open`] opens a model: expert cache, reads, prefetch,
+/// prefill chunk, checks and the KV memory limit. [`Default`] suits most
+/// uses; set the fields that matter and take the rest from it.
+///
+/// ```
+/// use std::sync::Arc;
+/// use moeflux::{Model, ModelOptions};
+///
+/// let options = ModelOptions {
+///     expert_cache_bytes: Some(64 << 20),
+///     kv_limit_bytes: Some(256 << 20),
+///     ..ModelOptions::default()
+/// };
+/// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model = Model::open(&dir, &options)?;
+/// assert_eq!(model.expert_cache_budget(), 64 << 20);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct ModelOptions {
     /// Bytes of experts kept in memory; `None` picks a default from the
     /// model size and available memory ([`default_cache_budget`]).
     pub expert_cache_bytes: Option<u64>,
+    /// Which experts the cache evicts first when it is full.
     pub cache_policy: CachePolicy,
+    /// How expert files are read (through the page cache or not).
     pub io: IoMode,
+    /// Which experts are read ahead for the next layer during decode.
     pub prefetch: Prefetch,
     /// Tokens processed together in one prefill step; `None`: the
     /// backend's choice ([`Backend::default_prefill_chunk`]).
     pub prefill_chunk: Option<usize>,
+    /// Check every file against the manifest's checksums when opening
+    /// (on by default; the files are read once more).
     pub verify_checksums: bool,
     /// Bytes all sessions together may hold in KV caches; `None` is no
     /// limit beyond each session's context length.
@@ -63,6 +86,25 @@ impl Default for ModelOptions {
     }
 }
 
+/// An opened model directory: the dense weights on a backend (the CPU
+/// unless [`Model::open_with`] names another), the expert store, and the
+/// forward pass. Open it once, wrap it in an [`Arc`] and start a
+/// [`Session`] per conversation ([`Model::session`]); sessions on other
+/// threads share the weights and the expert cache.
+///
+/// ```
+/// use std::sync::Arc;
+/// use moeflux::{Model, ModelOptions};
+///
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+/// assert_eq!(model.config().vocab_size, 4096);
+///
+/// let prompt = [1, 2, 3];
+/// let new = model.generate_greedy(&prompt, 4)?;
+/// assert_eq!(new.len(), 4);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 pub struct Model<B: Backend = CpuBackend> {
     dir: ModelDir,
     backend: B,
@@ -77,23 +119,30 @@ pub struct Model<B: Backend = CpuBackend> {
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitsWanted {
+    /// One row per token given.
     All,
+    /// The last token's row only.
     Last,
 }
 
 /// Logits as a row-major `[rows, vocab]` matrix.
 #[derive(Clone, Debug)]
 pub struct Logits {
+    /// Positions.
     pub rows: usize,
+    /// Logits per position: the vocabulary size.
     pub vocab: usize,
+    /// `rows * vocab` values.
     pub data: Vec<f32>,
 }
 
 impl Logits {
+    /// The logits of row `i`.
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
 
+    /// The logits of the last row.
     pub fn last(&self) -> &[f32] {
         self.row(self.rows - 1)
     }
@@ -138,12 +187,38 @@ impl KvBudget {
 }
 
 impl Model<CpuBackend> {
+    /// Opens the model directory at `path` (made by [`convert::convert`]
+    /// or `moeflux convert`) on the CPU backend: the manifest is checked,
+    /// the dense weights are mapped, and experts are read on demand.
+    ///
+    /// ```
+    /// use moeflux::{Model, ModelOptions};
+    ///
+    /// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// let model = Model::open(&dir, &ModelOptions::default())?;
+    /// assert_eq!(model.dir().root(), dir.as_path());
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
+    ///
+    /// [`convert::convert`]: crate::convert::convert
     pub fn open(path: &Path, options: &ModelOptions) -> Result<Self> {
         Model::open_with(CpuBackend::default(), path, options)
     }
 }
 
 impl<B: Backend> Model<B> {
+    /// [`Model::open`] on the given backend: the CPU one with settings of
+    /// its own, or a device backend from [`crate::backend`].
+    ///
+    /// ```
+    /// use moeflux::backend::cpu::CpuBackend;
+    /// use moeflux::{Model, ModelOptions};
+    ///
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// let model = Model::open_with(CpuBackend::default(), &dir, &ModelOptions::default())?;
+    /// assert!(model.default_context() >= 1);
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn open_with(backend: B, path: &Path, options: &ModelOptions) -> Result<Self> {
         let prefill_chunk = options
             .prefill_chunk
@@ -174,19 +249,12 @@ impl<B: Backend> Model<B> {
             },
             options.prefetch,
         )?;
-        let cfg = dir.config();
-        let attention_layers = cfg
-            .layers
-            .iter()
-            .filter(|l| l.kind == LayerKind::FullAttention)
-            .count() as u64;
-        let kv_width = (cfg.attention.num_kv_heads * cfg.attention.head_dim) as u64;
         Ok(Model {
             fingerprint: fingerprint(&dir),
             kv: KvBudget {
                 limit: options.kv_limit_bytes,
                 used: AtomicU64::new(0),
-                bytes_per_position: attention_layers * 2 * kv_width * 4,
+                bytes_per_position: dir.config().kv_bytes_per_position(),
             },
             dir,
             backend,
@@ -205,6 +273,7 @@ impl<B: Backend> Model<B> {
         self.backend.prepare_experts(&self.store, progress)
     }
 
+    /// The model's configuration (shapes, layers, vocabulary, context).
     pub fn config(&self) -> &ModelConfig {
         self.dir.config()
     }
@@ -214,18 +283,22 @@ impl<B: Backend> Model<B> {
         &self.options
     }
 
+    /// The opened model directory (manifest, files).
     pub fn dir(&self) -> &ModelDir {
         &self.dir
     }
 
+    /// The backend the model runs on.
     pub fn backend(&self) -> &B {
         &self.backend
     }
 
+    /// The expert store's counters (cache hits, reads, bytes).
     pub fn expert_stats(&self) -> ExpertStats {
         self.store.stats()
     }
 
+    /// Bytes of experts the cache may hold.
     pub fn expert_cache_budget(&self) -> u64 {
         self.store.cache_budget()
     }
@@ -262,7 +335,21 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// A new, empty session with default options.
+    /// A new, empty session with default options
+    /// ([`Session::new`] takes [`SessionOptions`]).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use moeflux::{Model, ModelOptions};
+    ///
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// let logits = session.prefill(&[1, 2, 3])?;
+    /// assert_eq!(logits.len(), model.config().vocab_size);
+    /// assert_eq!(session.position(), 3);
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn session(self: &Arc<Self>) -> Session<B> {
         Session::new(self.clone(), SessionOptions::default())
     }

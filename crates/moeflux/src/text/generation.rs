@@ -49,7 +49,9 @@ impl FinishReason {
 /// with the most likely alternatives.
 #[derive(Clone, Debug, Serialize)]
 pub struct TokenLogprob {
+    /// The token generated.
     pub token: u32,
+    /// Its natural-log probability.
     pub logprob: f32,
     /// The `top` most likely tokens at this step, most likely first.
     pub top: Vec<(u32, f32)>,
@@ -58,26 +60,75 @@ pub struct TokenLogprob {
 /// What one generation produced.
 #[derive(Clone, Debug)]
 pub struct Generated {
+    /// The ids generated, end-of-text token included when there was one.
     pub tokens: Vec<u32>,
     /// The text handed out (without stop strings or end-of-text tokens).
     pub text: String,
+    /// Time the generation took.
     pub seconds: f64,
+    /// Why it ended.
     pub finish: FinishReason,
     /// One per token when asked for ([`TextGeneration::logprobs`]).
     pub logprobs: Vec<TokenLogprob>,
 }
 
-/// One streamed generation's settings.
+/// One streamed generation's settings: [`TextGeneration::run`] continues a
+/// session, handing out text as it is decoded and stopping at an
+/// end-of-text token, a stop string, the token limit, a full context or an
+/// interruption.
+///
+/// ```
+/// use std::sync::Arc;
+/// use moeflux::sampling::{Sampler, SamplerConfig};
+/// use moeflux::text::{FinishReason, TextGeneration, Tokenizer};
+/// use moeflux::{Model, ModelOptions};
+///
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+/// let tokenizer = Tokenizer::from_dir(&dir)?;
+/// let mut sampler = Sampler::new(SamplerConfig::default())?;
+///
+/// let mut session = model.session();
+/// session.prefill(&tokenizer.encode("Emma Woodhouse, handsome, clever, and rich,", true)?)?;
+/// let mut streamed = String::new();
+/// let generated = TextGeneration {
+///     tokenizer: &tokenizer,
+///     sampler: &mut sampler,
+///     stop_strings: &[],
+///     max_tokens: 6,
+///     interrupt: None,
+///     logprobs: Some(2),
+///     ignore_eos: false,
+/// }
+/// .run(&mut session, &mut |piece| {
+///     streamed.push_str(piece);
+///     Ok(())
+/// })?;
+///
+/// assert_eq!(generated.text, streamed);
+/// assert_eq!(generated.logprobs.len(), generated.tokens.len());
+/// if generated.finish == FinishReason::MaxTokens {
+///     assert_eq!(generated.tokens.len(), 6);
+/// }
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 pub struct TextGeneration<'a> {
+    /// Decodes the generated ids; its stop ids end the generation.
     pub tokenizer: &'a Tokenizer,
+    /// Picks each token.
     pub sampler: &'a mut Sampler,
+    /// Texts that end the generation; they are not handed out.
     pub stop_strings: &'a [String],
+    /// Most tokens to generate.
     pub max_tokens: usize,
     /// Raised (by Ctrl-C, a cancelled request) to end the generation
     /// before the next token.
     pub interrupt: Option<&'a AtomicBool>,
     /// Record each token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Go on past end-of-text tokens (for measurements; the text after one
+    /// is rarely meaningful).
+    pub ignore_eos: bool,
 }
 
 impl TextGeneration<'_> {
@@ -88,10 +139,11 @@ impl TextGeneration<'_> {
         session: &mut Session<B>,
         on_text: &mut dyn FnMut(&str) -> Result<()>,
     ) -> Result<Generated> {
-        let mut stop = StopCondition::new(
-            self.tokenizer.special_tokens().stop_ids.clone(),
-            self.stop_strings.to_vec(),
-        )?;
+        let eos_ids = match self.ignore_eos {
+            true => Vec::new(),
+            false => self.tokenizer.special_tokens().stop_ids.clone(),
+        };
+        let mut stop = StopCondition::new(eos_ids, self.stop_strings.to_vec())?;
         let mut decoder = self.tokenizer.stream_decoder(true);
         let mut text = String::new();
         let mut finish = FinishReason::MaxTokens;
@@ -154,6 +206,7 @@ impl TextGeneration<'_> {
 /// `token`'s log-probability under `logits` and the `top` most likely
 /// tokens'.
 fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+    let top = top.min(logits.len());
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let log_sum = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
     let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
@@ -173,16 +226,22 @@ fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
     }
 }
 
-/// A prompt and how to continue it, for [`complete`].
+/// A prompt and how to continue it, for [`complete`]. [`Completion::new`]
+/// is greedy, as plain text, with no stop strings.
 #[derive(Clone, Debug)]
 pub struct Completion {
+    /// The text to continue.
     pub prompt: String,
     /// Wrap the prompt in the model's chat template as a user message
     /// (after `system`, if given).
     pub chat: bool,
+    /// A system message before the prompt, with `chat`.
     pub system: Option<String>,
+    /// Most tokens to generate.
     pub max_tokens: usize,
+    /// How tokens are chosen.
     pub sampling: SamplerConfig,
+    /// Texts that end the completion (left out of its text).
     pub stop: Vec<String>,
 }
 
@@ -206,16 +265,25 @@ impl Completion {
 /// Prompt in, text out: tokenizes the prompt (through the chat template
 /// when asked), prefills it in a new session of `model` and generates.
 ///
-/// ```no_run
+/// ```
 /// use std::sync::Arc;
-/// use moeflux::text::{Completion, complete};
+/// use moeflux::text::{Completion, FinishReason, complete};
 /// use moeflux::{Model, ModelOptions};
 ///
 /// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
 /// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
-/// let mut request = Completion::new("It is a truth universally acknowledged,", 20);
+/// let mut request = Completion::new("It is a truth universally acknowledged,", 12);
 /// request.stop.push(".".into());
-/// println!("{}", complete(&model, &request)?.text);
+/// let out = complete(&model, &request)?;
+/// println!("{}", out.text);
+/// assert!(out.tokens.len() <= 12 && !out.text.contains('.'));
+///
+/// // The same prompt as a chat message, through the model's chat template.
+/// let mut chat = Completion::new("What should a young lady do at a ball?", 6);
+/// chat.chat = true;
+/// let answer = complete(&model, &chat)?;
+/// assert!(answer.tokens.len() <= 6);
+/// # let _ = FinishReason::MaxTokens;
 /// # Ok::<(), moeflux::Error>(())
 /// ```
 pub fn complete<B: Backend>(model: &Arc<Model<B>>, request: &Completion) -> Result<Generated> {
@@ -250,6 +318,7 @@ pub fn complete<B: Backend>(model: &Arc<Model<B>>, request: &Completion) -> Resu
         max_tokens: request.max_tokens,
         interrupt: None,
         logprobs: None,
+        ignore_eos: false,
     }
     .run(&mut session, &mut |_| Ok(()))
 }
