@@ -333,8 +333,8 @@ fn describe<B: Backend>(model: &Model<B>, dir: &std::path::Path, options: &Model
         human_bytes(experts.cache_budget()),
         human_bytes(manifest.expert_bytes()),
         match experts.cache_policy() {
-            CachePolicy::Lfu => "least frequently used out",
-            CachePolicy::Lru => "least recently used out",
+            CachePolicy::Lfu => "LFU",
+            CachePolicy::Lru => "LRU",
         },
         if experts.direct_io() {
             "direct"
