@@ -3,8 +3,7 @@
 //! bandwidth, disk read bandwidth at the expert-blob size), so every figure
 //! says how close to the hardware it is.
 
-use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
@@ -312,18 +311,15 @@ pub fn weight_bytes_per_token<B: Backend>(model: &Model<B>) -> u64 {
 
 /// Disk read bandwidth in GB/s for random reads of one expert blob each,
 /// as many at once as the engine issues, bypassing the page cache where
-/// the file system allows (`O_DIRECT`). `None` for a model without experts.
+/// the system allows (`O_DIRECT`, `F_NOCACHE`). `None` for a model
+/// without experts.
 pub fn disk_read_bandwidth<B: Backend>(model: &Model<B>) -> Result<Option<f64>> {
     let manifest = model.dir().manifest();
     let Some(layer) = manifest.experts.iter().max_by_key(|e| e.num_experts) else {
         return Ok(None);
     };
     let path = model.dir().path_of(&layer.file)?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&path)
-        .or_else(|_| File::open(&path))
+    let file = crate::platform::open_uncached(&path)
         .map_err(|e| Error::io(&path, "opening for the disk benchmark", e))?;
     let block = layer.stride as usize;
     let reads = layer.num_experts.clamp(16, 256);
@@ -355,10 +351,8 @@ pub fn disk_read_bandwidth<B: Backend>(model: &Model<B>) -> Result<Option<f64>> 
     ))
 }
 
-/// The process's peak resident set size (Linux `VmHWM`).
+/// The process's peak resident set size in bytes (Linux `VmHWM`, macOS
+/// `getrusage`).
 pub fn peak_rss() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::platform::peak_rss()
 }

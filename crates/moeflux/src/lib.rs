@@ -28,6 +28,7 @@ pub mod experts;
 pub mod format;
 pub mod model;
 pub mod perplexity;
+mod platform;
 pub mod quant;
 pub mod sampling;
 pub mod synth;

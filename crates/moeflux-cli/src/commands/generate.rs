@@ -249,7 +249,7 @@ fn generate<B: Backend>(
     let outcome = match prefilled {
         Ok(()) => run_generation(&mut session, args, &mut prepared, interrupt),
         Err(moeflux::Error::Interrupted) => Ok(Outcome::interrupted_prefill()),
-        Err(e) => Err(e.into()),
+        Err(e) => Err(e),
     };
     interrupt.end();
     let outcome = outcome?;

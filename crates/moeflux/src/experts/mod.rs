@@ -12,7 +12,7 @@ mod cache;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -41,7 +41,7 @@ pub enum IoMode {
     /// Direct when the experts exceed 3/4 of physical memory, else buffered.
     #[default]
     Auto,
-    /// `O_DIRECT`: no page cache.
+    /// No page cache (`O_DIRECT` on Linux, `F_NOCACHE` on macOS).
     Direct,
     /// Through the page cache.
     Buffered,
@@ -631,18 +631,10 @@ impl Shared {
 
 fn open_layer(dir: &ModelDir, entry: &ExpertLayerEntry, direct: bool) -> Result<LayerFile> {
     let path = dir.path_of(&entry.file)?;
-    let mut options = std::fs::OpenOptions::new();
-    options.read(true);
-    // Some file systems (tmpfs) refuse O_DIRECT; they have no disk to
-    // bypass, so a buffered open serves the same purpose there.
     let file = if direct {
-        options
-            .clone()
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)
-            .or_else(|_| options.open(&path))
+        crate::platform::open_uncached(&path)
     } else {
-        options.open(&path)
+        File::open(&path)
     }
     .map_err(|e| Error::io(&path, "opening expert file", e))?;
     let matrix =
@@ -666,19 +658,13 @@ fn open_layer(dir: &ModelDir, entry: &ExpertLayerEntry, direct: bool) -> Result<
     })
 }
 
-/// Physical memory (Linux `MemTotal`).
+/// Physical memory in bytes (Linux `MemTotal`, macOS `hw.memsize`).
 pub fn physical_memory() -> Option<u64> {
-    meminfo("MemTotal:")
+    crate::platform::physical_memory()
 }
 
-/// Memory available to new allocations (Linux `MemAvailable`).
+/// Memory available to new allocations in bytes (Linux `MemAvailable`,
+/// macOS free and inactive pages).
 pub fn available_memory() -> Option<u64> {
-    meminfo("MemAvailable:")
-}
-
-fn meminfo(key: &str) -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with(key))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    crate::platform::available_memory()
 }
