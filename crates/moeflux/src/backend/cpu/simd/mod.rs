@@ -476,7 +476,7 @@ fn sum(x: &[f32]) -> f32 {
 /// ones, four NEON ones.
 const DOT_LANES: usize = 16;
 
-/// f32 dot product with [`DOT_LANES`] partial sums added in a fixed order,
+/// f32 dot product with `DOT_LANES` partial sums added in a fixed order,
 /// so any vector width gives the same result.
 #[inline(always)]
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
@@ -649,6 +649,7 @@ macro_rules! with_tile {
     };
 }
 // By path, for the AVX-512 int8 driver (declared above the macro).
+#[cfg(target_arch = "x86_64")]
 use with_tile;
 
 /// The tiles of a block of `rows` rows: `max_rows` rows at a time taken
@@ -896,6 +897,14 @@ mod tests {
                 assert_eq!(got.to_bits(), plain.to_bits(), "{isa:?} len {len}");
             }
         }
+    }
+
+    /// NEON is baseline on aarch64, so there the kernel tests (here and in
+    /// `linear`) run its kernels, not only the scalar ones.
+    #[cfg(target_arch = "aarch64")]
+    #[test]
+    fn neon_is_the_first_choice_on_aarch64() {
+        assert_eq!(Isa::available(), [Isa::Neon, Isa::Scalar]);
     }
 
     #[test]

@@ -92,10 +92,12 @@ impl Kernels for Neon {
                     };
                     let (count, width) = if BITS == 4 { (2, 16) } else { (1, 8) };
                     for (p, part) in parts.iter().enumerate().take(count) {
-                        for half in 0..2 {
-                            let wv = std::array::from_fn(|r| part[r][half]);
+                        // The part's 8 weights of every row, 4 at a time.
+                        let halves: [[float32x4_t; R]; 2] =
+                            std::array::from_fn(|h| part.map(|row| row[h]));
+                        for (half, wv) in halves.iter().enumerate() {
                             let at = xg.add(k * width + p * 8 + half * 4);
-                            accumulate::<R, T>(&mut acc, &wv, at, cols);
+                            accumulate::<R, T>(&mut acc, wv, at, cols);
                         }
                     }
                 }
