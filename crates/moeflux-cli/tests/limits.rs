@@ -336,7 +336,33 @@ fn options_are_checked_before_the_weights_are_read() {
     // Each of these fails before the model is loaded, so the load's
     // message (the expert cache line) never appears.
     let tmp = tempfile::tempdir().unwrap();
+    // A model without a tokenizer: text prompts are refused before loading.
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_moe/hf");
+    let untokenized = tmp.path().join("no-tokenizer");
+    moeflux()
+        .arg("convert")
+        .arg(&fixture)
+        .arg("-o")
+        .arg(&untokenized)
+        .assert()
+        .success();
+    let model = untokenized.display().to_string();
     let cases: Vec<Vec<String>> = vec![
+        vec![
+            "generate".into(),
+            "-m".into(),
+            model.clone(),
+            "-p".into(),
+            "x".into(),
+        ],
+        vec!["chat".into(), "-m".into(), model.clone()],
+        vec![
+            "perplexity".into(),
+            "-m".into(),
+            model,
+            "-f".into(),
+            "-".into(),
+        ],
         vec![
             "generate".into(),
             "-p".into(),
