@@ -7,12 +7,14 @@
 //! Any number of processes may ask for it at once: one converts, the
 //! others wait for it and use its result.
 //!
-//! ```no_run
+//! ```
 //! use std::sync::Arc;
 //! use moeflux::{Model, ModelOptions};
 //!
 //! let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
 //! let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+//! let new = model.generate_greedy(&[1, 2, 3], 3)?;
+//! assert_eq!(new.len(), 3);
 //! # Ok::<(), moeflux::Error>(())
 //! ```
 
@@ -64,6 +66,13 @@ pub fn cached_dir() -> PathBuf {
 /// The converted bundled model's directory, converting it first if no
 /// process has yet. `progress` shows the conversion and receives a note
 /// when it starts or has to wait for another process.
+///
+/// ```
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// assert_eq!(dir, moeflux::bundled::cached_dir());
+/// assert!(dir.join("tokenizer.json").is_file());
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 pub fn model_dir(progress: &dyn Progress) -> Result<PathBuf> {
     let dir = cached_dir();
     let ready = || dir.join(MANIFEST_FILE).is_file();

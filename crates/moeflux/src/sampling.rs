@@ -21,6 +21,28 @@ use crate::text::{GENERATION_CONFIG_FILE, read_json_if_present};
 
 /// How the next token is chosen. Each filter's "off" value leaves the
 /// distribution as it is.
+///
+/// [`Default`] is greedy; set a temperature to sample. A model's own
+/// settings come from [`SamplerConfig::from_generation_config`]:
+///
+/// ```
+/// use moeflux::sampling::SamplerConfig;
+///
+/// let config = SamplerConfig {
+///     temperature: 0.8,
+///     top_p: 0.95,
+///     seed: Some(42),
+///     ..SamplerConfig::default()
+/// };
+/// assert!(config.validate().is_ok() && !config.is_greedy());
+/// assert!(SamplerConfig::default().is_greedy());
+///
+/// // The bundled model's generation_config.json: do_sample, temperature 0.7.
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model_defaults = SamplerConfig::from_generation_config(&dir)?;
+/// assert_eq!(model_defaults.temperature, 0.7);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplerConfig {
     /// Divides the logits; 0 picks the most likely token (greedy).
@@ -169,6 +191,35 @@ impl SamplerConfig {
 }
 
 /// Picks next tokens; seeded, so a run repeats exactly with the same seed.
+///
+/// [`Sampler::sample`] fits [`Session::generate`]'s `pick` argument.
+///
+/// ```
+/// use moeflux::sampling::{Sampler, SamplerConfig};
+///
+/// let logits = [0.5, 3.0, 1.0, -2.0];
+/// let mut greedy = Sampler::new(SamplerConfig::default())?;
+/// assert_eq!(greedy.sample(&logits, &[], &[])?, 1);
+///
+/// // top-k 2: only ids 1 and 2 can be drawn.
+/// let config = SamplerConfig {
+///     temperature: 1.0,
+///     top_k: 2,
+///     seed: Some(7),
+///     ..SamplerConfig::default()
+/// };
+/// let mut sampler = Sampler::new(config.clone())?;
+/// let mut again = Sampler::new(config)?;
+/// for _ in 0..20 {
+///     let id = sampler.sample(&logits, &[], &[])?;
+///     assert!(id == 1 || id == 2);
+///     // The same seed draws the same tokens.
+///     assert_eq!(again.sample(&logits, &[], &[])?, id);
+/// }
+/// # Ok::<(), moeflux::Error>(())
+/// ```
+///
+/// [`Session::generate`]: crate::Session::generate
 pub struct Sampler {
     config: SamplerConfig,
     seed: u64,
@@ -177,6 +228,8 @@ pub struct Sampler {
 }
 
 impl Sampler {
+    /// A sampler for `config`, once its ranges are checked
+    /// ([`SamplerConfig::validate`]).
     pub fn new(config: SamplerConfig) -> Result<Sampler> {
         config.validate()?;
         let seed = config.seed.unwrap_or_else(rand::random);
@@ -187,6 +240,7 @@ impl Sampler {
         })
     }
 
+    /// The settings in use.
     pub fn config(&self) -> &SamplerConfig {
         &self.config
     }
@@ -353,6 +407,8 @@ pub struct StopStep {
 }
 
 impl StopCondition {
+    /// Stops on any of `eos_ids` or on any of `stop_strings` (none may be
+    /// empty).
     pub fn new(eos_ids: Vec<u32>, stop_strings: Vec<String>) -> Result<StopCondition> {
         if stop_strings.iter().any(String::is_empty) {
             return Err(Error::invalid(

@@ -1,7 +1,7 @@
 //! Architectures: how each model family's `config.json` reads into a
 //! [`ModelConfig`] and how its checkpoint tensors map onto moeflux's
 //! canonical tensors. The forward pass itself is shared
-//! ([`crate::model::decoder`]) and driven by the config.
+//! ([`crate::blocks::decoder`]) and driven by the config.
 
 mod qwen3_moe;
 mod qwen3_next;

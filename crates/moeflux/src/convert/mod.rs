@@ -55,6 +55,7 @@ pub trait TensorSource: Sync {
     }
 }
 
+/// How [`convert`] writes the model.
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
     /// `Q4`, `Q8` or `Bf16`.
@@ -89,10 +90,15 @@ impl ConvertOptions {
 /// What a conversion produced.
 #[derive(Debug)]
 pub struct ConvertSummary {
+    /// The model's configuration as moeflux reads it.
     pub config: ModelConfig,
+    /// Tensors written.
     pub tensors: usize,
+    /// Layers with routed experts.
     pub moe_layers: usize,
+    /// Bytes of the dense file.
     pub dense_bytes: u64,
+    /// Bytes of all expert files.
     pub expert_bytes: u64,
     /// Checkpoint tensors left out on purpose, with the reason.
     pub skipped: Vec<(String, &'static str)>,
@@ -100,6 +106,36 @@ pub struct ConvertSummary {
     pub unknown: Vec<String>,
 }
 
+/// Converts the Hugging Face checkpoint folder `input` (`config.json`,
+/// `*.safetensors`, tokenizer files if any) into a model directory at
+/// `output` that [`Model::open`] reads, quantized as `options` says. The
+/// output is staged beside `output`, verified, then renamed into place; an
+/// existing `output` is refused unless `options.overwrite` allows
+/// replacing it.
+///
+/// ```
+/// use moeflux::convert::{ConvertOptions, convert};
+/// use moeflux::quant::DType;
+/// use moeflux::{Model, ModelOptions};
+/// use std::path::Path;
+///
+/// let input = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/qwen3_moe/hf"));
+/// let temp = tempfile::tempdir().unwrap();
+/// let output = temp.path().join("model");
+///
+/// let options = ConvertOptions {
+///     quant: DType::Q8,
+///     ..ConvertOptions::default()
+/// };
+/// let summary = convert(input, &output, &options, &moeflux::util::NoProgress)?;
+/// assert!(summary.moe_layers > 0 && summary.expert_bytes > 0);
+///
+/// let model = Model::open(&output, &ModelOptions::default())?;
+/// assert_eq!(model.config().vocab_size, summary.config.vocab_size);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
+///
+/// [`Model::open`]: crate::Model::open
 pub fn convert(
     input: &Path,
     output: &Path,

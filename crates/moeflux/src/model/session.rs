@@ -19,6 +19,22 @@ use crate::backend::cpu::CpuBackend;
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
 
+/// How [`Session::new`] sets up a session.
+///
+/// ```
+/// use std::sync::Arc;
+/// use moeflux::{Model, ModelOptions, Session, SessionOptions};
+///
+/// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+/// let options = SessionOptions {
+///     context: Some(256),
+///     ..SessionOptions::default()
+/// };
+/// let session = Session::new(model.clone(), options);
+/// assert_eq!(session.capacity(), 256);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 #[derive(Clone, Debug)]
 pub struct SessionOptions {
     /// Most positions the session may hold; `None` means the model's
@@ -49,6 +65,30 @@ struct Checkpoint<B: Backend> {
     used: u64,
 }
 
+/// One token sequence run through a [`Model`]: its tokens, KV caches,
+/// linear-attention states and the logits predicting the next token.
+///
+/// [`prefill`](Session::prefill) appends a prompt,
+/// [`decode`](Session::decode) one token, [`generate`](Session::generate)
+/// continues with tokens a function picks. A session can go back:
+/// [`truncate`](Session::truncate) to any earlier position,
+/// [`restore_to`](Session::restore_to) to a [`checkpoint`](Session::checkpoint);
+/// and its whole state can be saved and loaded
+/// ([`save_state`](Session::save_state), [`load_state`](Session::load_state)).
+///
+/// ```
+/// use std::sync::Arc;
+/// use moeflux::{Model, ModelOptions};
+///
+/// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+/// let mut session = model.session();
+/// let logits = session.prefill(&[10, 20, 30])?;
+/// let next = moeflux::model::argmax(&logits);
+/// session.decode(next)?;
+/// assert_eq!(session.tokens(), &[10, 20, 30, next]);
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 pub struct Session<B: Backend = CpuBackend> {
     model: Arc<Model<B>>,
     layers: Vec<LayerState<B>>,
@@ -64,6 +104,8 @@ pub struct Session<B: Backend = CpuBackend> {
 }
 
 impl<B: Backend> Session<B> {
+    /// A new, empty session of `model` ([`Model::session`] with default
+    /// options). The context is `options.context`, at most the model's.
     pub fn new(model: Arc<Model<B>>, options: SessionOptions) -> Self {
         let context = model.config().max_position_embeddings;
         Session {
@@ -80,6 +122,7 @@ impl<B: Backend> Session<B> {
         }
     }
 
+    /// The model the session runs.
     pub fn model(&self) -> &Arc<Model<B>> {
         &self.model
     }
@@ -181,12 +224,43 @@ impl<B: Backend> Session<B> {
         }
     }
 
-    /// Appends a prompt; returns the logits after its last token.
+    /// Appends a prompt (at least one token, all within the vocabulary and
+    /// the context); returns the logits after its last token, which predict
+    /// the next.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// let logits = session.prefill(&[1, 2, 3, 4])?;
+    /// assert_eq!(logits.len(), model.config().vocab_size);
+    /// assert_eq!(session.position(), 4);
+    /// assert!(session.prefill(&[]).is_err());
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         Ok(self.forward(tokens, LogitsWanted::Last)?.data)
     }
 
     /// Appends one token; returns the logits predicting the next.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// use moeflux::model::argmax;
+    ///
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// let mut logits = session.prefill(&[1, 2, 3])?;
+    /// for _ in 0..3 {
+    ///     logits = session.decode(argmax(&logits))?;
+    /// }
+    /// assert_eq!(session.position(), 6);
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
         self.prefill(&[token])
     }
@@ -198,6 +272,31 @@ impl<B: Backend> Session<B> {
     /// (so the session always ends with the logits of what comes next) and
     /// passed to `on_token`, which can stop generation. Returns the new
     /// tokens.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// use std::ops::ControlFlow;
+    /// use moeflux::model::argmax;
+    ///
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// session.prefill(&[1, 2, 3])?;
+    /// // Greedy, stopping after the second token.
+    /// let mut seen = 0;
+    /// let new = session.generate(
+    ///     10,
+    ///     |logits, _prompt, _generated| Ok(argmax(logits)),
+    ///     |_token| {
+    ///         seen += 1;
+    ///         Ok(if seen == 2 { ControlFlow::Break(()) } else { ControlFlow::Continue(()) })
+    ///     },
+    /// )?;
+    /// assert_eq!(new.len(), 2);
+    /// assert_eq!(session.position(), 5);
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn generate(
         &mut self,
         max_new_tokens: usize,
@@ -241,7 +340,12 @@ impl<B: Backend> Session<B> {
         let chunks: Vec<&[u32]> = tokens.chunks(self.model.prefill_chunk).collect();
         let mut data = Vec::new();
         for (i, chunk) in chunks.iter().enumerate() {
-            if i > 0 && self.interrupt.as_ref().is_some_and(|f| f.load(Ordering::Relaxed)) {
+            if i > 0
+                && self
+                    .interrupt
+                    .as_ref()
+                    .is_some_and(|f| f.load(Ordering::Relaxed))
+            {
                 self.logits = None;
                 return Err(Error::Interrupted);
             }
@@ -270,7 +374,29 @@ impl<B: Backend> Session<B> {
     }
 
     /// Stores a checkpoint at the current position and returns it. The
-    /// empty state (position 0) needs none.
+    /// empty state (position 0) needs none. At most
+    /// [`SessionOptions::max_checkpoints`] are kept.
+    ///
+    /// Checkpoint a shared prefix (a system prompt, say) to go back to it
+    /// with [`Session::restore_to`] without running it again:
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// let after_prefix = session.prefill(&[1, 2, 3])?;
+    /// let prefix = session.checkpoint();
+    /// assert_eq!(prefix, 3);
+    /// assert_eq!(session.checkpoints(), vec![3]);
+    ///
+    /// session.prefill(&[4, 5])?;
+    /// session.restore_to(prefix)?;
+    /// assert_eq!(session.tokens(), &[1, 2, 3]);
+    /// assert_eq!(session.last_logits(), Some(after_prefix.as_slice()));
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn checkpoint(&mut self) -> usize {
         let position = self.position();
         if position == 0 {
@@ -323,7 +449,28 @@ impl<B: Backend> Session<B> {
 
     /// Returns to a checkpointed position (0 always works; a model without
     /// linear attention can return to any earlier position). Checkpoints
-    /// after it are dropped.
+    /// after it are dropped. Elsewhere it fails and leaves the session as
+    /// it was; [`Session::truncate`] goes to any position.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// session.prefill(&[1, 2])?;
+    /// let at = session.checkpoint();
+    /// session.prefill(&[3, 4, 5])?;
+    ///
+    /// // The bundled model has linear-attention layers: only a checkpoint
+    /// // (or the empty state) can be restored.
+    /// assert!(session.restore_to(4).is_err());
+    /// session.restore_to(at)?;
+    /// assert_eq!(session.position(), 2);
+    /// session.restore_to(0)?;
+    /// assert!(session.tokens().is_empty());
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn restore_to(&mut self, position: usize) -> Result<()> {
         self.check_position(position)?;
         let exact = position == 0 || self.checkpoints.iter().any(|c| c.position == position);
@@ -347,7 +494,24 @@ impl<B: Backend> Session<B> {
     }
 
     /// Removes every position at or after `position`, as if only the first
-    /// `position` tokens had been given.
+    /// `position` tokens had been given. Exact for any position: KV caches
+    /// are cut, and linear-attention states are rebuilt from the nearest
+    /// checkpoint at or before it by running the tokens in between again.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// let expected = session.prefill(&[1, 2, 3])?;
+    /// session.prefill(&[4, 5, 6])?;
+    ///
+    /// session.truncate(3)?;
+    /// assert_eq!(session.tokens(), &[1, 2, 3]);
+    /// assert_eq!(session.last_logits(), Some(expected.as_slice()));
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn truncate(&mut self, position: usize) -> Result<()> {
         self.check_position(position)?;
         if position < self.position() {
@@ -466,6 +630,25 @@ impl<B: Backend> Session<B> {
 
     /// The session's tokens, KV caches, linear-attention states and last
     /// logits, as bytes (versioned, checksummed, tied to this model).
+    /// [`Session::load_state`] puts them into a session of the same model.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// use std::path::Path;
+    ///
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// session.prefill(&[1, 2, 3])?;
+    /// let saved = session.save_state();
+    ///
+    /// let mut other = model.session();
+    /// other.load_state(&saved, Path::new("<memory>"))?;
+    /// assert_eq!(other.tokens(), session.tokens());
+    /// assert_eq!(other.last_logits(), session.last_logits());
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn save_state(&self) -> Vec<u8> {
         state::encode(
             &self.model,
@@ -480,9 +663,32 @@ impl<B: Backend> Session<B> {
         crate::convert::write_atomic(path, &self.save_state())
     }
 
-    /// Replaces the session's state with a saved one. Checkpoints are
-    /// dropped. A state saved from another model, or damaged, is refused
-    /// and the session left as it was.
+    /// Replaces the session's state with a saved one
+    /// ([`Session::save_state`]); `source` names where the bytes came from,
+    /// in errors. Checkpoints are dropped. A state saved from another
+    /// model, or damaged, is refused and the session left as it was.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use moeflux::{Model, ModelOptions};
+    /// use std::path::Path;
+    ///
+    /// # let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+    /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
+    /// let mut session = model.session();
+    /// session.prefill(&[1, 2, 3])?;
+    /// let mut saved = session.save_state();
+    ///
+    /// let mut other = model.session();
+    /// other.load_state(&saved, Path::new("<memory>"))?;
+    /// assert_eq!(other.position(), 3);
+    ///
+    /// let last = saved.len() - 1;
+    /// saved[last] ^= 1;
+    /// assert!(other.load_state(&saved, Path::new("<memory>")).is_err());
+    /// assert_eq!(other.position(), 3);
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn load_state(&mut self, bytes: &[u8], source: &Path) -> Result<()> {
         let loaded = state::decode(&self.model, bytes, source)?;
         if loaded.tokens.len() > self.capacity {
@@ -504,6 +710,8 @@ impl<B: Backend> Session<B> {
         Ok(())
     }
 
+    /// Reads a file written by [`Session::save_state_file`] into the
+    /// session, as [`Session::load_state`] does.
     pub fn load_state_file(&mut self, path: &Path) -> Result<()> {
         let bytes = std::fs::read(path).map_err(|e| Error::io(path, "reading session state", e))?;
         self.load_state(&bytes, path)

@@ -37,6 +37,7 @@ pub struct ChatMessage {
 }
 
 impl ChatMessage {
+    /// A message of any role.
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
         ChatMessage {
             role: role.into(),
@@ -44,14 +45,17 @@ impl ChatMessage {
         }
     }
 
+    /// A `system` message.
     pub fn system(content: impl Into<String>) -> Self {
         ChatMessage::new("system", content)
     }
 
+    /// A `user` message.
     pub fn user(content: impl Into<String>) -> Self {
         ChatMessage::new("user", content)
     }
 
+    /// An `assistant` message.
     pub fn assistant(content: impl Into<String>) -> Self {
         ChatMessage::new("assistant", content)
     }
@@ -68,6 +72,29 @@ pub struct ChatOptions {
 }
 
 /// A compiled chat template.
+///
+/// ```
+/// use moeflux::text::{ChatMessage, ChatOptions, ChatTemplate, Tokenizer};
+///
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let tokenizer = Tokenizer::from_dir(&dir)?;
+/// let template = ChatTemplate::from_dir(&dir, tokenizer.special_tokens(), None)?;
+///
+/// let messages = [ChatMessage::user("Tell me about Mr. Knightley.")];
+/// let options = ChatOptions {
+///     add_generation_prompt: true,
+///     ..ChatOptions::default()
+/// };
+/// let prompt = template.render(&messages, &options)?;
+/// assert_eq!(
+///     prompt,
+///     "<|im_start|>user\nTell me about Mr. Knightley.<|im_end|>\n<|im_start|>assistant\n"
+/// );
+/// // The rendered text holds its special tokens already.
+/// let ids = tokenizer.encode(&prompt, false)?;
+/// # assert!(!ids.is_empty());
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 pub struct ChatTemplate {
     env: Environment<'static>,
     /// The file the template came from, for errors.

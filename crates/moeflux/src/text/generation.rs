@@ -267,7 +267,7 @@ impl Completion {
 ///
 /// ```
 /// use std::sync::Arc;
-/// use moeflux::text::{Completion, FinishReason, complete};
+/// use moeflux::text::{Completion, complete};
 /// use moeflux::{Model, ModelOptions};
 ///
 /// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
@@ -283,7 +283,6 @@ impl Completion {
 /// chat.chat = true;
 /// let answer = complete(&model, &chat)?;
 /// assert!(answer.tokens.len() <= 6);
-/// # let _ = FinishReason::MaxTokens;
 /// # Ok::<(), moeflux::Error>(())
 /// ```
 pub fn complete<B: Backend>(model: &Arc<Model<B>>, request: &Completion) -> Result<Generated> {

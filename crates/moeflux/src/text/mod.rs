@@ -18,9 +18,7 @@ mod stream;
 mod tokenizer;
 
 pub use chat::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, ChatMessage, ChatOptions, ChatTemplate};
-pub use generation::{
-    Completion, FinishReason, Generated, TextGeneration, TokenLogprob, complete,
-};
+pub use generation::{Completion, FinishReason, Generated, TextGeneration, TokenLogprob, complete};
 pub use stream::StreamDecoder;
 pub(crate) use tokenizer::read_json_if_present;
 pub use tokenizer::{

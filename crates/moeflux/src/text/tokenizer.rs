@@ -49,6 +49,26 @@ pub struct SpecialTokens {
 
 /// A Hugging Face tokenizer loaded from `tokenizer.json`, with the special
 /// tokens of its model directory.
+///
+/// Conversion copies the tokenizer files into the model directory, so the
+/// directory [`Model::open`](crate::Model::open) takes also gives the
+/// tokenizer:
+///
+/// ```
+/// use moeflux::text::Tokenizer;
+///
+/// let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress)?;
+/// let tokenizer = Tokenizer::from_dir(&dir)?;
+///
+/// let ids = tokenizer.encode("Pride and Prejudice", false)?;
+/// assert!(!ids.is_empty());
+/// assert_eq!(tokenizer.decode(&ids, false)?, "Pride and Prejudice");
+///
+/// let end = tokenizer.special_tokens().eos.as_ref().unwrap();
+/// assert_eq!(end.text, "<|im_end|>");
+/// assert_eq!(tokenizer.token_to_id("<|im_end|>"), Some(end.id));
+/// # Ok::<(), moeflux::Error>(())
+/// ```
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     path: PathBuf,
@@ -102,6 +122,8 @@ impl Tokenizer {
         &self.path
     }
 
+    /// BOS, EOS, padding, the ids that end generation, and the named
+    /// tokens chat templates read.
     pub fn special_tokens(&self) -> &SpecialTokens {
         &self.special
     }
@@ -111,10 +133,13 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// The id of a token written as in the vocabulary (`<|im_end|>`).
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
     }
 
+    /// The vocabulary entry of `id` (not decoded: byte-level tokens show
+    /// their byte symbols).
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         self.inner.id_to_token(id)
     }

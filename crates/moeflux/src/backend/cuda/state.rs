@@ -18,7 +18,7 @@ const MIN_KV_POSITIONS: usize = 256;
 /// kv_heads·head_dim]` of which the first `len` rows are valid.
 ///
 /// Growth: when an append does not fit, the capacity at least doubles (to
-/// at least [`MIN_KV_POSITIONS`]) and the valid rows move to the new
+/// at least `MIN_KV_POSITIONS`) and the valid rows move to the new
 /// buffers, so appending one token at a time costs amortised O(1) copies.
 /// Truncation keeps the capacity: a session that rewinds and grows again
 /// reuses it.
