@@ -286,16 +286,12 @@ fn answer<B: Backend>(
     interrupt: &Interrupt,
     out: &mut dyn Write,
 ) -> moeflux::Result<moeflux::text::Generated> {
-    TextGeneration {
-        tokenizer: &prepared.tokenizer,
-        sampler: &mut prepared.sampler,
-        stop_strings: &args.sampling.stop,
-        max_tokens: args.max_tokens,
-        interrupt: Some(interrupt.flag()),
-        logprobs: None,
-        ignore_eos: args.sampling.ignore_eos,
-    }
-    .run(session, &mut |piece| {
+    let mut generation =
+        TextGeneration::new(&prepared.tokenizer, &mut prepared.sampler, args.max_tokens);
+    generation.stop_strings = &args.sampling.stop;
+    generation.interrupt = Some(interrupt.flag());
+    generation.ignore_eos = args.sampling.ignore_eos;
+    generation.run(session, &mut |piece| {
         out.write_all(piece.as_bytes())
             .and_then(|()| out.flush())
             .map_err(|e| moeflux::Error::invalid("standard output", e.to_string()))

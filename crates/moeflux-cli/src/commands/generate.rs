@@ -314,16 +314,12 @@ fn run_generation<B: Backend>(
         Some(tok) if !args.print_token_ids => {
             let mut stdout = std::io::stdout().lock();
             let stream = !args.json;
-            let generated = TextGeneration {
-                tokenizer: tok,
-                sampler: &mut prepared.sampler,
-                stop_strings: &args.sampling.stop,
-                max_tokens: args.max_tokens,
-                interrupt: Some(interrupt.flag()),
-                logprobs: args.logprobs,
-                ignore_eos: args.sampling.ignore_eos,
-            }
-            .run(session, &mut |piece| {
+            let mut generation = TextGeneration::new(tok, &mut prepared.sampler, args.max_tokens);
+            generation.stop_strings = &args.sampling.stop;
+            generation.interrupt = Some(interrupt.flag());
+            generation.logprobs = args.logprobs;
+            generation.ignore_eos = args.sampling.ignore_eos;
+            let generated = generation.run(session, &mut |piece| {
                 if stream {
                     stdout
                         .write_all(piece.as_bytes())

@@ -370,13 +370,10 @@ pub fn new_session<B: Backend>(
             human_bytes(context as u64 * model.kv_bytes_per_position())
         );
     }
-    Session::new(
-        model.clone(),
-        SessionOptions {
-            context: Some(context),
-            ..SessionOptions::default()
-        },
-    )
+    model.session_with(SessionOptions {
+        context: Some(context),
+        ..SessionOptions::default()
+    })
 }
 
 /// Sampling and stopping, with the model's `generation_config.json` as the

@@ -354,6 +354,12 @@ impl<B: Backend> Model<B> {
         Session::new(self.clone(), SessionOptions::default())
     }
 
+    /// A new, empty session with `options` (its context, the checkpoints
+    /// it keeps).
+    pub fn session_with(self: &Arc<Self>, options: SessionOptions) -> Session<B> {
+        Session::new(self.clone(), options)
+    }
+
     fn has_linear_layers(&self) -> bool {
         self.config()
             .layers

@@ -91,16 +91,9 @@ pub struct Generated {
 /// let mut session = model.session();
 /// session.prefill(&tokenizer.encode("Emma Woodhouse, handsome, clever, and rich,", true)?)?;
 /// let mut streamed = String::new();
-/// let generated = TextGeneration {
-///     tokenizer: &tokenizer,
-///     sampler: &mut sampler,
-///     stop_strings: &[],
-///     max_tokens: 6,
-///     interrupt: None,
-///     logprobs: Some(2),
-///     ignore_eos: false,
-/// }
-/// .run(&mut session, &mut |piece| {
+/// let mut generation = TextGeneration::new(&tokenizer, &mut sampler, 6);
+/// generation.logprobs = Some(2);
+/// let generated = generation.run(&mut session, &mut |piece| {
 ///     streamed.push_str(piece);
 ///     Ok(())
 /// })?;
@@ -112,6 +105,7 @@ pub struct Generated {
 /// }
 /// # Ok::<(), moeflux::Error>(())
 /// ```
+#[non_exhaustive]
 pub struct TextGeneration<'a> {
     /// Decodes the generated ids; its stop ids end the generation.
     pub tokenizer: &'a Tokenizer,
@@ -131,7 +125,22 @@ pub struct TextGeneration<'a> {
     pub ignore_eos: bool,
 }
 
-impl TextGeneration<'_> {
+impl<'a> TextGeneration<'a> {
+    /// Up to `max_tokens` tokens picked by `sampler`, ended by the
+    /// tokenizer's end-of-text tokens; no stop strings, interruption or
+    /// log-probabilities until their fields are set.
+    pub fn new(tokenizer: &'a Tokenizer, sampler: &'a mut Sampler, max_tokens: usize) -> Self {
+        TextGeneration {
+            tokenizer,
+            sampler,
+            stop_strings: &[],
+            max_tokens,
+            interrupt: None,
+            logprobs: None,
+            ignore_eos: false,
+        }
+    }
+
     /// Generates from the session's current state (which must hold at
     /// least one token), handing each new piece of text to `on_text`.
     pub fn run<B: Backend>(
@@ -310,14 +319,7 @@ pub fn complete<B: Backend>(model: &Arc<Model<B>>, request: &Completion) -> Resu
     let mut sampler = Sampler::new(request.sampling.clone())?;
     let mut session = model.session();
     session.prefill(&prompt)?;
-    TextGeneration {
-        tokenizer: &tokenizer,
-        sampler: &mut sampler,
-        stop_strings: &request.stop,
-        max_tokens: request.max_tokens,
-        interrupt: None,
-        logprobs: None,
-        ignore_eos: false,
-    }
-    .run(&mut session, &mut |_| Ok(()))
+    let mut generation = TextGeneration::new(&tokenizer, &mut sampler, request.max_tokens);
+    generation.stop_strings = &request.stop;
+    generation.run(&mut session, &mut |_| Ok(()))
 }
