@@ -99,4 +99,7 @@ pub mod util;
 
 pub use config::ModelConfig;
 pub use error::{Error, Result};
-pub use model::{Logits, LogitsWanted, Model, ModelOptions, Session, SessionOptions};
+pub use model::{
+    BatchItem, Logits, LogitsWanted, Model, ModelOptions, Phase, Session, SessionOptions,
+    forward_batch,
+};

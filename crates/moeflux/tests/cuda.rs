@@ -157,6 +157,20 @@ fn greedy_continuation_matches_transformers_generate() {
 }
 
 #[test]
+fn batched_sequences_equal_each_sequence_alone() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        // The bound of prefill against decode: a batch of several decode
+        // tokens runs the many-row kernels a lone decode token does not.
+        common::batch::check_batched_equals_alone(&gpu, &format!("{name} CUDA q4"), 1e-4);
+    }
+}
+
+#[test]
 fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
         return;
@@ -872,13 +886,35 @@ fn elementwise_ops_match_cpu() {
     {
         assert_eq!(gpu.to_host(g), c.data, "split_cols");
     }
-    for n in [1, 3, rows, rows + 2] {
+    let (last, all) = (rows - 1..rows, 0..rows);
+    let gathers: [&[std::ops::Range<usize>]; 4] = [
+        std::slice::from_ref(&last),
+        std::slice::from_ref(&all),
+        &[0..2, 4..7],
+        &[1..1, 2..5, 6..7, 0..1],
+    ];
+    for ranges in gathers {
         assert_eq!(
-            gpu.to_host(&gpu.last_rows(&x_gpu, n)),
-            cpu.last_rows(&x_cpu, n).data,
-            "last_rows {n}"
+            gpu.to_host(&gpu.gather_rows(&x_gpu, ranges)),
+            cpu.gather_rows(&x_cpu, ranges).data,
+            "gather_rows {ranges:?}"
         );
     }
+    let split = [0..2, 2..2, 2..7];
+    let parts_gpu: Vec<_> = split
+        .iter()
+        .map(|r| gpu.gather_rows(&x_gpu, std::slice::from_ref(r)))
+        .collect();
+    let parts_cpu: Vec<_> = split
+        .iter()
+        .map(|r| cpu.gather_rows(&x_cpu, std::slice::from_ref(r)))
+        .collect();
+    assert_eq!(
+        gpu.to_host(&gpu.concat_rows(&parts_gpu)),
+        x_cpu.data,
+        "concat_rows"
+    );
+    assert_eq!(cpu.concat_rows(&parts_cpu).data, x_cpu.data, "concat_rows");
 
     let (mut a_cpu, mut a_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
     cpu.add_assign(&mut a_cpu, &y_cpu);

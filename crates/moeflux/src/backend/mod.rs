@@ -11,6 +11,8 @@ pub mod cuda;
 
 pub use cuda::ExpertCacheStats as DeviceExpertStats;
 
+use std::ops::Range;
+
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 use crate::experts::ExpertStore;
@@ -49,6 +51,14 @@ pub struct GatedDeltaNetParams<'a, B: Backend> {
     pub a_log: &'a B::Weight,
     pub dt_bias: &'a B::Weight,
 }
+
+impl<B: Backend> Clone for GatedDeltaNetParams<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for GatedDeltaNetParams<'_, B> {}
 
 /// A KV cache in host memory (for saving and loading session state).
 pub struct HostKv {
@@ -104,8 +114,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     ) -> Self::LinearState;
 
     fn rows(&self, x: &Self::Tensor) -> usize;
-    /// The last `n` rows of `x`.
-    fn last_rows(&self, x: &Self::Tensor, n: usize) -> Self::Tensor;
+    /// The rows of `x` in `ranges`, one after another (a sequence's rows
+    /// out of a batch; each sequence's last rows for the logits).
+    fn gather_rows(&self, x: &Self::Tensor, ranges: &[Range<usize>]) -> Self::Tensor;
+    /// The rows of `parts`, one tensor after another (every part has the
+    /// same columns).
+    fn concat_rows(&self, parts: &[Self::Tensor]) -> Self::Tensor;
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
 

@@ -2,7 +2,9 @@
 //! and k, RoPE, and — in the Qwen3-Next family — a sigmoid output gate per
 //! head computed by `q_proj` alongside the queries.
 
-use super::Weights;
+use std::ops::Range;
+
+use super::{Weights, per_sequence};
 use crate::arch::names;
 use crate::backend::{AttentionShape, Backend, RmsNorm, Rope};
 use crate::config::{ModelConfig, NormStyle};
@@ -65,16 +67,18 @@ impl<B: Backend> Attention<B> {
 
     /// `residual += attention(norm(residual))` with the layer's input norm
     /// (weight `input_norm`), which the backend may fuse into the q/k/v
-    /// products.
+    /// products. `ranges` are each sequence's rows of `residual`, and
+    /// `caches` their KV caches: the projections run over every row, the
+    /// attention itself over each sequence's rows and cache.
     pub fn forward_add(
         &self,
         b: &B,
         input_norm: &B::Weight,
         norm: RmsNorm,
-        cache: &mut B::KvCache,
+        caches: &mut [&mut B::KvCache],
+        ranges: &[Range<usize>],
         residual: &mut B::Tensor,
     ) {
-        let start = b.kv_len(cache);
         let q_dim = self.shape.num_heads * self.shape.head_dim;
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &projections);
@@ -87,16 +91,21 @@ impl<B: Backend> Attention<B> {
         } else {
             (projected, None)
         };
-        let (q, k) = b.qk_norm_rope(
-            q,
-            k,
-            &self.q_norm,
-            &self.k_norm,
-            self.norm,
-            self.rope,
-            start,
-        );
-        let mut out = b.attention(cache, &q, &k, &v, self.shape);
+        let mut out = per_sequence(b, ranges, vec![q, k, v], |i, qkv| {
+            let [q, k, v]: [B::Tensor; 3] = qkv.try_into().unwrap_or_else(|_| unreachable!());
+            let cache = &mut *caches[i];
+            let start = b.kv_len(cache);
+            let (q, k) = b.qk_norm_rope(
+                q,
+                k,
+                &self.q_norm,
+                &self.k_norm,
+                self.norm,
+                self.rope,
+                start,
+            );
+            b.attention(cache, &q, &k, &v, self.shape)
+        });
         if let Some(gate) = gate {
             b.mul_sigmoid(&mut out, &gate);
         }

@@ -5,6 +5,7 @@
 
 use super::Weights;
 use super::attention::{self, Attention};
+use super::batch::ForwardBatch;
 use super::gated_delta_net::GatedDeltaNet;
 use super::moe::{Mlp, SparseMoe};
 use crate::arch::names;
@@ -46,7 +47,6 @@ pub struct Decoder<B: Backend> {
     /// For each layer, the next MoE layer after it.
     next_moe: Vec<Option<usize>>,
     prefetch: Prefetch,
-    vocab_size: usize,
 }
 
 impl<B: Backend> Decoder<B> {
@@ -89,7 +89,6 @@ impl<B: Backend> Decoder<B> {
             layers,
             norm: attention::norm(cfg),
             prefetch,
-            vocab_size: v,
         })
     }
 
@@ -125,105 +124,80 @@ impl<B: Backend> Decoder<B> {
             .collect()
     }
 
-    /// Runs `tokens` (following whatever `state` already holds) through the
-    /// stack and returns the logits of the last `logit_rows` of them, or
-    /// `None` when none are wanted (a prefill chunk before the last).
-    ///
-    /// A decode step whose experts the backend holds entirely may be
-    /// recorded by the backend and replayed on later steps (see
-    /// [`Backend::step_key`]).
-    pub fn forward(
-        &self,
-        b: &B,
-        tokens: &[u32],
-        state: &mut [LayerState<B>],
-        store: &ExpertStore,
-        logit_rows: usize,
-    ) -> Result<Option<B::Tensor>> {
-        if let ([token], 1) = (tokens, logit_rows)
-            && self.experts_all_resident(b, store)
-        {
-            let mut position = 0;
-            let key = {
-                let mut kv = Vec::new();
-                let mut linear = Vec::new();
-                for layer in state.iter_mut() {
-                    match layer {
-                        LayerState::Attention(cache) => {
-                            position = b.kv_len(cache);
-                            kv.push(cache);
-                        }
-                        LayerState::Linear(s) => linear.push(&*s),
-                    }
-                }
-                b.step_key(&mut kv, &linear)
-            };
-            if let Some(key) = key {
-                if let Some(logits) = b.replay_step(key, *token, position) {
-                    return Ok(Some(logits));
-                }
-                let vocab = self.vocab_size;
-                let logits = b.record_step(key, *token, position, vocab, &mut || {
-                    self.run(b, tokens, state, store, 1)
-                        .map(|logits| logits.expect("one row of logits asked for"))
-                })?;
-                return Ok(Some(logits));
-            }
-        }
-        self.run(b, tokens, state, store, logit_rows)
-    }
-
     /// Whether the backend holds every expert of every MoE layer.
-    fn experts_all_resident(&self, b: &B, store: &ExpertStore) -> bool {
+    pub fn experts_all_resident(&self, b: &B, store: &ExpertStore) -> bool {
         self.layers.iter().enumerate().all(|(i, layer)| {
             matches!(layer.ffn, FeedForward::Dense(_)) || b.experts_resident(store, i)
         })
     }
 
-    /// [`Decoder::forward`], computed op by op.
-    fn run(
+    /// Runs a batch through the stack, each sequence following whatever
+    /// its state (`states[i]`, per layer) already holds, and returns the
+    /// logits of the rows [`ForwardBatch::logit_ranges`] names, one
+    /// sequence after another, or `None` when none are wanted (prefill
+    /// chunks before the last).
+    pub fn forward(
         &self,
         b: &B,
-        tokens: &[u32],
-        state: &mut [LayerState<B>],
+        batch: &ForwardBatch,
+        states: &mut [&mut [LayerState<B>]],
         store: &ExpertStore,
-        logit_rows: usize,
     ) -> Result<Option<B::Tensor>> {
-        let mut x = b.embed(&self.embed, tokens);
-        for (i, (layer, layer_state)) in self.layers.iter().zip(state.iter_mut()).enumerate() {
+        assert_eq!(states.len(), batch.sequences(), "one state per sequence");
+        let ranges = batch.ranges();
+        let decode = batch.is_decode();
+        let mut x = b.embed(&self.embed, &batch.tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
             let (norm, input_norm) = (self.norm, &layer.input_norm);
-            match (&layer.mixer, layer_state) {
-                (Mixer::Attention(attn), LayerState::Attention(cache)) => {
-                    attn.forward_add(b, input_norm, norm, cache, &mut x)
+            match &layer.mixer {
+                Mixer::Attention(attn) => {
+                    let mut caches: Vec<&mut B::KvCache> = states
+                        .iter_mut()
+                        .map(|s| match &mut s[i] {
+                            LayerState::Attention(cache) => cache,
+                            LayerState::Linear(_) => unreachable!("state built by new_state"),
+                        })
+                        .collect();
+                    attn.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)
                 }
-                (Mixer::Linear(gdn), LayerState::Linear(s)) => {
-                    gdn.forward_add(b, input_norm, norm, s, &mut x)
+                Mixer::Linear(gdn) => {
+                    let mut linear: Vec<&mut B::LinearState> = states
+                        .iter_mut()
+                        .map(|s| match &mut s[i] {
+                            LayerState::Linear(state) => state,
+                            LayerState::Attention(_) => unreachable!("state built by new_state"),
+                        })
+                        .collect();
+                    gdn.forward_add(b, input_norm, norm, &mut linear, &ranges, &mut x)
                 }
-                _ => unreachable!("state built by new_state for these layers"),
             };
             let post_norm = &layer.post_attention_norm;
             match &layer.ffn {
                 FeedForward::Dense(mlp) => {
                     let h = b.rms_norm(&x, post_norm, norm);
-                    if tokens.len() == 1 {
+                    if decode {
                         self.predict_next_layer(b, i, &h, store);
                     }
                     mlp.forward_add(b, &h, &mut x)
                 }
                 FeedForward::Sparse(moe) => {
                     let (h, routing) = moe.route(b, &x, post_norm, norm);
-                    if tokens.len() == 1 {
+                    if decode {
                         self.predict_next_layer(b, i, &h, store);
                     }
-                    let track = self.prefetch != Prefetch::Off;
+                    let track = self.prefetch != Prefetch::Off && decode && batch.sequences() == 1;
                     moe.forward_add(b, &h, &routing, store, track, &mut x)?
                 }
             };
         }
-        if logit_rows == 0 {
+        if batch.logit_rows() == 0 {
             return Ok(None);
         }
-        let last = b.last_rows(&x, logit_rows);
+        let last = if batch.logit_rows() == b.rows(&x) {
+            x
+        } else {
+            b.gather_rows(&x, &batch.logit_ranges())
+        };
         let normed = b.rms_norm(&last, &self.final_norm, self.norm);
         Ok(Some(b.linear(
             &normed,

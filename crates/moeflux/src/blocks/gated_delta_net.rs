@@ -2,7 +2,9 @@
 //! state per value head updated by the gated delta rule, so its cost per
 //! token does not grow with the context.
 
-use super::Weights;
+use std::ops::Range;
+
+use super::{Weights, per_sequence};
 use crate::arch::names;
 use crate::backend::{Backend, GatedDeltaNetParams, RmsNorm};
 use crate::config::LinearAttentionConfig;
@@ -59,7 +61,8 @@ impl<B: Backend> GatedDeltaNet<B> {
         b: &B,
         input_norm: &B::Weight,
         norm: RmsNorm,
-        state: &mut B::LinearState,
+        states: &mut [&mut B::LinearState],
+        ranges: &[Range<usize>],
         residual: &mut B::Tensor,
     ) {
         let c = &self.cfg;
@@ -76,16 +79,21 @@ impl<B: Backend> GatedDeltaNet<B> {
                 c.num_value_heads,
             ],
         );
-        let [qkv, z, beta_in, decay_in] = parts.as_slice() else {
-            unreachable!("split into four parts")
-        };
+        let [qkv, z, beta_in, decay_in]: [B::Tensor; 4] = parts
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("split into four parts"));
         let params = GatedDeltaNetParams {
             conv: &self.conv,
             a_log: &self.a_log,
             dt_bias: &self.dt_bias,
         };
-        let core = b.gated_delta_net(state, qkv, beta_in, decay_in, params, c);
-        let normed = b.gated_rms_norm(&core, z, &self.norm, self.eps);
+        let core = per_sequence(b, ranges, vec![qkv, beta_in, decay_in], |i, inputs| {
+            let [qkv, beta_in, decay_in] = inputs.as_slice() else {
+                unreachable!("three inputs")
+            };
+            b.gated_delta_net(states[i], qkv, beta_in, decay_in, params, c)
+        });
+        let normed = b.gated_rms_norm(&core, &z, &self.norm, self.eps);
         b.linear_add(residual, &normed, &self.out_proj);
     }
 }

@@ -4,9 +4,12 @@
 //! decoder stack that composes them as the [`ModelConfig`] says.
 
 pub mod attention;
+pub mod batch;
 pub mod decoder;
 pub mod gated_delta_net;
 pub mod moe;
+
+use std::ops::Range;
 
 use crate::backend::Backend;
 use crate::config::ModelConfig;
@@ -47,4 +50,30 @@ impl<B: Backend> Weights<'_, B> {
         }
         self.backend.load_weight(&t)
     }
+}
+
+/// Runs `f` on each sequence's rows of `inputs` (`ranges` are the
+/// sequences' rows in the batch) and returns the outputs one sequence after
+/// another. A batch of one sequence passes its tensors through uncopied.
+pub(crate) fn per_sequence<B: Backend>(
+    b: &B,
+    ranges: &[Range<usize>],
+    inputs: Vec<B::Tensor>,
+    mut f: impl FnMut(usize, Vec<B::Tensor>) -> B::Tensor,
+) -> B::Tensor {
+    if ranges.len() == 1 {
+        return f(0, inputs);
+    }
+    let outputs: Vec<B::Tensor> = ranges
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let rows = inputs
+                .iter()
+                .map(|x| b.gather_rows(x, std::slice::from_ref(r)))
+                .collect();
+            f(i, rows)
+        })
+        .collect();
+    b.concat_rows(&outputs)
 }

@@ -117,8 +117,8 @@ impl<B: Backend> SparseMoe<B> {
 
     /// `residual += moe(x)` for the `routing` [`SparseMoe::route`] gave
     /// with x. `track_routing`: tell the store which experts a decode step
-    /// used (for prefetch prediction; costs a device-to-host copy on a
-    /// GPU).
+    /// of one sequence used (for prefetch prediction; costs a
+    /// device-to-host copy on a GPU).
     pub fn forward_add(
         &self,
         b: &B,
@@ -128,7 +128,7 @@ impl<B: Backend> SparseMoe<B> {
         track_routing: bool,
         residual: &mut B::Tensor,
     ) -> Result<()> {
-        if track_routing && b.rows(x) == 1 && !b.experts_resident(store, self.layer) {
+        if track_routing && !b.experts_resident(store, self.layer) {
             store.note_decode_routing(self.layer, &b.selected_experts(routing));
         }
         match &self.shared {

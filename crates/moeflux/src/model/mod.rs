@@ -14,11 +14,13 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use session::{Session, SessionOptions};
+pub use crate::blocks::batch::Phase;
+pub use session::{BatchItem, Session, SessionOptions, forward_batch};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::blocks::Weights;
+use crate::blocks::batch::ForwardBatch;
 use crate::blocks::decoder::{Decoder, LayerState};
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
@@ -371,18 +373,15 @@ impl<B: Backend> Model<B> {
         self.decoder.new_state(&self.backend, self.config())
     }
 
-    /// Runs one chunk through the decoder, returning the logits of its last
-    /// `logit_rows` tokens.
-    fn run_chunk(
+    /// Runs a batch through the decoder, `states[i]` holding sequence
+    /// `i`'s layers, and returns the logits of the rows the batch wants,
+    /// on the host.
+    pub(crate) fn run_batch(
         &self,
-        layers: &mut [LayerState<B>],
-        tokens: &[u32],
-        logit_rows: usize,
+        states: &mut [&mut [LayerState<B>]],
+        batch: &ForwardBatch,
     ) -> Result<Option<Vec<f32>>> {
-        let mut forward = || {
-            self.decoder
-                .forward(&self.backend, tokens, layers, &self.store, logit_rows)
-        };
+        let mut forward = || self.forward_on_backend(states, batch);
         // On a worker of the thread pool, the CPU backend's parallel
         // operations fork from inside the pool instead of each being
         // injected from outside and waited for (hundreds per token). A
@@ -394,6 +393,50 @@ impl<B: Backend> Model<B> {
             forward()
         };
         Ok(logits?.map(|l| self.backend.to_host(&l)))
+    }
+
+    /// [`Decoder::forward`], except that a decode step of one sequence
+    /// whose experts the backend holds entirely may be recorded by the
+    /// backend and replayed on later steps (see [`Backend::step_key`]).
+    fn forward_on_backend(
+        &self,
+        states: &mut [&mut [LayerState<B>]],
+        batch: &ForwardBatch,
+    ) -> Result<Option<B::Tensor>> {
+        let (b, store) = (&self.backend, &self.store);
+        if let ([token], [_], true) = (batch.tokens.as_slice(), &*states, batch.is_decode())
+            && batch.logit_rows() == 1
+            && self.decoder.experts_all_resident(b, store)
+        {
+            let mut position = 0;
+            let key = {
+                let mut kv = Vec::new();
+                let mut linear = Vec::new();
+                for layer in states[0].iter_mut() {
+                    match layer {
+                        LayerState::Attention(cache) => {
+                            position = b.kv_len(cache);
+                            kv.push(cache);
+                        }
+                        LayerState::Linear(s) => linear.push(&*s),
+                    }
+                }
+                b.step_key(&mut kv, &linear)
+            };
+            if let Some(key) = key {
+                if let Some(logits) = b.replay_step(key, *token, position) {
+                    return Ok(Some(logits));
+                }
+                let vocab = self.config().vocab_size;
+                let logits = b.record_step(key, *token, position, vocab, &mut || {
+                    self.decoder
+                        .forward(b, batch, states, store)
+                        .map(|logits| logits.expect("one row of logits asked for"))
+                })?;
+                return Ok(Some(logits));
+            }
+        }
+        self.decoder.forward(b, batch, states, store)
     }
 
     /// Greedy continuation of `prompt` in a fresh session: the prompt is

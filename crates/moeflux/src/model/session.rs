@@ -16,6 +16,7 @@ use super::state;
 use super::{Logits, LogitsWanted, Model};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::blocks::batch::{ForwardBatch, Phase};
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
 
@@ -207,21 +208,17 @@ impl<B: Backend> Session<B> {
     /// before the call where possible, never left half-updated; an
     /// interruption ([`Session::set_interrupt`]) keeps the chunks done.
     pub fn forward(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Logits> {
-        self.check_tokens(tokens)?;
-        let start = self.position();
-        self.reserve_kv(start + tokens.len())?;
-        match self.run(tokens, wanted) {
-            Ok(logits) => Ok(logits),
-            Err(Error::Interrupted) => {
-                self.sync_kv();
-                Err(Error::Interrupted)
-            }
-            Err(err) => {
-                let _ = self.rebuild(start);
-                self.sync_kv();
-                Err(err)
-            }
-        }
+        self.forward_as(tokens, wanted, Phase::Prefill)
+    }
+
+    fn forward_as(&mut self, tokens: &[u32], wanted: LogitsWanted, phase: Phase) -> Result<Logits> {
+        let mut item = [BatchItem {
+            session: self,
+            tokens,
+            wanted,
+            phase,
+        }];
+        Ok(forward_batch(&mut item)?.pop().expect("one item"))
     }
 
     /// Appends a prompt (at least one token, all within the vocabulary and
@@ -262,7 +259,9 @@ impl<B: Backend> Session<B> {
     /// # Ok::<(), moeflux::Error>(())
     /// ```
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
-        self.prefill(&[token])
+        Ok(self
+            .forward_as(&[token], LogitsWanted::Last, Phase::Decode)?
+            .data)
     }
 
     /// Generates up to `max_new_tokens`, fewer if the context fills up
@@ -334,43 +333,22 @@ impl<B: Backend> Session<B> {
         self.decode(last)
     }
 
-    /// Runs tokens in prefill chunks, extending the history chunk by chunk.
+    /// Runs tokens in prefill chunks, extending the history chunk by
+    /// chunk (no checks, no rollback: see [`forward_batch`]).
     fn run(&mut self, tokens: &[u32], wanted: LogitsWanted) -> Result<Logits> {
-        let vocab = self.model.config().vocab_size;
-        let chunks: Vec<&[u32]> = tokens.chunks(self.model.prefill_chunk).collect();
-        let mut data = Vec::new();
-        for (i, chunk) in chunks.iter().enumerate() {
-            if i > 0
-                && self
-                    .interrupt
-                    .as_ref()
-                    .is_some_and(|f| f.load(Ordering::Relaxed))
-            {
-                self.logits = None;
-                return Err(Error::Interrupted);
-            }
-            let rows = match wanted {
-                LogitsWanted::All => chunk.len(),
-                LogitsWanted::Last if i + 1 == chunks.len() => 1,
-                LogitsWanted::Last => 0,
-            };
-            let logits = self.model.run_chunk(&mut self.layers, chunk, rows)?;
-            self.tokens.extend_from_slice(chunk);
-            if let Some(logits) = logits {
-                // One chunk's logits (a decode step's) are moved, not copied.
-                if data.is_empty() {
-                    data = logits;
-                } else {
-                    data.extend(logits);
-                }
-            }
-        }
-        self.logits = Some(data[data.len() - vocab..].to_vec());
-        Ok(Logits {
-            rows: data.len() / vocab,
-            vocab,
-            data,
-        })
+        let mut item = [BatchItem {
+            session: self,
+            tokens,
+            wanted,
+            phase: Phase::Prefill,
+        }];
+        Ok(run_rounds(&mut item)?.pop().expect("one item"))
+    }
+
+    fn interrupted(&self) -> bool {
+        self.interrupt
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed))
     }
 
     /// Stores a checkpoint at the current position and returns it. The
@@ -722,4 +700,137 @@ impl<B: Backend> Drop for Session<B> {
     fn drop(&mut self) {
         self.model.kv.release(self.kv_reserved);
     }
+}
+
+/// One session's part of a batched forward pass ([`forward_batch`]).
+pub struct BatchItem<'a, B: Backend> {
+    pub session: &'a mut Session<B>,
+    /// Tokens to append to the session.
+    pub tokens: &'a [u32],
+    pub wanted: LogitsWanted,
+    /// A prompt being read, or a generated token.
+    pub phase: Phase,
+}
+
+/// Appends each item's tokens to its session, all sessions going through
+/// the model together: one forward pass per prefill chunk, whatever the
+/// mix of prompts and generated tokens, in which each expert is read and
+/// multiplied once for every row that chose it. Returns each item's logits;
+/// they equal what the sessions would get alone.
+///
+/// Every item is checked before anything runs. On failure every session is
+/// rebuilt to where it was before the call; an interruption (a session's
+/// [`Session::set_interrupt`] flag) keeps the chunks done.
+pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<Logits>> {
+    let Some(first) = items.first() else {
+        return Ok(Vec::new());
+    };
+    let model = first.session.model.clone();
+    for item in items.iter() {
+        if !Arc::ptr_eq(&item.session.model, &model) {
+            return Err(Error::invalid(
+                "forward_batch",
+                "every session of a batch must belong to the same model",
+            ));
+        }
+        item.session.check_tokens(item.tokens)?;
+    }
+    for i in 0..items.len() {
+        let session = &mut *items[i].session;
+        let needed = session.position() + items[i].tokens.len();
+        if let Err(err) = session.reserve_kv(needed) {
+            items[..i].iter_mut().for_each(|it| it.session.sync_kv());
+            return Err(err);
+        }
+    }
+    let starts: Vec<usize> = items.iter().map(|it| it.session.position()).collect();
+    match run_rounds(items) {
+        Ok(logits) => Ok(logits),
+        Err(Error::Interrupted) => {
+            items.iter_mut().for_each(|it| it.session.sync_kv());
+            Err(Error::Interrupted)
+        }
+        Err(err) => {
+            for (item, &start) in items.iter_mut().zip(&starts) {
+                let _ = item.session.rebuild(start);
+                item.session.sync_kv();
+            }
+            Err(err)
+        }
+    }
+}
+
+/// The forward passes of [`forward_batch`]: in round `r`, every item with
+/// an `r`-th chunk of tokens contributes it.
+fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<Logits>> {
+    let model = items[0].session.model.clone();
+    let (chunk, vocab) = (model.prefill_chunk, model.config().vocab_size);
+    let rounds = items
+        .iter()
+        .map(|it| it.tokens.len().div_ceil(chunk))
+        .max()
+        .unwrap_or(0);
+    let mut data: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
+    for round in 0..rounds {
+        if round > 0 && items.iter().any(|it| it.session.interrupted()) {
+            items.iter_mut().for_each(|it| it.session.logits = None);
+            return Err(Error::Interrupted);
+        }
+        let mut batch = ForwardBatch::default();
+        let mut members = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let tokens: &[u32] = item.tokens;
+            let chunks = tokens.len().div_ceil(chunk);
+            if round >= chunks {
+                continue;
+            }
+            let part = &tokens[round * chunk..((round + 1) * chunk).min(tokens.len())];
+            let rows = match item.wanted {
+                LogitsWanted::All => part.len(),
+                LogitsWanted::Last if round + 1 == chunks => 1,
+                LogitsWanted::Last => 0,
+            };
+            batch.push(part, item.phase, rows);
+            members.push((i, part, rows));
+        }
+        let logits = {
+            let mut states: Vec<&mut [LayerState<B>]> = items
+                .iter_mut()
+                .enumerate()
+                .filter(|(i, _)| members.iter().any(|m| m.0 == *i))
+                .map(|(_, it)| it.session.layers.as_mut_slice())
+                .collect();
+            model.run_batch(&mut states, &batch)?
+        };
+        let single = members.len() == 1;
+        let mut logits = logits;
+        let mut offset = 0;
+        for (i, part, rows) in members {
+            items[i].session.tokens.extend_from_slice(part);
+            if rows == 0 {
+                continue;
+            }
+            let all = logits.as_mut().expect("logit rows were asked for");
+            // One sequence's first logits (a decode step's) are moved, not
+            // copied.
+            if single && data[i].is_empty() {
+                data[i] = std::mem::take(all);
+            } else {
+                data[i].extend_from_slice(&all[offset * vocab..(offset + rows) * vocab]);
+            }
+            offset += rows;
+        }
+    }
+    Ok(items
+        .iter_mut()
+        .zip(data)
+        .map(|(item, data)| {
+            item.session.logits = Some(data[data.len() - vocab..].to_vec());
+            Logits {
+                rows: data.len() / vocab,
+                vocab,
+                data,
+            }
+        })
+        .collect())
 }

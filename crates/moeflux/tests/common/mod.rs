@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod batch;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

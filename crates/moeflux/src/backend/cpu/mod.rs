@@ -11,6 +11,7 @@ mod moe;
 mod simd;
 
 use rayon::prelude::*;
+use std::ops::Range;
 
 use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
 use crate::arch::names;
@@ -189,9 +190,22 @@ impl Backend for CpuBackend {
         x.rows
     }
 
-    fn last_rows(&self, x: &Tensor, n: usize) -> Tensor {
-        let n = n.min(x.rows);
-        Tensor::new(n, x.cols, x.data[(x.rows - n) * x.cols..].to_vec())
+    fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Tensor {
+        let mut data = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * x.cols);
+        for r in ranges {
+            data.extend_from_slice(&x.data[r.start * x.cols..r.end * x.cols]);
+        }
+        Tensor::new(data.len() / x.cols.max(1), x.cols, data)
+    }
+
+    fn concat_rows(&self, parts: &[Tensor]) -> Tensor {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            assert_eq!(p.cols, cols, "concat_rows: columns differ");
+            data.extend_from_slice(&p.data);
+        }
+        Tensor::new(parts.iter().map(|p| p.rows).sum(), cols, data)
     }
 
     fn to_host(&self, x: &Tensor) -> Vec<f32> {

@@ -51,6 +51,7 @@ mod streaming;
 
 use std::collections::HashMap;
 use std::fmt::Display;
+use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys::CUresult;
@@ -1098,18 +1099,37 @@ impl Backend for CudaBackend {
         x.rows
     }
 
-    fn last_rows(&self, x: &Tensor, n: usize) -> Tensor {
-        let n = n.min(x.rows);
-        let mut out = self.tensor("last_rows", n, x.cols);
-        let (from, to) = ((x.rows - n) * x.cols, x.rows * x.cols);
-        if to > from {
+    fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Tensor {
+        let rows = ranges.iter().map(|r| r.len()).sum();
+        let mut out = self.tensor("gather_rows", rows, x.cols);
+        let mut at = 0;
+        for r in ranges.iter().filter(|r| !r.is_empty()) {
+            let (from, to) = (r.start * x.cols, r.end * x.cols);
             ok(
-                "last_rows",
+                "gather_rows",
                 self.stream.memcpy_dtod(
                     &x.data.slice(from..to),
-                    &mut out.data.slice_mut(..to - from),
+                    &mut out.data.slice_mut(at..at + to - from),
                 ),
             );
+            at += to - from;
+        }
+        out
+    }
+
+    fn concat_rows(&self, parts: &[Tensor]) -> Tensor {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let mut out = self.tensor("concat_rows", parts.iter().map(|p| p.rows).sum(), cols);
+        let mut at = 0;
+        for p in parts.iter().filter(|p| p.rows > 0) {
+            assert_eq!(p.cols, cols, "concat_rows: columns differ");
+            let len = p.rows * p.cols;
+            ok(
+                "concat_rows",
+                self.stream
+                    .memcpy_dtod(&p.data.slice(..len), &mut out.data.slice_mut(at..at + len)),
+            );
+            at += len;
         }
         out
     }

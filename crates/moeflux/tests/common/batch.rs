@@ -1,0 +1,171 @@
+//! Batched = alone, written once for every backend: sequences of
+//! different lengths, prompts and generated tokens mixed in one forward
+//! pass, against each sequence run alone.
+
+use std::sync::Arc;
+
+use moeflux::backend::Backend;
+use moeflux::{BatchItem, LogitsWanted, Model, Phase, Session, forward_batch};
+
+use super::{argmax, row_errors};
+
+/// A sequence: the history it already holds, then the tokens of the batched
+/// step (1 = a decode token).
+pub struct Plan {
+    pub history: Vec<u32>,
+    pub step: Vec<u32>,
+}
+
+/// `n` sequences of different lengths: histories from 0 to over a prefill
+/// chunk, steps of one token (decode) or several (prefill, some spanning
+/// two chunks).
+pub fn plans(tokens: &[u32], n: usize) -> Vec<Plan> {
+    let history_lens = [0, 3, 17, 1, 70, 9, 33, 2];
+    let step_lens = [5, 1, 1, 70, 1, 12, 1, 66];
+    (0..n)
+        .map(|i| {
+            let (h, s) = (history_lens[i % 8], step_lens[i % 8]);
+            let at = (7 * i) % (tokens.len() - h - s);
+            Plan {
+                history: tokens[at..at + h].to_vec(),
+                step: tokens[at + h..at + h + s].to_vec(),
+            }
+        })
+        .collect()
+}
+
+fn phase(tokens: &[u32]) -> Phase {
+    match tokens.len() {
+        1 => Phase::Decode,
+        _ => Phase::Prefill,
+    }
+}
+
+/// Each plan's step logits (every row) with the sequence alone.
+pub fn alone<B: Backend>(model: &Arc<Model<B>>, plans: &[Plan]) -> Vec<Vec<f32>> {
+    plans
+        .iter()
+        .map(|p| {
+            let mut session = model.session();
+            if !p.history.is_empty() {
+                session.prefill(&p.history).unwrap();
+            }
+            session.forward(&p.step, LogitsWanted::All).unwrap().data
+        })
+        .collect()
+}
+
+/// The same, every sequence in one batch: the histories in one batched
+/// pass, then the steps in another.
+pub fn batched<B: Backend>(model: &Arc<Model<B>>, plans: &[Plan]) -> Vec<Vec<f32>> {
+    let mut sessions: Vec<Session<B>> = plans.iter().map(|_| model.session()).collect();
+    let mut items: Vec<BatchItem<'_, B>> = sessions
+        .iter_mut()
+        .zip(plans)
+        .filter(|(_, p)| !p.history.is_empty())
+        .map(|(session, p)| BatchItem {
+            session,
+            tokens: &p.history,
+            wanted: LogitsWanted::Last,
+            phase: Phase::Prefill,
+        })
+        .collect();
+    forward_batch(&mut items).unwrap();
+    let mut items: Vec<BatchItem<'_, B>> = sessions
+        .iter_mut()
+        .zip(plans)
+        .map(|(session, p)| BatchItem {
+            session,
+            tokens: &p.step,
+            wanted: LogitsWanted::All,
+            phase: phase(&p.step),
+        })
+        .collect();
+    forward_batch(&mut items)
+        .unwrap()
+        .into_iter()
+        .map(|l| l.data)
+        .collect()
+}
+
+/// Greedy continuations of each plan's history + step, `n` tokens each:
+/// alone, then all sequences decoding together.
+pub fn greedy_both<B: Backend>(
+    model: &Arc<Model<B>>,
+    plans: &[Plan],
+    n: usize,
+) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    let prompt = |p: &Plan| [p.history.as_slice(), &p.step].concat();
+    let alone = plans
+        .iter()
+        .map(|p| model.generate_greedy(&prompt(p), n).unwrap())
+        .collect();
+    let prompts: Vec<Vec<u32>> = plans.iter().map(prompt).collect();
+    let mut sessions: Vec<Session<B>> = plans.iter().map(|_| model.session()).collect();
+    let mut items: Vec<BatchItem<'_, B>> = sessions
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(session, tokens)| BatchItem {
+            session,
+            tokens,
+            wanted: LogitsWanted::Last,
+            phase: Phase::Prefill,
+        })
+        .collect();
+    let mut last: Vec<Vec<f32>> = forward_batch(&mut items)
+        .unwrap()
+        .into_iter()
+        .map(|l| l.data)
+        .collect();
+    let mut out = vec![Vec::new(); plans.len()];
+    for _ in 0..n {
+        let next: Vec<[u32; 1]> = last.iter().map(|l| [argmax(l) as u32]).collect();
+        for (o, t) in out.iter_mut().zip(&next) {
+            o.push(t[0]);
+        }
+        let mut items: Vec<BatchItem<'_, B>> = sessions
+            .iter_mut()
+            .zip(&next)
+            .map(|(session, t)| BatchItem {
+                session,
+                tokens: t,
+                wanted: LogitsWanted::Last,
+                phase: Phase::Decode,
+            })
+            .collect();
+        last = forward_batch(&mut items)
+            .unwrap()
+            .into_iter()
+            .map(|l| l.data)
+            .collect();
+    }
+    (alone, out)
+}
+
+/// Runs 1, 3 and 8 sequences batched and alone on `model` (whose vocabulary
+/// the tokens are drawn from); fails when a row of logits differs by more
+/// than `bound` (relative L2) or a greedy continuation differs.
+pub fn check_batched_equals_alone<B: Backend>(model: &Arc<Model<B>>, label: &str, bound: f64) {
+    let vocab = model.config().vocab_size;
+    let mut rng = moeflux::util::SplitMix64(7);
+    let tokens: Vec<u32> = (0..400).map(|_| rng.below(vocab as u64) as u32).collect();
+    for n in [1, 3, 8] {
+        let plans = plans(&tokens, n);
+        let want = alone(model, &plans);
+        let got = batched(model, &plans);
+        let mut max = 0f64;
+        for (g, w) in got.iter().zip(&want) {
+            max = row_errors(g, w, vocab).into_iter().fold(max, f64::max);
+        }
+        println!("{label:<28} {n} sequences: batched vs alone, max rel err {max:.2e}");
+        assert!(
+            max <= bound,
+            "{label}, {n} sequences: batched logits differ from alone by {max:.3e}"
+        );
+        let (alone, together) = greedy_both(model, &plans, 8);
+        assert_eq!(
+            together, alone,
+            "{label}, {n} sequences: greedy tokens differ"
+        );
+    }
+}
