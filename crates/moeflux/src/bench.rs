@@ -13,7 +13,7 @@ use serde::Serialize;
 use crate::backend::{Backend, DeviceExpertStats};
 use crate::error::{Error, Result};
 use crate::experts::{CachePolicy, ExpertKey, ExpertStats, Prefetch, simulate};
-use crate::model::{Model, argmax};
+use crate::model::{BatchItem, LogitsWanted, Model, Phase, Session, argmax, forward_batch};
 use crate::util::{AlignedBuf, Progress, SplitMix64};
 
 #[derive(Clone, Debug)]
@@ -38,6 +38,9 @@ pub struct BenchOptions {
     /// are random tokens and decoding is greedy (random for synthetic
     /// models).
     pub text_tokens: Option<Vec<u32>>,
+    /// Also decode this many sequences together, each step one forward
+    /// pass over all of them (1: only the single-sequence decode).
+    pub sequences: usize,
 }
 
 impl Default for BenchOptions {
@@ -47,6 +50,7 @@ impl Default for BenchOptions {
             decode_tokens: 32,
             warmup_tokens: 8,
             prefill_tokens: 512,
+            sequences: 1,
             ceilings: true,
             compare_policies: false,
             text_tokens: None,
@@ -56,6 +60,8 @@ impl Default for BenchOptions {
 
 #[derive(Clone, Debug, Serialize)]
 pub struct BenchReport {
+    /// Decoding many sequences together, when asked for.
+    pub batch: Option<BatchDecode>,
     pub model: String,
     pub architecture: String,
     pub synthetic: bool,
@@ -198,6 +204,10 @@ pub fn run<B: Backend>(
         None => Vec::new(),
     };
 
+    let batch = match options.sequences {
+        0 | 1 => None,
+        n => Some(batch_decode(model, options, n, vocab)?),
+    };
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
     let weight_bytes_per_token = weight_bytes_per_token(model);
     let (memory_bandwidth_gb_s, disk_read_gb_s, host_to_device_gb_s) = if options.ceilings {
@@ -210,6 +220,7 @@ pub fn run<B: Backend>(
         (None, None, None)
     };
     Ok(BenchReport {
+        batch,
         model: model.dir().root().display().to_string(),
         architecture: cfg.architecture.name().into(),
         synthetic: manifest.synthetic,
@@ -246,6 +257,74 @@ pub fn run<B: Backend>(
         device_experts,
         host_to_device_gb_s,
         policy_comparison,
+    })
+}
+
+/// Aggregate decode of several sequences, each step one forward pass over
+/// all of them.
+#[derive(Clone, Debug, Serialize)]
+pub struct BatchDecode {
+    pub sequences: usize,
+    /// Timed steps (each one token per sequence).
+    pub steps: usize,
+    /// Generated tokens per second, all sequences together.
+    pub tok_s: f64,
+    pub step_ms: f64,
+}
+
+/// `sequences` sessions, each prefilled with its own random prompt, warmed
+/// up, then timed over `decode_tokens` batched steps fed random tokens.
+fn batch_decode<B: Backend>(
+    model: &Arc<Model<B>>,
+    options: &BenchOptions,
+    sequences: usize,
+    vocab: usize,
+) -> Result<BatchDecode> {
+    let mut sessions: Vec<_> = (0..sequences).map(|_| model.session()).collect();
+    let prompts: Vec<Vec<u32>> = (0..sequences)
+        .map(|i| random_tokens(options.prompt_tokens, vocab, 101 + i as u64))
+        .collect();
+    let mut items: Vec<BatchItem<'_, B>> = sessions
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(session, tokens)| BatchItem {
+            session,
+            tokens,
+            wanted: LogitsWanted::Last,
+            phase: Phase::Prefill,
+        })
+        .collect();
+    forward_batch(&mut items)?;
+    let mut rng = SplitMix64(17);
+    let mut step = |sessions: &mut [Session<B>]| -> Result<()> {
+        let tokens: Vec<[u32; 1]> = (0..sequences)
+            .map(|_| [rng.below(vocab as u64) as u32])
+            .collect();
+        let mut items: Vec<BatchItem<'_, B>> = sessions
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(session, t)| BatchItem {
+                session,
+                tokens: t,
+                wanted: LogitsWanted::Last,
+                phase: Phase::Decode,
+            })
+            .collect();
+        forward_batch(&mut items).map(|_| ())
+    };
+    for _ in 0..options.warmup_tokens {
+        step(&mut sessions)?;
+    }
+    let start = Instant::now();
+    for _ in 0..options.decode_tokens {
+        step(&mut sessions)?;
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    Ok(BatchDecode {
+        sequences,
+        steps: options.decode_tokens,
+        tok_s: (sequences * options.decode_tokens) as f64 / seconds,
+        step_ms: seconds * 1e3 / options.decode_tokens as f64,
     })
 }
 

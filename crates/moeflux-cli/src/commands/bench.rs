@@ -43,6 +43,10 @@ pub struct Args {
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
+    /// Also decode this many sequences together (one forward pass per
+    /// step over all of them) and report the aggregate speed.
+    #[arg(long, visible_alias = "batch", default_value_t = 1)]
+    sequences: usize,
 }
 
 pub fn run_command(args: Args) -> Result<()> {
@@ -87,6 +91,7 @@ fn bench<B: Backend>(
         ceilings: !args.no_ceilings,
         compare_policies: args.compare_policies,
         text_tokens,
+        sequences: args.sequences,
     };
     let report = run(model, &options, &progress_bar())?;
     if args.json {
@@ -180,11 +185,18 @@ fn print_table(r: &BenchReport) {
     row(
         "expert cache",
         format!(
-            "{} ({:?}), {} reads, prefetch {:?}",
+            "{} ({}), {} reads, prefetch: {}",
             human_bytes(r.expert_cache_bytes),
-            r.cache_policy,
+            match r.cache_policy {
+                moeflux::experts::CachePolicy::Lfu => "LFU",
+                moeflux::experts::CachePolicy::Lru => "LRU",
+            },
             if r.direct_io { "direct" } else { "buffered" },
-            r.prefetch
+            match r.prefetch {
+                moeflux::experts::Prefetch::Off => "off",
+                moeflux::experts::Prefetch::Router => "router prediction",
+                moeflux::experts::Prefetch::PreviousToken => "previous token's experts",
+            }
         ),
     );
     if r.prefill_tokens > 0 {
@@ -198,9 +210,26 @@ fn print_table(r: &BenchReport) {
         format!("{:.1} ms", r.time_to_first_token_ms),
     );
     row(
-        &format!("decode ({} {:?} tokens)", r.decode_tokens, r.decode_input),
+        &format!(
+            "decode ({} {} tokens)",
+            r.decode_tokens,
+            match r.decode_input {
+                moeflux::bench::DecodeInput::Greedy => "greedy",
+                moeflux::bench::DecodeInput::Random => "random",
+                moeflux::bench::DecodeInput::Text => "text",
+            }
+        ),
         format!("{:.2} tok/s", r.decode_tok_s),
     );
+    if let Some(b) = &r.batch {
+        row(
+            &format!("decode, {} sequences together", b.sequences),
+            format!(
+                "{:.1} tok/s in all ({:.2} ms a step of one token each, {} steps)",
+                b.tok_s, b.step_ms, b.steps
+            ),
+        );
+    }
     row(
         "weights read per token",
         human_bytes(r.weight_bytes_per_token),
