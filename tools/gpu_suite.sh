@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The CUDA test suite and benchmarks, built on a development machine and
-# run on a GPU machine that has CUDA but no Rust (the device tool's):
+# run on a machine with an NVIDIA GPU and CUDA but no Rust:
 #
 #   tools/gpu_suite.sh        build the release `moeflux` binary and the CUDA
 #                             test binary into .device/gpu-suite/ (git-ignored)
@@ -16,13 +16,20 @@
 #                             Nsight Compute's kernel times for decode
 #                             (PERF_TESTS=0 skips the tests, PERF_NCU=0
 #                             Nsight Compute)
+#   tools/gpu_suite.sh batch  on the GPU machine: the CUDA tests, then the
+#                             synthetic qwen3-30b-a3b's single-sequence
+#                             decode against a baseline binary
+#                             ($SUITE/moeflux-base, when carried;
+#                             interleaved) and many sequences decoded
+#                             together (--sequences 16 and 64, resident and
+#                             with a quarter of the experts' bytes in VRAM)
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
 #                             the experts' bytes as the VRAM budget
 #
-# The device tool copies the working tree (fixtures included) plus the
-# carried folder, 64 MiB in all, so the binaries are stripped of debug info.
+# The GPU machine needs this checkout (fixtures included) and the built
+# folder; the binaries are stripped of debug info to keep that small.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUITE=.device/gpu-suite
@@ -43,17 +50,16 @@ build() {
     du -sh "$SUITE"/* >&2
     cat <<EOF
 
-Built $SUITE. On the GPU machine, run with the device tool:
+Built $SUITE. Copy the checkout with it to the GPU machine and run there, with OUT set to a log folder:
 
-  command: bash tools/gpu_suite.sh run
-  carry:   ["$SUITE"]
+  bash tools/gpu_suite.sh run      (or perf, batch, presets PRESET...)
 
 Logs come back under \$OUT: summary.txt first, then one log per step.
 EOF
 }
 
 run() {
-    : "${OUT:?run this on the GPU machine through the device tool, which sets OUT}"
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
     [[ -x "$SUITE/moeflux" && -x "$SUITE/cuda-tests" ]] || {
         echo "error: $SUITE is missing: run tools/gpu_suite.sh on the development machine first" >&2
         exit 1
@@ -121,7 +127,7 @@ run() {
 # Where decode and prefill time goes, for kernel work: interleaved A/B
 # decode runs and per-kernel device times.
 perf() {
-    : "${OUT:?run this on the GPU machine through the device tool, which sets OUT}"
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
     MOEFLUX_CACHE=$(mktemp -d)
@@ -155,11 +161,57 @@ perf() {
     fi
 }
 
+# Batched decode, and single-sequence decode against a baseline build.
+batch() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" base="$SUITE/moeflux-base" synthetic=/tmp/moeflux-synth-q30 quarter_mb n
+    if [[ "${BATCH_TESTS:-1}" == 1 ]]; then
+        timeout 300 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|batched vs alone|prefill vs decode' "$OUT/cuda-tests.log" | head -n 40
+        grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
+    fi
+    "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
+    local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
+    for round in 1 2 3; do
+        if [[ -x "$base" ]]; then
+            echo "--- base decode, round $round"
+            "$base" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
+        fi
+        echo "--- decode, round $round"
+        "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
+    done
+    for n in 16 64; do
+        for round in 1 2; do
+            if [[ -x "$base" ]] && "$base" bench --help | grep -q -- --sequences; then
+                echo "--- base, $n sequences, resident, round $round"
+                "$base" bench -m "$synthetic" --device cuda -n 16 --warmup 4 --prefill 0 --no-ceilings \
+                    --sequences "$n" 2>&1 | grep -E '^decode, |rror' || true
+            fi
+            echo "--- $n sequences, resident, round $round"
+            "$moeflux" bench -m "$synthetic" --device cuda -n 16 --warmup 4 --prefill 0 --no-ceilings \
+                --sequences "$n" >"$OUT/batch-$n.log" 2>&1 || true
+            grep -E '^decode, |rror' "$OUT/batch-$n.log"
+        done
+    done
+    echo "--- device time per operation, 16 sequences (profile)"
+    MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 1 --prefill 0 \
+        --no-ceilings --prompt-len 4 --sequences 16 2>&1 | grep -A 24 'CUDA profile' || true
+    quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$synthetic")
+    echo "--- 16 sequences, a quarter of the experts in VRAM"
+    "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 4 --prefill 0 --no-ceilings \
+        --sequences 16 --gpu-expert-cache-mb "$quarter_mb" >"$OUT/batch-16-quarter.log" 2>&1 || true
+    grep -E '^decode|^PCIe|^VRAM|rror' "$OUT/batch-16-quarter.log"
+}
+
 # The other preset shapes of the CUDA acceptance list, resident and with a
 # VRAM expert budget of a quarter of the expert bytes: one synthetic model at
 # a time (they do not all fit the GPU machine's disk), then removed.
 presets() {
-    : "${OUT:?run this on the GPU machine through the device tool, which sets OUT}"
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     local moeflux="$SUITE/moeflux" dir=/tmp/moeflux-preset quarter_mb preset
     for preset in "$@"; do
@@ -181,12 +233,13 @@ case "${1:-build}" in
 build) build ;;
 run) run ;;
 perf) perf ;;
+batch) batch ;;
 presets)
     shift
     presets "$@"
     ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|presets PRESET...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|presets PRESET...]" >&2
     exit 2
     ;;
 esac

@@ -239,6 +239,38 @@ pub trait Backend: Send + Sync + Sized + 'static {
         (q, k)
     }
 
+    /// Attention of a decode step of several sequences at once: row `i` of
+    /// `q`, `k` and `v` is sequence `i`'s new token and `caches[i]` its KV
+    /// cache. Prepares queries and keys as [`Backend::qk_norm_rope`] does,
+    /// each at its own sequence's position, then appends and attends as
+    /// [`Backend::attention`] does (a GPU launches once for all sequences).
+    #[allow(clippy::too_many_arguments)]
+    fn attention_decode_many(
+        &self,
+        caches: &mut [&mut Self::KvCache],
+        q: Self::Tensor,
+        k: Self::Tensor,
+        v: &Self::Tensor,
+        q_norm: &Self::Weight,
+        k_norm: &Self::Weight,
+        norm: RmsNorm,
+        rope: Rope,
+        shape: AttentionShape,
+    ) -> Self::Tensor {
+        let outs: Vec<Self::Tensor> = caches
+            .iter_mut()
+            .enumerate()
+            .map(|(i, cache)| {
+                let rows = i..i + 1;
+                let row = |x: &Self::Tensor| self.gather_rows(x, std::slice::from_ref(&rows));
+                let start = self.kv_len(cache);
+                let (q, k) = self.qk_norm_rope(row(&q), row(&k), q_norm, k_norm, norm, rope, start);
+                self.attention(cache, &q, &k, &row(v), shape)
+            })
+            .collect();
+        self.concat_rows(&outs)
+    }
+
     /// `out +=` [`Backend::routed_experts`] (a GPU adds as it computes).
     fn routed_experts_add(
         &self,

@@ -91,7 +91,40 @@ impl<B: Backend> Attention<B> {
         } else {
             (projected, None)
         };
-        let mut out = per_sequence(b, ranges, vec![q, k, v], |i, qkv| {
+        let decode_many = ranges.len() > 1 && ranges.iter().all(|r| r.len() == 1);
+        let mut out = if decode_many {
+            b.attention_decode_many(
+                caches,
+                q,
+                k,
+                &v,
+                &self.q_norm,
+                &self.k_norm,
+                self.norm,
+                self.rope,
+                self.shape,
+            )
+        } else {
+            self.attend_per_sequence(b, caches, ranges, q, k, v)
+        };
+        if let Some(gate) = gate {
+            b.mul_sigmoid(&mut out, &gate);
+        }
+        b.linear_add(residual, &out, &self.o_proj);
+    }
+
+    /// Each sequence's queries and keys prepared and attended over its own
+    /// cache.
+    fn attend_per_sequence(
+        &self,
+        b: &B,
+        caches: &mut [&mut B::KvCache],
+        ranges: &[Range<usize>],
+        q: B::Tensor,
+        k: B::Tensor,
+        v: B::Tensor,
+    ) -> B::Tensor {
+        per_sequence(b, ranges, vec![q, k, v], |i, qkv| {
             let [q, k, v]: [B::Tensor; 3] = qkv.try_into().unwrap_or_else(|_| unreachable!());
             let cache = &mut *caches[i];
             let start = b.kv_len(cache);
@@ -105,10 +138,6 @@ impl<B: Backend> Attention<B> {
                 start,
             );
             b.attention(cache, &q, &k, &v, self.shape)
-        });
-        if let Some(gate) = gate {
-            b.mul_sigmoid(&mut out, &gate);
-        }
-        b.linear_add(residual, &out, &self.o_proj);
+        })
     }
 }

@@ -66,8 +66,9 @@ pub struct ModelOptions {
     /// Tokens processed together in one prefill step; `None`: the
     /// backend's choice ([`Backend::default_prefill_chunk`]).
     pub prefill_chunk: Option<usize>,
-    /// Check every file against the manifest's checksums when opening
-    /// (on by default; the files are read once more).
+    /// Hash the dense weight file against the manifest's checksum when
+    /// opening (on by default; the file is read once more). Expert blobs
+    /// are always checked as they are read.
     pub verify_checksums: bool,
     /// Bytes all sessions together may hold in KV caches; `None` is no
     /// limit beyond each session's context length.

@@ -98,6 +98,9 @@ kernels!(
     rope,
     attention,
     attention_decode_128,
+    attention_decode_batch_128,
+    attention_decode_batch_256,
+    attention_decode_batch_512,
     attention_decode_256,
     attention_decode_512,
     flash_attention_128,
@@ -276,6 +279,7 @@ mod tests {
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
                 || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_KERNEL({name},"))
+                || source.contains(&format!("ATTENTION_DECODE_BATCH_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || ["_rows", "_normed", "_rows_normed"].iter().any(|suffix| {
                     name.strip_suffix(suffix).is_some_and(|base| {

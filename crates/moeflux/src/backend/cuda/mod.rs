@@ -251,10 +251,11 @@ type RopeFrequencies = Arc<CudaSlice<f32>>;
 /// Options of a [`CudaBackend`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CudaOptions {
-    /// Bytes of device memory for cached experts; `None`: half the device
-    /// memory still free when the first expert is uploaded (after the
-    /// weights). The cache also gives memory back when an allocation
-    /// fails.
+    /// Bytes of device memory for cached experts; `None`: the device memory
+    /// still free when the experts are first prepared (after the weights),
+    /// less a reserve for KV caches and activations (the larger of 4 GiB
+    /// and a tenth of the device). The cache also gives memory back when an
+    /// allocation fails.
     pub expert_cache_bytes: Option<u64>,
 }
 
@@ -683,6 +684,78 @@ impl CudaBackend {
             self, op, kernel, config, &codes, &scales, &biases, x, &mut out, &rows, &cols, &n_i
         );
         out
+    }
+
+    /// [`Backend::qk_norm_rope`], row `t` at position `start_pos + t`, or
+    /// at `positions[t]` when given (rows of several sequences).
+    #[allow(clippy::too_many_arguments)]
+    fn qk_norm_rope_at(
+        &self,
+        mut q: Tensor,
+        mut k: Tensor,
+        q_norm: &Weight,
+        k_norm: &Weight,
+        norm: RmsNorm,
+        rope: Rope,
+        start_pos: usize,
+        positions: Option<&CudaSlice<i64>>,
+    ) -> (Tensor, Tensor) {
+        let positions = positions.map_or(0, |p| p.device_ptr(&self.stream).0);
+        let head_dim = rope.head_dim;
+        assert!(
+            q_norm.vector_len("qk_norm_rope") == head_dim
+                && k_norm.vector_len("qk_norm_rope") == head_dim
+                && q.rows == k.rows
+                && q.cols.is_multiple_of(head_dim)
+                && k.cols.is_multiple_of(head_dim)
+                && rope.rotary_dim <= head_dim
+                && rope.rotary_dim.is_multiple_of(2),
+            "qk_norm_rope: q [{}, {}], k [{}, {}], head_dim {head_dim}, rotary_dim {}",
+            q.rows,
+            q.cols,
+            k.rows,
+            k.cols,
+            rope.rotary_dim
+        );
+        let op = "qk_norm_rope";
+        let position = self.recorded_position(None);
+        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
+        let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
+        let offset = if norm.unit_offset { 1.0f32 } else { 0.0 };
+        let (rows, q_heads_i, k_heads_i, head_dim_i, half, start) = (
+            long(q.rows),
+            int(q_heads, "query heads"),
+            int(k_heads, "key heads"),
+            int(head_dim, "head_dim"),
+            int(rope.rotary_dim / 2, "rotary half"),
+            long(start_pos),
+        );
+        launch!(
+            self,
+            op,
+            &self.kernels.qk_norm_rope,
+            block_per_item(
+                q.rows * (q_heads + k_heads),
+                if head_dim <= 128 { 128 } else { 256 },
+                (head_dim * 4) as u32
+            ),
+            &mut q.data,
+            &mut k.data,
+            &q_norm.data,
+            &k_norm.data,
+            &*frequencies,
+            &rows,
+            &q_heads_i,
+            &k_heads_i,
+            &head_dim_i,
+            &half,
+            &norm.eps,
+            &offset,
+            &start,
+            &position,
+            &positions
+        );
+        (q, k)
     }
 
     /// `w · x` for one token, 16 bytes of a row per lane at a time (see
@@ -1787,68 +1860,96 @@ impl Backend for CudaBackend {
 
     fn qk_norm_rope(
         &self,
-        mut q: Tensor,
-        mut k: Tensor,
+        q: Tensor,
+        k: Tensor,
         q_norm: &Weight,
         k_norm: &Weight,
         norm: RmsNorm,
         rope: Rope,
         start_pos: usize,
     ) -> (Tensor, Tensor) {
-        let head_dim = rope.head_dim;
+        self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, start_pos, None)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_decode_many(
+        &self,
+        caches: &mut [&mut KvCache],
+        q: Tensor,
+        k: Tensor,
+        v: &Tensor,
+        q_norm: &Weight,
+        k_norm: &Weight,
+        norm: RmsNorm,
+        rope: Rope,
+        shape: AttentionShape,
+    ) -> Tensor {
+        let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let n = caches.len();
         assert!(
-            q_norm.vector_len("qk_norm_rope") == head_dim
-                && k_norm.vector_len("qk_norm_rope") == head_dim
-                && q.rows == k.rows
-                && q.cols.is_multiple_of(head_dim)
-                && k.cols.is_multiple_of(head_dim)
-                && rope.rotary_dim <= head_dim
-                && rope.rotary_dim.is_multiple_of(2),
-            "qk_norm_rope: q [{}, {}], k [{}, {}], head_dim {head_dim}, rotary_dim {}",
-            q.rows,
-            q.cols,
-            k.rows,
-            k.cols,
-            rope.rotary_dim
+            kv_heads > 0 && heads.is_multiple_of(kv_heads) && head_dim <= MAX_HEAD_DIM,
+            "attention: {heads} heads over {kv_heads} KV heads of {head_dim} (at most {MAX_HEAD_DIM})"
         );
-        let op = "qk_norm_rope";
-        let position = self.recorded_position(None);
-        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
-        let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
-        let offset = if norm.unit_offset { 1.0f32 } else { 0.0 };
-        let (rows, q_heads_i, k_heads_i, head_dim_i, half, start) = (
-            long(q.rows),
-            int(q_heads, "query heads"),
-            int(k_heads, "key heads"),
+        assert!(
+            q.rows == n
+                && k.rows == n
+                && v.rows == n
+                && q.cols == heads * head_dim
+                && k.cols == kv_heads * head_dim
+                && v.cols == k.cols,
+            "attention: {n} sequences' query, key and value shapes"
+        );
+        let op = "attention (batched decode)";
+        let starts = self.kv_claim_each(caches);
+        let positions = self.upload(op, &starts);
+        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions));
+        let pointers = |part: fn(&KvCache) -> &CudaSlice<f32>| -> Vec<u64> {
+            caches
+                .iter()
+                .map(|c| part(c).device_ptr(&self.stream).0)
+                .collect()
+        };
+        let keys = self.upload(op, &pointers(KvCache::keys));
+        let values = self.upload(op, &pointers(KvCache::values));
+        let mut out = self.tensor(op, n, heads * head_dim);
+        let kernel = match head_dim {
+            ..=128 => &self.kernels.attention_decode_batch_128,
+            129..=256 => &self.kernels.attention_decode_batch_256,
+            _ => &self.kernels.attention_decode_batch_512,
+        };
+        let config = LaunchConfig {
+            grid_dim: (
+                u32::try_from(heads).expect("attention: too many heads"),
+                u32::try_from(n).expect("attention: too many sequences"),
+                1,
+            ),
+            block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (heads_i, kv_heads_i, head_dim_i) = (
+            int(heads, "heads"),
+            int(kv_heads, "KV heads"),
             int(head_dim, "head_dim"),
-            int(rope.rotary_dim / 2, "rotary half"),
-            long(start_pos),
         );
         launch!(
             self,
             op,
-            &self.kernels.qk_norm_rope,
-            block_per_item(
-                q.rows * (q_heads + k_heads),
-                if head_dim <= 128 { 128 } else { 256 },
-                (head_dim * 4) as u32
-            ),
-            &mut q.data,
-            &mut k.data,
-            &q_norm.data,
-            &k_norm.data,
-            &*frequencies,
-            &rows,
-            &q_heads_i,
-            &k_heads_i,
+            kernel,
+            config,
+            &q.data,
+            &keys,
+            &values,
+            &mut out.data,
+            &heads_i,
+            &kv_heads_i,
             &head_dim_i,
-            &half,
-            &norm.eps,
-            &offset,
-            &start,
-            &position
+            &positions,
+            &scale,
+            &k.data,
+            &v.data
         );
-        (q, k)
+        out
     }
 
     fn routed_experts_add(

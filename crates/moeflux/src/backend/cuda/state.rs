@@ -173,6 +173,22 @@ impl CudaBackend {
         (len, position)
     }
 
+    /// Makes room for one more position in each cache and counts it;
+    /// returns each cache's position before, for kernels that store the
+    /// new keys and values themselves (a batched decode step, not
+    /// recorded).
+    pub(super) fn kv_claim_each(&self, caches: &mut [&mut KvCache]) -> Vec<i64> {
+        caches
+            .iter_mut()
+            .map(|cache| {
+                let len = cache.len();
+                self.kv_reserve(cache, len + 1);
+                cache.set_len(len + 1);
+                len as i64
+            })
+            .collect()
+    }
+
     pub(super) fn kv_truncate_to(&self, cache: &mut KvCache, len: usize) {
         cache.set_len(cache.len().min(len));
     }

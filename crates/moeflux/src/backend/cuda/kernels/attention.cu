@@ -284,6 +284,31 @@ ATTENTION_DECODE_KERNEL(attention_decode_128, 4)
 ATTENTION_DECODE_KERNEL(attention_decode_256, 8)
 ATTENTION_DECODE_KERNEL(attention_decode_512, 16)
 
+// A decode step of several sequences at once: grid (heads, sequences);
+// sequence s's query, key and value are row s of q, new_k and new_v, its
+// cache at keys[s] / values[s] with starts[s] positions before this one.
+// Each block does what attention_decode's does for its head and sequence
+// (without reading the history ahead: the caches' addresses are inputs).
+#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE)                                      \
+    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)            \
+        name(const float* q, const u64* keys, const u64* values, float* out, int heads,    \
+             int kv_heads, int head_dim, const i64* starts, float scale,                   \
+             const float* new_k, const float* new_v) {                                     \
+        await_inputs();                                                                    \
+        const int s = blockIdx.y;                                                          \
+        float* k = (float*)keys[s];                                                        \
+        float* v = (float*)values[s];                                                      \
+        const i64 start = starts[s];                                                       \
+        const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;    \
+        attend_decode<PER_LANE>(q + s * q_width, k, v, out + s * q_width, heads, kv_heads, \
+                                head_dim, start, nullptr, scale, new_k + s * kv_width,     \
+                                new_v + s * kv_width);                                     \
+    }
+
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128, 4)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256, 8)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512, 16)
+
 // ---- Prefill: a block per tile of query rows, keys and values shared ----
 //
 // attend() gives every (token, head) its own block, so a prefill of n

@@ -7,6 +7,7 @@
 // indices and loops grid-stride where the grid is capped.
 
 typedef long long i64;
+typedef unsigned long long u64;
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;

@@ -48,12 +48,15 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // head (times offset + weight), then the rotation `rope` applies, with the
 // same arithmetic as rms_norm and rope. One block per head of q or k;
 // q is [rows, q_heads · head_dim], k [rows, k_heads · head_dim], both in
-// place; start_pos is read from `position` on the device when given (a
-// recorded decode step). Dynamic shared memory: head_dim floats.
+// place; row t sits at position start_pos + t, start_pos read from
+// `position` on the device when given (a recorded decode step), or at
+// positions[t] when given (rows of several sequences). Dynamic shared
+// memory: head_dim floats.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
                  const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
-                 int half, float eps, float offset, i64 start_pos, const u32* position) {
+                 int half, float eps, float offset, i64 start_pos, const u32* position,
+                 const i64* positions) {
     prefetch_span(q_weight, 4 * (i64)head_dim);
     prefetch_span(k_weight, 4 * (i64)head_dim);
     prefetch_span(inv_freq, 4 * (i64)half);
@@ -77,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
             normed[i] = head[i] * inv * (offset + weight[i]);
         }
         __syncthreads();
-        float position = (float)(start_pos + t);
+        float position = (float)(positions ? positions[t] : start_pos + t);
         for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
             float v = normed[i];
             if (i < 2 * half) {

@@ -1,0 +1,68 @@
+#!/usr/bin/env python3
+"""Compiles moeflux's CUDA kernels with NVRTC on a machine without a GPU, as
+the CUDA backend does at run time (the sources of
+crates/moeflux/src/backend/cuda/compile.rs, in its order, one program), and
+prints NVRTC's log. Needs libnvrtc: `pip install nvidia-cuda-nvrtc` puts it
+in site-packages/nvidia/cu13/lib, which this script finds; or pass
+--lib PATH.
+
+    python3 tools/nvrtc_check.py [--arch sm_90] [-D NAME=VALUE ...]
+"""
+import argparse
+import ctypes
+import glob
+import os
+import re
+import site
+import sys
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+CUDA = os.path.join(ROOT, "crates/moeflux/src/backend/cuda")
+
+
+def find_lib():
+    for base in site.getsitepackages() + [site.getusersitepackages()]:
+        for path in glob.glob(os.path.join(base, "nvidia/*/lib/libnvrtc.so*")):
+            if "builtins" not in path:
+                return path
+    return "libnvrtc.so"
+
+
+def program():
+    compile_rs = open(os.path.join(CUDA, "compile.rs")).read()
+    names = re.findall(r'include_str!\("kernels/([\w.]+)"\)', compile_rs)
+    return "".join(
+        f'#line 1 "{n}"\n{open(os.path.join(CUDA, "kernels", n)).read()}\n' for n in names
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="sm_90")
+    parser.add_argument("--lib", default=None)
+    parser.add_argument("-D", dest="defines", action="append", default=[])
+    args = parser.parse_args()
+    nvrtc = ctypes.CDLL(args.lib or find_lib())
+    prog = ctypes.c_void_p()
+    source = program().encode()
+    check = lambda rc, what: rc == 0 or sys.exit(f"{what} failed: {rc}")
+    check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"moeflux.cu", 0, None, None),
+          "nvrtcCreateProgram")
+    options = [f"--gpu-architecture={args.arch}".encode()] + [
+        f"-D{d}".encode() for d in args.defines
+    ]
+    array = (ctypes.c_char_p * len(options))(*options)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(options), array)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    text = log.value.decode(errors="replace").strip()
+    if text:
+        print(text)
+    print(f"NVRTC: {'compiled' if rc == 0 else 'FAILED'} for {args.arch}")
+    sys.exit(0 if rc == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()
