@@ -26,11 +26,11 @@ use std::sync::Arc;
 
 use common::*;
 use moeflux::backend::cpu::{
-    CpuBackend, KvCache as CpuKv, LinearState as CpuLinear, Tensor as CpuTensor,
+    CpuBackend, DeltaNetState as CpuDeltaNet, KvCache as CpuKv, Tensor as CpuTensor,
 };
 use moeflux::backend::cuda::{
-    CudaBackend, CudaOptions, KvCache as CudaKv, LinearState as CudaLinear, Tensor as CudaTensor,
-    device_count,
+    CudaBackend, CudaOptions, DeltaNetState as CudaDeltaNet, KvCache as CudaKv,
+    Tensor as CudaTensor, device_count,
 };
 use moeflux::backend::{AttentionShape, Backend, GatedDeltaNetParams, RmsNorm, Rope};
 use moeflux::config::LinearAttentionConfig;
@@ -1101,9 +1101,9 @@ fn check_gated_delta_net(cpu: &CpuBackend, gpu: &CudaBackend, cfg: LinearAttenti
         weights.load(cpu, "test.dt_bias", &[nv]),
         weights.load(gpu, "test.dt_bias", &[nv]),
     );
-    let mut state_cpu = cpu.new_linear_state(&cfg);
-    let mut state_gpu = gpu.new_linear_state(&cfg);
-    let step = |n: usize, seed: u64, state_cpu: &mut CpuLinear, state_gpu: &mut CudaLinear| {
+    let mut state_cpu = cpu.new_delta_net_state(&cfg);
+    let mut state_gpu = gpu.new_delta_net_state(&cfg);
+    let step = |n: usize, seed: u64, state_cpu: &mut CpuDeltaNet, state_gpu: &mut CudaDeltaNet| {
         let (qkv_cpu, qkv_gpu) = both(gpu, n, channels, values(n * channels, seed));
         let (b_cpu, b_gpu) = both(gpu, n, nv, values(n * nv, seed + 1));
         let (a_cpu, a_gpu) = both(gpu, n, nv, values(n * nv, seed + 2));
@@ -1138,8 +1138,8 @@ fn check_gated_delta_net(cpu: &CpuBackend, gpu: &CudaBackend, cfg: LinearAttenti
             1e-5,
         );
     };
-    let compare_states = |what: &str, got: &CudaLinear, want: &CpuLinear| {
-        let (g, w) = (gpu.linear_export(got), cpu.linear_export(want));
+    let compare_states = |what: &str, got: &CudaDeltaNet, want: &CpuDeltaNet| {
+        let (g, w) = (gpu.delta_net_export(got), cpu.delta_net_export(want));
         assert_close(
             &format!("{what}: convolution history"),
             &g.conv,
@@ -1157,12 +1157,12 @@ fn check_gated_delta_net(cpu: &CpuBackend, gpu: &CudaBackend, cfg: LinearAttenti
         step(n, 10 * i as u64, &mut state_cpu, &mut state_gpu);
         compare_states(&format!("after chunk {i}"), &state_gpu, &state_cpu);
     }
-    let mut copy_cpu = cpu.linear_copy(&state_cpu);
-    let mut copy_gpu = gpu.linear_copy(&state_gpu);
+    let mut copy_cpu = cpu.delta_net_copy(&state_cpu);
+    let mut copy_gpu = gpu.delta_net_copy(&state_gpu);
     step(3, 50, &mut copy_cpu, &mut copy_gpu);
     // The originals did not move with their copies.
     compare_states("original after its copy ran", &state_gpu, &state_cpu);
-    let mut imported = gpu.linear_import(&cfg, cpu.linear_export(&state_cpu));
+    let mut imported = gpu.delta_net_import(&cfg, cpu.delta_net_export(&state_cpu));
     step(2, 60, &mut state_cpu, &mut imported);
 }
 

@@ -69,7 +69,7 @@ pub struct HostKv {
 /// A Gated DeltaNet state in host memory: the convolution history
 /// `[kernel - 1, conv_dim]` and the recurrent state
 /// `[value_heads, key_head_dim, value_head_dim]`.
-pub struct HostLinearState {
+pub struct HostDeltaNetState {
     pub conv: Vec<f32>,
     pub recurrent: Vec<f32>,
 }
@@ -81,7 +81,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     type KvCache: Send + Sync;
     /// Convolution and recurrent state of one Gated DeltaNet layer of one
     /// sequence.
-    type LinearState: Send + Sync;
+    type DeltaNetState: Send + Sync;
     /// Each token's selected experts and their weights.
     type Routing: Send + Sync;
 
@@ -104,14 +104,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn kv_export(&self, cache: &Self::KvCache) -> HostKv;
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Self::KvCache;
 
-    fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> Self::LinearState;
-    fn linear_copy(&self, state: &Self::LinearState) -> Self::LinearState;
-    fn linear_export(&self, state: &Self::LinearState) -> HostLinearState;
-    fn linear_import(
+    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Self::DeltaNetState;
+    fn delta_net_copy(&self, state: &Self::DeltaNetState) -> Self::DeltaNetState;
+    fn delta_net_export(&self, state: &Self::DeltaNetState) -> HostDeltaNetState;
+    fn delta_net_import(
         &self,
         cfg: &LinearAttentionConfig,
-        host: HostLinearState,
-    ) -> Self::LinearState;
+        host: HostDeltaNetState,
+    ) -> Self::DeltaNetState;
 
     fn rows(&self, x: &Self::Tensor) -> usize;
     /// The rows of `x` in `ranges`, one after another (a sequence's rows
@@ -157,7 +157,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// gated norm.
     fn gated_delta_net(
         &self,
-        state: &mut Self::LinearState,
+        state: &mut Self::DeltaNetState,
         qkv: &Self::Tensor,
         b: &Self::Tensor,
         a: &Self::Tensor,
@@ -292,7 +292,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn step_key(
         &self,
         _kv: &mut [&mut Self::KvCache],
-        _linear: &[&Self::LinearState],
+        _linear: &[&Self::DeltaNetState],
     ) -> Option<u64> {
         None
     }

@@ -16,7 +16,7 @@ use crate::experts::{ExpertStore, Prefetch};
 
 enum Mixer<B: Backend> {
     Attention(Attention<B>),
-    Linear(GatedDeltaNet<B>),
+    DeltaNet(GatedDeltaNet<B>),
 }
 
 enum FeedForward<B: Backend> {
@@ -34,7 +34,7 @@ struct Layer<B: Backend> {
 /// One sequence's state for one layer.
 pub enum LayerState<B: Backend> {
     Attention(B::KvCache),
-    Linear(B::LinearState),
+    DeltaNet(B::DeltaNetState),
 }
 
 pub struct Decoder<B: Backend> {
@@ -57,7 +57,7 @@ impl<B: Backend> Decoder<B> {
         for (i, spec) in cfg.layers.iter().enumerate() {
             let mixer = match spec.kind {
                 LayerKind::FullAttention => Mixer::Attention(Attention::load(w, i)?),
-                LayerKind::LinearAttention => Mixer::Linear(GatedDeltaNet::load(w, i)?),
+                LayerKind::LinearAttention => Mixer::DeltaNet(GatedDeltaNet::load(w, i)?),
             };
             let ffn = match spec.ffn {
                 FeedForwardKind::Dense => FeedForward::Dense(Mlp::load(
@@ -117,8 +117,8 @@ impl<B: Backend> Decoder<B> {
             .iter()
             .map(|layer| match layer.mixer {
                 Mixer::Attention(_) => LayerState::Attention(b.new_kv_cache(attention::shape(cfg))),
-                Mixer::Linear(_) => LayerState::Linear(
-                    b.new_linear_state(cfg.linear_attention.as_ref().expect("validated")),
+                Mixer::DeltaNet(_) => LayerState::DeltaNet(
+                    b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated")),
                 ),
             })
             .collect()
@@ -155,16 +155,16 @@ impl<B: Backend> Decoder<B> {
                         .iter_mut()
                         .map(|s| match &mut s[i] {
                             LayerState::Attention(cache) => cache,
-                            LayerState::Linear(_) => unreachable!("state built by new_state"),
+                            LayerState::DeltaNet(_) => unreachable!("state built by new_state"),
                         })
                         .collect();
                     attn.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)
                 }
-                Mixer::Linear(gdn) => {
-                    let mut linear: Vec<&mut B::LinearState> = states
+                Mixer::DeltaNet(gdn) => {
+                    let mut linear: Vec<&mut B::DeltaNetState> = states
                         .iter_mut()
                         .map(|s| match &mut s[i] {
-                            LayerState::Linear(state) => state,
+                            LayerState::DeltaNet(state) => state,
                             LayerState::Attention(_) => unreachable!("state built by new_state"),
                         })
                         .collect();

@@ -61,7 +61,7 @@ impl<B: Backend> GatedDeltaNet<B> {
         b: &B,
         input_norm: &B::Weight,
         norm: RmsNorm,
-        states: &mut [&mut B::LinearState],
+        states: &mut [&mut B::DeltaNetState],
         ranges: &[Range<usize>],
         residual: &mut B::Tensor,
     ) {

@@ -3,7 +3,7 @@
 //!
 //! A [`Model`] is immutable once open and safe to share between threads
 //! (wrap it in an [`Arc`]); each conversation is a [`Session`] holding its
-//! own KV caches and linear-attention states, while all sessions share the
+//! own KV caches and Gated DeltaNet states, while all sessions share the
 //! weights and one expert cache.
 
 mod session;
@@ -363,7 +363,7 @@ impl<B: Backend> Model<B> {
         Session::new(self.clone(), options)
     }
 
-    fn has_linear_layers(&self) -> bool {
+    fn has_delta_net_layers(&self) -> bool {
         self.config()
             .layers
             .iter()
@@ -419,7 +419,7 @@ impl<B: Backend> Model<B> {
                             position = b.kv_len(cache);
                             kv.push(cache);
                         }
-                        LayerState::Linear(s) => linear.push(&*s),
+                        LayerState::DeltaNet(s) => linear.push(&*s),
                     }
                 }
                 b.step_key(&mut kv, &linear)

@@ -1,5 +1,5 @@
 //! Sessions: one token sequence each, with its KV caches and
-//! linear-attention states, position checkpoints for prefix reuse, exact
+//! Gated DeltaNet states, position checkpoints for prefix reuse, exact
 //! truncation, and state save/load.
 //!
 //! Full-attention KV caches truncate exactly; Gated DeltaNet states cannot
@@ -58,16 +58,16 @@ impl Default for SessionOptions {
 
 struct Checkpoint<B: Backend> {
     position: usize,
-    /// Per layer, the linear-attention state (`None` for attention layers,
+    /// Per layer, the Gated DeltaNet state (`None` for attention layers,
     /// whose KV cache is truncated instead).
-    linear: Vec<Option<B::LinearState>>,
+    delta_net: Vec<Option<B::DeltaNetState>>,
     logits: Option<Vec<f32>>,
     created: u64,
     used: u64,
 }
 
 /// One token sequence run through a [`Model`]: its tokens, KV caches,
-/// linear-attention states and the logits predicting the next token.
+/// Gated DeltaNet states and the logits predicting the next token.
 ///
 /// [`prefill`](Session::prefill) appends a prompt,
 /// [`decode`](Session::decode) one token, [`generate`](Session::generate)
@@ -382,17 +382,17 @@ impl<B: Backend> Session<B> {
         }
         self.clock += 1;
         let b = self.model.backend();
-        let linear = self
+        let delta_net = self
             .layers
             .iter()
             .map(|l| match l {
-                LayerState::Linear(s) => Some(b.linear_copy(s)),
+                LayerState::DeltaNet(s) => Some(b.delta_net_copy(s)),
                 LayerState::Attention(_) => None,
             })
             .collect();
         let checkpoint = Checkpoint {
             position,
-            linear,
+            delta_net,
             logits: self.logits.clone(),
             created: self.clock,
             used: self.clock,
@@ -454,7 +454,7 @@ impl<B: Backend> Session<B> {
         let exact = position == 0 || self.checkpoints.iter().any(|c| c.position == position);
         if exact {
             self.apply_checkpoint(position);
-        } else if !self.model.has_linear_layers() {
+        } else if !self.model.has_delta_net_layers() {
             self.rebuild(position)?;
         } else {
             return Err(Error::invalid(
@@ -473,7 +473,7 @@ impl<B: Backend> Session<B> {
 
     /// Removes every position at or after `position`, as if only the first
     /// `position` tokens had been given. Exact for any position: KV caches
-    /// are cut, and linear-attention states are rebuilt from the nearest
+    /// are cut, and Gated DeltaNet states are rebuilt from the nearest
     /// checkpoint at or before it by running the tokens in between again.
     ///
     /// ```
@@ -539,11 +539,11 @@ impl<B: Backend> Session<B> {
             .find(|c| c.position == position)
             .expect("caller checked the checkpoint exists");
         ckpt.used = clock;
-        for (layer, saved) in self.layers.iter_mut().zip(&ckpt.linear) {
+        for (layer, saved) in self.layers.iter_mut().zip(&ckpt.delta_net) {
             match (layer, saved) {
                 (LayerState::Attention(cache), _) => b.kv_truncate(cache, position),
-                (LayerState::Linear(state), Some(saved)) => *state = b.linear_copy(saved),
-                (LayerState::Linear(_), None) => {
+                (LayerState::DeltaNet(state), Some(saved)) => *state = b.delta_net_copy(saved),
+                (LayerState::DeltaNet(_), None) => {
                     unreachable!("checkpoints store every linear layer")
                 }
             }
@@ -553,11 +553,11 @@ impl<B: Backend> Session<B> {
     }
 
     /// Brings the state to exactly the first `target` tokens of the
-    /// history: KV caches are cut; linear-attention states come from the
+    /// history: KV caches are cut; Gated DeltaNet states come from the
     /// nearest checkpoint at or before `target`, then the tokens in between
     /// are prefilled again.
     fn rebuild(&mut self, target: usize) -> Result<()> {
-        if !self.model.has_linear_layers() {
+        if !self.model.has_delta_net_layers() {
             let b = self.model.backend();
             for layer in &mut self.layers {
                 if let LayerState::Attention(cache) = layer {
@@ -606,7 +606,7 @@ impl<B: Backend> Session<B> {
         }
     }
 
-    /// The session's tokens, KV caches, linear-attention states and last
+    /// The session's tokens, KV caches, Gated DeltaNet states and last
     /// logits, as bytes (versioned, checksummed, tied to this model).
     /// [`Session::load_state`] puts them into a session of the same model.
     ///

@@ -18,7 +18,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::Model;
-use crate::backend::{Backend, HostKv, HostLinearState};
+use crate::backend::{Backend, HostDeltaNetState, HostKv};
 use crate::blocks::attention;
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
@@ -54,7 +54,7 @@ pub fn encode<B: Backend>(
             .iter()
             .map(|l| match l {
                 LayerState::Attention(_) => "attention".to_string(),
-                LayerState::Linear(_) => "linear".to_string(),
+                LayerState::DeltaNet(_) => "linear".to_string(),
             })
             .collect(),
         has_logits: logits.is_some(),
@@ -74,8 +74,8 @@ pub fn encode<B: Backend>(
                 put(&host.keys);
                 put(&host.values);
             }
-            LayerState::Linear(state) => {
-                let host = b.linear_export(state);
+            LayerState::DeltaNet(state) => {
+                let host = b.delta_net_export(state);
                 put(&host.conv);
                 put(&host.recurrent);
             }
@@ -154,14 +154,14 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
                     values: payload.take(positions * kv_width)?,
                 },
             )),
-            ("linear", LayerState::Linear(_)) => {
+            ("linear", LayerState::DeltaNet(_)) => {
                 let l = cfg
                     .linear_attention
                     .as_ref()
                     .expect("model has linear layers");
-                LayerState::Linear(b.linear_import(
+                LayerState::DeltaNet(b.delta_net_import(
                     l,
-                    HostLinearState {
+                    HostDeltaNetState {
                         conv: payload.take((l.conv_kernel - 1) * l.conv_dim())?,
                         recurrent:
                             payload.take(l.num_value_heads * l.key_head_dim * l.value_head_dim)?,

@@ -9,7 +9,7 @@ use crate::config::LinearAttentionConfig;
 
 /// A sequence's state for one linear-attention layer.
 #[derive(Clone)]
-pub struct LinearState {
+pub struct DeltaNetState {
     /// The last `kernel - 1` inputs of the convolution, oldest first,
     /// `[kernel - 1, conv_dim]`.
     pub conv: Vec<f32>,
@@ -17,9 +17,9 @@ pub struct LinearState {
     pub recurrent: Vec<f32>,
 }
 
-impl LinearState {
+impl DeltaNetState {
     pub fn new(cfg: &LinearAttentionConfig) -> Self {
-        LinearState {
+        DeltaNetState {
             conv: vec![0.0; (cfg.conv_kernel - 1) * cfg.conv_dim()],
             recurrent: vec![0.0; cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim],
         }
@@ -57,7 +57,7 @@ pub struct Inputs<'a> {
 }
 
 pub fn forward(
-    state: &mut LinearState,
+    state: &mut DeltaNetState,
     inp: Inputs<'_>,
     n: usize,
     cfg: &LinearAttentionConfig,

@@ -13,7 +13,9 @@ mod simd;
 use rayon::prelude::*;
 use std::ops::Range;
 
-use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
+use super::{
+    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+};
 use crate::arch::names;
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
@@ -25,7 +27,7 @@ use linear::{Product, matmul_many};
 
 pub use attention::KvCache;
 pub use bandwidth::memory_read_bandwidth;
-pub use gated_delta_net::LinearState;
+pub use gated_delta_net::DeltaNetState;
 pub use linear::{Activations, dot, matmul};
 pub use moe::Routing;
 
@@ -103,7 +105,7 @@ impl Backend for CpuBackend {
     type Tensor = Tensor;
     type Weight = Weight;
     type KvCache = KvCache;
-    type LinearState = LinearState;
+    type DeltaNetState = DeltaNetState;
     type Routing = Routing;
 
     fn name(&self) -> String {
@@ -164,23 +166,27 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> LinearState {
-        LinearState::new(cfg)
+    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> DeltaNetState {
+        DeltaNetState::new(cfg)
     }
 
-    fn linear_copy(&self, state: &LinearState) -> LinearState {
+    fn delta_net_copy(&self, state: &DeltaNetState) -> DeltaNetState {
         state.clone()
     }
 
-    fn linear_export(&self, state: &LinearState) -> HostLinearState {
-        HostLinearState {
+    fn delta_net_export(&self, state: &DeltaNetState) -> HostDeltaNetState {
+        HostDeltaNetState {
             conv: state.conv.clone(),
             recurrent: state.recurrent.clone(),
         }
     }
 
-    fn linear_import(&self, _cfg: &LinearAttentionConfig, host: HostLinearState) -> LinearState {
-        LinearState {
+    fn delta_net_import(
+        &self,
+        _cfg: &LinearAttentionConfig,
+        host: HostDeltaNetState,
+    ) -> DeltaNetState {
+        DeltaNetState {
             conv: host.conv,
             recurrent: host.recurrent,
         }
@@ -343,7 +349,7 @@ impl Backend for CpuBackend {
 
     fn gated_delta_net(
         &self,
-        state: &mut LinearState,
+        state: &mut DeltaNetState,
         qkv: &Tensor,
         b: &Tensor,
         a: &Tensor,

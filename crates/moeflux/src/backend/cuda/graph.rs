@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cudarc::driver::sys::{self, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
 
-use super::{CudaBackend, KvCache, LinearState, Tensor, ok};
+use super::{CudaBackend, DeltaNetState, KvCache, Tensor, ok};
 use crate::error::Result;
 
 /// Recordings kept (one per live sequence, typically).
@@ -394,7 +394,7 @@ impl CudaBackend {
     pub(super) fn state_key(
         &self,
         kv: &mut [&mut KvCache],
-        linear: &[&LinearState],
+        linear: &[&DeltaNetState],
     ) -> Option<u64> {
         if !self.graphs_enabled {
             return None;

@@ -60,10 +60,12 @@ use cudarc::driver::{
     DeviceRepr, DriverError, LaunchConfig, PinnedHostSlice, ValidAsZeroBits,
 };
 
-pub use state::{KvCache, LinearState};
+pub use state::{DeltaNetState, KvCache};
 pub use streaming::ExpertCacheStats;
 
-use super::{AttentionShape, Backend, GatedDeltaNetParams, HostKv, HostLinearState, RmsNorm, Rope};
+use super::{
+    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+};
 use crate::config::LinearAttentionConfig;
 use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
@@ -1093,7 +1095,7 @@ impl Backend for CudaBackend {
     type Tensor = Tensor;
     type Weight = Weight;
     type KvCache = KvCache;
-    type LinearState = LinearState;
+    type DeltaNetState = DeltaNetState;
     type Routing = Routing;
 
     fn name(&self) -> String {
@@ -1152,19 +1154,23 @@ impl Backend for CudaBackend {
         self.kv_from_host(shape, host)
     }
 
-    fn new_linear_state(&self, cfg: &LinearAttentionConfig) -> LinearState {
+    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> DeltaNetState {
         self.linear_new(cfg)
     }
 
-    fn linear_copy(&self, state: &LinearState) -> LinearState {
+    fn delta_net_copy(&self, state: &DeltaNetState) -> DeltaNetState {
         self.linear_clone(state)
     }
 
-    fn linear_export(&self, state: &LinearState) -> HostLinearState {
+    fn delta_net_export(&self, state: &DeltaNetState) -> HostDeltaNetState {
         self.linear_to_host(state)
     }
 
-    fn linear_import(&self, cfg: &LinearAttentionConfig, host: HostLinearState) -> LinearState {
+    fn delta_net_import(
+        &self,
+        cfg: &LinearAttentionConfig,
+        host: HostDeltaNetState,
+    ) -> DeltaNetState {
         self.linear_from_host(cfg, host)
     }
 
@@ -1542,7 +1548,7 @@ impl Backend for CudaBackend {
 
     fn gated_delta_net(
         &self,
-        state: &mut LinearState,
+        state: &mut DeltaNetState,
         qkv: &Tensor,
         b: &Tensor,
         a: &Tensor,
@@ -1963,7 +1969,7 @@ impl Backend for CudaBackend {
         self.add_routed_experts(out, x, routing, store, layer)
     }
 
-    fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&LinearState]) -> Option<u64> {
+    fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Option<u64> {
         self.state_key(kv, linear)
     }
 

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::{CudaBackend, grid_stride, int, long, ok};
-use crate::backend::{AttentionShape, HostKv, HostLinearState};
+use crate::backend::{AttentionShape, HostDeltaNetState, HostKv};
 use crate::config::LinearAttentionConfig;
 
 /// Positions a KV cache holds at least once it holds any.
@@ -78,7 +78,7 @@ impl KvCache {
 
 /// Convolution history `[kernel - 1, conv_dim]` and recurrent state
 /// `[value_heads, key_head_dim, value_head_dim]` of one Gated DeltaNet layer.
-pub struct LinearState {
+pub struct DeltaNetState {
     pub(super) conv: CudaSlice<f32>,
     pub(super) recurrent: CudaSlice<f32>,
     conv_len: usize,
@@ -229,29 +229,29 @@ impl CudaBackend {
         cache
     }
 
-    pub(super) fn linear_new(&self, cfg: &LinearAttentionConfig) -> LinearState {
+    pub(super) fn linear_new(&self, cfg: &LinearAttentionConfig) -> DeltaNetState {
         let (conv_len, recurrent_len) = linear_sizes(cfg);
-        LinearState {
-            conv: self.zeros("new linear-attention state", conv_len),
-            recurrent: self.zeros("new linear-attention state", recurrent_len),
+        DeltaNetState {
+            conv: self.zeros("new Gated DeltaNet state", conv_len),
+            recurrent: self.zeros("new Gated DeltaNet state", recurrent_len),
             conv_len,
             recurrent_len,
         }
     }
 
-    pub(super) fn linear_clone(&self, state: &LinearState) -> LinearState {
+    pub(super) fn linear_clone(&self, state: &DeltaNetState) -> DeltaNetState {
         let copy = |src: &CudaSlice<f32>, len: usize| {
-            let mut dst = self.alloc::<f32>("copying a linear-attention state", len);
+            let mut dst = self.alloc::<f32>("copying a Gated DeltaNet state", len);
             if len > 0 {
                 ok(
-                    "copying a linear-attention state",
+                    "copying a Gated DeltaNet state",
                     self.stream
                         .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(..len)),
                 );
             }
             dst
         };
-        LinearState {
+        DeltaNetState {
             conv: copy(&state.conv, state.conv_len),
             recurrent: copy(&state.recurrent, state.recurrent_len),
             conv_len: state.conv_len,
@@ -259,15 +259,11 @@ impl CudaBackend {
         }
     }
 
-    pub(super) fn linear_to_host(&self, state: &LinearState) -> HostLinearState {
-        HostLinearState {
-            conv: self.download(
-                "saving a linear-attention state",
-                &state.conv,
-                state.conv_len,
-            ),
+    pub(super) fn linear_to_host(&self, state: &DeltaNetState) -> HostDeltaNetState {
+        HostDeltaNetState {
+            conv: self.download("saving a Gated DeltaNet state", &state.conv, state.conv_len),
             recurrent: self.download(
-                "saving a linear-attention state",
+                "saving a Gated DeltaNet state",
                 &state.recurrent,
                 state.recurrent_len,
             ),
@@ -277,18 +273,18 @@ impl CudaBackend {
     pub(super) fn linear_from_host(
         &self,
         cfg: &LinearAttentionConfig,
-        host: HostLinearState,
-    ) -> LinearState {
+        host: HostDeltaNetState,
+    ) -> DeltaNetState {
         let (conv_len, recurrent_len) = linear_sizes(cfg);
         assert!(
             host.conv.len() == conv_len && host.recurrent.len() == recurrent_len,
-            "linear-attention state import: sizes {} and {} do not match the layer's {conv_len} and {recurrent_len}",
+            "Gated DeltaNet state import: sizes {} and {} do not match the layer's {conv_len} and {recurrent_len}",
             host.conv.len(),
             host.recurrent.len()
         );
-        LinearState {
-            conv: self.upload("loading a linear-attention state", &host.conv),
-            recurrent: self.upload("loading a linear-attention state", &host.recurrent),
+        DeltaNetState {
+            conv: self.upload("loading a Gated DeltaNet state", &host.conv),
+            recurrent: self.upload("loading a Gated DeltaNet state", &host.recurrent),
             conv_len,
             recurrent_len,
         }
