@@ -43,7 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let system_prompt = [11, 12, 13, 14, 15, 16, 17, 18];
     let mut session = model.session();
     session.prefill(&system_prompt)?;
-    let prefix = session.checkpoint();
+    let prefix = session.checkpoint()?;
     for question in [[21u32, 22, 23], [31, 32, 33]] {
         session.restore_to(prefix)?;
         session.prefill(&question)?;

@@ -212,7 +212,7 @@ pub fn run<B: Backend>(
     let weight_bytes_per_token = weight_bytes_per_token(model);
     let (memory_bandwidth_gb_s, disk_read_gb_s, host_to_device_gb_s) = if options.ceilings {
         (
-            Some(model.backend().memory_bandwidth()),
+            Some(model.backend().memory_bandwidth()?),
             disk_read_bandwidth(model)?,
             model.backend().host_to_device_bandwidth(),
         )

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::batch::check_batched_equals_alone;
+use common::batch::{check_batched_equals_alone, check_device_failure_is_contained};
 use common::*;
 use moeflux::quant::DType;
 use moeflux::{BatchItem, LogitsWanted, ModelOptions, Phase, forward_batch};
@@ -70,4 +70,15 @@ fn a_batch_mixing_models_or_overflowing_a_context_is_refused_untouched() {
     assert!(forward_batch(&mut items).is_err());
     assert_eq!((a.position(), c.position()), (3, 0));
     assert_eq!(model.kv_bytes_in_use(), 3 * model.kv_bytes_per_position());
+}
+
+#[test]
+fn a_device_failure_fails_only_its_batch_and_the_process_goes_on() {
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q8);
+        check_device_failure_is_contained(
+            &converted.dir,
+            moeflux::backend::cpu::CpuBackend::default,
+        );
+    }
 }

@@ -171,6 +171,17 @@ fn batched_sequences_equal_each_sequence_alone() {
 }
 
 #[test]
+fn a_device_failure_fails_only_its_batch_and_the_process_goes_on() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        common::batch::check_device_failure_is_contained(&converted.dir, || cuda().unwrap());
+    }
+}
+
+#[test]
 fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
         return;
@@ -479,7 +490,7 @@ fn sessions_save_truncate_and_restore_on_cuda() {
 
         let mut first = gpu.session();
         first.prefill(prefix).unwrap();
-        let bytes = first.save_state();
+        let bytes = first.save_state().unwrap();
         let mut second = gpu.session();
         second.load_state(&bytes, Path::new("<memory>")).unwrap();
         assert_eq!(
@@ -503,7 +514,7 @@ fn sessions_save_truncate_and_restore_on_cuda() {
 
         let mut session = gpu.session();
         session.prefill(&tokens[..20]).unwrap();
-        let at20 = session.checkpoint();
+        let at20 = session.checkpoint().unwrap();
         session.prefill(&tokens[20..]).unwrap();
         session.truncate(20).unwrap();
         session.restore_to(at20).unwrap();
@@ -611,7 +622,7 @@ impl TestWeights {
 
 /// The same host matrix on both backends.
 fn both(gpu: &CudaBackend, rows: usize, cols: usize, data: Vec<f32>) -> (CpuTensor, CudaTensor) {
-    let on_gpu = gpu.tensor_from_host(rows, cols, &data);
+    let on_gpu = gpu.tensor_from_host(rows, cols, &data).unwrap();
     (CpuTensor::new(rows, cols, data), on_gpu)
 }
 
@@ -651,8 +662,8 @@ fn linear_and_embed_match_cpu_for_every_dtype() {
         let mut x = values(n * cols, (n * cols) as u64);
         x[cols / 3] = 9.0; // an outlier, as real activations have
         let (x_cpu, x_gpu) = both(&gpu, n, cols, x.clone());
-        let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu));
-        let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu));
+        let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu).unwrap()).unwrap();
+        let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu).unwrap()).unwrap();
         // Per output, f32 rounding of the terms' magnitudes.
         let view = weights.dir.tensor(name, shape).unwrap();
         let mut row = vec![0f32; cols];
@@ -676,8 +687,8 @@ fn linear_and_embed_match_cpu_for_every_dtype() {
             .map(|i| (i * 7) % rows as u32)
             .collect();
         assert_eq!(
-            gpu.to_host(&gpu.embed(&w_gpu, &tokens)),
-            cpu.to_host(&cpu.embed(&w_cpu, &tokens)),
+            gpu.to_host(&gpu.embed(&w_gpu, &tokens).unwrap()).unwrap(),
+            cpu.to_host(&cpu.embed(&w_cpu, &tokens).unwrap()).unwrap(),
             "embed {}",
             dtype.name()
         );
@@ -710,16 +721,20 @@ fn norms_match_cpu() {
             };
             assert_close(
                 &format!("rms_norm {name} unit_offset={unit_offset}"),
-                &gpu.to_host(&gpu.rms_norm(&x_gpu, &w_gpu, norm)),
-                &cpu.to_host(&cpu.rms_norm(&x_cpu, &w_cpu, norm)),
+                &gpu.to_host(&gpu.rms_norm(&x_gpu, &w_gpu, norm).unwrap())
+                    .unwrap(),
+                &cpu.to_host(&cpu.rms_norm(&x_cpu, &w_cpu, norm).unwrap())
+                    .unwrap(),
                 1e-5,
             );
         }
         let (z_cpu, z_gpu) = both(&gpu, rows, cols, values(rows * cols, 99));
         assert_close(
             &format!("gated_rms_norm {name}"),
-            &gpu.to_host(&gpu.gated_rms_norm(&x_gpu, &z_gpu, &w_gpu, 1e-6)),
-            &cpu.to_host(&cpu.gated_rms_norm(&x_cpu, &z_cpu, &w_cpu, 1e-6)),
+            &gpu.to_host(&gpu.gated_rms_norm(&x_gpu, &z_gpu, &w_gpu, 1e-6).unwrap())
+                .unwrap(),
+            &cpu.to_host(&cpu.gated_rms_norm(&x_cpu, &z_cpu, &w_cpu, 1e-6).unwrap())
+                .unwrap(),
             1e-5,
         );
     }
@@ -743,8 +758,8 @@ fn many_row_q4_product_of_one_token_matches_cpu() {
     let mut x = values(cols, 17);
     x[cols / 3] = 9.0;
     let (x_cpu, x_gpu) = both(&gpu, 1, cols, x.clone());
-    let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu));
-    let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu));
+    let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu).unwrap()).unwrap();
+    let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu).unwrap()).unwrap();
     let view = weights.dir.tensor(name, &[rows, cols]).unwrap();
     let mut row = vec![0f32; cols];
     for r in 0..rows {
@@ -832,18 +847,22 @@ fn norm_fused_into_one_token_products_matches_separate_launches() {
                         "{} {cols} cols, rows {rows:?}, offset {unit_offset}",
                         dtype.name()
                     );
-                    let (normed, fused) = gpu.rms_norm_linear_many(&x_gpu, &nw_gpu, norm, &ws);
-                    let separate_norm = gpu.rms_norm(&x_gpu, &nw_gpu, norm);
-                    let separate = gpu.linear_many(&separate_norm, &ws);
-                    let h = cpu.to_host(&cpu.rms_norm(&x_cpu, &nw_cpu, norm));
+                    let (normed, fused) = gpu
+                        .rms_norm_linear_many(&x_gpu, &nw_gpu, norm, &ws)
+                        .unwrap();
+                    let separate_norm = gpu.rms_norm(&x_gpu, &nw_gpu, norm).unwrap();
+                    let separate = gpu.linear_many(&separate_norm, &ws).unwrap();
+                    let h = cpu
+                        .to_host(&cpu.rms_norm(&x_cpu, &nw_cpu, norm).unwrap())
+                        .unwrap();
                     assert_close(
                         &format!("{what}: normalised input against the CPU"),
-                        &gpu.to_host(&normed),
+                        &gpu.to_host(&normed).unwrap(),
                         &h,
                         1e-5,
                     );
                     for (m, (f, s)) in fused.iter().zip(&separate).enumerate() {
-                        let (got, want) = (gpu.to_host(f), gpu.to_host(s));
+                        let (got, want) = (gpu.to_host(f).unwrap(), gpu.to_host(s).unwrap());
                         let name = format!("test.{}.{cols}.{l}.{m}", dtype.name());
                         let view = weights.dir.tensor(&name, &[rows[m], cols]).unwrap();
                         let mut row = vec![0f32; cols];
@@ -875,16 +894,17 @@ fn elementwise_ops_match_cpu() {
     let (rows, cols) = (7, 61);
     let (x_cpu, x_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
     let (y_cpu, y_gpu) = both(&gpu, rows, cols, values(rows * cols, 2));
-    assert_eq!(gpu.to_host(&x_gpu), x_cpu.data, "to_host");
+    assert_eq!(gpu.to_host(&x_gpu).unwrap(), x_cpu.data, "to_host");
     assert_eq!(gpu.rows(&x_gpu), rows);
 
     let widths = [13, 40, 8];
     for (g, c) in gpu
         .split_cols(&x_gpu, &widths)
+        .unwrap()
         .iter()
-        .zip(cpu.split_cols(&x_cpu, &widths))
+        .zip(cpu.split_cols(&x_cpu, &widths).unwrap())
     {
-        assert_eq!(gpu.to_host(g), c.data, "split_cols");
+        assert_eq!(gpu.to_host(g).unwrap(), c.data, "split_cols");
     }
     let (last, all) = (rows - 1..rows, 0..rows);
     let gathers: [&[std::ops::Range<usize>]; 4] = [
@@ -895,51 +915,66 @@ fn elementwise_ops_match_cpu() {
     ];
     for ranges in gathers {
         assert_eq!(
-            gpu.to_host(&gpu.gather_rows(&x_gpu, ranges)),
-            cpu.gather_rows(&x_cpu, ranges).data,
+            gpu.to_host(&gpu.gather_rows(&x_gpu, ranges).unwrap())
+                .unwrap(),
+            cpu.gather_rows(&x_cpu, ranges).unwrap().data,
             "gather_rows {ranges:?}"
         );
     }
     let split = [0..2, 2..2, 2..7];
     let parts_gpu: Vec<_> = split
         .iter()
-        .map(|r| gpu.gather_rows(&x_gpu, std::slice::from_ref(r)))
+        .map(|r| gpu.gather_rows(&x_gpu, std::slice::from_ref(r)).unwrap())
         .collect();
     let parts_cpu: Vec<_> = split
         .iter()
-        .map(|r| cpu.gather_rows(&x_cpu, std::slice::from_ref(r)))
+        .map(|r| cpu.gather_rows(&x_cpu, std::slice::from_ref(r)).unwrap())
         .collect();
     assert_eq!(
-        gpu.to_host(&gpu.concat_rows(&parts_gpu)),
+        gpu.to_host(&gpu.concat_rows(&parts_gpu).unwrap()).unwrap(),
         x_cpu.data,
         "concat_rows"
     );
-    assert_eq!(cpu.concat_rows(&parts_cpu).data, x_cpu.data, "concat_rows");
+    assert_eq!(
+        cpu.concat_rows(&parts_cpu).unwrap().data,
+        x_cpu.data,
+        "concat_rows"
+    );
 
     let (mut a_cpu, mut a_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
-    cpu.add_assign(&mut a_cpu, &y_cpu);
-    gpu.add_assign(&mut a_gpu, &y_gpu);
-    assert_close("add_assign", &gpu.to_host(&a_gpu), &a_cpu.data, 1e-7);
+    cpu.add_assign(&mut a_cpu, &y_cpu).unwrap();
+    gpu.add_assign(&mut a_gpu, &y_gpu).unwrap();
+    assert_close(
+        "add_assign",
+        &gpu.to_host(&a_gpu).unwrap(),
+        &a_cpu.data,
+        1e-7,
+    );
 
     assert_close(
         "silu_mul",
-        &gpu.to_host(&gpu.silu_mul(&x_gpu, &y_gpu)),
-        &cpu.silu_mul(&x_cpu, &y_cpu).data,
+        &gpu.to_host(&gpu.silu_mul(&x_gpu, &y_gpu).unwrap()).unwrap(),
+        &cpu.silu_mul(&x_cpu, &y_cpu).unwrap().data,
         1e-6,
     );
 
     let (mut m_cpu, mut m_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
-    cpu.mul_sigmoid(&mut m_cpu, &y_cpu);
-    gpu.mul_sigmoid(&mut m_gpu, &y_gpu);
-    assert_close("mul_sigmoid", &gpu.to_host(&m_gpu), &m_cpu.data, 1e-6);
+    cpu.mul_sigmoid(&mut m_cpu, &y_cpu).unwrap();
+    gpu.mul_sigmoid(&mut m_gpu, &y_gpu).unwrap();
+    assert_close(
+        "mul_sigmoid",
+        &gpu.to_host(&m_gpu).unwrap(),
+        &m_cpu.data,
+        1e-6,
+    );
 
     let (g_cpu, g_gpu) = both(&gpu, rows, 1, values(rows, 5));
     let (mut r_cpu, mut r_gpu) = both(&gpu, rows, cols, values(rows * cols, 1));
-    cpu.mul_sigmoid(&mut r_cpu, &g_cpu);
-    gpu.mul_sigmoid(&mut r_gpu, &g_gpu);
+    cpu.mul_sigmoid(&mut r_cpu, &g_cpu).unwrap();
+    gpu.mul_sigmoid(&mut r_gpu, &g_gpu).unwrap();
     assert_close(
         "mul_sigmoid per row",
-        &gpu.to_host(&r_gpu),
+        &gpu.to_host(&r_gpu).unwrap(),
         &r_cpu.data,
         1e-6,
     );
@@ -961,11 +996,11 @@ fn rope_matches_cpu() {
         };
         let (rows, cols) = (5, 3 * head_dim);
         let (mut x_cpu, mut x_gpu) = both(&gpu, rows, cols, values(rows * cols, head_dim as u64));
-        cpu.rope(&mut x_cpu, rope, start);
-        gpu.rope(&mut x_gpu, rope, start);
+        cpu.rope(&mut x_cpu, rope, start).unwrap();
+        gpu.rope(&mut x_gpu, rope, start).unwrap();
         assert_close(
             &format!("rope {head_dim}/{rotary_dim} at {start}"),
-            &gpu.to_host(&x_gpu),
+            &gpu.to_host(&x_gpu).unwrap(),
             &x_cpu.data,
             1e-5,
         );
@@ -982,14 +1017,22 @@ fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
         head_dim: 40,
     };
     let (q_width, kv_width) = (6 * 40, 2 * 40);
-    let mut cache_cpu = cpu.new_kv_cache(shape);
-    let mut cache_gpu = gpu.new_kv_cache(shape);
+    let mut cache_cpu = cpu.new_kv_cache(shape).unwrap();
+    let mut cache_gpu = gpu.new_kv_cache(shape).unwrap();
     let step = |n: usize, seed: u64, cache_cpu: &mut CpuKv, cache_gpu: &mut CudaKv| {
         let (q_cpu, q_gpu) = both(&gpu, n, q_width, values(n * q_width, seed));
         let (k_cpu, k_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 1));
         let (v_cpu, v_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 2));
-        let want = cpu.attention(cache_cpu, &q_cpu, &k_cpu, &v_cpu, shape).data;
-        let got = gpu.to_host(&gpu.attention(cache_gpu, &q_gpu, &k_gpu, &v_gpu, shape));
+        let want = cpu
+            .attention(cache_cpu, &q_cpu, &k_cpu, &v_cpu, shape)
+            .unwrap()
+            .data;
+        let got = gpu
+            .to_host(
+                &gpu.attention(cache_gpu, &q_gpu, &k_gpu, &v_gpu, shape)
+                    .unwrap(),
+            )
+            .unwrap();
         assert_close(
             &format!("attention chunk of {n} (seed {seed})"),
             &got,
@@ -1002,7 +1045,10 @@ fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
         step(n, 10 * i as u64, &mut cache_cpu, &mut cache_gpu);
     }
     assert_eq!(gpu.kv_len(&cache_gpu), 309);
-    let (exported, reference) = (gpu.kv_export(&cache_gpu), cpu.kv_export(&cache_cpu));
+    let (exported, reference) = (
+        gpu.kv_export(&cache_gpu).unwrap(),
+        cpu.kv_export(&cache_cpu).unwrap(),
+    );
     assert_eq!(exported.keys, reference.keys, "kv_export keys");
     assert_eq!(exported.values, reference.values, "kv_export values");
 
@@ -1011,7 +1057,9 @@ fn attention_matches_cpu_across_chunks_growth_truncation_and_import() {
     assert_eq!(gpu.kv_len(&cache_gpu), 100);
     step(4, 77, &mut cache_cpu, &mut cache_gpu);
 
-    let mut imported = gpu.kv_import(shape, cpu.kv_export(&cache_cpu));
+    let mut imported = gpu
+        .kv_import(shape, cpu.kv_export(&cache_cpu).unwrap())
+        .unwrap();
     assert_eq!(gpu.kv_len(&imported), 104);
     step(2, 91, &mut cache_cpu, &mut imported);
 }
@@ -1030,8 +1078,8 @@ fn prefill_attention_matches_cpu_for_both_head_dimensions() {
             head_dim,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let mut cache_cpu = cpu.new_kv_cache(shape);
-        let mut cache_gpu = gpu.new_kv_cache(shape);
+        let mut cache_cpu = cpu.new_kv_cache(shape).unwrap();
+        let mut cache_gpu = gpu.new_kv_cache(shape).unwrap();
         for (i, n) in [70, 16, 1, 45].into_iter().enumerate() {
             let seed = 1000 + 10 * i as u64 + head_dim as u64;
             let (q_cpu, q_gpu) = both(&gpu, n, q_width, values(n * q_width, seed));
@@ -1039,8 +1087,14 @@ fn prefill_attention_matches_cpu_for_both_head_dimensions() {
             let (v_cpu, v_gpu) = both(&gpu, n, kv_width, values(n * kv_width, seed + 2));
             let want = cpu
                 .attention(&mut cache_cpu, &q_cpu, &k_cpu, &v_cpu, shape)
+                .unwrap()
                 .data;
-            let got = gpu.to_host(&gpu.attention(&mut cache_gpu, &q_gpu, &k_gpu, &v_gpu, shape));
+            let got = gpu
+                .to_host(
+                    &gpu.attention(&mut cache_gpu, &q_gpu, &k_gpu, &v_gpu, shape)
+                        .unwrap(),
+                )
+                .unwrap();
             assert_close(
                 &format!("attention, head_dim {head_dim}, chunk of {n}"),
                 &got,
@@ -1101,45 +1155,52 @@ fn check_gated_delta_net(cpu: &CpuBackend, gpu: &CudaBackend, cfg: LinearAttenti
         weights.load(cpu, "test.dt_bias", &[nv]),
         weights.load(gpu, "test.dt_bias", &[nv]),
     );
-    let mut state_cpu = cpu.new_delta_net_state(&cfg);
-    let mut state_gpu = gpu.new_delta_net_state(&cfg);
+    let mut state_cpu = cpu.new_delta_net_state(&cfg).unwrap();
+    let mut state_gpu = gpu.new_delta_net_state(&cfg).unwrap();
     let step = |n: usize, seed: u64, state_cpu: &mut CpuDeltaNet, state_gpu: &mut CudaDeltaNet| {
         let (qkv_cpu, qkv_gpu) = both(gpu, n, channels, values(n * channels, seed));
         let (b_cpu, b_gpu) = both(gpu, n, nv, values(n * nv, seed + 1));
         let (a_cpu, a_gpu) = both(gpu, n, nv, values(n * nv, seed + 2));
-        let want = cpu.gated_delta_net(
-            state_cpu,
-            &qkv_cpu,
-            &b_cpu,
-            &a_cpu,
-            GatedDeltaNetParams {
-                conv: &conv.0,
-                a_log: &a_log.0,
-                dt_bias: &dt_bias.0,
-            },
-            &cfg,
-        );
-        let got = gpu.gated_delta_net(
-            state_gpu,
-            &qkv_gpu,
-            &b_gpu,
-            &a_gpu,
-            GatedDeltaNetParams {
-                conv: &conv.1,
-                a_log: &a_log.1,
-                dt_bias: &dt_bias.1,
-            },
-            &cfg,
-        );
+        let want = cpu
+            .gated_delta_net(
+                state_cpu,
+                &qkv_cpu,
+                &b_cpu,
+                &a_cpu,
+                GatedDeltaNetParams {
+                    conv: &conv.0,
+                    a_log: &a_log.0,
+                    dt_bias: &dt_bias.0,
+                },
+                &cfg,
+            )
+            .unwrap();
+        let got = gpu
+            .gated_delta_net(
+                state_gpu,
+                &qkv_gpu,
+                &b_gpu,
+                &a_gpu,
+                GatedDeltaNetParams {
+                    conv: &conv.1,
+                    a_log: &a_log.1,
+                    dt_bias: &dt_bias.1,
+                },
+                &cfg,
+            )
+            .unwrap();
         assert_close(
             &format!("gated_delta_net chunk of {n} (seed {seed})"),
-            &gpu.to_host(&got),
+            &gpu.to_host(&got).unwrap(),
             &want.data,
             1e-5,
         );
     };
     let compare_states = |what: &str, got: &CudaDeltaNet, want: &CpuDeltaNet| {
-        let (g, w) = (gpu.delta_net_export(got), cpu.delta_net_export(want));
+        let (g, w) = (
+            gpu.delta_net_export(got).unwrap(),
+            cpu.delta_net_export(want).unwrap(),
+        );
         assert_close(
             &format!("{what}: convolution history"),
             &g.conv,
@@ -1157,12 +1218,14 @@ fn check_gated_delta_net(cpu: &CpuBackend, gpu: &CudaBackend, cfg: LinearAttenti
         step(n, 10 * i as u64, &mut state_cpu, &mut state_gpu);
         compare_states(&format!("after chunk {i}"), &state_gpu, &state_cpu);
     }
-    let mut copy_cpu = cpu.delta_net_copy(&state_cpu);
-    let mut copy_gpu = gpu.delta_net_copy(&state_gpu);
+    let mut copy_cpu = cpu.delta_net_copy(&state_cpu).unwrap();
+    let mut copy_gpu = gpu.delta_net_copy(&state_gpu).unwrap();
     step(3, 50, &mut copy_cpu, &mut copy_gpu);
     // The originals did not move with their copies.
     compare_states("original after its copy ran", &state_gpu, &state_cpu);
-    let mut imported = gpu.delta_net_import(&cfg, cpu.delta_net_export(&state_cpu));
+    let mut imported = gpu
+        .delta_net_import(&cfg, cpu.delta_net_export(&state_cpu).unwrap())
+        .unwrap();
     step(2, 60, &mut state_cpu, &mut imported);
 }
 
@@ -1173,16 +1236,16 @@ fn routing_matches_cpu() {
     for (n, experts, top_k) in [(9, 37, 5), (1, 8, 2), (4, 300, 10), (3, 512, 1)] {
         let (l_cpu, l_gpu) = both(&gpu, n, experts, values(n * experts, experts as u64));
         for normalize in [false, true] {
-            let want = cpu.route(&l_cpu, top_k, normalize);
-            let got = gpu.route(&l_gpu, top_k, normalize);
+            let want = cpu.route(&l_cpu, top_k, normalize).unwrap();
+            let got = gpu.route(&l_gpu, top_k, normalize).unwrap();
             assert_eq!(
-                gpu.selected_experts(&got),
-                cpu.selected_experts(&want),
+                gpu.selected_experts(&got).unwrap(),
+                cpu.selected_experts(&want).unwrap(),
                 "route {n}x{experts} top-{top_k}"
             );
             assert_close(
                 &format!("route weights {n}x{experts} top-{top_k} normalize={normalize}"),
-                &got.weights_to_host(),
+                &got.weights_to_host().unwrap(),
                 &want.weights,
                 1e-6,
             );
@@ -1219,14 +1282,24 @@ fn routed_experts_match_cpu() {
             let (x_cpu, x_gpu) = both(&gpu, n, hidden, values(n * hidden, n as u64));
             let (l_cpu, l_gpu) = both(&gpu, n, experts, values(n * experts, 7 + n as u64));
             let want = cpu
-                .routed_experts(&x_cpu, &cpu.route(&l_cpu, top_k, true), &store, layer)
+                .routed_experts(
+                    &x_cpu,
+                    &cpu.route(&l_cpu, top_k, true).unwrap(),
+                    &store,
+                    layer,
+                )
                 .unwrap();
             let got = gpu
-                .routed_experts(&x_gpu, &gpu.route(&l_gpu, top_k, true), &store, layer)
+                .routed_experts(
+                    &x_gpu,
+                    &gpu.route(&l_gpu, top_k, true).unwrap(),
+                    &store,
+                    layer,
+                )
                 .unwrap();
             assert_close(
                 &format!("routed experts {} n={n}", quant.name()),
-                &gpu.to_host(&got),
+                &gpu.to_host(&got).unwrap(),
                 &want.data,
                 1e-5,
             );
@@ -1285,8 +1358,8 @@ fn tensor_core_linear_matches_cpu_on_awkward_shapes() {
                 token.iter_mut().for_each(|v| *v *= scale);
             }
             let (x_cpu, x_gpu) = both(&gpu, n, cols, x.clone());
-            let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu));
-            let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu));
+            let want = cpu.to_host(&cpu.linear(&x_cpu, &w_cpu).unwrap()).unwrap();
+            let got = gpu.to_host(&gpu.linear(&x_gpu, &w_gpu).unwrap()).unwrap();
             assert_eq!(got.len(), n * rows);
             // The worst error as a fraction of its output's bound.
             let mut worst = 0f64;
@@ -1450,19 +1523,25 @@ fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
                 let x_cpu = CpuTensor::new(n, hidden, x.clone());
                 let l_cpu = CpuTensor::new(n, experts, logits.clone());
                 let want = cpu
-                    .routed_experts(&x_cpu, &cpu.route(&l_cpu, top_k, true), &store, layer)
+                    .routed_experts(
+                        &x_cpu,
+                        &cpu.route(&l_cpu, top_k, true).unwrap(),
+                        &store,
+                        layer,
+                    )
                     .unwrap()
                     .data;
                 let on = |gpu: &CudaBackend| {
-                    let x = gpu.tensor_from_host(n, hidden, &x);
-                    let l = gpu.tensor_from_host(n, experts, &logits);
-                    let routing = gpu.route(&l, top_k, true);
+                    let x = gpu.tensor_from_host(n, hidden, &x).unwrap();
+                    let l = gpu.tensor_from_host(n, experts, &logits).unwrap();
+                    let routing = gpu.route(&l, top_k, true).unwrap();
                     gpu.to_host(&gpu.routed_experts(&x, &routing, &store, layer).unwrap())
+                        .unwrap()
                 };
                 let got = on(&resident_gpu);
                 let what = format!("grouped experts {model} {} n={n}", quant.name());
                 assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite");
-                let routing = cpu.route(&l_cpu, top_k, true);
+                let routing = cpu.route(&l_cpu, top_k, true).unwrap();
                 let bounds = expert_error_bounds(&store, layer, &x, hidden, &routing, 1e-5);
                 let mut worst = 0f64;
                 for ((g, w), bound) in got.iter().zip(&want).zip(&bounds) {

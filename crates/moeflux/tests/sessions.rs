@@ -54,7 +54,7 @@ fn saved_and_loaded_state_continues_identically() {
 
         let mut first = model.session();
         first.prefill(prefix).unwrap();
-        let bytes = first.save_state();
+        let bytes = first.save_state().unwrap();
         drop(first);
         let mut second = model.session();
         second.load_state(&bytes, Path::new("<memory>")).unwrap();
@@ -75,9 +75,9 @@ fn restore_to_checkpoint_then_continue_equals_fresh_prefill() {
         let vocab = model.config().vocab_size;
         let mut session = model.session();
         session.prefill(&tokens[..20]).unwrap();
-        assert_eq!(session.checkpoint(), 20);
+        assert_eq!(session.checkpoint().unwrap(), 20);
         session.prefill(&tokens[20..50]).unwrap();
-        session.checkpoint();
+        session.checkpoint().unwrap();
         session.prefill(&tokens[50..60]).unwrap();
 
         session.restore_to(20).unwrap();
@@ -112,7 +112,7 @@ fn truncate_then_continue_equals_fresh_prefill() {
             let mut session = model.session();
             session.prefill(&tokens[..16]).unwrap();
             if checkpoint_at.is_some() {
-                session.checkpoint();
+                session.checkpoint().unwrap();
             }
             session.prefill(&tokens[16..70]).unwrap();
             session.truncate(41).unwrap();
@@ -161,7 +161,7 @@ fn checkpoints_are_capped_keeping_the_newest() {
     let mut session = Session::new(model.clone(), options);
     for end in [5, 10, 15] {
         session.prefill(&tokens[session.position()..end]).unwrap();
-        session.checkpoint();
+        session.checkpoint().unwrap();
     }
     assert_eq!(
         session.checkpoints(),
@@ -226,7 +226,7 @@ fn corrupt_state_is_refused() {
     let (_c, model, tokens) = model("qwen3_5_moe");
     let mut s = model.session();
     s.prefill(&tokens[..10]).unwrap();
-    let mut bytes = s.save_state();
+    let mut bytes = s.save_state().unwrap();
     let middle = bytes.len() / 2;
     bytes[middle] ^= 0x40;
     let mut target = model.session();
@@ -247,7 +247,7 @@ fn truncated_state_is_refused() {
     let (_c, model, tokens) = model("qwen3_moe");
     let mut s = model.session();
     s.prefill(&tokens[..10]).unwrap();
-    let bytes = s.save_state();
+    let bytes = s.save_state().unwrap();
     let mut target = model.session();
     expect_error(
         target.load_state(&bytes[..bytes.len() - 100], Path::new("state.bin")),
@@ -265,7 +265,7 @@ fn state_of_another_model_is_refused() {
     let (_c2, other, _) = model_pair_other();
     let mut s = other.session();
     s.prefill(&tokens[..5]).unwrap();
-    let bytes = s.save_state();
+    let bytes = s.save_state().unwrap();
     expect_error(
         model.session().load_state(&bytes, Path::new("other.state")),
         &["other.state", "different model"],
@@ -344,7 +344,7 @@ fn a_failed_forward_leaves_a_consistent_session() {
         let vocab = model.config().vocab_size;
         let mut session = model.session();
         session.prefill(&tokens[..10]).unwrap();
-        session.checkpoint();
+        session.checkpoint().unwrap();
 
         let file = converted.dir.join("experts/layer_003.bin");
         let original = std::fs::read(&file).unwrap();

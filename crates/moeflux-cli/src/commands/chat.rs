@@ -274,7 +274,7 @@ fn chat<B: Backend>(
             );
         }
         messages.push(ChatMessage::assistant(answer.text));
-        session.checkpoint();
+        session.checkpoint()?;
     }
     Ok(())
 }

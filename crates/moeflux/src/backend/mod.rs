@@ -5,6 +5,11 @@
 //!
 //! Activations are row-major matrices `[tokens, features]` in f32; heads
 //! are contiguous column ranges of a row.
+//!
+//! Every operation that computes or allocates returns a [`Result`]: a
+//! device failure (out of memory included) reaches the caller as
+//! [`crate::Error::Device`] instead of ending the process, and the engine
+//! rolls back the sequences of the pass that failed.
 
 pub mod cpu;
 pub mod cuda;
@@ -91,53 +96,58 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// from, measured now: the ceiling decode speed is reported against
     /// (host RAM read bandwidth on the CPU; a device-to-device copy,
     /// bytes read plus written, on a GPU).
-    fn memory_bandwidth(&self) -> f64;
+    fn memory_bandwidth(&self) -> Result<f64>;
 
     /// Makes a stored tensor usable by this backend.
     fn load_weight(&self, tensor: &TensorData) -> Result<Self::Weight>;
 
-    fn new_kv_cache(&self, shape: AttentionShape) -> Self::KvCache;
+    fn new_kv_cache(&self, shape: AttentionShape) -> Result<Self::KvCache>;
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Drops every position at or after `len`.
     fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
     /// Keys and values in host memory, each `[len, kv_heads·head_dim]`.
-    fn kv_export(&self, cache: &Self::KvCache) -> HostKv;
-    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Self::KvCache;
+    fn kv_export(&self, cache: &Self::KvCache) -> Result<HostKv>;
+    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<Self::KvCache>;
 
-    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Self::DeltaNetState;
-    fn delta_net_copy(&self, state: &Self::DeltaNetState) -> Self::DeltaNetState;
-    fn delta_net_export(&self, state: &Self::DeltaNetState) -> HostDeltaNetState;
+    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Result<Self::DeltaNetState>;
+    fn delta_net_copy(&self, state: &Self::DeltaNetState) -> Result<Self::DeltaNetState>;
+    fn delta_net_export(&self, state: &Self::DeltaNetState) -> Result<HostDeltaNetState>;
     fn delta_net_import(
         &self,
         cfg: &LinearAttentionConfig,
         host: HostDeltaNetState,
-    ) -> Self::DeltaNetState;
+    ) -> Result<Self::DeltaNetState>;
 
     fn rows(&self, x: &Self::Tensor) -> usize;
     /// The rows of `x` in `ranges`, one after another (a sequence's rows
     /// out of a batch; each sequence's last rows for the logits).
-    fn gather_rows(&self, x: &Self::Tensor, ranges: &[Range<usize>]) -> Self::Tensor;
+    fn gather_rows(&self, x: &Self::Tensor, ranges: &[Range<usize>]) -> Result<Self::Tensor>;
     /// The rows of `parts`, one tensor after another (every part has the
     /// same columns).
-    fn concat_rows(&self, parts: &[Self::Tensor]) -> Self::Tensor;
+    fn concat_rows(&self, parts: &[Self::Tensor]) -> Result<Self::Tensor>;
     /// Copies a tensor to host memory, row-major.
-    fn to_host(&self, x: &Self::Tensor) -> Vec<f32>;
+    fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
 
     /// Rows of the embedding table for `tokens`.
-    fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Self::Tensor;
+    fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Result<Self::Tensor>;
     /// `x · wᵀ` for a weight stored `[out, in]`.
-    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Self::Tensor;
-    fn rms_norm(&self, x: &Self::Tensor, weight: &Self::Weight, norm: RmsNorm) -> Self::Tensor;
+    fn linear(&self, x: &Self::Tensor, w: &Self::Weight) -> Result<Self::Tensor>;
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        weight: &Self::Weight,
+        norm: RmsNorm,
+    ) -> Result<Self::Tensor>;
     /// Splits columns into consecutive parts of the given widths.
-    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Vec<Self::Tensor>;
-    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor);
+    fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
+    fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
     /// `silu(gate) * up`.
-    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Self::Tensor;
+    fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x *= sigmoid(gate)`, elementwise, or per row when `gate` has one
     /// column.
-    fn mul_sigmoid(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
+    fn mul_sigmoid(&self, x: &mut Self::Tensor, gate: &Self::Tensor) -> Result<()>;
     /// Rotates each head of `x` for positions `start_pos..start_pos + rows`.
-    fn rope(&self, x: &mut Self::Tensor, rope: Rope, start_pos: usize);
+    fn rope(&self, x: &mut Self::Tensor, rope: Rope, start_pos: usize) -> Result<()>;
 
     /// Appends `k` and `v` to the cache and returns causal attention of `q`
     /// over everything cached (queries sit at the newest positions).
@@ -148,7 +158,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         k: &Self::Tensor,
         v: &Self::Tensor,
         shape: AttentionShape,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
 
     /// Gated DeltaNet's token mixing for a run of tokens: causal conv1d +
     /// SiLU over the q|k|v channels, L2-normalised q and k, decay
@@ -163,7 +173,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         a: &Self::Tensor,
         params: GatedDeltaNetParams<'_, Self>,
         cfg: &LinearAttentionConfig,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
 
     /// RMSNorm of each group of `weight.len()` features, times `weight`,
     /// times `silu(gate)`.
@@ -173,13 +183,13 @@ pub trait Backend: Send + Sync + Sized + 'static {
         gate: &Self::Tensor,
         weight: &Self::Weight,
         eps: f32,
-    ) -> Self::Tensor;
+    ) -> Result<Self::Tensor>;
 
     /// Softmax over router logits, top-k, optionally renormalised.
-    fn route(&self, logits: &Self::Tensor, top_k: usize, normalize: bool) -> Self::Routing;
+    fn route(&self, logits: &Self::Tensor, top_k: usize, normalize: bool) -> Result<Self::Routing>;
     /// The experts a routing selected, every token's in order, on the host
     /// (the expert store reads by these ids).
-    fn selected_experts(&self, routing: &Self::Routing) -> Vec<u32>;
+    fn selected_experts(&self, routing: &Self::Routing) -> Result<Vec<u32>>;
 
     /// Sum over each token's routed experts of `weight · expert(x)`, with
     /// the experts of `layer` fetched from the store.
@@ -193,7 +203,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// `x · wᵀ` for several weights that share the input (a GPU computes
     /// them in one launch).
-    fn linear_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Vec<Self::Tensor> {
+    fn linear_many(&self, x: &Self::Tensor, ws: &[&Self::Weight]) -> Result<Vec<Self::Tensor>> {
         ws.iter().map(|w| self.linear(x, w)).collect()
     }
 
@@ -206,16 +216,21 @@ pub trait Backend: Send + Sync + Sized + 'static {
         weight: &Self::Weight,
         norm: RmsNorm,
         ws: &[&Self::Weight],
-    ) -> (Self::Tensor, Vec<Self::Tensor>) {
-        let normed = self.rms_norm(x, weight, norm);
-        let products = self.linear_many(&normed, ws);
-        (normed, products)
+    ) -> Result<(Self::Tensor, Vec<Self::Tensor>)> {
+        let normed = self.rms_norm(x, weight, norm)?;
+        let products = self.linear_many(&normed, ws)?;
+        Ok((normed, products))
     }
 
     /// `residual += x · wᵀ` (a GPU adds as it computes).
-    fn linear_add(&self, residual: &mut Self::Tensor, x: &Self::Tensor, w: &Self::Weight) {
-        let y = self.linear(x, w);
-        self.add_assign(residual, &y);
+    fn linear_add(
+        &self,
+        residual: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+    ) -> Result<()> {
+        let y = self.linear(x, w)?;
+        self.add_assign(residual, &y)
     }
 
     /// Attention's preparation of queries and keys: RMSNorm of each head of
@@ -231,12 +246,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
         norm: RmsNorm,
         rope: Rope,
         start_pos: usize,
-    ) -> (Self::Tensor, Self::Tensor) {
-        let mut q = self.rms_norm(&q, q_norm, norm);
-        let mut k = self.rms_norm(&k, k_norm, norm);
-        self.rope(&mut q, rope, start_pos);
-        self.rope(&mut k, rope, start_pos);
-        (q, k)
+    ) -> Result<(Self::Tensor, Self::Tensor)> {
+        let mut q = self.rms_norm(&q, q_norm, norm)?;
+        let mut k = self.rms_norm(&k, k_norm, norm)?;
+        self.rope(&mut q, rope, start_pos)?;
+        self.rope(&mut k, rope, start_pos)?;
+        Ok((q, k))
     }
 
     /// Attention of a decode step of several sequences at once: row `i` of
@@ -256,7 +271,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         norm: RmsNorm,
         rope: Rope,
         shape: AttentionShape,
-    ) -> Self::Tensor {
+    ) -> Result<Self::Tensor> {
         let outs: Vec<Self::Tensor> = caches
             .iter_mut()
             .enumerate()
@@ -264,10 +279,11 @@ pub trait Backend: Send + Sync + Sized + 'static {
                 let rows = i..i + 1;
                 let row = |x: &Self::Tensor| self.gather_rows(x, std::slice::from_ref(&rows));
                 let start = self.kv_len(cache);
-                let (q, k) = self.qk_norm_rope(row(&q), row(&k), q_norm, k_norm, norm, rope, start);
-                self.attention(cache, &q, &k, &row(v), shape)
+                let (q, k) =
+                    self.qk_norm_rope(row(&q)?, row(&k)?, q_norm, k_norm, norm, rope, start)?;
+                self.attention(cache, &q, &k, &row(v)?, shape)
             })
-            .collect();
+            .collect::<Result<_>>()?;
         self.concat_rows(&outs)
     }
 
@@ -281,8 +297,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         layer: usize,
     ) -> Result<()> {
         let y = self.routed_experts(x, routing, store, layer)?;
-        self.add_assign(out, &y);
-        Ok(())
+        self.add_assign(out, &y)
     }
 
     /// Names the recording of a decode step over a sequence's state (its
@@ -293,15 +308,20 @@ pub trait Backend: Send + Sync + Sized + 'static {
         &self,
         _kv: &mut [&mut Self::KvCache],
         _linear: &[&Self::DeltaNetState],
-    ) -> Option<u64> {
-        None
+    ) -> Result<Option<u64>> {
+        Ok(None)
     }
 
     /// Replays the step recorded under `key` for `token` at `position`
     /// (advancing the KV caches as the step would); `None` when nothing is
     /// recorded under `key`.
-    fn replay_step(&self, _key: u64, _token: u32, _position: usize) -> Option<Self::Tensor> {
-        None
+    fn replay_step(
+        &self,
+        _key: u64,
+        _token: u32,
+        _position: usize,
+    ) -> Result<Option<Self::Tensor>> {
+        Ok(None)
     }
 
     /// Runs `step`, the decode step of `token` at `position` that returns

@@ -78,15 +78,15 @@ impl<B: Backend> Attention<B> {
         caches: &mut [&mut B::KvCache],
         ranges: &[Range<usize>],
         residual: &mut B::Tensor,
-    ) {
+    ) -> Result<()> {
         let q_dim = self.shape.num_heads * self.shape.head_dim;
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &projections);
+        let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &projections)?;
         let [projected, k, v]: [B::Tensor; 3] = projected
             .try_into()
             .unwrap_or_else(|_| unreachable!("three projections"));
         let (q, gate) = if self.output_gate {
-            let mut parts = b.split_cols(&projected, &[q_dim, q_dim]).into_iter();
+            let mut parts = b.split_cols(&projected, &[q_dim, q_dim])?.into_iter();
             (parts.next().unwrap(), parts.next())
         } else {
             (projected, None)
@@ -103,14 +103,14 @@ impl<B: Backend> Attention<B> {
                 self.norm,
                 self.rope,
                 self.shape,
-            )
+            )?
         } else {
-            self.attend_per_sequence(b, caches, ranges, q, k, v)
+            self.attend_per_sequence(b, caches, ranges, q, k, v)?
         };
         if let Some(gate) = gate {
-            b.mul_sigmoid(&mut out, &gate);
+            b.mul_sigmoid(&mut out, &gate)?;
         }
-        b.linear_add(residual, &out, &self.o_proj);
+        b.linear_add(residual, &out, &self.o_proj)
     }
 
     /// Each sequence's queries and keys prepared and attended over its own
@@ -123,7 +123,7 @@ impl<B: Backend> Attention<B> {
         q: B::Tensor,
         k: B::Tensor,
         v: B::Tensor,
-    ) -> B::Tensor {
+    ) -> Result<B::Tensor> {
         per_sequence(b, ranges, vec![q, k, v], |i, qkv| {
             let [q, k, v]: [B::Tensor; 3] = qkv.try_into().unwrap_or_else(|_| unreachable!());
             let cache = &mut *caches[i];
@@ -136,7 +136,7 @@ impl<B: Backend> Attention<B> {
                 self.norm,
                 self.rope,
                 start,
-            );
+            )?;
             b.attention(cache, &q, &k, &v, self.shape)
         })
     }

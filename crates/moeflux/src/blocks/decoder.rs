@@ -95,31 +95,42 @@ impl<B: Backend> Decoder<B> {
     /// During decode, predicts the next MoE layer's experts from this
     /// layer's MoE input and lets the store read them ahead, so the reads
     /// overlap this layer's compute.
-    fn predict_next_layer(&self, b: &B, layer: usize, h: &B::Tensor, store: &ExpertStore) {
+    fn predict_next_layer(
+        &self,
+        b: &B,
+        layer: usize,
+        h: &B::Tensor,
+        store: &ExpertStore,
+    ) -> Result<()> {
         if self.prefetch == Prefetch::Off {
-            return;
+            return Ok(());
         }
         let Some(next) = self.next_moe[layer] else {
-            return;
+            return Ok(());
         };
         if b.experts_resident(store, next) {
-            return;
+            return Ok(());
         }
         if let FeedForward::Sparse(moe) = &self.layers[next].ffn {
-            let named = store.predict(next, moe.predict(b, h), self.prefetch);
+            let named = store.predict(next, moe.predict(b, h)?, self.prefetch);
             b.prefetch_experts(store, next, &named);
         }
+        Ok(())
     }
 
     /// Empty caches for a new sequence.
-    pub fn new_state(&self, b: &B, cfg: &crate::config::ModelConfig) -> Vec<LayerState<B>> {
+    pub fn new_state(&self, b: &B, cfg: &crate::config::ModelConfig) -> Result<Vec<LayerState<B>>> {
         self.layers
             .iter()
-            .map(|layer| match layer.mixer {
-                Mixer::Attention(_) => LayerState::Attention(b.new_kv_cache(attention::shape(cfg))),
-                Mixer::DeltaNet(_) => LayerState::DeltaNet(
-                    b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated")),
-                ),
+            .map(|layer| {
+                Ok(match layer.mixer {
+                    Mixer::Attention(_) => {
+                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg))?)
+                    }
+                    Mixer::DeltaNet(_) => LayerState::DeltaNet(
+                        b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated"))?,
+                    ),
+                })
             })
             .collect()
     }
@@ -146,7 +157,7 @@ impl<B: Backend> Decoder<B> {
         assert_eq!(states.len(), batch.sequences(), "one state per sequence");
         let ranges = batch.ranges();
         let decode = batch.is_decode();
-        let mut x = b.embed(&self.embed, &batch.tokens);
+        let mut x = b.embed(&self.embed, &batch.tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let (norm, input_norm) = (self.norm, &layer.input_norm);
             match &layer.mixer {
@@ -158,7 +169,7 @@ impl<B: Backend> Decoder<B> {
                             LayerState::DeltaNet(_) => unreachable!("state built by new_state"),
                         })
                         .collect();
-                    attn.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)
+                    attn.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)?
                 }
                 Mixer::DeltaNet(gdn) => {
                     let mut linear: Vec<&mut B::DeltaNetState> = states
@@ -168,22 +179,22 @@ impl<B: Backend> Decoder<B> {
                             LayerState::Attention(_) => unreachable!("state built by new_state"),
                         })
                         .collect();
-                    gdn.forward_add(b, input_norm, norm, &mut linear, &ranges, &mut x)
+                    gdn.forward_add(b, input_norm, norm, &mut linear, &ranges, &mut x)?
                 }
             };
             let post_norm = &layer.post_attention_norm;
             match &layer.ffn {
                 FeedForward::Dense(mlp) => {
-                    let h = b.rms_norm(&x, post_norm, norm);
+                    let h = b.rms_norm(&x, post_norm, norm)?;
                     if decode {
-                        self.predict_next_layer(b, i, &h, store);
+                        self.predict_next_layer(b, i, &h, store)?;
                     }
-                    mlp.forward_add(b, &h, &mut x)
+                    mlp.forward_add(b, &h, &mut x)?
                 }
                 FeedForward::Sparse(moe) => {
-                    let (h, routing) = moe.route(b, &x, post_norm, norm);
+                    let (h, routing) = moe.route(b, &x, post_norm, norm)?;
                     if decode {
-                        self.predict_next_layer(b, i, &h, store);
+                        self.predict_next_layer(b, i, &h, store)?;
                     }
                     let track = self.prefetch != Prefetch::Off && decode && batch.sequences() == 1;
                     moe.forward_add(b, &h, &routing, store, track, &mut x)?
@@ -196,12 +207,12 @@ impl<B: Backend> Decoder<B> {
         let last = if batch.logit_rows() == b.rows(&x) {
             x
         } else {
-            b.gather_rows(&x, &batch.logit_ranges())
+            b.gather_rows(&x, &batch.logit_ranges())?
         };
-        let normed = b.rms_norm(&last, &self.final_norm, self.norm);
+        let normed = b.rms_norm(&last, &self.final_norm, self.norm)?;
         Ok(Some(b.linear(
             &normed,
             self.lm_head.as_ref().unwrap_or(&self.embed),
-        )))
+        )?))
     }
 }

@@ -64,9 +64,10 @@ impl<B: Backend> GatedDeltaNet<B> {
         states: &mut [&mut B::DeltaNetState],
         ranges: &[Range<usize>],
         residual: &mut B::Tensor,
-    ) {
+    ) -> Result<()> {
         let c = &self.cfg;
-        let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &[&self.in_proj]);
+        let (_, projected) =
+            b.rms_norm_linear_many(residual, input_norm, norm, &[&self.in_proj])?;
         let [projected] = projected.as_slice() else {
             unreachable!("one projection")
         };
@@ -78,7 +79,7 @@ impl<B: Backend> GatedDeltaNet<B> {
                 c.num_value_heads,
                 c.num_value_heads,
             ],
-        );
+        )?;
         let [qkv, z, beta_in, decay_in]: [B::Tensor; 4] = parts
             .try_into()
             .unwrap_or_else(|_| unreachable!("split into four parts"));
@@ -92,8 +93,8 @@ impl<B: Backend> GatedDeltaNet<B> {
                 unreachable!("three inputs")
             };
             b.gated_delta_net(states[i], qkv, beta_in, decay_in, params, c)
-        });
-        let normed = b.gated_rms_norm(&core, &z, &self.norm, self.eps);
-        b.linear_add(residual, &normed, &self.out_proj);
+        })?;
+        let normed = b.gated_rms_norm(&core, &z, &self.norm, self.eps)?;
+        b.linear_add(residual, &normed, &self.out_proj)
     }
 }

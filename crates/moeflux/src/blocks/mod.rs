@@ -59,8 +59,8 @@ pub(crate) fn per_sequence<B: Backend>(
     b: &B,
     ranges: &[Range<usize>],
     inputs: Vec<B::Tensor>,
-    mut f: impl FnMut(usize, Vec<B::Tensor>) -> B::Tensor,
-) -> B::Tensor {
+    mut f: impl FnMut(usize, Vec<B::Tensor>) -> Result<B::Tensor>,
+) -> Result<B::Tensor> {
     if ranges.len() == 1 {
         return f(0, inputs);
     }
@@ -71,9 +71,9 @@ pub(crate) fn per_sequence<B: Backend>(
             let rows = inputs
                 .iter()
                 .map(|x| b.gather_rows(x, std::slice::from_ref(r)))
-                .collect();
+                .collect::<Result<_>>()?;
             f(i, rows)
         })
-        .collect();
+        .collect::<Result<_>>()?;
     b.concat_rows(&outputs)
 }

@@ -32,19 +32,19 @@ impl<B: Backend> Mlp<B> {
         })
     }
 
-    pub fn forward(&self, b: &B, x: &B::Tensor) -> B::Tensor {
-        b.linear(&self.activation(b, x), &self.down)
+    pub fn forward(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
+        b.linear(&self.activation(b, x)?, &self.down)
     }
 
     /// `residual += mlp(x)`.
-    pub fn forward_add(&self, b: &B, x: &B::Tensor, residual: &mut B::Tensor) {
-        b.linear_add(residual, &self.activation(b, x), &self.down);
+    pub fn forward_add(&self, b: &B, x: &B::Tensor, residual: &mut B::Tensor) -> Result<()> {
+        b.linear_add(residual, &self.activation(b, x)?, &self.down)
     }
 
     /// `silu(gate(x)) * up(x)`.
-    fn activation(&self, b: &B, x: &B::Tensor) -> B::Tensor {
+    fn activation(&self, b: &B, x: &B::Tensor) -> Result<B::Tensor> {
         let [gate, up]: [B::Tensor; 2] = b
-            .linear_many(x, &[&self.gate, &self.up])
+            .linear_many(x, &[&self.gate, &self.up])?
             .try_into()
             .unwrap_or_else(|_| unreachable!("two projections"));
         b.silu_mul(&gate, &up)
@@ -90,9 +90,9 @@ impl<B: Backend> SparseMoe<B> {
     /// The experts this layer's router would pick for `x`, without
     /// computing them (prefetch prediction for this layer from an earlier
     /// layer's input).
-    pub fn predict(&self, b: &B, x: &B::Tensor) -> Vec<u32> {
-        let logits = b.linear(x, &self.router);
-        b.selected_experts(&b.route(&logits, self.top_k, self.normalize))
+    pub fn predict(&self, b: &B, x: &B::Tensor) -> Result<Vec<u32>> {
+        let logits = b.linear(x, &self.router)?;
+        b.selected_experts(&b.route(&logits, self.top_k, self.normalize)?)
     }
 
     /// The block's input, `norm(residual)` with the layer's
@@ -105,14 +105,14 @@ impl<B: Backend> SparseMoe<B> {
         residual: &B::Tensor,
         post_attention_norm: &B::Weight,
         norm: RmsNorm,
-    ) -> (B::Tensor, B::Routing) {
+    ) -> Result<(B::Tensor, B::Routing)> {
         let (x, logits) =
-            b.rms_norm_linear_many(residual, post_attention_norm, norm, &[&self.router]);
+            b.rms_norm_linear_many(residual, post_attention_norm, norm, &[&self.router])?;
         let [logits] = logits.as_slice() else {
             unreachable!("one product")
         };
-        let routing = b.route(logits, self.top_k, self.normalize);
-        (x, routing)
+        let routing = b.route(logits, self.top_k, self.normalize)?;
+        Ok((x, routing))
     }
 
     /// `residual += moe(x)` for the `routing` [`SparseMoe::route`] gave
@@ -129,17 +129,16 @@ impl<B: Backend> SparseMoe<B> {
         residual: &mut B::Tensor,
     ) -> Result<()> {
         if track_routing && !b.experts_resident(store, self.layer) {
-            store.note_decode_routing(self.layer, &b.selected_experts(routing));
+            store.note_decode_routing(self.layer, &b.selected_experts(routing)?);
         }
         match &self.shared {
             None => b.routed_experts_add(residual, x, routing, store, self.layer),
             Some((mlp, gate)) => {
                 let mut out = b.routed_experts(x, routing, store, self.layer)?;
-                let mut shared = mlp.forward(b, x);
-                b.mul_sigmoid(&mut shared, &b.linear(x, gate));
-                b.add_assign(&mut out, &shared);
-                b.add_assign(residual, &out);
-                Ok(())
+                let mut shared = mlp.forward(b, x)?;
+                b.mul_sigmoid(&mut shared, &b.linear(x, gate)?)?;
+                b.add_assign(&mut out, &shared)?;
+                b.add_assign(residual, &out)
             }
         }
     }

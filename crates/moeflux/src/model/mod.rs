@@ -370,7 +370,7 @@ impl<B: Backend> Model<B> {
             .any(|l| l.kind == LayerKind::LinearAttention)
     }
 
-    fn new_layer_states(&self) -> Vec<LayerState<B>> {
+    fn new_layer_states(&self) -> Result<Vec<LayerState<B>>> {
         self.decoder.new_state(&self.backend, self.config())
     }
 
@@ -393,7 +393,7 @@ impl<B: Backend> Model<B> {
         } else {
             forward()
         };
-        Ok(logits?.map(|l| self.backend.to_host(&l)))
+        logits?.map(|l| self.backend.to_host(&l)).transpose()
     }
 
     /// [`Decoder::forward`], except that a decode step of one sequence
@@ -422,10 +422,10 @@ impl<B: Backend> Model<B> {
                         LayerState::DeltaNet(s) => linear.push(&*s),
                     }
                 }
-                b.step_key(&mut kv, &linear)
+                b.step_key(&mut kv, &linear)?
             };
             if let Some(key) = key {
-                if let Some(logits) = b.replay_step(key, *token, position) {
+                if let Some(logits) = b.replay_step(key, *token, position)? {
                     return Ok(Some(logits));
                 }
                 let vocab = self.config().vocab_size;

@@ -110,7 +110,7 @@ impl<B: Backend> Session<B> {
     pub fn new(model: Arc<Model<B>>, options: SessionOptions) -> Self {
         let context = model.config().max_position_embeddings;
         Session {
-            layers: model.new_layer_states(),
+            layers: Vec::new(),
             capacity: options.context.unwrap_or(context).min(context),
             model,
             tokens: Vec::new(),
@@ -365,7 +365,7 @@ impl<B: Backend> Session<B> {
     /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
     /// let mut session = model.session();
     /// let after_prefix = session.prefill(&[1, 2, 3])?;
-    /// let prefix = session.checkpoint();
+    /// let prefix = session.checkpoint()?;
     /// assert_eq!(prefix, 3);
     /// assert_eq!(session.checkpoints(), vec![3]);
     ///
@@ -375,21 +375,23 @@ impl<B: Backend> Session<B> {
     /// assert_eq!(session.last_logits(), Some(after_prefix.as_slice()));
     /// # Ok::<(), moeflux::Error>(())
     /// ```
-    pub fn checkpoint(&mut self) -> usize {
+    pub fn checkpoint(&mut self) -> Result<usize> {
         let position = self.position();
         if position == 0 {
-            return 0;
+            return Ok(0);
         }
-        self.clock += 1;
         let b = self.model.backend();
         let delta_net = self
             .layers
             .iter()
-            .map(|l| match l {
-                LayerState::DeltaNet(s) => Some(b.delta_net_copy(s)),
-                LayerState::Attention(_) => None,
+            .map(|l| {
+                Ok(match l {
+                    LayerState::DeltaNet(s) => Some(b.delta_net_copy(s)?),
+                    LayerState::Attention(_) => None,
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
+        self.clock += 1;
         let checkpoint = Checkpoint {
             position,
             delta_net,
@@ -415,7 +417,7 @@ impl<B: Backend> Session<B> {
                 .expect("more than one checkpoint");
             self.checkpoints.remove(victim);
         }
-        position
+        Ok(position)
     }
 
     /// Removes the checkpoint at `position`; false if there was none.
@@ -437,7 +439,7 @@ impl<B: Backend> Session<B> {
     /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
     /// let mut session = model.session();
     /// session.prefill(&[1, 2])?;
-    /// let at = session.checkpoint();
+    /// let at = session.checkpoint()?;
     /// session.prefill(&[3, 4, 5])?;
     ///
     /// // The bundled model has linear-attention layers: only a checkpoint
@@ -453,7 +455,7 @@ impl<B: Backend> Session<B> {
         self.check_position(position)?;
         let exact = position == 0 || self.checkpoints.iter().any(|c| c.position == position);
         if exact {
-            self.apply_checkpoint(position);
+            self.apply_checkpoint(position)?;
         } else if !self.model.has_delta_net_layers() {
             self.rebuild(position)?;
         } else {
@@ -504,9 +506,26 @@ impl<B: Backend> Session<B> {
 
     /// Empties the session and drops its checkpoints.
     pub fn clear(&mut self) {
-        self.apply_checkpoint(0);
+        self.reset();
         self.checkpoints.clear();
         self.sync_kv();
+    }
+
+    /// Back to the empty state; the layer states are made again when next
+    /// needed.
+    fn reset(&mut self) {
+        self.layers = Vec::new();
+        self.tokens.clear();
+        self.logits = None;
+    }
+
+    /// The layer states, made on first use (making them can fail on a
+    /// device short of memory; a session costs nothing until then).
+    fn layers_mut(&mut self) -> Result<&mut [LayerState<B>]> {
+        if self.layers.is_empty() {
+            self.layers = self.model.new_layer_states()?;
+        }
+        Ok(&mut self.layers)
     }
 
     fn check_position(&self, position: usize) -> Result<()> {
@@ -523,13 +542,11 @@ impl<B: Backend> Session<B> {
     }
 
     /// Puts the layer states back to checkpoint `position` (0: empty).
-    fn apply_checkpoint(&mut self, position: usize) {
+    fn apply_checkpoint(&mut self, position: usize) -> Result<()> {
         let b = self.model.backend();
         if position == 0 {
-            self.layers = self.model.new_layer_states();
-            self.tokens.clear();
-            self.logits = None;
-            return;
+            self.reset();
+            return Ok(());
         }
         self.clock += 1;
         let clock = self.clock;
@@ -539,17 +556,24 @@ impl<B: Backend> Session<B> {
             .find(|c| c.position == position)
             .expect("caller checked the checkpoint exists");
         ckpt.used = clock;
-        for (layer, saved) in self.layers.iter_mut().zip(&ckpt.delta_net) {
-            match (layer, saved) {
+        // Copies first, so that a failed one leaves the state as it was.
+        let copies = ckpt
+            .delta_net
+            .iter()
+            .map(|saved| saved.as_ref().map(|s| b.delta_net_copy(s)).transpose())
+            .collect::<Result<Vec<_>>>()?;
+        for (layer, copy) in self.layers.iter_mut().zip(copies) {
+            match (layer, copy) {
                 (LayerState::Attention(cache), _) => b.kv_truncate(cache, position),
-                (LayerState::DeltaNet(state), Some(saved)) => *state = b.delta_net_copy(saved),
+                (LayerState::DeltaNet(state), Some(copy)) => *state = copy,
                 (LayerState::DeltaNet(_), None) => {
-                    unreachable!("checkpoints store every linear layer")
+                    unreachable!("checkpoints store every Gated DeltaNet layer")
                 }
             }
         }
         self.tokens.truncate(position);
         self.logits = ckpt.logits.clone();
+        Ok(())
     }
 
     /// Brings the state to exactly the first `target` tokens of the
@@ -576,11 +600,11 @@ impl<B: Backend> Session<B> {
             .filter(|&p| p <= target)
             .max()
             .unwrap_or(0);
-        self.apply_checkpoint(base);
+        self.apply_checkpoint(base)?;
         if base < target
             && let Err(err) = self.run(&history[base..], LogitsWanted::Last)
         {
-            self.apply_checkpoint(base);
+            self.apply_checkpoint(base)?;
             return Err(err);
         }
         Ok(())
@@ -619,7 +643,7 @@ impl<B: Backend> Session<B> {
     /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
     /// let mut session = model.session();
     /// session.prefill(&[1, 2, 3])?;
-    /// let saved = session.save_state();
+    /// let saved = session.save_state()?;
     ///
     /// let mut other = model.session();
     /// other.load_state(&saved, Path::new("<memory>"))?;
@@ -627,18 +651,20 @@ impl<B: Backend> Session<B> {
     /// assert_eq!(other.last_logits(), session.last_logits());
     /// # Ok::<(), moeflux::Error>(())
     /// ```
-    pub fn save_state(&self) -> Vec<u8> {
-        state::encode(
-            &self.model,
-            &self.layers,
-            &self.tokens,
-            self.logits.as_deref(),
-        )
+    pub fn save_state(&self) -> Result<Vec<u8>> {
+        let fresh;
+        let layers = if self.layers.is_empty() {
+            fresh = self.model.new_layer_states()?;
+            &fresh
+        } else {
+            &self.layers
+        };
+        state::encode(&self.model, layers, &self.tokens, self.logits.as_deref())
     }
 
     /// Writes [`Session::save_state`] to a file (through a temporary name).
     pub fn save_state_file(&self, path: &Path) -> Result<()> {
-        crate::convert::write_atomic(path, &self.save_state())
+        crate::convert::write_atomic(path, &self.save_state()?)
     }
 
     /// Replaces the session's state with a saved one
@@ -655,7 +681,7 @@ impl<B: Backend> Session<B> {
     /// # let model = Arc::new(Model::open(&dir, &ModelOptions::default())?);
     /// let mut session = model.session();
     /// session.prefill(&[1, 2, 3])?;
-    /// let mut saved = session.save_state();
+    /// let mut saved = session.save_state()?;
     ///
     /// let mut other = model.session();
     /// other.load_state(&saved, Path::new("<memory>"))?;
@@ -743,7 +769,10 @@ pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<L
             return Err(err);
         }
     }
-    let starts: Vec<usize> = items.iter().map(|it| it.session.position()).collect();
+    let starts: Vec<(usize, Option<Vec<f32>>)> = items
+        .iter()
+        .map(|it| (it.session.position(), it.session.logits.clone()))
+        .collect();
     match run_rounds(items) {
         Ok(logits) => Ok(logits),
         Err(Error::Interrupted) => {
@@ -751,9 +780,14 @@ pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<L
             Err(Error::Interrupted)
         }
         Err(err) => {
-            for (item, &start) in items.iter_mut().zip(&starts) {
-                let _ = item.session.rebuild(start);
-                item.session.sync_kv();
+            for (item, (start, logits)) in items.iter_mut().zip(starts) {
+                let session = &mut *item.session;
+                // Back where it was, the logits there included (a KV cache
+                // cut back exactly does not recompute them).
+                if session.rebuild(start).is_ok() && session.logits.is_none() {
+                    session.logits = logits;
+                }
+                session.sync_kv();
             }
             Err(err)
         }
@@ -798,8 +832,8 @@ fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<Logits>>
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| members.iter().any(|m| m.0 == *i))
-                .map(|(_, it)| it.session.layers.as_mut_slice())
-                .collect();
+                .map(|(_, it)| it.session.layers_mut())
+                .collect::<Result<_>>()?;
             model.run_batch(&mut states, &batch)?
         };
         let single = members.len() == 1;

@@ -46,7 +46,7 @@ pub fn encode<B: Backend>(
     layers: &[LayerState<B>],
     tokens: &[u32],
     logits: Option<&[f32]>,
-) -> Vec<u8> {
+) -> Result<Vec<u8>> {
     let b = model.backend();
     let header = Header {
         tokens: tokens.to_vec(),
@@ -70,12 +70,12 @@ pub fn encode<B: Backend>(
     for layer in layers {
         match layer {
             LayerState::Attention(cache) => {
-                let host = b.kv_export(cache);
+                let host = b.kv_export(cache)?;
                 put(&host.keys);
                 put(&host.values);
             }
             LayerState::DeltaNet(state) => {
-                let host = b.delta_net_export(state);
+                let host = b.delta_net_export(state)?;
                 put(&host.conv);
                 put(&host.recurrent);
             }
@@ -86,7 +86,7 @@ pub fn encode<B: Backend>(
     }
     let checksum = xxhash_rust::xxh3::xxh3_64(&out);
     out.extend_from_slice(&checksum.to_le_bytes());
-    out
+    Ok(out)
 }
 
 pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Result<Loaded<B>> {
@@ -143,7 +143,7 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
     for (i, (kind, fresh)) in header
         .layers
         .iter()
-        .zip(model.new_layer_states())
+        .zip(model.new_layer_states()?)
         .enumerate()
     {
         let state = match (kind.as_str(), fresh) {
@@ -153,7 +153,7 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
                     keys: payload.take(positions * kv_width)?,
                     values: payload.take(positions * kv_width)?,
                 },
-            )),
+            )?),
             ("linear", LayerState::DeltaNet(_)) => {
                 let l = cfg
                     .linear_attention
@@ -166,7 +166,7 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
                         recurrent:
                             payload.take(l.num_value_heads * l.key_head_dim * l.value_head_dim)?,
                     },
-                ))
+                )?)
             }
             (other, _) => {
                 return Err(bad(format!(

@@ -4,9 +4,12 @@
 
 use std::sync::Arc;
 
-use moeflux::backend::Backend;
-use moeflux::{BatchItem, LogitsWanted, Model, Phase, Session, forward_batch};
+use std::path::Path;
 
+use moeflux::backend::Backend;
+use moeflux::{BatchItem, Error, LogitsWanted, Model, ModelOptions, Phase, Session, forward_batch};
+
+use super::faulty::Faulty;
 use super::{argmax, row_errors};
 
 /// A sequence: the history it already holds, then the tokens of the batched
@@ -184,5 +187,88 @@ pub fn check_batched_equals_alone<B: Backend>(model: &Arc<Model<B>>, label: &str
             together, alone,
             "{label}, {n} sequences: greedy tokens differ"
         );
+    }
+}
+
+/// One item of a batch that decodes or prefills `tokens` into `session`.
+fn item<'a, B: Backend>(session: &'a mut Session<B>, tokens: &'a [u32]) -> BatchItem<'a, B> {
+    BatchItem {
+        session,
+        tokens,
+        wanted: LogitsWanted::Last,
+        phase: phase(tokens),
+    }
+}
+
+/// A device failure in the middle of a batched forward pass (an operation
+/// of `inner` failing as an out-of-memory would, through [`Faulty`])
+/// reaches the caller as [`Error::Device`]; the batch's sequences are
+/// rolled back to where they were; another sequence and the process go on;
+/// and the same batch, run again, gives what it gives on a model that never
+/// failed.
+pub fn check_device_failure_is_contained<B: Backend>(dir: &Path, inner: impl Fn() -> B) {
+    let open = |backend| {
+        Arc::new(Model::open_with(backend, dir, &ModelOptions::default()).expect("model opens"))
+    };
+    let model = open(Faulty::new(inner()));
+    let reference = open(Faulty::new(inner()));
+    let prompts: [&[u32]; 3] = [
+        &[3, 14, 15, 92, 65],
+        &[35, 89, 79],
+        &[32, 38, 46, 26, 43, 38, 32],
+    ];
+    let steps: [&[u32]; 3] = [&[7], &[1, 41, 42, 43], &[9]];
+    let prefilled = |model: &Arc<Model<Faulty<B>>>| -> Vec<Session<Faulty<B>>> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut s = model.session();
+                s.prefill(p).expect("prefill");
+                s
+            })
+            .collect()
+    };
+    let mut sessions = prefilled(&model);
+    let before: Vec<Vec<f32>> = sessions
+        .iter()
+        .map(|s| s.last_logits().expect("logits after prefill").to_vec())
+        .collect();
+    let [a, b, c] = sessions.as_mut_slice() else {
+        unreachable!("three sessions")
+    };
+    for after in [0, 7, 60] {
+        model.backend().arm(after);
+        let result = forward_batch(&mut [item(a, steps[0]), item(b, steps[1])]);
+        assert!(
+            model.backend().fired(),
+            "the failure was armed {after} operations ahead"
+        );
+        match result {
+            Err(Error::Device { msg, .. }) => assert!(msg.contains("injected"), "{msg}"),
+            other => panic!("expected a device error, got {:?}", other.map(|_| ())),
+        }
+        assert_eq!(
+            (a.position(), b.position()),
+            (prompts[0].len(), prompts[1].len())
+        );
+        assert_eq!(a.last_logits(), Some(before[0].as_slice()), "a rolled back");
+        assert_eq!(b.last_logits(), Some(before[1].as_slice()), "b rolled back");
+    }
+    // Another sequence goes on as if nothing happened.
+    let mut want = prefilled(&reference);
+    let got_c = c
+        .forward(steps[2], LogitsWanted::Last)
+        .expect("c goes on")
+        .data;
+    let want_c = want[2].forward(steps[2], LogitsWanted::Last).unwrap().data;
+    assert_eq!(got_c, want_c, "the other sequence");
+    // The failed batch, run again, gives what a never-failed model gives.
+    let got = forward_batch(&mut [item(a, steps[0]), item(b, steps[1])]).expect("the retry");
+    let [wa, wb, _] = want.as_mut_slice() else {
+        unreachable!("three sessions")
+    };
+    let expected = forward_batch(&mut [item(wa, steps[0]), item(wb, steps[1])]).unwrap();
+    for (g, w) in got.iter().zip(&expected) {
+        assert_eq!(g.data, w.data, "the retried batch");
     }
 }

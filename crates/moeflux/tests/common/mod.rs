@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub mod batch;
+pub mod faulty;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -119,8 +119,8 @@ impl Backend for CpuBackend {
         )
     }
 
-    fn memory_bandwidth(&self) -> f64 {
-        memory_read_bandwidth()
+    fn memory_bandwidth(&self) -> Result<f64> {
+        Ok(memory_read_bandwidth())
     }
 
     fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
@@ -137,8 +137,8 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn new_kv_cache(&self, shape: AttentionShape) -> KvCache {
-        KvCache::new(shape)
+    fn new_kv_cache(&self, shape: AttentionShape) -> Result<KvCache> {
+        Ok(KvCache::new(shape))
     }
 
     fn kv_len(&self, cache: &KvCache) -> usize {
@@ -151,95 +151,95 @@ impl Backend for CpuBackend {
         cache.values.truncate(len * width);
     }
 
-    fn kv_export(&self, cache: &KvCache) -> HostKv {
-        HostKv {
+    fn kv_export(&self, cache: &KvCache) -> Result<HostKv> {
+        Ok(HostKv {
             keys: cache.keys.clone(),
             values: cache.values.clone(),
-        }
+        })
     }
 
-    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> KvCache {
-        KvCache {
+    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
+        Ok(KvCache {
             shape,
             keys: host.keys,
             values: host.values,
-        }
+        })
     }
 
-    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> DeltaNetState {
-        DeltaNetState::new(cfg)
+    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Result<DeltaNetState> {
+        Ok(DeltaNetState::new(cfg))
     }
 
-    fn delta_net_copy(&self, state: &DeltaNetState) -> DeltaNetState {
-        state.clone()
+    fn delta_net_copy(&self, state: &DeltaNetState) -> Result<DeltaNetState> {
+        Ok(state.clone())
     }
 
-    fn delta_net_export(&self, state: &DeltaNetState) -> HostDeltaNetState {
-        HostDeltaNetState {
+    fn delta_net_export(&self, state: &DeltaNetState) -> Result<HostDeltaNetState> {
+        Ok(HostDeltaNetState {
             conv: state.conv.clone(),
             recurrent: state.recurrent.clone(),
-        }
+        })
     }
 
     fn delta_net_import(
         &self,
         _cfg: &LinearAttentionConfig,
         host: HostDeltaNetState,
-    ) -> DeltaNetState {
-        DeltaNetState {
+    ) -> Result<DeltaNetState> {
+        Ok(DeltaNetState {
             conv: host.conv,
             recurrent: host.recurrent,
-        }
+        })
     }
 
     fn rows(&self, x: &Tensor) -> usize {
         x.rows
     }
 
-    fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Tensor {
+    fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Result<Tensor> {
         let mut data = Vec::with_capacity(ranges.iter().map(|r| r.len()).sum::<usize>() * x.cols);
         for r in ranges {
             data.extend_from_slice(&x.data[r.start * x.cols..r.end * x.cols]);
         }
-        Tensor::new(data.len() / x.cols.max(1), x.cols, data)
+        Ok(Tensor::new(data.len() / x.cols.max(1), x.cols, data))
     }
 
-    fn concat_rows(&self, parts: &[Tensor]) -> Tensor {
+    fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor> {
         let cols = parts.first().map_or(0, |p| p.cols);
         let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
         for p in parts {
             assert_eq!(p.cols, cols, "concat_rows: columns differ");
             data.extend_from_slice(&p.data);
         }
-        Tensor::new(parts.iter().map(|p| p.rows).sum(), cols, data)
+        Ok(Tensor::new(parts.iter().map(|p| p.rows).sum(), cols, data))
     }
 
-    fn to_host(&self, x: &Tensor) -> Vec<f32> {
-        x.data.clone()
+    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+        Ok(x.data.clone())
     }
 
-    fn embed(&self, table: &Weight, tokens: &[u32]) -> Tensor {
+    fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Tensor> {
         let view = table.tensor.view();
         let cols = view.cols();
         let mut data = vec![0f32; tokens.len() * cols];
         for (row, &tok) in data.chunks_exact_mut(cols).zip(tokens) {
             view.dequantize_row(tok as usize, row);
         }
-        Tensor::new(tokens.len(), cols, data)
+        Ok(Tensor::new(tokens.len(), cols, data))
     }
 
-    fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
+    fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
         let view = w.view_for(x);
-        Tensor::new(
+        Ok(Tensor::new(
             x.rows,
             view.rows(),
             matmul(&x.data, x.rows, &view, w.activations),
-        )
+        ))
     }
 
     /// The products share one parallel region, and one preparation of `x`
     /// where their weights take it alike.
-    fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Vec<Tensor> {
+    fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Result<Vec<Tensor>> {
         let products: Vec<Product<'_>> = ws
             .iter()
             .map(|w| {
@@ -252,14 +252,14 @@ impl Backend for CpuBackend {
                 }
             })
             .collect();
-        matmul_many(&products)
+        Ok(matmul_many(&products)
             .into_iter()
             .zip(ws)
             .map(|(out, w)| Tensor::new(x.rows, w.tensor.view().rows(), out))
-            .collect()
+            .collect())
     }
 
-    fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Tensor {
+    fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Result<Tensor> {
         let w = weight.f32s();
         let g = w.len();
         let offset = if norm.unit_offset { 1.0 } else { 0.0 };
@@ -272,13 +272,13 @@ impl Backend for CpuBackend {
                     o[i] = x[i] * inv * (offset + w[i]);
                 }
             });
-        Tensor::new(x.rows, x.cols, data)
+        Ok(Tensor::new(x.rows, x.cols, data))
     }
 
-    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Vec<Tensor> {
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
         assert_eq!(widths.iter().sum::<usize>(), x.cols, "split_cols widths");
         let mut start = 0;
-        widths
+        Ok(widths
             .iter()
             .map(|&w| {
                 let data = x
@@ -290,25 +290,26 @@ impl Backend for CpuBackend {
                 start += w;
                 Tensor::new(x.rows, w, data)
             })
-            .collect()
+            .collect())
     }
 
-    fn add_assign(&self, x: &mut Tensor, y: &Tensor) {
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         assert_eq!(x.data.len(), y.data.len());
         x.data.iter_mut().zip(&y.data).for_each(|(a, b)| *a += b);
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let data = gate
             .data
             .iter()
             .zip(&up.data)
             .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
             .collect();
-        Tensor::new(gate.rows, gate.cols, data)
+        Ok(Tensor::new(gate.rows, gate.cols, data))
     }
 
-    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) {
+    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
         let sigmoid = |g: f32| 1.0 / (1.0 + (-g).exp());
         if gate.cols == 1 {
             for (row, &g) in x.data.chunks_exact_mut(x.cols).zip(&gate.data) {
@@ -321,10 +322,11 @@ impl Backend for CpuBackend {
                 .iter_mut()
                 .zip(&gate.data)
                 .for_each(|(v, &g)| *v *= sigmoid(g));
-        }
+        };
+        Ok(())
     }
 
-    fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) {
+    fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
         attention::rope(
             &mut x.data,
             x.cols,
@@ -333,6 +335,7 @@ impl Backend for CpuBackend {
             rope.theta,
             start_pos,
         );
+        Ok(())
     }
 
     fn attention(
@@ -342,9 +345,9 @@ impl Backend for CpuBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let out = attention::attend(cache, &q.data, &k.data, &v.data, q.rows);
-        Tensor::new(q.rows, shape.num_heads * shape.head_dim, out)
+        Ok(Tensor::new(q.rows, shape.num_heads * shape.head_dim, out))
     }
 
     fn gated_delta_net(
@@ -355,7 +358,7 @@ impl Backend for CpuBackend {
         a: &Tensor,
         params: GatedDeltaNetParams<'_, Self>,
         cfg: &LinearAttentionConfig,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let inputs = gated_delta_net::Inputs {
             qkv: &qkv.data,
             b: &b.data,
@@ -365,20 +368,26 @@ impl Backend for CpuBackend {
             dt_bias: params.dt_bias.f32s(),
         };
         let out = gated_delta_net::forward(state, inputs, qkv.rows, cfg);
-        Tensor::new(qkv.rows, cfg.value_dim(), out)
+        Ok(Tensor::new(qkv.rows, cfg.value_dim(), out))
     }
 
-    fn gated_rms_norm(&self, x: &Tensor, gate: &Tensor, weight: &Weight, eps: f32) -> Tensor {
+    fn gated_rms_norm(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        weight: &Weight,
+        eps: f32,
+    ) -> Result<Tensor> {
         let out = gated_delta_net::gated_rms_norm(&x.data, &gate.data, weight.f32s(), eps);
-        Tensor::new(x.rows, x.cols, out)
+        Ok(Tensor::new(x.rows, x.cols, out))
     }
 
-    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Routing {
-        moe::route(&logits.data, logits.cols, top_k, normalize)
+    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Result<Routing> {
+        Ok(moe::route(&logits.data, logits.cols, top_k, normalize))
     }
 
-    fn selected_experts(&self, routing: &Routing) -> Vec<u32> {
-        routing.experts.clone()
+    fn selected_experts(&self, routing: &Routing) -> Result<Vec<u32>> {
+        Ok(routing.experts.clone())
     }
 
     fn routed_experts(

@@ -214,7 +214,7 @@ impl CudaBackend {
             "routed experts: routing is for other tokens"
         );
         if n == 1 {
-            let mut out = self.alloc::<f32>("routed experts", hidden);
+            let mut out = self.alloc::<f32>("routed experts", hidden)?;
             self.decode_routed_experts(x, routing, store, layer, &mut out, false)?;
             return Ok(Tensor {
                 rows: 1,
@@ -224,7 +224,7 @@ impl CudaBackend {
         }
         // expert -> its slots (token · top_k + rank), ascending.
         let mut assigned: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
-        for (slot, &expert) in routing.experts_on_host().iter().enumerate() {
+        for (slot, &expert) in routing.experts_on_host()?.iter().enumerate() {
             assigned.entry(expert).or_default().push(slot as u32);
         }
         let order: Vec<(u32, Vec<u32>)> = assigned.into_iter().collect();
@@ -232,8 +232,8 @@ impl CudaBackend {
         if let Some(out) = self.prefill_routed_experts(x, routing, store, layer, &order, &flat)? {
             return Ok(out);
         }
-        let slots = self.upload("routed experts", &flat);
-        let mut out = self.zeros("routed experts", n * hidden);
+        let slots = self.upload("routed experts", &flat)?;
+        let mut out = self.zeros("routed experts", n * hidden)?;
 
         let batches: Vec<&[(u32, Vec<u32>)]> = order.chunks(EXPERTS_IN_FLIGHT).collect();
         let mut next = batches.first().map(|b| self.start_batch(layer, b, store));
@@ -252,7 +252,7 @@ impl CudaBackend {
                 };
                 let m = expert_slots.len();
                 let rows = slots.slice(offset..offset + m);
-                self.run_expert(x, &expert, &rows, m, routing, &mut out);
+                self.run_expert(x, &expert, &rows, m, routing, &mut out)?;
                 offset += m;
             }
         }
@@ -284,8 +284,7 @@ impl CudaBackend {
             return self.decode_routed_experts(x, routing, store, layer, &mut out.data, true);
         }
         let y = self.compute_routed_experts(x, routing, store, layer)?;
-        crate::backend::Backend::add_assign(self, out, &y);
-        Ok(())
+        crate::backend::Backend::add_assign(self, out, &y)
     }
 
     /// One token, into `out` (added to it with `accumulate`): the fused
@@ -309,7 +308,7 @@ impl CudaBackend {
             .rows;
         // Allocated first: an allocation may evict experts, which must not
         // happen between looking the layer up and queueing its kernels.
-        let mut act = self.alloc::<f32>("routed experts", top_k * inter);
+        let mut act = self.alloc::<f32>("routed experts", top_k * inter)?;
         {
             let mut cache = self.experts.lock().unwrap();
             if cache.complete_layer(store.id(), layer as u32).is_some() {
@@ -326,7 +325,7 @@ impl CudaBackend {
                     &mut act,
                     out,
                     accumulate,
-                );
+                )?;
                 drop(cache);
                 return self.decode_layer_done(store, layer, None);
             }
@@ -334,13 +333,13 @@ impl CudaBackend {
         // Streamed: the ids to the host, the missing experts uploaded in
         // one batch on the copy stream, the same kernels over a table of
         // the selected experts.
-        let ids = routing.experts_on_host();
+        let ids = routing.experts_on_host()?;
         let experts = self.stream_experts(store, layer, ids)?;
         let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
-        let table = self.upload("routed experts", &addresses);
-        let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>());
+        let table = self.upload("routed experts", &addresses)?;
+        let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>())?;
         let parts = PartsLayout(experts[0].parts);
-        self.launch_decode_experts(x, &table, &ranks, routing, parts, &mut act, out, accumulate);
+        self.launch_decode_experts(x, &table, &ranks, routing, parts, &mut act, out, accumulate)?;
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
         self.decode_layer_done(store, layer, Some((ids, &experts)))
@@ -360,7 +359,7 @@ impl CudaBackend {
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         accumulate: bool,
-    ) {
+    ) -> Result<()> {
         let gate = parts.0[0].1;
         let (inter, hidden, top_k) = (expert_inter(&parts.0, x.cols), x.cols, routing.top_k);
         let (gate_up, down_kernel) = match gate.dtype {
@@ -451,6 +450,7 @@ impl CudaBackend {
             &down_part,
             &accumulate_i
         );
+        Ok(())
     }
 
     /// Looks the batch's experts up in VRAM and starts host fetches of the
@@ -494,14 +494,14 @@ impl CudaBackend {
         m: usize,
         routing: &Routing,
         out: &mut CudaSlice<f32>,
-    ) {
+    ) -> Result<()> {
         let hidden = x.cols;
         let (m_i, hidden_i, top_k) = (
             int(m, "tokens of an expert"),
             int(hidden, "hidden size"),
             int(routing.top_k, "top-k"),
         );
-        let mut xs = self.alloc::<f32>("routed expert input", m * hidden);
+        let mut xs = self.alloc::<f32>("routed expert input", m * hidden)?;
         launch!(
             self,
             "gather_rows",
@@ -514,11 +514,11 @@ impl CudaBackend {
             &hidden_i,
             &top_k,
         );
-        let gate = self.matmul(&xs, m, hidden, &expert.matrix(0, "expert gate"));
-        let up = self.matmul(&xs, m, hidden, &expert.matrix(1, "expert up"));
+        let gate = self.matmul(&xs, m, hidden, &expert.matrix(0, "expert gate"))?;
+        let up = self.matmul(&xs, m, hidden, &expert.matrix(1, "expert up"))?;
         let inter = expert.parts[0].1.rows;
-        let act = self.silu_mul_raw(&gate, &up, m * inter);
-        let y = self.matmul(&act, m, inter, &expert.matrix(2, "expert down"));
+        let act = self.silu_mul_raw(&gate, &up, m * inter)?;
+        let y = self.matmul(&act, m, inter, &expert.matrix(2, "expert down"))?;
         launch!(
             self,
             "scatter_add_rows",
@@ -532,6 +532,7 @@ impl CudaBackend {
             &hidden_i,
             &top_k,
         );
+        Ok(())
     }
 }
 
@@ -556,7 +557,7 @@ impl CudaBackend {
         let blob = store
             .blob_layout(layer)
             .expect("routed experts of an MoE layer");
-        if !self.prefill_kernels_fit(blob.gate.1, blob.down.1) {
+        if !self.prefill_kernels_fit(blob.gate.1, blob.down.1)? {
             return Ok(None);
         }
         let (n, hidden, top_k) = (x.rows, x.cols, routing.top_k);
@@ -565,11 +566,11 @@ impl CudaBackend {
         let tile_count = tiles.all().len() / 4;
         // Allocated first: an allocation may evict experts, which must not
         // happen between looking the layer up and queueing its kernels.
-        let slots = self.upload("routed experts", flat);
-        let all_tiles = self.upload("routed experts", tiles.all());
-        let mut act = self.alloc::<f32>("routed experts", flat.len() * inter);
-        let mut y = self.alloc::<f32>("routed experts", flat.len() * hidden);
-        let mut out = self.alloc::<f32>("routed experts", n * hidden);
+        let slots = self.upload("routed experts", flat)?;
+        let all_tiles = self.upload("routed experts", tiles.all())?;
+        let mut act = self.alloc::<f32>("routed experts", flat.len() * inter)?;
+        let mut y = self.alloc::<f32>("routed experts", flat.len() * hidden)?;
+        let mut out = self.alloc::<f32>("routed experts", n * hidden)?;
         let id = store.id();
         let complete = {
             let mut cache = self.experts.lock().unwrap();
@@ -587,7 +588,7 @@ impl CudaBackend {
                     &complete.parts.0,
                     &mut act,
                     &mut y,
-                );
+                )?;
             }
             complete
         };
@@ -625,7 +626,7 @@ impl CudaBackend {
                 .enumerate()
                 .filter_map(|(i, e)| e.map(|e| (i, e)))
                 .collect();
-            self.launch_prefill_group(&call, &resident, &mut act, &mut y);
+            self.launch_prefill_group(&call, &resident, &mut act, &mut y)?;
             drop(resident);
             for i in 0..batches.len() {
                 let current = next.take().expect("requested ahead");
@@ -635,10 +636,10 @@ impl CudaBackend {
                     let expert = self.upload_expert(store, layer, &*store.wait(fetch)?)?;
                     uploaded.push((index, expert));
                 }
-                self.launch_prefill_group(&call, &uploaded, &mut act, &mut y);
+                self.launch_prefill_group(&call, &uploaded, &mut act, &mut y)?;
             }
         }
-        self.launch_prefill_combine(&y, routing, &mut out, hidden, false);
+        self.launch_prefill_combine(&y, routing, &mut out, hidden, false)?;
         Ok(Some(Tensor {
             rows: n,
             cols: hidden,
@@ -655,21 +656,21 @@ impl CudaBackend {
         experts: &[(usize, Arc<DeviceExpert>)],
         act: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
-    ) {
+    ) -> Result<()> {
         let Some((_, first)) = experts.first() else {
-            return;
+            return Ok(());
         };
         let mut addresses = vec![0u64; call.experts];
         for (i, expert) in experts {
             addresses[call.order[*i].0 as usize] = expert.address(&self.stream);
         }
-        let table = self.upload("routed experts", &addresses);
+        let table = self.upload("routed experts", &addresses)?;
         let subset;
         let (tiles, count) = if experts.len() == call.order.len() {
             (call.all_tiles, call.tiles.all().len() / 4)
         } else {
             let chosen = call.tiles.of(experts.iter().map(|(i, _)| *i));
-            subset = self.upload("routed experts", &chosen);
+            subset = self.upload("routed experts", &chosen)?;
             (&subset, chosen.len() / 4)
         };
         self.launch_prefill_experts(
@@ -682,7 +683,8 @@ impl CudaBackend {
             &first.parts,
             act,
             y,
-        );
+        )?;
+        Ok(())
     }
 }
 

@@ -21,6 +21,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{CudaBackend, Matrix, int, ok};
+use crate::error::Result;
 use crate::quant::DType;
 
 /// Fewest tokens for which `matmul` takes the tensor-core kernels. Below
@@ -48,11 +49,11 @@ impl CudaBackend {
         n: usize,
         cols: usize,
         w: &Matrix<'_>,
-    ) -> Option<CudaSlice<f32>> {
+    ) -> Result<Option<CudaSlice<f32>>> {
         let l = w.layout;
         let token_tiles = n.div_ceil(TILE_TOKENS);
         if n < TENSOR_CORE_MIN_TOKENS || l.rows == 0 || token_tiles > MAX_GRID_Y {
-            return None;
+            return Ok(None);
         }
         // Quantized widths are whole 64-column groups by construction.
         let (op, kernel) = match l.dtype {
@@ -61,14 +62,14 @@ impl CudaBackend {
             DType::Bf16 if cols.is_multiple_of(8) => {
                 ("linear bf16 (tensor cores)", &self.kernels.linear_tc_bf16)
             }
-            DType::Bf16 | DType::F32 => return None,
+            DType::Bf16 | DType::F32 => return Ok(None),
         };
-        let (major, _) = ok(op, self.ctx.compute_capability());
+        let (major, _) = ok(op, self.ctx.compute_capability())?;
         if major < 8 {
-            return None;
+            return Ok(None);
         }
         let (codes, scales, biases) = w.sections();
-        let mut out = self.alloc::<f32>(op, n * l.rows);
+        let mut out = self.alloc::<f32>(op, n * l.rows)?;
         let (rows, cols, n_i) = (int(l.rows, "rows"), int(cols, "columns"), int(n, "tokens"));
         let config = LaunchConfig {
             grid_dim: (l.rows.div_ceil(TILE_ROWS) as u32, token_tiles as u32, 1),
@@ -79,6 +80,6 @@ impl CudaBackend {
         launch!(
             self, op, kernel, config, &codes, &scales, &biases, x, &mut out, &rows, &cols, &n_i
         );
-        Some(out)
+        Ok(Some(out))
     }
 }

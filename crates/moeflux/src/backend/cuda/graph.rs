@@ -395,14 +395,14 @@ impl CudaBackend {
         &self,
         kv: &mut [&mut KvCache],
         linear: &[&DeltaNetState],
-    ) -> Option<u64> {
+    ) -> Result<Option<u64>> {
         if !self.graphs_enabled {
-            return None;
+            return Ok(None);
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();
         for cache in kv.iter_mut() {
             let len = cache.len();
-            self.kv_reserve(cache, len + 1);
+            self.kv_reserve(cache, len + 1)?;
             for word in cache.identity(self) {
                 key.update(&word.to_le_bytes());
             }
@@ -411,7 +411,7 @@ impl CudaBackend {
             key.update(&state.conv.device_ptr(&self.stream).0.to_le_bytes());
             key.update(&state.recurrent.device_ptr(&self.stream).0.to_le_bytes());
         }
-        Some(key.digest())
+        Ok(Some(key.digest()))
     }
 
     /// Sets a recording's token and position words. Memsets, not copies:
@@ -422,7 +422,7 @@ impl CudaBackend {
         position_word: &mut CudaSlice<u32>,
         token: u32,
         position: usize,
-    ) {
+    ) -> Result<()> {
         let op = "setting a recorded step's inputs";
         let position = u32::try_from(position)
             .unwrap_or_else(|_| panic!("{op}: position {position} exceeds 32 bits"));
@@ -433,34 +433,37 @@ impl CudaBackend {
             ok(op, unsafe {
                 cudarc::driver::sys::cuMemsetD32Async(ptr, value, 1, self.stream.cu_stream())
                     .result()
-            });
+            })?;
         }
+        Ok(())
     }
 
     /// A fresh device copy of a recording's logits.
-    fn copy_logits(&self, logits: &CudaSlice<f32>) -> Tensor {
-        let mut out = self.tensor("recorded step", 1, logits.len());
+    fn copy_logits(&self, logits: &CudaSlice<f32>) -> Result<Tensor> {
+        let mut out = self.tensor("recorded step", 1, logits.len())?;
         ok(
             "recorded step",
             self.stream.memcpy_dtod(logits, &mut out.data),
-        );
-        out
+        )?;
+        Ok(out)
     }
 
-    pub(super) fn replay(&self, key: u64, token: u32, position: usize) -> Option<Tensor> {
+    pub(super) fn replay(&self, key: u64, token: u32, position: usize) -> Result<Option<Tensor>> {
         let mut recordings = self.recordings.lock().unwrap();
-        let recording = recordings.by_key.get_mut(&key)?;
+        let Some(recording) = recordings.by_key.get_mut(&key) else {
+            return Ok(None);
+        };
         self.set_step_inputs(
             &mut recording.token,
             &mut recording.position,
             token,
             position,
-        );
-        ok("replaying a decode step", recording.graph.launch());
+        )?;
+        ok("replaying a decode step", recording.graph.launch())?;
         for len in &recording.kv_lens {
             len.fetch_add(1, Ordering::Relaxed);
         }
-        Some(self.copy_logits(&recording.logits))
+        Ok(Some(self.copy_logits(&recording.logits)?))
     }
 
     pub(super) fn record(
@@ -475,40 +478,40 @@ impl CudaBackend {
             return step();
         }
         let op = "recording a decode step";
-        let mut token_word = self.alloc::<u32>(op, 1);
-        let mut position_word = self.alloc::<u32>(op, 1);
-        let mut logits = self.alloc::<f32>(op, logits_len);
-        self.set_step_inputs(&mut token_word, &mut position_word, token, position);
+        let mut token_word = self.alloc::<u32>(op, 1)?;
+        let mut position_word = self.alloc::<u32>(op, 1)?;
+        let mut logits = self.alloc::<f32>(op, logits_len)?;
+        self.set_step_inputs(&mut token_word, &mut position_word, token, position)?;
         *self.capture.lock().unwrap() = Some(Capture {
             token: token_word.device_ptr(&self.stream).0,
             position: position_word.device_ptr(&self.stream).0,
             kv_lens: Vec::new(),
-            arena: ok(op, Arena::new(&self.stream)),
+            arena: ok(op, Arena::new(&self.stream))?,
         });
         ok(
             op,
             self.stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED),
-        );
-        let computed = step().map(|out| {
+        )?;
+        let computed = step().and_then(|out| {
             assert_eq!(
                 out.rows * out.cols,
                 logits_len,
                 "{op}: the step's logits are not {logits_len} values"
             );
-            ok(op, self.stream.memcpy_dtod(&out.data, &mut logits));
+            ok(op, self.stream.memcpy_dtod(&out.data, &mut logits))
         });
         let capture = self.capture.lock().unwrap().take().expect("set above");
         let graph = ok(
             op,
             StepGraph::end_capture(&self.stream, self.programmatic_launch),
-        );
+        )?;
         computed?;
-        ok(op, graph.launch());
-        let out = self.copy_logits(&logits);
+        ok(op, graph.launch())?;
+        let out = self.copy_logits(&logits)?;
         // Memory the step kept (none, as written) would be shared by its
         // holder and every replay: such a recording is used once, not kept.
-        if ok(op, capture.arena.in_use()) != 0 {
+        if ok(op, capture.arena.in_use())? != 0 {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
                 eprintln!("moeflux: a recorded CUDA decode step kept device memory; steps are not replayed")

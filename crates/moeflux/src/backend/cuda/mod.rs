@@ -15,10 +15,12 @@
 //! weights dequantized exactly as stored, rotary frequencies computed on
 //! the host in f32. Only summation orders differ.
 //!
-//! The trait's operations cannot fail, so a device failure inside one (a
-//! kernel fault, memory exhausted even after emptying the expert cache)
-//! stops the program with a message naming the operation; opening a model
-//! and the routed experts report errors normally.
+//! A device failure inside an operation (memory exhausted even after
+//! emptying the expert cache, a kernel fault) is returned as
+//! [`Error::Device`] naming the operation: the session that ran it rolls
+//! back, and the process and other sessions go on. Only a failure of the
+//! waits that keep memory safe (an expert buffer held until its copy is
+//! done) ends the process ([`must`]).
 
 /// Launches a kernel on the backend's stream:
 /// `launch!(backend, "what", &kernel, config, args...)`, each argument a
@@ -33,7 +35,7 @@ macro_rules! launch {
         // kernels/, and the callers size every buffer for what the kernel
         // reads and writes.
         let launched = unsafe { builder.launch($config) };
-        $crate::backend::cuda::ok($op, launched);
+        $crate::backend::cuda::ok($op, launched)?;
         if let (Some(profiler), Some(start)) = ($backend.profiler.as_ref(), start) {
             profiler.record($op, start, &$backend.stream);
         }
@@ -355,33 +357,45 @@ pub struct Routing {
 }
 
 impl Routing {
-    fn experts_on_host(&self) -> &[u32] {
-        self.host_experts.get_or_init(|| {
-            let stream = self.experts.stream();
-            let ids = ok(
-                "reading the selected experts",
-                stream.clone_dtoh(&self.experts),
-            );
-            ok("reading the selected experts", stream.synchronize());
-            ids
-        })
+    fn experts_on_host(&self) -> Result<&[u32]> {
+        if let Some(ids) = self.host_experts.get() {
+            return Ok(ids);
+        }
+        let stream = self.experts.stream();
+        let ids = ok(
+            "reading the selected experts",
+            stream.clone_dtoh(&self.experts),
+        )?;
+        ok("reading the selected experts", stream.synchronize())?;
+        Ok(self.host_experts.get_or_init(|| ids))
     }
 
     /// Every token's expert weights, in the order of the selected experts.
-    pub fn weights_to_host(&self) -> Vec<f32> {
+    pub fn weights_to_host(&self) -> Result<Vec<f32>> {
         let stream = self.weights.stream();
         let weights = ok(
             "reading the routing weights",
             stream.clone_dtoh(&self.weights),
-        );
-        ok("reading the routing weights", stream.synchronize());
-        weights
+        )?;
+        ok("reading the routing weights", stream.synchronize())?;
+        Ok(weights)
     }
 }
 
-/// Unwraps the result of a device call inside an operation that cannot
-/// fail (see the module documentation).
-pub(crate) fn ok<T>(op: &str, result: std::result::Result<T, DriverError>) -> T {
+/// The result of a device call as moeflux's: a failure (out of memory
+/// included) is an [`Error::Device`] naming the operation.
+pub(crate) fn ok<T>(op: &str, result: std::result::Result<T, DriverError>) -> Result<T> {
+    result.map_err(|e| Error::Device {
+        device: "CUDA".into(),
+        msg: format!("{op}: {e}"),
+    })
+}
+
+/// A device call that keeps memory safe (a wait that holds a buffer until
+/// a copy that reads or writes it is done): if the driver cannot do even
+/// that, the context is broken and going on could corrupt memory, so the
+/// process ends with the driver's message.
+pub(crate) fn must<T>(op: &str, result: std::result::Result<T, DriverError>) -> T {
     result.unwrap_or_else(|e| panic!("CUDA failed in {op}: {e}"))
 }
 
@@ -563,17 +577,17 @@ impl CudaBackend {
     }
 
     /// A device tensor holding `data` (`[rows, cols]`, row-major).
-    pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Tensor {
+    pub fn tensor_from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Result<Tensor> {
         assert_eq!(
             data.len(),
             rows * cols,
             "tensor_from_host: data is not [rows, cols]"
         );
-        Tensor {
+        Ok(Tensor {
             rows,
             cols,
-            data: self.upload("tensor_from_host", data),
-        }
+            data: self.upload("tensor_from_host", data)?,
+        })
     }
 
     /// Uninitialised device memory for `len` values (at least one, so that
@@ -597,26 +611,26 @@ impl CudaBackend {
         }
     }
 
-    fn alloc<T: DeviceRepr>(&self, op: &str, len: usize) -> CudaSlice<T> {
+    fn alloc<T: DeviceRepr>(&self, op: &str, len: usize) -> Result<CudaSlice<T>> {
         ok(op, self.try_alloc(len))
     }
 
-    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, op: &str, len: usize) -> CudaSlice<T> {
-        let mut data = self.alloc(op, len);
-        ok(op, self.stream.memset_zeros(&mut data));
-        data
+    fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, op: &str, len: usize) -> Result<CudaSlice<T>> {
+        let mut data = self.alloc(op, len)?;
+        ok(op, self.stream.memset_zeros(&mut data))?;
+        Ok(data)
     }
 
-    fn upload<T: DeviceRepr>(&self, op: &str, data: &[T]) -> CudaSlice<T> {
-        let mut buffer = self.alloc(op, data.len());
+    fn upload<T: DeviceRepr>(&self, op: &str, data: &[T]) -> Result<CudaSlice<T>> {
+        let mut buffer = self.alloc(op, data.len())?;
         if !data.is_empty() {
             ok(
                 op,
                 self.stream
                     .memcpy_htod(data, &mut buffer.slice_mut(..data.len())),
-            );
+            )?;
         }
-        buffer
+        Ok(buffer)
     }
 
     /// The first `len` values of `data`, on the host.
@@ -625,34 +639,40 @@ impl CudaBackend {
         op: &str,
         data: &CudaSlice<T>,
         len: usize,
-    ) -> Vec<T> {
+    ) -> Result<Vec<T>> {
         if len == 0 {
-            return Vec::new();
+            return Ok(Vec::new());
         }
-        let host = ok(op, self.stream.clone_dtoh(&data.slice(..len)));
-        ok(op, self.stream.synchronize());
-        ok(op, self.ctx.check_err());
-        host
+        let host = ok(op, self.stream.clone_dtoh(&data.slice(..len)))?;
+        ok(op, self.stream.synchronize())?;
+        ok(op, self.ctx.check_err())?;
+        Ok(host)
     }
 
-    fn tensor(&self, op: &str, rows: usize, cols: usize) -> Tensor {
-        Tensor {
+    fn tensor(&self, op: &str, rows: usize, cols: usize) -> Result<Tensor> {
+        Ok(Tensor {
             rows,
             cols,
-            data: self.alloc(op, rows * cols),
-        }
+            data: self.alloc(op, rows * cols)?,
+        })
     }
 
     /// `x · wᵀ` for `x` `[n, cols]` in device memory.
-    fn matmul(&self, x: &CudaSlice<f32>, n: usize, cols: usize, w: &Matrix<'_>) -> CudaSlice<f32> {
+    fn matmul(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        cols: usize,
+        w: &Matrix<'_>,
+    ) -> Result<CudaSlice<f32>> {
         let l = w.layout;
         assert_eq!(
             cols, l.cols,
             "linear: input width {cols} vs weight {} [{}, {}]",
             w.name, l.rows, l.cols
         );
-        if let Some(out) = self.matmul_tensor_cores(x, n, cols, w) {
-            return out;
+        if let Some(out) = self.matmul_tensor_cores(x, n, cols, w)? {
+            return Ok(out);
         }
         let single = n == 1;
         if single && cols.is_multiple_of(vector_cols(l.dtype)) {
@@ -675,7 +695,7 @@ impl CudaBackend {
             "linear: {n} tokens in one call is too many"
         );
         let (codes, scales, biases) = w.sections();
-        let mut out = self.alloc::<f32>(op, n * l.rows);
+        let mut out = self.alloc::<f32>(op, n * l.rows)?;
         let (rows, cols, n_i) = (int(l.rows, "rows"), int(cols, "columns"), int(n, "tokens"));
         let config = LaunchConfig {
             grid_dim: (l.rows.div_ceil(LINEAR_WARPS) as u32, token_tiles as u32, 1),
@@ -685,7 +705,7 @@ impl CudaBackend {
         launch!(
             self, op, kernel, config, &codes, &scales, &biases, x, &mut out, &rows, &cols, &n_i
         );
-        out
+        Ok(out)
     }
 
     /// [`Backend::qk_norm_rope`], row `t` at position `start_pos + t`, or
@@ -701,7 +721,7 @@ impl CudaBackend {
         rope: Rope,
         start_pos: usize,
         positions: Option<&CudaSlice<i64>>,
-    ) -> (Tensor, Tensor) {
+    ) -> Result<(Tensor, Tensor)> {
         let positions = positions.map_or(0, |p| p.device_ptr(&self.stream).0);
         let head_dim = rope.head_dim;
         assert!(
@@ -721,7 +741,7 @@ impl CudaBackend {
         );
         let op = "qk_norm_rope";
         let position = self.recorded_position(None);
-        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
+        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta)?;
         let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
         let offset = if norm.unit_offset { 1.0f32 } else { 0.0 };
         let (rows, q_heads_i, k_heads_i, head_dim_i, half, start) = (
@@ -757,18 +777,18 @@ impl CudaBackend {
             &position,
             &positions
         );
-        (q, k)
+        Ok((q, k))
     }
 
     /// `w · x` for one token, 16 bytes of a row per lane at a time (see
     /// linear.cu), or on the tensor cores for a q4 matrix of many rows.
-    fn matvec(&self, x: &CudaSlice<f32>, w: &Matrix<'_>) -> CudaSlice<f32> {
-        if let Some(out) = self.matvec_tensor_cores(x, w) {
-            return out;
+    fn matvec(&self, x: &CudaSlice<f32>, w: &Matrix<'_>) -> Result<CudaSlice<f32>> {
+        if let Some(out) = self.matvec_tensor_cores(x, w)? {
+            return Ok(out);
         }
-        let mut out = self.alloc::<f32>("linear", w.layout.rows);
-        self.matvecs(x, &mut [(w, &mut out)], false, None);
-        out
+        let mut out = self.alloc::<f32>("linear", w.layout.rows)?;
+        self.matvecs(x, &mut [(w, &mut out)], false, None)?;
+        Ok(out)
     }
 
     /// `w · x` for one token with linear_vector_tc_q4 (matvec_tc.cu) where
@@ -776,7 +796,11 @@ impl CudaBackend {
     /// compute capability 8.0 or later, the B table within the default
     /// shared memory, codes 8-byte aligned. 79.0 vs 92.4 µs for the 30B
     /// shape's LM head on an H100 (kernel bench).
-    fn matvec_tensor_cores(&self, x: &CudaSlice<f32>, w: &Matrix<'_>) -> Option<CudaSlice<f32>> {
+    fn matvec_tensor_cores(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &Matrix<'_>,
+    ) -> Result<Option<CudaSlice<f32>>> {
         let l = w.layout;
         let shared = experts::tc_staged_bytes(l.cols);
         if l.dtype != DType::Q4
@@ -785,9 +809,9 @@ impl CudaBackend {
             || shared > MAX_SHARED_BYTES
             || !w.offset.is_multiple_of(8)
         {
-            return None;
+            return Ok(None);
         }
-        let mut out = self.alloc::<f32>("linear", l.rows);
+        let mut out = self.alloc::<f32>("linear", l.rows)?;
         let (codes, scales, biases) = w.sections();
         let config = LaunchConfig {
             grid_dim: ((self.sm_count * TC_VECTOR_BLOCKS_PER_SM) as u32, 1, 1),
@@ -808,7 +832,7 @@ impl CudaBackend {
             &rows,
             &cols
         );
-        Some(out)
+        Ok(Some(out))
     }
 
     /// [`CudaBackend::matvecs`] into a new one-row tensor per matrix.
@@ -817,22 +841,23 @@ impl CudaBackend {
         x: &CudaSlice<f32>,
         matrices: &[&Matrix<'_>],
         norm: Option<FusedNorm>,
-    ) -> Vec<Tensor> {
+    ) -> Result<Vec<Tensor>> {
         let mut outs: Vec<CudaSlice<f32>> = matrices
             .iter()
             .map(|m| self.alloc("linear", m.layout.rows))
-            .collect();
+            .collect::<Result<_>>()?;
         let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
             matrices.iter().copied().zip(outs.iter_mut()).collect();
-        self.matvecs(x, &mut jobs, false, norm);
-        outs.into_iter()
+        self.matvecs(x, &mut jobs, false, norm)?;
+        Ok(outs
+            .into_iter()
             .zip(matrices)
             .map(|(data, m)| Tensor {
                 rows: 1,
                 cols: m.layout.rows,
                 data,
             })
-            .collect()
+            .collect())
     }
 
     /// Whether [`CudaBackend::matvecs`] takes these matrices for one token
@@ -857,7 +882,7 @@ impl CudaBackend {
         jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
         accumulate: bool,
         norm: Option<FusedNorm>,
-    ) {
+    ) -> Result<()> {
         let ws: Vec<&Matrix<'_>> = jobs.iter().map(|(w, _)| *w).collect();
         let cols = ws[0].layout.cols;
         assert!(
@@ -957,7 +982,8 @@ impl CudaBackend {
                     norm
                 )
             }
-        }
+        };
+        Ok(())
     }
 
     fn silu_mul_raw(
@@ -965,8 +991,8 @@ impl CudaBackend {
         gate: &CudaSlice<f32>,
         up: &CudaSlice<f32>,
         len: usize,
-    ) -> CudaSlice<f32> {
-        let mut out = self.alloc::<f32>("silu_mul", len);
+    ) -> Result<CudaSlice<f32>> {
+        let mut out = self.alloc::<f32>("silu_mul", len)?;
         let n = long(len);
         launch!(
             self,
@@ -978,22 +1004,23 @@ impl CudaBackend {
             &mut out,
             &n
         );
-        out
+        Ok(out)
     }
 
     /// Rotary frequencies, computed in f32 exactly as the CPU backend does
     /// (transformers' RotaryEmbedding), uploaded once per shape.
-    fn rope_frequencies(&self, rotary_dim: usize, theta: f64) -> RopeFrequencies {
+    fn rope_frequencies(&self, rotary_dim: usize, theta: f64) -> Result<RopeFrequencies> {
         let mut cache = self.rope_frequencies.lock().unwrap();
-        cache
-            .entry((rotary_dim, theta.to_bits()))
-            .or_insert_with(|| {
-                let inv_freq: Vec<f32> = (0..rotary_dim / 2)
-                    .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
-                    .collect();
-                Arc::new(self.upload("rope", &inv_freq))
-            })
-            .clone()
+        let key = (rotary_dim, theta.to_bits());
+        if let Some(frequencies) = cache.get(&key) {
+            return Ok(frequencies.clone());
+        }
+        let inv_freq: Vec<f32> = (0..rotary_dim / 2)
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
+            .collect();
+        let frequencies = Arc::new(self.upload("rope", &inv_freq)?);
+        cache.insert(key, frequencies.clone());
+        Ok(frequencies)
     }
 
     /// RMSNorm of each group of `weight`'s length; `z` adds the gate of
@@ -1005,7 +1032,7 @@ impl CudaBackend {
         z: Option<&Tensor>,
         eps: f32,
         offset: f32,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let op = if z.is_some() {
             "gated_rms_norm"
         } else {
@@ -1029,7 +1056,7 @@ impl CudaBackend {
             _ => 256,
         };
         let config = block_per_item(groups, threads, 0);
-        let mut out = self.tensor(op, x.rows, x.cols);
+        let mut out = self.tensor(op, x.rows, x.cols)?;
         let (groups, group) = (long(groups), int(group, "norm group"));
         match z {
             None => launch!(
@@ -1062,7 +1089,7 @@ impl CudaBackend {
                 )
             }
         }
-        out
+        Ok(out)
     }
 }
 
@@ -1102,18 +1129,18 @@ impl Backend for CudaBackend {
         self.description.clone()
     }
 
-    fn memory_bandwidth(&self) -> f64 {
+    fn memory_bandwidth(&self) -> Result<f64> {
         const BYTES: usize = 1 << 30;
-        let src = self.alloc::<u8>("bandwidth probe", BYTES);
-        let mut dst = self.alloc::<u8>("bandwidth probe", BYTES);
+        let src = self.alloc::<u8>("bandwidth probe", BYTES)?;
+        let mut dst = self.alloc::<u8>("bandwidth probe", BYTES)?;
         let mut best = f64::INFINITY;
         for _ in 0..6 {
             let start = std::time::Instant::now();
-            ok("bandwidth probe", self.stream.memcpy_dtod(&src, &mut dst));
-            ok("bandwidth probe", self.stream.synchronize());
+            ok("bandwidth probe", self.stream.memcpy_dtod(&src, &mut dst))?;
+            ok("bandwidth probe", self.stream.synchronize())?;
             best = best.min(start.elapsed().as_secs_f64());
         }
-        2.0 * BYTES as f64 / best / 1e9
+        Ok(2.0 * BYTES as f64 / best / 1e9)
     }
 
     fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
@@ -1134,7 +1161,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn new_kv_cache(&self, shape: AttentionShape) -> KvCache {
+    fn new_kv_cache(&self, shape: AttentionShape) -> Result<KvCache> {
         self.kv_new(shape)
     }
 
@@ -1146,23 +1173,23 @@ impl Backend for CudaBackend {
         self.kv_truncate_to(cache, len);
     }
 
-    fn kv_export(&self, cache: &KvCache) -> HostKv {
+    fn kv_export(&self, cache: &KvCache) -> Result<HostKv> {
         self.kv_to_host(cache)
     }
 
-    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> KvCache {
+    fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
         self.kv_from_host(shape, host)
     }
 
-    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> DeltaNetState {
+    fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Result<DeltaNetState> {
         self.linear_new(cfg)
     }
 
-    fn delta_net_copy(&self, state: &DeltaNetState) -> DeltaNetState {
+    fn delta_net_copy(&self, state: &DeltaNetState) -> Result<DeltaNetState> {
         self.linear_clone(state)
     }
 
-    fn delta_net_export(&self, state: &DeltaNetState) -> HostDeltaNetState {
+    fn delta_net_export(&self, state: &DeltaNetState) -> Result<HostDeltaNetState> {
         self.linear_to_host(state)
     }
 
@@ -1170,7 +1197,7 @@ impl Backend for CudaBackend {
         &self,
         cfg: &LinearAttentionConfig,
         host: HostDeltaNetState,
-    ) -> DeltaNetState {
+    ) -> Result<DeltaNetState> {
         self.linear_from_host(cfg, host)
     }
 
@@ -1178,9 +1205,9 @@ impl Backend for CudaBackend {
         x.rows
     }
 
-    fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Tensor {
+    fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Result<Tensor> {
         let rows = ranges.iter().map(|r| r.len()).sum();
-        let mut out = self.tensor("gather_rows", rows, x.cols);
+        let mut out = self.tensor("gather_rows", rows, x.cols)?;
         let mut at = 0;
         for r in ranges.iter().filter(|r| !r.is_empty()) {
             let (from, to) = (r.start * x.cols, r.end * x.cols);
@@ -1190,15 +1217,15 @@ impl Backend for CudaBackend {
                     &x.data.slice(from..to),
                     &mut out.data.slice_mut(at..at + to - from),
                 ),
-            );
+            )?;
             at += to - from;
         }
-        out
+        Ok(out)
     }
 
-    fn concat_rows(&self, parts: &[Tensor]) -> Tensor {
+    fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor> {
         let cols = parts.first().map_or(0, |p| p.cols);
-        let mut out = self.tensor("concat_rows", parts.iter().map(|p| p.rows).sum(), cols);
+        let mut out = self.tensor("concat_rows", parts.iter().map(|p| p.rows).sum(), cols)?;
         let mut at = 0;
         for p in parts.iter().filter(|p| p.rows > 0) {
             assert_eq!(p.cols, cols, "concat_rows: columns differ");
@@ -1207,13 +1234,13 @@ impl Backend for CudaBackend {
                 "concat_rows",
                 self.stream
                     .memcpy_dtod(&p.data.slice(..len), &mut out.data.slice_mut(at..at + len)),
-            );
+            )?;
             at += len;
         }
-        out
+        Ok(out)
     }
 
-    fn to_host(&self, x: &Tensor) -> Vec<f32> {
+    fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
         let len = x.rows * x.cols;
         if len < PINNED_DOWNLOAD_MIN {
             return self.download("to_host", &x.data, len);
@@ -1223,21 +1250,21 @@ impl Backend for CudaBackend {
         if staging.as_ref().is_none_or(|s| s.len() < len) {
             // SAFETY: page-locked memory the copy below writes before it is
             // read (cached, not write-combined: the host reads it).
-            *staging = Some(ok(op, unsafe { self.ctx.alloc_pinned_with_flags(len, 0) }));
+            *staging = Some(ok(op, unsafe { self.ctx.alloc_pinned_with_flags(len, 0) })?);
         }
         // The buffer may be longer than this download: copy into its first
         // `len` values only.
         let host = &mut ok(
             op,
             staging.as_mut().expect("allocated above").as_mut_slice(),
-        )[..len];
-        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host));
-        ok(op, self.stream.synchronize());
-        ok(op, self.ctx.check_err());
-        host.to_vec()
+        )?[..len];
+        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host))?;
+        ok(op, self.stream.synchronize())?;
+        ok(op, self.ctx.check_err())?;
+        Ok(host.to_vec())
     }
 
-    fn embed(&self, table: &Weight, tokens: &[u32]) -> Tensor {
+    fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Tensor> {
         let l = table.layout;
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= l.rows) {
             panic!(
@@ -1245,7 +1272,7 @@ impl Backend for CudaBackend {
                 table.name, l.rows
             );
         }
-        let mut out = self.tensor("embed", tokens.len(), l.cols);
+        let mut out = self.tensor("embed", tokens.len(), l.cols)?;
         // A step being recorded reads its token from the device.
         let recorded = match tokens.len() {
             1 => self.recorded_token(),
@@ -1254,7 +1281,7 @@ impl Backend for CudaBackend {
         let (_uploaded, ids) = match recorded {
             Some(word) => (None, word),
             None => {
-                let ids = self.upload("embed", tokens);
+                let ids = self.upload("embed", tokens)?;
                 let address = ids.device_ptr(&self.stream).0;
                 (Some(ids), address)
             }
@@ -1286,31 +1313,31 @@ impl Backend for CudaBackend {
             &rows,
             &cols
         );
-        out
+        Ok(out)
     }
 
-    fn linear(&self, x: &Tensor, w: &Weight) -> Tensor {
-        let data = self.matmul(&x.data, x.rows, x.cols, &w.matrix());
-        Tensor {
+    fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
+        let data = self.matmul(&x.data, x.rows, x.cols, &w.matrix())?;
+        Ok(Tensor {
             rows: x.rows,
             cols: w.layout.rows,
             data,
-        }
+        })
     }
 
-    fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Tensor {
+    fn rms_norm(&self, x: &Tensor, weight: &Weight, norm: RmsNorm) -> Result<Tensor> {
         let offset = if norm.unit_offset { 1.0 } else { 0.0 };
         self.norm(x, weight, None, norm.eps, offset)
     }
 
-    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Vec<Tensor> {
+    fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
         assert_eq!(widths.iter().sum::<usize>(), x.cols, "split_cols widths");
         let (rows, src_cols) = (long(x.rows), int(x.cols, "columns"));
         let mut start = 0;
         widths
             .iter()
             .map(|&width| {
-                let mut part = self.tensor("split_cols", x.rows, width);
+                let mut part = self.tensor("split_cols", x.rows, width)?;
                 let (start_i, width_i) = (int(start, "column"), int(width, "width"));
                 launch!(
                     self,
@@ -1325,12 +1352,12 @@ impl Backend for CudaBackend {
                     &width_i
                 );
                 start += width;
-                part
+                Ok(part)
             })
-            .collect()
+            .collect::<Result<_>>()
     }
 
-    fn add_assign(&self, x: &mut Tensor, y: &Tensor) {
+    fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         let len = x.rows * x.cols;
         assert_eq!(len, y.rows * y.cols, "add_assign: shapes differ");
         let n = long(len);
@@ -1343,19 +1370,20 @@ impl Backend for CudaBackend {
             &y.data,
             &n
         );
+        Ok(())
     }
 
-    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Tensor {
+    fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let len = gate.rows * gate.cols;
         assert_eq!(len, up.rows * up.cols, "silu_mul: shapes differ");
-        Tensor {
+        Ok(Tensor {
             rows: gate.rows,
             cols: gate.cols,
-            data: self.silu_mul_raw(&gate.data, &up.data, len),
-        }
+            data: self.silu_mul_raw(&gate.data, &up.data, len)?,
+        })
     }
 
-    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) {
+    fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
         let len = x.rows * x.cols;
         if gate.cols == 1 {
             assert_eq!(gate.rows, x.rows, "mul_sigmoid: one gate per row");
@@ -1382,10 +1410,11 @@ impl Backend for CudaBackend {
                 &gate.data,
                 &n
             );
-        }
+        };
+        Ok(())
     }
 
-    fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) {
+    fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
         assert!(
             rope.head_dim > 0
                 && x.cols.is_multiple_of(rope.head_dim)
@@ -1398,9 +1427,9 @@ impl Backend for CudaBackend {
         );
         let half = rope.rotary_dim / 2;
         if half == 0 {
-            return;
+            return Ok(());
         }
-        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta);
+        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta)?;
         let total = x.rows * (x.cols / rope.head_dim) * half;
         let (rows, cols, head_dim, half, start) = (
             long(x.rows),
@@ -1422,6 +1451,7 @@ impl Backend for CudaBackend {
             &half,
             &start
         );
+        Ok(())
     }
 
     fn attention(
@@ -1431,7 +1461,7 @@ impl Backend for CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let n = q.rows;
         assert!(
@@ -1445,13 +1475,13 @@ impl Backend for CudaBackend {
         );
         // One token: the attention kernel stores its key and value itself.
         let (start, position) = if n == 1 {
-            self.kv_claim_one(cache)
+            self.kv_claim_one(cache)?
         } else {
             let start = cache.len();
-            self.kv_append(cache, &k.data, &v.data, n);
+            self.kv_append(cache, &k.data, &v.data, n)?;
             (start, self.recorded_position(None))
         };
-        let mut out = self.tensor("attention", n, heads * head_dim);
+        let mut out = self.tensor("attention", n, heads * head_dim)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
             int(n, "tokens"),
@@ -1491,7 +1521,7 @@ impl Backend for CudaBackend {
                 &start_l,
                 &scale
             );
-            return out;
+            return Ok(out);
         }
         if n > 1 {
             launch!(
@@ -1511,7 +1541,7 @@ impl Backend for CudaBackend {
                 &position,
                 &scale
             );
-            return out;
+            return Ok(out);
         }
         // One token: the kernel reads the token's key and value from k and
         // v and writes them into the cache.
@@ -1543,7 +1573,7 @@ impl Backend for CudaBackend {
             &new_k,
             &new_v
         );
-        out
+        Ok(out)
     }
 
     fn gated_delta_net(
@@ -1554,7 +1584,7 @@ impl Backend for CudaBackend {
         a: &Tensor,
         params: GatedDeltaNetParams<'_, Self>,
         cfg: &LinearAttentionConfig,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let n = qkv.rows;
         let channels = cfg.conv_dim();
         let (nk, nv, dk, dv) = (
@@ -1594,7 +1624,7 @@ impl Backend for CudaBackend {
             int(dk, "key head dim"),
             int(dv, "value head dim"),
         );
-        let mut mixed = self.alloc::<f32>("gated_delta_net", n * channels);
+        let mut mixed = self.alloc::<f32>("gated_delta_net", n * channels)?;
         launch!(
             self,
             "gdn_conv",
@@ -1632,7 +1662,7 @@ impl Backend for CudaBackend {
             &dk_i,
             &q_scale
         );
-        let mut out = self.tensor("gated_delta_net", n, cfg.value_dim());
+        let mut out = self.tensor("gated_delta_net", n, cfg.value_dim())?;
         let shared = gdn_chunked_shared_bytes(dk, dv);
         let chunked = n >= self.gdn_chunked_min
             && dk <= GDN_CHUNK_MAX_DIM
@@ -1648,7 +1678,7 @@ impl Backend for CudaBackend {
             let mut work = self.alloc::<f32>(
                 "gated_delta_net",
                 pieces * (GDN_CHUNK * (dv + dk + GDN_CHUNK + 1) + dk * dv),
-            );
+            )?;
             let config = |grid_dim: (u32, u32, u32), shared_mem_bytes: usize| LaunchConfig {
                 grid_dim,
                 block_dim: (GDN_CHUNK_THREADS, 1, 1),
@@ -1679,7 +1709,8 @@ impl Backend for CudaBackend {
                             kernel: &CudaFunction,
                             grid: (u32, u32, u32),
                             shared_bytes: usize,
-                            written: &mut CudaSlice<f32>| {
+                            written: &mut CudaSlice<f32>|
+             -> Result<()> {
                 launch!(
                     self,
                     op,
@@ -1695,6 +1726,7 @@ impl Backend for CudaBackend {
                     &dk_i,
                     &dv_i
                 );
+                Ok(())
             };
             pass(
                 "gdn_chunk_state",
@@ -1702,14 +1734,14 @@ impl Backend for CudaBackend {
                 (nv as u32, column_tiles, 1),
                 shared[1],
                 &mut state.recurrent,
-            );
+            )?;
             pass(
                 "gdn_chunk_output",
                 &self.kernels.gdn_chunk_output,
                 (nv as u32, chunks as u32, column_tiles),
                 shared[2],
                 &mut out.data,
-            );
+            )?;
         } else {
             let config = LaunchConfig {
                 grid_dim: (nv as u32, dv.div_ceil(GDN_WARPS) as u32, 1),
@@ -1736,21 +1768,27 @@ impl Backend for CudaBackend {
                 &dv_i
             );
         }
-        out
+        Ok(out)
     }
 
-    fn gated_rms_norm(&self, x: &Tensor, gate: &Tensor, weight: &Weight, eps: f32) -> Tensor {
+    fn gated_rms_norm(
+        &self,
+        x: &Tensor,
+        gate: &Tensor,
+        weight: &Weight,
+        eps: f32,
+    ) -> Result<Tensor> {
         self.norm(x, weight, Some(gate), eps, 0.0)
     }
 
-    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Routing {
+    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Result<Routing> {
         let (n, experts) = (logits.rows, logits.cols);
         assert!(
             top_k >= 1 && top_k <= experts && experts + 1024 <= MAX_SHARED_BYTES,
             "route: top-{top_k} of {experts} experts"
         );
-        let mut ids = self.alloc::<u32>("route", n * top_k);
-        let mut weights = self.alloc::<f32>("route", n * top_k);
+        let mut ids = self.alloc::<u32>("route", n * top_k)?;
+        let mut weights = self.alloc::<f32>("route", n * top_k)?;
         let (n_i, experts_i, top_k_i, normalize_i) = (
             int(n, "tokens"),
             int(experts, "experts"),
@@ -1786,17 +1824,17 @@ impl Backend for CudaBackend {
             &top_k_i,
             &normalize_i
         );
-        Routing {
+        Ok(Routing {
             top_k,
             rows: n,
             experts: ids,
             weights,
             host_experts: OnceLock::new(),
-        }
+        })
     }
 
-    fn selected_experts(&self, routing: &Routing) -> Vec<u32> {
-        routing.experts_on_host().to_vec()
+    fn selected_experts(&self, routing: &Routing) -> Result<Vec<u32>> {
+        Ok(routing.experts_on_host()?.to_vec())
     }
 
     fn routed_experts(
@@ -1809,7 +1847,7 @@ impl Backend for CudaBackend {
         self.compute_routed_experts(x, routing, store, layer)
     }
 
-    fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Vec<Tensor> {
+    fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Result<Vec<Tensor>> {
         let matrices: Vec<Matrix<'_>> = ws.iter().map(|w| w.matrix()).collect();
         let refs: Vec<&Matrix<'_>> = matrices.iter().collect();
         if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
@@ -1824,29 +1862,29 @@ impl Backend for CudaBackend {
         weight: &Weight,
         norm: RmsNorm,
         ws: &[&Weight],
-    ) -> (Tensor, Vec<Tensor>) {
+    ) -> Result<(Tensor, Vec<Tensor>)> {
         let matrices: Vec<Matrix<'_>> = ws.iter().map(|w| w.matrix()).collect();
         let refs: Vec<&Matrix<'_>> = matrices.iter().collect();
         if x.rows != 1
             || weight.vector_len("rms_norm") != x.cols
             || !Self::matvecs_fit(x.cols, &refs)
         {
-            let normed = self.rms_norm(x, weight, norm);
-            let products = self.linear_many(&normed, ws);
-            return (normed, products);
+            let normed = self.rms_norm(x, weight, norm)?;
+            let products = self.linear_many(&normed, ws)?;
+            return Ok((normed, products));
         }
-        let mut normed = self.tensor("rms_norm", 1, x.cols);
+        let mut normed = self.tensor("rms_norm", 1, x.cols)?;
         let fused = FusedNorm {
             weight: weight.data.device_ptr(&self.stream).0,
             normed: normed.data.device_ptr_mut(&self.stream).0,
             eps: norm.eps,
             offset: if norm.unit_offset { 1.0 } else { 0.0 },
         };
-        let products = self.matvecs_to_tensors(&x.data, &refs, Some(fused));
-        (normed, products)
+        let products = self.matvecs_to_tensors(&x.data, &refs, Some(fused))?;
+        Ok((normed, products))
     }
 
-    fn linear_add(&self, residual: &mut Tensor, x: &Tensor, w: &Weight) {
+    fn linear_add(&self, residual: &mut Tensor, x: &Tensor, w: &Weight) -> Result<()> {
         let m = w.matrix();
         assert!(
             residual.rows == x.rows && residual.cols == w.layout.rows,
@@ -1857,11 +1895,12 @@ impl Backend for CudaBackend {
             w.layout.rows
         );
         if x.rows == 1 && Self::matvecs_fit(x.cols, &[&m]) {
-            self.matvecs(&x.data, &mut [(&m, &mut residual.data)], true, None);
+            self.matvecs(&x.data, &mut [(&m, &mut residual.data)], true, None)?;
         } else {
-            let y = self.linear(x, w);
-            self.add_assign(residual, &y);
-        }
+            let y = self.linear(x, w)?;
+            self.add_assign(residual, &y)?;
+        };
+        Ok(())
     }
 
     fn qk_norm_rope(
@@ -1873,7 +1912,7 @@ impl Backend for CudaBackend {
         norm: RmsNorm,
         rope: Rope,
         start_pos: usize,
-    ) -> (Tensor, Tensor) {
+    ) -> Result<(Tensor, Tensor)> {
         self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, start_pos, None)
     }
 
@@ -1889,7 +1928,7 @@ impl Backend for CudaBackend {
         norm: RmsNorm,
         rope: Rope,
         shape: AttentionShape,
-    ) -> Tensor {
+    ) -> Result<Tensor> {
         let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let n = caches.len();
         assert!(
@@ -1906,18 +1945,18 @@ impl Backend for CudaBackend {
             "attention: {n} sequences' query, key and value shapes"
         );
         let op = "attention (batched decode)";
-        let starts = self.kv_claim_each(caches);
-        let positions = self.upload(op, &starts);
-        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions));
+        let starts = self.kv_claim_each(caches)?;
+        let positions = self.upload(op, &starts)?;
+        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions))?;
         let pointers = |part: fn(&KvCache) -> &CudaSlice<f32>| -> Vec<u64> {
             caches
                 .iter()
                 .map(|c| part(c).device_ptr(&self.stream).0)
                 .collect()
         };
-        let keys = self.upload(op, &pointers(KvCache::keys));
-        let values = self.upload(op, &pointers(KvCache::values));
-        let mut out = self.tensor(op, n, heads * head_dim);
+        let keys = self.upload(op, &pointers(KvCache::keys))?;
+        let values = self.upload(op, &pointers(KvCache::values))?;
+        let mut out = self.tensor(op, n, heads * head_dim)?;
         let kernel = match head_dim {
             ..=128 => &self.kernels.attention_decode_batch_128,
             129..=256 => &self.kernels.attention_decode_batch_256,
@@ -1955,7 +1994,7 @@ impl Backend for CudaBackend {
             &k.data,
             &v.data
         );
-        out
+        Ok(out)
     }
 
     fn routed_experts_add(
@@ -1969,11 +2008,11 @@ impl Backend for CudaBackend {
         self.add_routed_experts(out, x, routing, store, layer)
     }
 
-    fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Option<u64> {
+    fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Result<Option<u64>> {
         self.state_key(kv, linear)
     }
 
-    fn replay_step(&self, key: u64, token: u32, position: usize) -> Option<Tensor> {
+    fn replay_step(&self, key: u64, token: u32, position: usize) -> Result<Option<Tensor>> {
         self.replay(key, token, position)
     }
 

@@ -22,6 +22,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::experts::expert_inter;
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
+use crate::error::Result;
 use crate::quant::{DType, MatrixLayout};
 
 /// Slots per tile (`MP_BN` in moe_prefill.cu).
@@ -98,7 +99,11 @@ impl CudaBackend {
     /// Whether the grouped kernels take experts with these gate (or up)
     /// and down layouts: q4, q8 or bf16 (bf16 widths a multiple of 8), on
     /// sm_80 or later. Otherwise experts run one at a time.
-    pub(super) fn prefill_kernels_fit(&self, gate: MatrixLayout, down: MatrixLayout) -> bool {
+    pub(super) fn prefill_kernels_fit(
+        &self,
+        gate: MatrixLayout,
+        down: MatrixLayout,
+    ) -> Result<bool> {
         let widths_fit = match gate.dtype {
             // Quantized widths are whole 64-column groups by construction.
             DType::Q4 | DType::Q8 => true,
@@ -108,8 +113,8 @@ impl CudaBackend {
         let (major, _) = ok(
             "routed experts (tensor cores)",
             self.ctx.compute_capability(),
-        );
-        widths_fit && major >= 8 && down.dtype == gate.dtype
+        )?;
+        Ok(widths_fit && major >= 8 && down.dtype == gate.dtype)
     }
 
     /// `act` and `y` for the tiles `tiles` (`count` of them) of a call:
@@ -128,9 +133,9 @@ impl CudaBackend {
         parts: &[(usize, MatrixLayout); 3],
         act: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
-    ) {
+    ) -> Result<()> {
         if count == 0 {
-            return;
+            return Ok(());
         }
         let gate = parts[0].1;
         let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
@@ -198,6 +203,7 @@ impl CudaBackend {
             &down_part,
             &down_part
         );
+        Ok(())
     }
 
     /// `out (+)= Σ_k weight[t, k] · y[t · top_k + k]` for every token `t`
@@ -209,7 +215,7 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         hidden: usize,
         accumulate: bool,
-    ) {
+    ) -> Result<()> {
         let n = routing.rows;
         let (n_i, hidden_i, top_k_i) = (
             int(n, "tokens"),
@@ -230,5 +236,6 @@ impl CudaBackend {
             &top_k_i,
             &accumulate_i
         );
+        Ok(())
     }
 }

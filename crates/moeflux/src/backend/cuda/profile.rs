@@ -25,10 +25,11 @@ impl Profiler {
     }
 
     fn event(stream: &CudaStream) -> CudaEvent {
-        super::ok(
-            "profiling",
-            stream.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)),
-        )
+        // Profiling is a developer's switch (MOEFLUX_CUDA_PROFILE); a
+        // device that cannot record an event cannot be profiled.
+        stream
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .unwrap_or_else(|e| panic!("profiling: recording an event: {e}"))
     }
 
     /// An event before a launch.

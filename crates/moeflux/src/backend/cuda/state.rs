@@ -10,6 +10,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 use super::{CudaBackend, grid_stride, int, long, ok};
 use crate::backend::{AttentionShape, HostDeltaNetState, HostKv};
 use crate::config::LinearAttentionConfig;
+use crate::error::Result;
 
 /// Positions a KV cache holds at least once it holds any.
 const MIN_KV_POSITIONS: usize = 256;
@@ -93,40 +94,41 @@ fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
 }
 
 impl CudaBackend {
-    pub(super) fn kv_new(&self, shape: AttentionShape) -> KvCache {
-        KvCache {
+    pub(super) fn kv_new(&self, shape: AttentionShape) -> Result<KvCache> {
+        Ok(KvCache {
             shape,
             len: Arc::new(AtomicUsize::new(0)),
             capacity: 0,
-            keys: self.alloc("new KV cache", 0),
-            values: self.alloc("new KV cache", 0),
-        }
+            keys: self.alloc("new KV cache", 0)?,
+            values: self.alloc("new KV cache", 0)?,
+        })
     }
 
     /// Makes room for `positions` in total (see [`KvCache`] on growth).
-    pub(super) fn kv_reserve(&self, cache: &mut KvCache, positions: usize) {
+    pub(super) fn kv_reserve(&self, cache: &mut KvCache, positions: usize) -> Result<()> {
         if positions <= cache.capacity {
-            return;
+            return Ok(());
         }
         let capacity = positions.max(2 * cache.capacity).max(MIN_KV_POSITIONS);
         let width = cache.width();
         let valid = cache.len() * width;
         let grow = |old: &CudaSlice<f32>| {
-            let mut new = self.alloc::<f32>("growing a KV cache", capacity * width);
+            let mut new = self.alloc::<f32>("growing a KV cache", capacity * width)?;
             if valid > 0 {
                 ok(
                     "growing a KV cache",
                     self.stream
                         .memcpy_dtod(&old.slice(..valid), &mut new.slice_mut(..valid)),
-                );
+                )?;
             }
-            new
+            Ok(new)
         };
-        let keys = grow(&cache.keys);
-        let values = grow(&cache.values);
+        let keys = grow(&cache.keys)?;
+        let values = grow(&cache.values)?;
         cache.keys = keys;
         cache.values = values;
         cache.capacity = capacity;
+        Ok(())
     }
 
     /// Appends `n` rows of keys and values (`[n, width]` each). While a
@@ -138,9 +140,9 @@ impl CudaBackend {
         keys: &CudaSlice<f32>,
         values: &CudaSlice<f32>,
         n: usize,
-    ) {
+    ) -> Result<()> {
         let len = cache.len();
-        self.kv_reserve(cache, len + n);
+        self.kv_reserve(cache, len + n)?;
         let width = cache.width();
         let position = self.recorded_position(Some(cache.len_counter()));
         let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(len));
@@ -159,32 +161,33 @@ impl CudaBackend {
             &position
         );
         cache.set_len(len + n);
+        Ok(())
     }
 
     /// Makes room for one more position and claims it for a key and value
     /// that the caller's kernel stores itself (the one-token attention
     /// kernel does): returns the position, and the device word of a
     /// recorded step's position as [`CudaBackend::kv_append`] registers it.
-    pub(super) fn kv_claim_one(&self, cache: &mut KvCache) -> (usize, u64) {
+    pub(super) fn kv_claim_one(&self, cache: &mut KvCache) -> Result<(usize, u64)> {
         let len = cache.len();
-        self.kv_reserve(cache, len + 1);
+        self.kv_reserve(cache, len + 1)?;
         let position = self.recorded_position(Some(cache.len_counter()));
         cache.set_len(len + 1);
-        (len, position)
+        Ok((len, position))
     }
 
     /// Makes room for one more position in each cache and counts it;
     /// returns each cache's position before, for kernels that store the
     /// new keys and values themselves (a batched decode step, not
     /// recorded).
-    pub(super) fn kv_claim_each(&self, caches: &mut [&mut KvCache]) -> Vec<i64> {
+    pub(super) fn kv_claim_each(&self, caches: &mut [&mut KvCache]) -> Result<Vec<i64>> {
         caches
             .iter_mut()
             .map(|cache| {
                 let len = cache.len();
-                self.kv_reserve(cache, len + 1);
+                self.kv_reserve(cache, len + 1)?;
                 cache.set_len(len + 1);
-                len as i64
+                Ok(len as i64)
             })
             .collect()
     }
@@ -193,15 +196,15 @@ impl CudaBackend {
         cache.set_len(cache.len().min(len));
     }
 
-    pub(super) fn kv_to_host(&self, cache: &KvCache) -> HostKv {
+    pub(super) fn kv_to_host(&self, cache: &KvCache) -> Result<HostKv> {
         let valid = cache.len() * cache.width();
-        HostKv {
-            keys: self.download("saving a KV cache", &cache.keys, valid),
-            values: self.download("saving a KV cache", &cache.values, valid),
-        }
+        Ok(HostKv {
+            keys: self.download("saving a KV cache", &cache.keys, valid)?,
+            values: self.download("saving a KV cache", &cache.values, valid)?,
+        })
     }
 
-    pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> KvCache {
+    pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
         let width = shape.num_kv_heads * shape.head_dim;
         assert!(
             host.keys.len() == host.values.len() && host.keys.len().is_multiple_of(width),
@@ -210,71 +213,71 @@ impl CudaBackend {
             host.values.len()
         );
         let len = host.keys.len() / width;
-        let mut cache = self.kv_new(shape);
-        self.kv_reserve(&mut cache, len);
+        let mut cache = self.kv_new(shape)?;
+        self.kv_reserve(&mut cache, len)?;
         let n = len * width;
         if n > 0 {
             ok(
                 "loading a KV cache",
                 self.stream
                     .memcpy_htod(&host.keys, &mut cache.keys.slice_mut(..n)),
-            );
+            )?;
             ok(
                 "loading a KV cache",
                 self.stream
                     .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
-            );
+            )?;
         }
         cache.set_len(len);
-        cache
+        Ok(cache)
     }
 
-    pub(super) fn linear_new(&self, cfg: &LinearAttentionConfig) -> DeltaNetState {
+    pub(super) fn linear_new(&self, cfg: &LinearAttentionConfig) -> Result<DeltaNetState> {
         let (conv_len, recurrent_len) = linear_sizes(cfg);
-        DeltaNetState {
-            conv: self.zeros("new Gated DeltaNet state", conv_len),
-            recurrent: self.zeros("new Gated DeltaNet state", recurrent_len),
+        Ok(DeltaNetState {
+            conv: self.zeros("new Gated DeltaNet state", conv_len)?,
+            recurrent: self.zeros("new Gated DeltaNet state", recurrent_len)?,
             conv_len,
             recurrent_len,
-        }
+        })
     }
 
-    pub(super) fn linear_clone(&self, state: &DeltaNetState) -> DeltaNetState {
+    pub(super) fn linear_clone(&self, state: &DeltaNetState) -> Result<DeltaNetState> {
         let copy = |src: &CudaSlice<f32>, len: usize| {
-            let mut dst = self.alloc::<f32>("copying a Gated DeltaNet state", len);
+            let mut dst = self.alloc::<f32>("copying a Gated DeltaNet state", len)?;
             if len > 0 {
                 ok(
                     "copying a Gated DeltaNet state",
                     self.stream
                         .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(..len)),
-                );
+                )?;
             }
-            dst
+            Ok(dst)
         };
-        DeltaNetState {
-            conv: copy(&state.conv, state.conv_len),
-            recurrent: copy(&state.recurrent, state.recurrent_len),
+        Ok(DeltaNetState {
+            conv: copy(&state.conv, state.conv_len)?,
+            recurrent: copy(&state.recurrent, state.recurrent_len)?,
             conv_len: state.conv_len,
             recurrent_len: state.recurrent_len,
-        }
+        })
     }
 
-    pub(super) fn linear_to_host(&self, state: &DeltaNetState) -> HostDeltaNetState {
-        HostDeltaNetState {
-            conv: self.download("saving a Gated DeltaNet state", &state.conv, state.conv_len),
+    pub(super) fn linear_to_host(&self, state: &DeltaNetState) -> Result<HostDeltaNetState> {
+        Ok(HostDeltaNetState {
+            conv: self.download("saving a Gated DeltaNet state", &state.conv, state.conv_len)?,
             recurrent: self.download(
                 "saving a Gated DeltaNet state",
                 &state.recurrent,
                 state.recurrent_len,
-            ),
-        }
+            )?,
+        })
     }
 
     pub(super) fn linear_from_host(
         &self,
         cfg: &LinearAttentionConfig,
         host: HostDeltaNetState,
-    ) -> DeltaNetState {
+    ) -> Result<DeltaNetState> {
         let (conv_len, recurrent_len) = linear_sizes(cfg);
         assert!(
             host.conv.len() == conv_len && host.recurrent.len() == recurrent_len,
@@ -282,11 +285,11 @@ impl CudaBackend {
             host.conv.len(),
             host.recurrent.len()
         );
-        DeltaNetState {
-            conv: self.upload("loading a Gated DeltaNet state", &host.conv),
-            recurrent: self.upload("loading a Gated DeltaNet state", &host.recurrent),
+        Ok(DeltaNetState {
+            conv: self.upload("loading a Gated DeltaNet state", &host.conv)?,
+            recurrent: self.upload("loading a Gated DeltaNet state", &host.recurrent)?,
             conv_len,
             recurrent_len,
-        }
+        })
     }
 }

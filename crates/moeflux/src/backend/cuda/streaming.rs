@@ -274,7 +274,7 @@ impl VramCache {
         }
         if let Some(upload) = entry.buffer.upload.take() {
             let streams = self.streams.as_ref().expect("uploads attach the streams");
-            super::ok(
+            super::must(
                 "waiting for an expert upload",
                 streams.compute.wait(&upload),
             );
@@ -330,7 +330,7 @@ impl VramCache {
     fn release(&mut self, buffer: Buffer) {
         self.used -= buffer.bytes;
         if let (Some(upload), Some(streams)) = (&buffer.upload, &self.streams) {
-            super::ok("releasing an expert", streams.compute.wait(upload));
+            super::must("releasing an expert", streams.compute.wait(upload));
         }
         drop(buffer);
     }
@@ -501,7 +501,7 @@ impl PinnedTier {
         };
         if let Some(read_by) = self.slots[slot].read_by.take() {
             // The host must not overwrite what a copy still reads.
-            super::ok("waiting for a pinned slot", read_by.synchronize());
+            super::must("waiting for a pinned slot", read_by.synchronize());
         }
         self.slots[slot].key = Some(key);
         self.map.insert(key, slot);
@@ -1194,7 +1194,7 @@ impl CudaBackend {
     pub(super) fn streaming_stats(&self) -> ExpertCacheStats {
         let mut cache = self.experts.lock().unwrap();
         if let Some(streams) = &cache.streams {
-            super::ok("timing expert uploads", streams.copy.synchronize());
+            super::must("timing expert uploads", streams.copy.synchronize());
         }
         cache.harvest_timings(true);
         cache.stats()
