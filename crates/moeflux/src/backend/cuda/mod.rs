@@ -20,7 +20,7 @@
 //! [`Error::Device`] naming the operation: the session that ran it rolls
 //! back, and the process and other sessions go on. Only a failure of the
 //! waits that keep memory safe (an expert buffer held until its copy is
-//! done) ends the process ([`must`]).
+//! done) ends the process (`must`).
 
 /// Launches a kernel on the backend's stream:
 /// `launch!(backend, "what", &kernel, config, args...)`, each argument a
