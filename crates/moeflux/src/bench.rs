@@ -270,6 +270,11 @@ pub struct BatchDecode {
     /// Generated tokens per second, all sequences together.
     pub tok_s: f64,
     pub step_ms: f64,
+    /// Expert bytes read from disk per generated token.
+    pub expert_bytes_read_per_token: f64,
+    /// Expert bytes uploaded to the device per generated token (a GPU
+    /// streaming experts into its VRAM cache).
+    pub device_upload_bytes_per_token: Option<f64>,
 }
 
 /// `sequences` sessions, each prefilled with its own random prompt, warmed
@@ -315,16 +320,26 @@ fn batch_decode<B: Backend>(
     for _ in 0..options.warmup_tokens {
         step(&mut sessions)?;
     }
+    let (store_before, device_before) =
+        (model.expert_stats(), model.backend().device_expert_stats());
     let start = Instant::now();
     for _ in 0..options.decode_tokens {
         step(&mut sessions)?;
     }
     let seconds = start.elapsed().as_secs_f64();
+    let tokens = (sequences * options.decode_tokens) as f64;
+    let read = model.expert_stats().since(&store_before).bytes_read;
+    let uploaded = match (model.backend().device_expert_stats(), device_before) {
+        (Some(after), Some(before)) => Some(after.since(&before).uploaded_bytes as f64 / tokens),
+        _ => None,
+    };
     Ok(BatchDecode {
         sequences,
         steps: options.decode_tokens,
-        tok_s: (sequences * options.decode_tokens) as f64 / seconds,
+        tok_s: tokens / seconds,
         step_ms: seconds * 1e3 / options.decode_tokens as f64,
+        expert_bytes_read_per_token: read as f64 / tokens,
+        device_upload_bytes_per_token: uploaded,
     })
 }
 

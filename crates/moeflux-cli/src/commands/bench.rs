@@ -229,6 +229,14 @@ fn print_table(r: &BenchReport) {
                 b.tok_s, b.step_ms, b.steps
             ),
         );
+        let mut moved = format!(
+            "{} read from disk",
+            human_bytes(b.expert_bytes_read_per_token as u64)
+        );
+        if let Some(up) = b.device_upload_bytes_per_token {
+            moved += &format!(", {} uploaded to the device", human_bytes(up as u64));
+        }
+        row("  expert bytes per token (batched)", moved);
     }
     row(
         "weights read per token",
