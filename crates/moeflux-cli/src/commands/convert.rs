@@ -1,10 +1,10 @@
-//! `moeflux convert <HF_DIR> -o <OUT> --quant q4|q8|bf16`
+//! `moeflux convert <INPUT> -o <OUT> --quant q4|q8|bf16|keep-nearest`
 
 use std::path::PathBuf;
 
 use anyhow::Result;
 use indicatif::{ProgressBar, ProgressStyle};
-use moeflux::convert::{ConvertOptions, convert};
+use moeflux::convert::{ConvertOptions, SourceOptions, convert_with};
 use moeflux::quant::DType;
 use moeflux::text::TOKENIZER_FILE;
 use moeflux::util::Progress;
@@ -15,12 +15,16 @@ pub enum Quant {
     Q4,
     Q8,
     Bf16,
+    /// Each matrix in the moeflux type closest in size to the input's
+    /// (GGUF Q4_K or MLX 4-bit as q4, Q6_K, Q8_0 or FP8 as q8, bf16 as
+    /// bf16).
+    KeepNearest,
 }
 
 impl Quant {
     pub fn dtype(self) -> DType {
         match self {
-            Quant::Q4 => DType::Q4,
+            Quant::Q4 | Quant::KeepNearest => DType::Q4,
             Quant::Q8 => DType::Q8,
             Quant::Bf16 => DType::Bf16,
         }
@@ -29,7 +33,9 @@ impl Quant {
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A Hugging Face checkpoint directory (config.json + safetensors).
+    /// A Hugging Face checkpoint directory (config.json + safetensors in
+    /// bf16, f16, f32, FP8 or MLX quantization) or a GGUF file (the first
+    /// of split files).
     input: PathBuf,
     /// The model directory to create.
     #[arg(short = 'o', long = "output")]
@@ -89,7 +95,11 @@ impl Progress for Bar {
 
 pub fn run(args: Args) -> Result<()> {
     let quant = args.quant.dtype();
-    if args.input.is_dir() && !args.input.join(TOKENIZER_FILE).is_file() {
+    let keep_nearest = matches!(args.quant, Quant::KeepNearest);
+    if args.input.is_dir()
+        && args.input.join("config.json").is_file()
+        && !args.input.join(TOKENIZER_FILE).is_file()
+    {
         eprintln!(
             "warning: {} has no {TOKENIZER_FILE}: the converted model takes and prints token ids \
              only (generate --prompt-tokens, --print-token-ids; logits); text prompts, chat, \
@@ -104,7 +114,14 @@ pub fn run(args: Args) -> Result<()> {
         cancel: Some(interrupt.flag().clone()),
     };
     interrupt.begin();
-    let summary = convert(&args.input, &args.output, &options, &progress_bar());
+    let source = SourceOptions { keep_nearest };
+    let summary = convert_with(
+        &args.input,
+        &args.output,
+        &options,
+        &source,
+        &progress_bar(),
+    );
     interrupt.end();
     let summary = summary?;
     let mut skipped: std::collections::BTreeMap<&str, usize> = Default::default();
@@ -133,15 +150,30 @@ pub fn run(args: Args) -> Result<()> {
             }
         );
     }
+    let precision = if keep_nearest {
+        format!(
+            "keep-nearest, mostly {}",
+            summary_quant(&args.output).unwrap_or("mixed")
+        )
+    } else {
+        quant.name().to_string()
+    };
     println!(
         "wrote {} ({}, {}): {} dense tensors ({}), {} MoE layers of experts ({})",
         args.output.display(),
         summary.config.architecture.name(),
-        quant.name(),
+        precision,
         summary.tensors,
         human_bytes(summary.dense_bytes),
         summary.moe_layers,
         human_bytes(summary.expert_bytes)
     );
     Ok(())
+}
+
+/// The manifest's `quantization` of a written model.
+fn summary_quant(dir: &std::path::Path) -> Option<&'static str> {
+    let manifest =
+        moeflux::format::Manifest::read(&dir.join(moeflux::format::MANIFEST_FILE)).ok()?;
+    Some(manifest.quantization.name())
 }

@@ -1,5 +1,9 @@
-//! `moeflux convert`: a Hugging Face checkpoint in, a moeflux model
-//! directory out.
+//! `moeflux convert`: a checkpoint in, a moeflux model directory out.
+//!
+//! The input is recognised by its content: a Hugging Face safetensors
+//! folder (bf16, f16 or f32 tensors; block-scaled FP8; MLX affine
+//! quantization, see [`checkpoint`]) or a GGUF file, single or split (see
+//! [`gguf`]).
 //!
 //! Conversion streams: the checkpoint is memory-mapped and each tensor is
 //! read, converted and written in blocks of rows, so a checkpoint larger
@@ -8,8 +12,10 @@
 //! into place; a failed or interrupted conversion leaves no partial model.
 
 pub mod checkpoint;
+pub mod gguf;
 mod output;
 pub mod plan;
+mod view;
 
 use std::fs::File;
 use std::io::Read;
@@ -30,7 +36,6 @@ use crate::format::{
 };
 use crate::quant::{ALIGN, DType, EncodedRows, GROUP_SIZE, MatrixLayout, RowEncoder, align_up};
 use crate::util::{Progress, hex64, parse_hex64};
-use checkpoint::Checkpoint;
 pub use output::OutputLock;
 pub(crate) use output::{SOURCE, check_not_nested, is_model_dir};
 
@@ -52,6 +57,30 @@ pub trait TensorSource: Sync {
         _rows: Range<usize>,
     ) -> Option<EncodedRows> {
         None
+    }
+
+    /// Bits per weight with which the source stores a tensor (scales
+    /// included), for [`SourceOptions::keep_nearest`].
+    fn stored_bits(&self, _tensor: &str) -> Option<f64> {
+        None
+    }
+
+    /// The rows of `sources`, one after another, already in `layout`'s
+    /// encoding, for sources that store them so (MLX 4- and 8-bit groups of
+    /// 64): copied, not re-quantized. `None` means read the values and
+    /// encode them.
+    fn encoded_source_rows(
+        &self,
+        _sources: &[RowSource],
+        _layout: &MatrixLayout,
+    ) -> Option<Result<EncodedRows>> {
+        None
+    }
+
+    /// What the conversion should tell the user about how tensors were
+    /// read (copied bit for bit, re-quantized, ...), once it is done.
+    fn notes(&self) -> Vec<String> {
+        Vec::new()
     }
 }
 
@@ -87,6 +116,15 @@ impl ConvertOptions {
     }
 }
 
+/// How [`convert_with`] reads its input.
+#[derive(Clone, Debug, Default)]
+pub struct SourceOptions {
+    /// Store each matrix in the moeflux type closest in size to the way the
+    /// input stores it (a GGUF Q4_K or an MLX 4-bit matrix as q4, Q6_K or
+    /// FP8 as q8, bf16 as bf16) instead of [`ConvertOptions::quant`].
+    pub keep_nearest: bool,
+}
+
 /// What a conversion produced.
 #[derive(Debug)]
 pub struct ConvertSummary {
@@ -104,14 +142,18 @@ pub struct ConvertSummary {
     pub skipped: Vec<(String, &'static str)>,
     /// Checkpoint tensors the architecture does not use.
     pub unknown: Vec<String>,
+    /// What the user should know about how the input was read (tensors
+    /// copied bit for bit or re-quantized, a tokenizer rebuilt, ...).
+    pub notes: Vec<String>,
 }
 
 /// Converts the Hugging Face checkpoint folder `input` (`config.json`,
-/// `*.safetensors`, tokenizer files if any) into a model directory at
-/// `output` that [`Model::open`] reads, quantized as `options` says. The
-/// output is staged beside `output`, verified, then renamed into place; an
-/// existing `output` is refused unless `options.overwrite` allows
-/// replacing it.
+/// `*.safetensors`, tokenizer files if any; bf16, f16, f32, FP8 or MLX
+/// quantized) or the GGUF file `input` (the first of split files) into a
+/// model directory at `output` that [`Model::open`] reads, quantized as
+/// `options` says. The output is staged beside `output`, verified, then
+/// renamed into place; an existing `output` is refused unless
+/// `options.overwrite` allows replacing it.
 ///
 /// ```
 /// use moeflux::convert::{ConvertOptions, convert};
@@ -142,14 +184,31 @@ pub fn convert(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
+    convert_with(input, output, options, &SourceOptions::default(), progress)
+}
+
+/// [`convert`] with options on how the input is read.
+pub fn convert_with(
+    input: &Path,
+    output: &Path,
+    options: &ConvertOptions,
+    source_options: &SourceOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
     check_not_nested(input, output)?;
-    let source = CheckpointSource::open(input)?;
-    write_model(
-        &source.ckpt,
-        source.plan,
-        source.config_json,
-        source.config,
-        Some(input),
+    let s = CheckpointSource::open(input)?;
+    let dtypes = Dtypes::choose(&s.plan, &*s.ckpt, options, source_options);
+    let side = SideFiles {
+        dir: s.side_dir.as_deref(),
+        generated: &s.generated,
+    };
+    write_model_with(
+        &*s.ckpt,
+        s.plan,
+        s.config_json,
+        s.config,
+        &side,
+        &dtypes,
         output,
         options,
         progress,
@@ -163,14 +222,20 @@ pub(crate) fn convert_locked(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
-    let source = CheckpointSource::open(input)?;
+    let s = CheckpointSource::open(input)?;
+    let dtypes = Dtypes::uniform(&s.plan, options.quant);
+    let side = SideFiles {
+        dir: s.side_dir.as_deref(),
+        generated: &s.generated,
+    };
     write_model_locked(
         lock,
-        &source.ckpt,
-        source.plan,
-        source.config_json,
-        source.config,
-        Some(input),
+        &*s.ckpt,
+        s.plan,
+        s.config_json,
+        s.config,
+        &side,
+        &dtypes,
         options,
         progress,
     )
@@ -178,26 +243,254 @@ pub(crate) fn convert_locked(
 
 /// A checkpoint opened for conversion, with its configuration and plan.
 struct CheckpointSource {
-    ckpt: Checkpoint,
+    ckpt: Box<dyn TensorSource>,
     plan: ConversionPlan,
     config_json: serde_json::Value,
     config: ModelConfig,
+    /// The folder whose tokenizer and generation files are copied.
+    side_dir: Option<std::path::PathBuf>,
+    /// Files written instead of copied (a config.json without the
+    /// quantization settings of a quantized input; a GGUF's tokenizer).
+    generated: Vec<(String, Vec<u8>)>,
+    /// Every tensor's Hugging Face name and shape.
+    shapes: std::collections::BTreeMap<String, Vec<usize>>,
 }
 
 impl CheckpointSource {
     fn open(input: &Path) -> Result<CheckpointSource> {
+        if let Some(files) = gguf::input_files(input)? {
+            let g = gguf::open(&files)?;
+            let config = ModelConfig::from_hf_json(&g.config_json, &g.files[0])?;
+            let plan = config.architecture.conversion_plan(&config, &g.index)?;
+            let shapes = shapes_of(&g.index);
+            let mut generated = g.side_files;
+            generated.push((
+                "config.json".into(),
+                pretty_json(&g.config_json).into_bytes(),
+            ));
+            return Ok(CheckpointSource {
+                ckpt: g.source,
+                plan,
+                config_json: g.config_json,
+                config,
+                side_dir: None,
+                generated,
+                shapes,
+            });
+        }
         let config_path = input.join("config.json");
-        let config_json = read_json(&config_path)?;
+        let mut config_json = read_json(&config_path)?;
         let config = ModelConfig::from_hf_json(&config_json, &config_path)?;
-        let ckpt = Checkpoint::open(input)?;
-        let plan = config.architecture.conversion_plan(&config, &ckpt.index)?;
+        let (ckpt, index) = checkpoint::open(input, &config_json)?;
+        let plan = config.architecture.conversion_plan(&config, &index)?;
+        let shapes = shapes_of(&index);
+        let mut generated = Vec::new();
+        if ckpt.store.quantized() {
+            // The converted weights are no longer FP8 or MLX-quantized.
+            if let Some(obj) = config_json.as_object_mut() {
+                obj.remove("quantization");
+                obj.remove("quantization_config");
+            }
+            generated.push(("config.json".into(), pretty_json(&config_json).into_bytes()));
+        }
         Ok(CheckpointSource {
-            ckpt,
+            ckpt: Box::new(ckpt),
             plan,
             config_json,
             config,
+            side_dir: Some(input.to_path_buf()),
+            generated,
+            shapes,
         })
     }
+}
+
+fn shapes_of(index: &plan::CheckpointIndex) -> std::collections::BTreeMap<String, Vec<usize>> {
+    index
+        .tensors
+        .iter()
+        .map(|(name, t)| (name.clone(), t.shape.clone()))
+        .collect()
+}
+
+/// A checkpoint opened the way [`convert`] opens it, for reading its
+/// tensors without converting: Hugging Face names and shapes, values in
+/// f32 as the converter receives them (dequantized, mapped back from MLX's
+/// or GGUF's layout).
+///
+/// ```
+/// use moeflux::convert::Input;
+/// use std::path::Path;
+///
+/// let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/qwen3_moe/hf"));
+/// let input = Input::open(dir)?;
+/// let shape = input.shape("model.norm.weight").unwrap().to_vec();
+/// assert_eq!(input.read("model.norm.weight")?.len(), shape.iter().product::<usize>());
+/// # Ok::<(), moeflux::Error>(())
+/// ```
+pub struct Input {
+    source: CheckpointSource,
+}
+
+impl Input {
+    /// Opens a safetensors checkpoint folder or a GGUF file.
+    pub fn open(input: &Path) -> Result<Input> {
+        Ok(Input {
+            source: CheckpointSource::open(input)?,
+        })
+    }
+
+    /// The configuration the conversion writes (a GGUF's rebuilt from its
+    /// metadata).
+    pub fn config_json(&self) -> &serde_json::Value {
+        &self.source.config_json
+    }
+
+    /// Every tensor's Hugging Face name.
+    pub fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.source.shapes.keys().map(String::as_str)
+    }
+
+    /// A tensor's Hugging Face shape.
+    pub fn shape(&self, name: &str) -> Option<&[usize]> {
+        self.source.shapes.get(name).map(Vec::as_slice)
+    }
+
+    /// A whole tensor's values, row-major.
+    pub fn read(&self, name: &str) -> Result<Vec<f32>> {
+        let shape = self
+            .shape(name)
+            .ok_or_else(|| Error::tensor(Path::new("input"), name, "no such tensor"))?;
+        let cols = *shape.last().unwrap_or(&1);
+        let rows = shape
+            .iter()
+            .product::<usize>()
+            .checked_div(cols)
+            .unwrap_or(0);
+        let mut out = Vec::with_capacity(rows * cols);
+        self.source.ckpt.read_rows(
+            &RowSource {
+                tensor: name.to_string(),
+                row_start: 0,
+                rows,
+            },
+            &mut out,
+        )?;
+        Ok(out)
+    }
+
+    /// A file the conversion writes instead of copying it (`config.json`
+    /// of a quantized input; a GGUF's `tokenizer.json`,
+    /// `tokenizer_config.json`, `generation_config.json`).
+    pub fn generated_file(&self, name: &str) -> Option<&[u8]> {
+        self.source
+            .generated
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, bytes)| bytes.as_slice())
+    }
+}
+
+fn pretty_json(value: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(value).expect("JSON values serialize") + "\n"
+}
+
+/// The files of a model directory besides its weights: copied from a
+/// checkpoint folder, or written by the conversion. A synthetic model has
+/// neither.
+pub(crate) struct SideFiles<'a> {
+    pub dir: Option<&'a Path>,
+    pub generated: &'a [(String, Vec<u8>)],
+}
+
+impl SideFiles<'_> {
+    fn synthetic(&self) -> bool {
+        self.dir.is_none() && self.generated.is_empty()
+    }
+}
+
+/// The precision asked of each matrix of a plan (before
+/// `storage_dtype`'s rules for routers and odd sizes).
+pub(crate) struct Dtypes {
+    dense: Vec<DType>,
+    experts: Vec<[DType; 3]>,
+    /// The manifest's `quantization`: the precision of most weights.
+    label: DType,
+}
+
+impl Dtypes {
+    /// Every matrix at `quant`.
+    fn uniform(plan: &ConversionPlan, quant: DType) -> Dtypes {
+        Dtypes {
+            dense: vec![quant; plan.dense.len()],
+            experts: vec![[quant; 3]; plan.experts.len()],
+            label: quant,
+        }
+    }
+
+    fn choose(
+        plan: &ConversionPlan,
+        source: &dyn TensorSource,
+        options: &ConvertOptions,
+        source_options: &SourceOptions,
+    ) -> Dtypes {
+        if !source_options.keep_nearest {
+            return Dtypes::uniform(plan, options.quant);
+        }
+        let nearest = |tensor: &str| match source.stored_bits(tensor) {
+            Some(bits) => nearest_dtype(bits),
+            None => options.quant,
+        };
+        let mut weights: std::collections::BTreeMap<&'static str, (u64, DType)> =
+            Default::default();
+        let mut count = |d: DType, n: usize| {
+            weights.entry(d.name()).or_insert((0, d)).0 += n as u64;
+        };
+        let dense: Vec<DType> = plan
+            .dense
+            .iter()
+            .map(|t| {
+                let d = t
+                    .sources
+                    .first()
+                    .map_or(options.quant, |s| nearest(&s.tensor));
+                if t.role != TensorRole::Vector {
+                    count(d, t.rows * t.cols);
+                }
+                d
+            })
+            .collect();
+        let experts: Vec<[DType; 3]> = plan
+            .experts
+            .iter()
+            .map(|l| {
+                let ds = [&l.gate, &l.up, &l.down].map(|m| nearest(&m.source(0, 1).tensor));
+                for d in ds {
+                    count(d, l.num_experts * l.hidden * l.intermediate);
+                }
+                ds
+            })
+            .collect();
+        let label = weights
+            .values()
+            .max_by_key(|(n, _)| *n)
+            .map_or(options.quant, |(_, d)| *d);
+        Dtypes {
+            dense,
+            experts,
+            label,
+        }
+    }
+}
+
+/// The moeflux matrix type closest in size to `bits` per weight (q4 is 4.5
+/// bits with its scales, q8 8.5, bf16 16); ties go to the larger type.
+fn nearest_dtype(bits: f64) -> DType {
+    [(DType::Bf16, 16.0), (DType::Q8, 8.5), (DType::Q4, 4.5)]
+        .into_iter()
+        .min_by(|a, b| (a.1 - bits).abs().total_cmp(&(b.1 - bits).abs()))
+        .map(|(d, _)| d)
+        .expect("candidates")
 }
 
 /// Writes a model directory from a plan and a source of weights, staged
@@ -210,6 +503,38 @@ pub(crate) fn write_model(
     config_json: serde_json::Value,
     config: ModelConfig,
     side_files: Option<&Path>,
+    output: &Path,
+    options: &ConvertOptions,
+    progress: &dyn Progress,
+) -> Result<ConvertSummary> {
+    let dtypes = Dtypes::uniform(&plan, options.quant);
+    let side = SideFiles {
+        dir: side_files,
+        generated: &[],
+    };
+    write_model_with(
+        source,
+        plan,
+        config_json,
+        config,
+        &side,
+        &dtypes,
+        output,
+        options,
+        progress,
+    )
+}
+
+/// [`write_model`] with side files that may be generated and a precision
+/// per matrix.
+#[allow(clippy::too_many_arguments)]
+fn write_model_with(
+    source: &dyn TensorSource,
+    plan: ConversionPlan,
+    config_json: serde_json::Value,
+    config: ModelConfig,
+    side_files: &SideFiles<'_>,
+    dtypes: &Dtypes,
     output: &Path,
     options: &ConvertOptions,
     progress: &dyn Progress,
@@ -229,8 +554,8 @@ pub(crate) fn write_model(
         return converted_meanwhile(
             output,
             &config_json,
-            options.quant,
-            side_files,
+            dtypes.label,
+            side_files.synthetic(),
             plan,
             config,
         );
@@ -242,6 +567,7 @@ pub(crate) fn write_model(
         config_json,
         config,
         side_files,
+        dtypes,
         options,
         progress,
     )
@@ -255,7 +581,8 @@ pub(crate) fn write_model_locked(
     plan: ConversionPlan,
     config_json: serde_json::Value,
     config: ModelConfig,
-    side_files: Option<&Path>,
+    side_files: &SideFiles<'_>,
+    dtypes: &Dtypes,
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
@@ -266,8 +593,8 @@ pub(crate) fn write_model_locked(
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         producer: format!("moeflux {}", env!("CARGO_PKG_VERSION")),
-        synthetic: side_files.is_none(),
-        quantization: options.quant,
+        synthetic: side_files.synthetic(),
+        quantization: dtypes.label,
         group_size: GROUP_SIZE,
         config: config_json,
         files: Vec::new(),
@@ -277,21 +604,25 @@ pub(crate) fn write_model_locked(
     write_dense(
         source,
         &plan.dense,
+        &dtypes.dense,
         options,
         &staging.path,
         &mut manifest,
         progress,
     )?;
     let mut expert_files = Vec::with_capacity(plan.experts.len());
-    for layer in &plan.experts {
-        let (entry, file) = write_expert_layer(source, layer, options, &staging.path, progress)?;
+    for (layer, quant) in plan.experts.iter().zip(&dtypes.experts) {
+        let (entry, file) =
+            write_expert_layer(source, layer, *quant, options, &staging.path, progress)?;
         manifest.experts.push(entry);
         expert_files.push(file);
     }
     progress.finish();
-    if let Some(input) = side_files {
-        copy_side_files(input, &staging.path)?;
+    let notes = source.notes();
+    for line in &notes {
+        progress.note(line);
     }
+    write_side_files(side_files, &staging.path)?;
     record_files(&staging.path, expert_files, &mut manifest)?;
     write_atomic(
         &staging.path.join(MANIFEST_FILE),
@@ -313,6 +644,7 @@ pub(crate) fn write_model_locked(
         expert_bytes: manifest.expert_bytes(),
         skipped: plan.skipped,
         unknown: plan.unknown,
+        notes,
         config,
     })
 }
@@ -360,18 +692,8 @@ fn gather_rows(
     end: usize,
     out: &mut Vec<f32>,
 ) -> Result<()> {
-    let mut base = 0;
-    for src in sources {
-        let (lo, hi) = (start.max(base), end.min(base + src.rows));
-        if lo < hi {
-            let part = RowSource {
-                tensor: src.tensor.clone(),
-                row_start: src.row_start + (lo - base),
-                rows: hi - lo,
-            };
-            ckpt.read_rows(&part, out)?;
-        }
-        base += src.rows;
+    for part in slice_sources(sources, start, end) {
+        ckpt.read_rows(&part, out)?;
     }
     Ok(())
 }
@@ -379,9 +701,30 @@ fn gather_rows(
 /// Values converted per block of a large tensor (64 MiB of f32).
 const BLOCK_VALUES: usize = 16 << 20;
 
+/// The parts of `sources` that make rows `[start, end)` of the tensor they
+/// assemble.
+fn slice_sources(sources: &[RowSource], start: usize, end: usize) -> Vec<RowSource> {
+    let mut parts = Vec::new();
+    let mut base = 0;
+    for src in sources {
+        let (lo, hi) = (start.max(base), end.min(base + src.rows));
+        if lo < hi {
+            parts.push(RowSource {
+                tensor: src.tensor.clone(),
+                row_start: src.row_start + (lo - base),
+                rows: hi - lo,
+            });
+        }
+        base += src.rows;
+    }
+    parts
+}
+
+#[allow(clippy::too_many_arguments)]
 fn write_dense(
     ckpt: &dyn TensorSource,
     tensors: &[DenseTensorPlan],
+    quants: &[DType],
     options: &ConvertOptions,
     dir: &Path,
     manifest: &mut Manifest,
@@ -394,8 +737,8 @@ fn write_dense(
             .map_err(|e| Error::io(&path, "writing", e))
     };
     let mut cursor = 0usize;
-    for t in tensors {
-        let dtype = storage_dtype(t.role, t.cols, options.quant);
+    for (t, &quant) in tensors.iter().zip(quants) {
+        let dtype = storage_dtype(t.role, t.cols, quant);
         let layout = MatrixLayout::new(dtype, t.rows, t.cols).expect("dtype chosen to fit");
         let encoder = RowEncoder::new(layout);
         let offset = align_up(cursor, ALIGN);
@@ -421,6 +764,11 @@ fn write_dense(
                     let hi = (lo + slice_rows).min(end);
                     if let Some(enc) = ckpt.encoded_rows(&t.name, &layout, lo..hi) {
                         return Ok((lo, enc));
+                    }
+                    if let Some(enc) =
+                        ckpt.encoded_source_rows(&slice_sources(&t.sources, lo, hi), &layout)
+                    {
+                        return Ok((lo, enc?));
                     }
                     let mut values = Vec::with_capacity((hi - lo) * t.cols);
                     gather_rows(ckpt, &t.sources, lo, hi, &mut values)?;
@@ -458,9 +806,9 @@ fn write_dense(
 
 /// Layout of each expert blob of a layer: gate | up | down, each on a
 /// 64-byte boundary.
-fn blob_layout(layer: &ExpertLayerPlan, quant: DType) -> ExpertBlobLayout {
+fn blob_layout(layer: &ExpertLayerPlan, quant: [DType; 3]) -> ExpertBlobLayout {
     let (h, i) = (layer.hidden, layer.intermediate);
-    let matrix = |offset: usize, rows, cols| {
+    let matrix = |offset: usize, rows, cols, quant| {
         let dtype = storage_dtype(TensorRole::Matrix, cols, quant);
         BlobMatrix {
             offset: offset as u64,
@@ -470,9 +818,14 @@ fn blob_layout(layer: &ExpertLayerPlan, quant: DType) -> ExpertBlobLayout {
         }
     };
     let size = |m: &BlobMatrix| m.layout().expect("dtype chosen to fit").total_bytes;
-    let gate = matrix(0, i, h);
-    let up = matrix(align_up(size(&gate), ALIGN), i, h);
-    let down = matrix(align_up(up.offset as usize + size(&up), ALIGN), h, i);
+    let gate = matrix(0, i, h, quant[0]);
+    let up = matrix(align_up(size(&gate), ALIGN), i, h, quant[1]);
+    let down = matrix(
+        align_up(up.offset as usize + size(&up), ALIGN),
+        h,
+        i,
+        quant[2],
+    );
     let nbytes = down.offset + size(&down) as u64;
     ExpertBlobLayout {
         nbytes,
@@ -488,11 +841,12 @@ const EXPERT_BATCH: usize = 16;
 fn write_expert_layer(
     ckpt: &dyn TensorSource,
     layer: &ExpertLayerPlan,
+    quant: [DType; 3],
     options: &ConvertOptions,
     dir: &Path,
     progress: &dyn Progress,
 ) -> Result<(ExpertLayerEntry, FileEntry)> {
-    let blob = blob_layout(layer, options.quant);
+    let blob = blob_layout(layer, quant);
     let stride = align_up(blob.nbytes as usize, EXPERT_ALIGN);
     let rel = expert_file_name(layer.layer);
     let path = dir.join(&rel);
@@ -512,13 +866,17 @@ fn write_expert_layer(
         for (name, (source, m)) in ["gate", "up", "down"].iter().zip(&parts) {
             let layout = m.layout().expect("dtype chosen to fit");
             let stored = format!("layers.{}.experts.{e}.{name}", layer.layer);
+            let rows = source.source(e, m.rows);
             let encoded = match ckpt.encoded_rows(&stored, &layout, 0..m.rows) {
                 Some(enc) => layout.assemble(&enc),
-                None => {
-                    values.clear();
-                    ckpt.read_rows(&source.source(e, m.rows), &mut values)?;
-                    RowEncoder::new(layout).encode_matrix(&values)
-                }
+                None => match ckpt.encoded_source_rows(std::slice::from_ref(&rows), &layout) {
+                    Some(enc) => layout.assemble(&enc?),
+                    None => {
+                        values.clear();
+                        ckpt.read_rows(&rows, &mut values)?;
+                        RowEncoder::new(layout).encode_matrix(&values)
+                    }
+                },
             };
             bytes[m.offset as usize..][..encoded.len()].copy_from_slice(&encoded);
         }
@@ -586,10 +944,18 @@ fn verify_expert_file(path: &Path, entry: &ExpertLayerEntry) -> Result<(u64, u64
     Ok((entry.stride * entry.num_experts as u64, whole.digest()))
 }
 
-fn copy_side_files(input: &Path, dir: &Path) -> Result<()> {
+fn write_side_files(side: &SideFiles<'_>, dir: &Path) -> Result<()> {
+    for (name, bytes) in side.generated {
+        debug_assert!(COPIED_FILES.contains(&name.as_str()));
+        let to = dir.join(name);
+        std::fs::write(&to, bytes).map_err(|e| Error::io(&to, "writing", e))?;
+    }
+    let Some(input) = side.dir else {
+        return Ok(());
+    };
     for name in COPIED_FILES {
         let from = input.join(name);
-        if from.is_file() {
+        if from.is_file() && !side.generated.iter().any(|(n, _)| n == name) {
             let to = dir.join(name);
             std::fs::copy(&from, &to).map_err(|e| Error::io(&from, "copying", e))?;
         }
@@ -655,14 +1021,14 @@ fn converted_meanwhile(
     output: &Path,
     config_json: &serde_json::Value,
     quant: DType,
-    side_files: Option<&Path>,
+    synthetic: bool,
     plan: ConversionPlan,
     config: ModelConfig,
 ) -> Result<ConvertSummary> {
     let manifest = Manifest::read(&output.join(MANIFEST_FILE))?;
     if manifest.config != *config_json
         || manifest.quantization != quant
-        || manifest.synthetic != side_files.is_none()
+        || manifest.synthetic != synthetic
     {
         return Err(Error::bad_file(
             output,
@@ -683,6 +1049,7 @@ fn converted_meanwhile(
         expert_bytes: manifest.expert_bytes(),
         skipped: plan.skipped,
         unknown: plan.unknown,
+        notes: Vec::new(),
         config,
     })
 }
