@@ -176,7 +176,7 @@ batch() {
     fi
     "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
     local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
-    for round in 1 2 3; do
+    for round in $(seq "${DECODE_ROUNDS:-3}"); do
         if [[ -x "$base" ]]; then
             echo "--- base decode, round $round"
             "$base" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
@@ -204,7 +204,7 @@ batch() {
     echo "--- 16 sequences, a quarter of the experts in VRAM"
     "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 4 --prefill 0 --no-ceilings \
         --sequences 16 --gpu-expert-cache-mb "$quarter_mb" >"$OUT/batch-16-quarter.log" 2>&1 || true
-    grep -E '^decode|^PCIe|^VRAM|rror' "$OUT/batch-16-quarter.log"
+    grep -E '^decode|^PCIe|^VRAM|expert bytes per token|rror' "$OUT/batch-16-quarter.log"
 }
 
 # The other preset shapes of the CUDA acceptance list, resident and with a

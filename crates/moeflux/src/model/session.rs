@@ -769,9 +769,11 @@ pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<L
             return Err(err);
         }
     }
+    // The logits are taken, not copied (a vocabulary's worth per step):
+    // a successful pass replaces them, a failed one puts them back.
     let starts: Vec<(usize, Option<Vec<f32>>)> = items
-        .iter()
-        .map(|it| (it.session.position(), it.session.logits.clone()))
+        .iter_mut()
+        .map(|it| (it.session.position(), it.session.logits.take()))
         .collect();
     match run_rounds(items) {
         Ok(logits) => Ok(logits),
