@@ -40,7 +40,7 @@ mlx_qwen3_5_moe/    MLX affine quantization as mlx-community ships it:
                     a configuration moeflux must re-quantize.
                     reference.safetensors: some tensors dequantized in numpy
                     (q * scale + bias in f32).
-gguf/qwen3_5_moe.gguf
+gguf/qwen3_5_moe-00001-of-00002.gguf, gguf/qwen3_5_moe-00002-of-00002.gguf
                     fixtures/qwen3_5_moe written by the `gguf` package the way
                     llama.cpp's convert_hf_to_gguf.py writes Qwen3.5-MoE
                     (Qwen3_5MoeTextModel: tensor names from gguf's
@@ -48,7 +48,8 @@ gguf/qwen3_5_moe.gguf
                     -exp(A_log), dt_bias as ssm_dt.bias, conv1d squeezed,
                     value heads reordered from grouped to tiled) and quantized
                     with gguf.quants: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, F16, BF16
-                    and F32 tensors.
+                    and F32 tensors; split in two parts (40 tensors in the
+                    first), as --split-max-tensors writes them.
 gguf/types.gguf     one [2, 512] tensor of every type moeflux reads (F32, F16,
                     BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
                     Q5_K, Q6_K) quantized by gguf.quants, and the same values
@@ -308,7 +309,384 @@ def make_mlx() -> None:
     print(f"wrote {out}")
 
 
-TARGETS = {"fp8": make_fp8, "mlx": make_mlx}
+
+# --------------------------------------------------------------------------
+# GGUF
+
+
+def gguf_tensor(writer, name: str, data: np.ndarray, qtype) -> None:
+    """Adds a tensor quantized by gguf.quants (F32 kept as is)."""
+    import gguf
+
+    data = np.ascontiguousarray(data.astype(np.float32))
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def reorder_v_heads(t: np.ndarray, dim: int, nk: int, r: int, head_dim: int) -> np.ndarray:
+    """_LinearAttentionVReorderBase._reorder_v_heads: value heads grouped by
+    key head -> tiled."""
+    shape = list(t.shape)
+    dim %= len(shape)
+    new = shape[:dim] + [nk, r, head_dim] + shape[dim + 1 :]
+    t = t.reshape(new)
+    perm = list(range(len(new)))
+    perm[dim], perm[dim + 1] = perm[dim + 1], perm[dim]
+    return t.transpose(perm).reshape(shape)
+
+
+def qwen35moe_gguf_tensors(hf: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """The tensors convert_hf_to_gguf.py writes for Qwen3_5MoeForCausalLM
+    (Qwen3_5MoeTextModel: _LinearAttentionVReorderBase, then
+    Qwen3NextModel.modify_tensors, Qwen2MoeModel's expert stacking and
+    gguf-py's tensor_mapping), as f32 arrays in Hugging Face order."""
+    import gguf
+
+    c = config.get("text_config", config)
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    r = nv // nk
+    layers, experts = c["num_hidden_layers"], c["num_experts"]
+    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, layers)
+    out = {}
+    pending: dict[str, np.ndarray] = {}
+    for name, w in hf.items():
+        name = name.replace("model.language_model.", "model.")
+        w = w.astype(np.float32)
+        if name.startswith(("mtp.", "model.visual.")):
+            continue
+        # _LinearAttentionVReorderBase.modify_tensors
+        if r > 1 and "linear_attn." in name:
+            if ".in_proj_qkv." in name:
+                q, k, v = w[: nk * dk], w[nk * dk : 2 * nk * dk], w[2 * nk * dk :]
+                w = np.concatenate([q, k, reorder_v_heads(v, 0, nk, r, dv)])
+            elif ".in_proj_z." in name:
+                w = reorder_v_heads(w, 0, nk, r, dv)
+            elif ".in_proj_b." in name or ".in_proj_a." in name:
+                w = reorder_v_heads(w, 0, nk, r, 1)
+            elif ".A_log" in name or ".dt_bias" in name:
+                w = reorder_v_heads(w[:, None], 0, nk, r, 1)[:, 0]
+            elif ".conv1d" in name:
+                w = w.squeeze()
+                qk = 2 * nk * dk
+                w = np.concatenate([w[:qk], reorder_v_heads(w[qk:], 0, nk, r, dv)])
+            elif ".out_proj." in name:
+                w = reorder_v_heads(w, 1, nk, r, dv)
+        # Qwen3NextModel.modify_tensors
+        if name.endswith(".A_log"):
+            w = -np.exp(w)
+        elif name.endswith(".dt_bias"):
+            name = name[: -len(".dt_bias")] + ".dt_proj.bias"
+        elif "conv1d" in name:
+            w = w.squeeze()
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            w = w + 1
+        # Qwen2MoeModel.modify_tensors: per-expert tensors stacked
+        if ".mlp.experts." in name:
+            pending[name] = w
+            continue
+        out[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+    for l in range(layers):
+        for proj in ("down_proj", "gate_proj", "up_proj"):
+            stack = np.stack(
+                [pending.pop(f"model.layers.{l}.mlp.experts.{e}.{proj}.weight") for e in range(experts)]
+            )
+            name = tmap.get_name(f"model.layers.{l}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
+            out[name] = stack
+    assert not pending, pending.keys()
+    return out
+
+
+def qwen35moe_gguf_metadata(writer, config: dict) -> None:
+    """set_gguf_parameters of Qwen3_5MoeTextModel (TextModel, Qwen2MoeModel,
+    Qwen3NextModel, _Qwen35MRopeMixin)."""
+    c = config.get("text_config", config)
+    rope = c.get("rope_parameters", {})
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    sections = list(rope.get("mrope_section", [11, 11, 10]))
+    writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    writer.add_rope_freq_base(rope.get("rope_theta", c.get("rope_theta")))
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_expert_count(c["num_experts"])
+    writer.add_expert_used_count(c["num_experts_per_tok"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
+    writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
+    writer.add_ssm_state_size(c["linear_key_head_dim"])
+    writer.add_ssm_group_count(c["linear_num_key_heads"])
+    writer.add_ssm_time_step_rank(c["linear_num_value_heads"])
+    writer.add_ssm_inner_size(c["linear_value_head_dim"] * c["linear_num_value_heads"])
+    writer.add_full_attention_interval(c.get("full_attention_interval", 4))
+    partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
+    writer.add_rope_dimension_count(int(c["head_dim"] * partial))
+
+
+def gguf_vocab(writer, tokenizer_dir: Path, n_vocab: int) -> None:
+    """TextModel._set_vocab_gpt2 (get_vocab_base without transformers: the
+    vocabulary and added tokens read from tokenizer.json) and
+    gguf.SpecialVocab for merges, special ids and the chat template. The
+    pre-tokenizer is `qwen2`: the bundled tokenizer splits with Qwen2's
+    regex (convert_hf_to_gguf.py would identify it by a hash of its
+    output, which only Qwen's own vocabulary matches)."""
+    import gguf
+
+    tok = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    added = {t["id"]: t for t in tok["added_tokens"]}
+    for i, t in added.items():
+        vocab[t["content"]] = i
+    reverse = {i: t for t, i in vocab.items()}
+    tokens, types = [], []
+    for i in range(n_vocab):
+        if i not in reverse:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            continue
+        token = reverse[i]
+        tokens.append(token)
+        if i in added:
+            looks_special = token.startswith("<|") and token.endswith("|>")
+            types.append(
+                gguf.TokenType.CONTROL
+                if added[i]["special"] or looks_special
+                else gguf.TokenType.USER_DEFINED
+            )
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    special = gguf.SpecialVocab(tokenizer_dir, load_merges=True, n_vocab=n_vocab)
+    special.add_to_gguf(writer)
+
+
+# Per tensor type of the qwen3_5_moe fixture's GGUF: every block type whose
+# 32-value blocks fit its 64-wide rows (K-quants need 256).
+def fixture_qtype(name: str):
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    rules = [
+        ("token_embd", T.Q8_0),
+        ("output.", T.Q8_0),
+        ("attn_qkv", T.Q8_0),
+        ("attn_gate", T.Q5_1),
+        ("ssm_beta", T.F16),
+        ("ssm_alpha", T.BF16),
+        ("ssm_out", T.Q5_0),
+        ("ffn_gate_inp.", T.F32),
+        ("ffn_gate_inp_shexp", T.F16),
+        ("blk.0.ffn_gate_shexp", T.BF16),
+        ("blk.0.ffn_up_shexp", T.BF16),
+        ("blk.0.ffn_down_shexp", T.F16),
+        ("shexp", T.Q5_1),
+        ("blk.0.ffn_gate_exps", T.Q4_0),
+        ("blk.1.ffn_gate_exps", T.Q4_0),
+        ("ffn_gate_exps", T.Q4_1),
+        ("blk.0.ffn_up_exps", T.Q5_0),
+        ("blk.1.ffn_up_exps", T.Q5_0),
+        ("ffn_up_exps", T.Q5_1),
+        ("blk.0.ffn_down_exps", T.Q8_0),
+        ("blk.1.ffn_down_exps", T.Q8_0),
+        ("ffn_down_exps", T.Q4_0),
+        ("attn_q.", T.Q8_0),
+        ("attn_k.", T.Q4_1),
+        ("attn_v.", T.Q5_1),
+        ("attn_output", T.Q8_0),
+    ]
+    for key, t in rules:
+        if key in name:
+            return t
+    return T.F32
+
+
+def write_qwen35moe_gguf(
+    src: Path, out: Path, qtype, tokenizer_dir: Path | None, split_max_tensors: int = 0
+) -> None:
+    import gguf
+
+    config = json.loads((src / "config.json").read_text())
+    hf = read_safetensors(src / "model.safetensors")
+    writer = gguf.GGUFWriter(
+        str(out),
+        gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35MOE],
+        split_max_tensors=split_max_tensors,
+    )
+    writer.add_name(src.parent.name if src.name == "hf" else src.name)
+    qwen35moe_gguf_metadata(writer, config)
+    if tokenizer_dir is not None:
+        gguf_vocab(writer, tokenizer_dir, config.get("text_config", config)["vocab_size"])
+    for name, w in qwen35moe_gguf_tensors(hf, config).items():
+        # convert_hf_to_gguf.py keeps 1-D tensors, norms and the
+        # convolution in F32.
+        one_d = w.ndim <= 1 or name.endswith("_norm.weight") or "ssm_conv1d" in name
+        gguf_tensor(writer, name, w, gguf.GGMLQuantizationType.F32 if one_d else qtype(name))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def make_gguf() -> None:
+    import gguf
+
+    out = OUT / "gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("qwen3_5_moe*.gguf"):
+        old.unlink()
+    # Split in two parts, as gguf-split and convert_hf_to_gguf.py
+    # --split-max-tensors write them.
+    write_qwen35moe_gguf(
+        FIXTURES / "qwen3_5_moe" / "hf", out / "qwen3_5_moe.gguf", fixture_qtype, None, 40
+    )
+    print(f"wrote {out}/qwen3_5_moe-0000[12]-of-00002.gguf")
+
+    # Every type: gguf.quants quantizes the 32-block types; it has no
+    # K-quant quantizer, so K-quant blocks are random bytes with sane f16
+    # scales (any bytes are valid K-quant codes). The references are
+    # gguf.quants.dequantize's output.
+    T = gguf.GGMLQuantizationType
+    rng = np.random.default_rng(19)
+    values = rng.standard_normal((2, 512)).astype(np.float32)
+    scale_at = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+    writer = gguf.GGUFWriter(str(out / "types.gguf"), "qwen3moe")
+    for t in [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]:
+        if t in scale_at:
+            size = gguf.GGML_QUANT_SIZES[t][1]
+            blocks = rng.integers(0, 256, (2, 2, size), dtype=np.uint8)
+            for at in scale_at[t]:
+                scale = rng.uniform(0.001, 0.05, (2, 2)).astype(np.float16)
+                blocks[:, :, at : at + 2] = scale.view(np.uint8).reshape(2, 2, 2)
+            q = blocks.reshape(2, 2 * size)
+        elif t == T.F32:
+            q = values
+        else:
+            q = gguf.quants.quantize(values, t)
+        if t == T.F32:
+            writer.add_tensor(f"t.{t.name}", q)
+        else:
+            writer.add_tensor(f"t.{t.name}", q, raw_dtype=t)
+        ref = values if t == T.F32 else gguf.quants.dequantize(q, t)
+        writer.add_tensor(f"ref.{t.name}", np.ascontiguousarray(ref.astype(np.float32)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(f"wrote {out / 'types.gguf'}")
+
+    # The bundled model's tokenizer, vocabulary only.
+    bundled = REPO / "bundled" / "qwen35-tiny"
+    bconfig = json.loads((bundled / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(out / "vocab.gguf"), "qwen35moe")
+    gguf_vocab(writer, bundled, bconfig["vocab_size"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    print(f"wrote {out / 'vocab.gguf'}")
+
+    make_malformed(out / "malformed")
+
+
+# --------------------------------------------------------------------------
+# Malformed GGUF files, written byte by byte
+
+
+def gguf_str(s: bytes) -> bytes:
+    return struct.pack("<Q", len(s)) + s
+
+
+def gguf_kv_u32(key: bytes, v: int) -> bytes:
+    return gguf_str(key) + struct.pack("<II", 4, v)
+
+
+def gguf_file(kvs=(), tensors=(), data=b"", version=3, tensor_count=None, kv_count=None, magic=b"GGUF") -> bytes:
+    """A GGUF file from parts; `tensors` are (name, dims, type, offset)."""
+    head = magic + struct.pack("<I", version)
+    head += struct.pack("<Q", len(tensors) if tensor_count is None else tensor_count)
+    head += struct.pack("<Q", len(kvs) if kv_count is None else kv_count)
+    body = b"".join(kvs)
+    for name, dims, t, offset in tensors:
+        body += gguf_str(name) + struct.pack("<I", len(dims))
+        body += b"".join(struct.pack("<Q", d) for d in dims)
+        body += struct.pack("<IQ", t, offset)
+    out = head + body
+    out += b"\0" * ((-len(out)) % 32)
+    return out + data
+
+
+def make_malformed(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.gguf"):
+        old.unlink()
+    arch = gguf_str(b"general.architecture") + struct.pack("<I", 8) + gguf_str(b"qwen3moe")
+    one = [(b"a", [32], 0, 0)]  # 32 f32 values at offset 0
+    data = b"\0" * 128
+    valid = gguf_file([arch], one, data)
+    cases = {
+        # the file's structure
+        "bad_magic": gguf_file([arch], one, data, magic=b"GGUX"),
+        "bad_version": gguf_file([arch], one, data, version=7),
+        "truncated_header": valid[:10],
+        "truncated_metadata": valid[:40],
+        "truncated_tensor_info": gguf_file([arch], one, data)[: 24 + len(arch) + 10],
+        "truncated_data": gguf_file([arch], [(b"a", [64], 0, 0)], b"\0" * 100),
+        # counts and lengths no file could hold
+        "huge_tensor_count": gguf_file([arch], one, data, tensor_count=1 << 62),
+        "huge_kv_count": gguf_file([arch], one, data, kv_count=(1 << 64) - 1),
+        "huge_key_length": gguf_file([struct.pack("<Q", 1 << 61) + b"x"], one, data),
+        "huge_string_length": gguf_file(
+            [gguf_str(b"general.name") + struct.pack("<IQ", 8, 1 << 60)], one, data
+        ),
+        "huge_array_count": gguf_file(
+            [gguf_str(b"tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 1 << 58)], one, data
+        ),
+        "huge_dimensions": gguf_file([arch], [(b"a", [1 << 32, 1 << 32, 1 << 32], 0, 0)], data),
+        # bad types
+        "bad_value_type": gguf_file([gguf_str(b"x") + struct.pack("<II", 99, 0)], one, data),
+        "bad_array_type": gguf_file([gguf_str(b"x") + struct.pack("<IIQ", 9, 77, 1)], one, data),
+        "nested_array": gguf_file([gguf_str(b"x") + struct.pack("<IIQ", 9, 9, 1)], one, data),
+        "bad_bool": gguf_file([gguf_str(b"x") + struct.pack("<IB", 7, 2)], one, data),
+        "bad_ggml_type": gguf_file([arch], [(b"a", [32], 99, 0)], data),
+        "unsupported_ggml_type": gguf_file([arch], [(b"a", [32], 39, 0)], data),
+        "non_utf8_key": gguf_file([gguf_str(b"\xff\xfe") + struct.pack("<II", 4, 1)], one, data),
+        # tensor layout
+        "overlapping_tensors": gguf_file([arch], [(b"a", [32], 0, 0), (b"b", [32], 0, 64)], data),
+        "overlapping_offsets": gguf_file([arch], [(b"a", [32], 0, 0), (b"b", [32], 0, 0)], data),
+        "offset_past_end": gguf_file([arch], [(b"a", [32], 0, 1 << 40)], data),
+        "misaligned_offset": gguf_file([arch], [(b"a", [8], 0, 4)], data),
+        "too_many_dims": gguf_file([arch], [(b"a", [1, 1, 1, 1, 32], 0, 0)], data),
+        "zero_dims": gguf_file([arch], [(b"a", [], 0, 0)], data),
+        "zero_size": gguf_file([arch], [(b"a", [0], 0, 0)], data),
+        "partial_block": gguf_file([arch], [(b"a", [33], 8, 0)], data),
+        "duplicate_tensor": gguf_file([arch], [(b"a", [8], 0, 0), (b"a", [8], 0, 32)], data),
+        "duplicate_key": gguf_file([arch, arch], one, data),
+        "bad_alignment": gguf_file([arch, gguf_kv_u32(b"general.alignment", 3)], one, data),
+    }
+    for name, content in cases.items():
+        (out / f"{name}.gguf").write_bytes(content)
+    print(f"wrote {len(cases)} files in {out}")
+
+
+def make_bundled_gguf(path: Path) -> None:
+    """The bundled model as a BF16 GGUF, with its tokenizer."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    bundled = REPO / "bundled" / "qwen35-tiny"
+    write_qwen35moe_gguf(bundled, path, lambda name: gguf.GGMLQuantizationType.BF16, bundled)
+    print(f"wrote {path}")
+
+
+TARGETS = {"fp8": make_fp8, "mlx": make_mlx, "gguf": make_gguf}
 
 
 def main() -> None:

@@ -19,7 +19,7 @@
 //! MLX checkpoints also name tensors their own way (routed experts stacked
 //! in `switch_mlp`, Qwen3.5's `language_model.model.` prefix, the
 //! convolution as `[channels, kernel, 1]`, `1 + w` norms for the Qwen3-Next
-//! family); [`open`] presents them under the Hugging Face names the
+//! family); opening presents them under the Hugging Face names the
 //! architecture plans expect.
 
 use std::collections::BTreeMap;

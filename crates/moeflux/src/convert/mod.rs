@@ -356,6 +356,13 @@ impl Input {
         self.source.shapes.get(name).map(Vec::as_slice)
     }
 
+    /// Bits per weight with which the input stores a tensor, scales
+    /// included (16 for bf16, 8 for FP8, 4.5 for MLX 4-bit in groups of 64
+    /// or GGUF Q4_0, ...).
+    pub fn stored_bits(&self, name: &str) -> Option<f64> {
+        self.source.ckpt.stored_bits(name)
+    }
+
     /// A whole tensor's values, row-major.
     pub fn read(&self, name: &str) -> Result<Vec<f32>> {
         let shape = self

@@ -70,6 +70,9 @@ pub(crate) enum Op {
     /// Norm weights stored as `1 + w` (llama.cpp and MLX for the `1 + w`
     /// norm style): `w = s - 1`.
     MinusOne,
+    /// `A_log` stored as `A = -exp(A_log)` (llama.cpp's `ssm_a`):
+    /// `A_log = ln(-A)`.
+    LnOfNegated,
 }
 
 /// One Hugging Face tensor as rows of a stored tensor viewed as
@@ -129,10 +132,16 @@ impl View {
 /// the end of a conversion.
 #[derive(Default)]
 pub(crate) struct Notes {
+    lines: Mutex<Vec<String>>,
     tensors: Mutex<BTreeMap<String, BTreeSet<String>>>,
 }
 
 impl Notes {
+    /// A line to report as it is.
+    pub fn say(&self, line: String) {
+        self.lines.lock().unwrap().push(line);
+    }
+
     /// Records that source tensor `tensor` was written as `what` says.
     pub fn add(&self, what: String, tensor: &str) {
         self.tensors
@@ -144,12 +153,15 @@ impl Notes {
     }
 
     pub fn lines(&self) -> Vec<String> {
-        self.tensors
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|(what, names)| format!("{} tensor(s) {what}", names.len()))
-            .collect()
+        let mut lines = self.lines.lock().unwrap().clone();
+        lines.extend(
+            self.tensors
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|(what, names)| format!("{} tensor(s) {what}", names.len())),
+        );
+        lines
     }
 }
 
@@ -242,6 +254,7 @@ impl<S: Store> TensorSource for Views<S> {
         match v.op {
             Op::None => {}
             Op::MinusOne => values.iter_mut().for_each(|x| *x -= 1.0),
+            Op::LnOfNegated => values.iter_mut().for_each(|x| *x = (-*x).ln()),
         }
         if values.iter().any(|x| !x.is_finite()) {
             return Err(Error::tensor(
