@@ -9,8 +9,20 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::arch::Architecture;
 use crate::error::{Error, Result};
+
+/// A model family moeflux implements (its parsing and checkpoint mapping
+/// live in [`crate::arch`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Architecture {
+    /// Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B.
+    Qwen3Moe,
+    /// Qwen3-Next-80B-A3B: Gated DeltaNet + gated attention, shared expert.
+    Qwen3Next,
+    /// Qwen3.5-35B-A3B, Qwen3.5-397B-A17B: Qwen3-Next's layers with separate
+    /// linear-attention projections; text weights of a multimodal checkpoint.
+    Qwen35Moe,
+}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelConfig {
@@ -134,27 +146,8 @@ impl ModelConfig {
         attention_layers * 2 * width * 4
     }
 
-    /// Parses a Hugging Face `config.json` (already read as JSON), choosing
-    /// the architecture from `model_type`.
-    pub fn from_hf_json(json: &Value, source: &Path) -> Result<ModelConfig> {
-        let reader = ConfigReader::new(json, source)?;
-        let model_type = reader.str("model_type")?;
-        let arch = Architecture::from_model_type(model_type).ok_or_else(|| {
-            Error::config(
-                source,
-                format!(
-                    "unknown model_type `{model_type}`: moeflux implements {}",
-                    Architecture::supported_list()
-                ),
-            )
-        })?;
-        let cfg = arch.parse_config(&reader)?;
-        cfg.validate(source)?;
-        Ok(cfg)
-    }
-
     /// Checks relations between fields that the forward pass relies on.
-    fn validate(&self, source: &Path) -> Result<()> {
+    pub(crate) fn validate(&self, source: &Path) -> Result<()> {
         let fail = |msg: String| Err(Error::config(source, msg));
         let a = &self.attention;
         if self.vocab_size == 0 || self.hidden_size == 0 || self.layers.is_empty() {

@@ -17,7 +17,8 @@ use rand_chacha::ChaCha8Rng;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::text::{GENERATION_CONFIG_FILE, read_json_if_present};
+use crate::format::GENERATION_CONFIG_FILE;
+use crate::util::read_json_if_present;
 
 /// How the next token is chosen. Each filter's "off" value leaves the
 /// distribution as it is.

@@ -150,3 +150,23 @@ pub trait Progress: Sync {
 /// Reports nothing.
 pub struct NoProgress;
 impl Progress for NoProgress {}
+
+/// Parses a JSON file that may be absent.
+pub(crate) fn read_json_if_present(
+    path: &std::path::Path,
+) -> crate::error::Result<Option<(std::path::PathBuf, serde_json::Value)>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(crate::error::Error::io(path, "reading", e)),
+    };
+    let value: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| crate::error::Error::bad_file(path, format!("malformed JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(crate::error::Error::bad_file(
+            path,
+            "expected a JSON object at the top",
+        ));
+    }
+    Ok(Some((path.to_path_buf(), value)))
+}

@@ -6,22 +6,14 @@
 mod qwen3_moe;
 mod qwen3_next;
 
-use serde::Serialize;
+use std::path::Path;
 
+use serde_json::Value;
+
+pub use crate::config::Architecture;
 use crate::config::{ConfigReader, ModelConfig};
 use crate::convert::plan::{CheckpointIndex, ConversionPlan};
-use crate::error::Result;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Architecture {
-    /// Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B.
-    Qwen3Moe,
-    /// Qwen3-Next-80B-A3B: Gated DeltaNet + gated attention, shared expert.
-    Qwen3Next,
-    /// Qwen3.5-35B-A3B, Qwen3.5-397B-A17B: Qwen3-Next's layers with separate
-    /// linear-attention projections; text weights of a multimodal checkpoint.
-    Qwen35Moe,
-}
+use crate::error::{Error, Result};
 
 impl Architecture {
     const ALL: [(&'static str, Architecture); 4] = [
@@ -118,4 +110,25 @@ pub mod names {
     pub const SHARED_UP: &str = "moe.shared_expert.up_proj";
     pub const SHARED_DOWN: &str = "moe.shared_expert.down_proj";
     pub const SHARED_EXPERT_GATE: &str = "moe.shared_expert_gate";
+}
+
+impl ModelConfig {
+    /// Parses a Hugging Face `config.json` (already read as JSON), choosing
+    /// the architecture from `model_type`.
+    pub fn from_hf_json(json: &Value, source: &Path) -> Result<ModelConfig> {
+        let reader = ConfigReader::new(json, source)?;
+        let model_type = reader.str("model_type")?;
+        let arch = Architecture::from_model_type(model_type).ok_or_else(|| {
+            Error::config(
+                source,
+                format!(
+                    "unknown model_type `{model_type}`: moeflux implements {}",
+                    Architecture::supported_list()
+                ),
+            )
+        })?;
+        let cfg = arch.parse_config(&reader)?;
+        cfg.validate(source)?;
+        Ok(cfg)
+    }
 }

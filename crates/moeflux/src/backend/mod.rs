@@ -16,6 +16,11 @@ pub mod cuda;
 
 pub use cuda::ExpertCacheStats as DeviceExpertStats;
 
+/// Tokens processed together in one prefill step, unless the backend
+/// prefers another number ([`Backend::default_prefill_chunk`]) or the
+/// model's options name one.
+pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+
 use std::ops::Range;
 
 use crate::config::LinearAttentionConfig;
@@ -348,7 +353,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Prompt tokens processed together when the model's options leave it
     /// to the backend ([`crate::ModelOptions::prefill_chunk`] `None`).
     fn default_prefill_chunk(&self) -> usize {
-        crate::model::DEFAULT_PREFILL_CHUNK
+        DEFAULT_PREFILL_CHUNK
     }
 
     /// During decode, the experts of `layer` (the next MoE layer) that its

@@ -28,6 +28,11 @@ use crate::util::{BUFFER_ALIGN, parse_hex64};
 pub use manifest::{BlobMatrix, ExpertBlobLayout, ExpertLayerEntry, Manifest, TensorEntry};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// Files of a Hugging Face checkpoint that a model directory keeps.
+pub const CONFIG_FILE: &str = "config.json";
+pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
+pub const TOKENIZER_FILE: &str = "tokenizer.json";
+pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
 pub const DENSE_FILE: &str = "dense.bin";
 /// Alignment of each expert blob inside its layer file.
 pub const EXPERT_ALIGN: usize = BUFFER_ALIGN;

@@ -30,9 +30,7 @@ use crate::experts::{
 use crate::format::{ModelDir, OpenOptions};
 use crate::util::{Progress, human_bytes};
 
-/// Tokens processed together in one prefill step, unless the backend
-/// prefers another number ([`Backend::default_prefill_chunk`]).
-pub const DEFAULT_PREFILL_CHUNK: usize = 64;
+pub use crate::backend::DEFAULT_PREFILL_CHUNK;
 
 /// How [`Model::open`] opens a model: expert cache, reads, prefetch,
 /// prefill chunk, checks and the KV memory limit. [`Default`] suits most

@@ -19,7 +19,8 @@ use minijinja::{AutoEscape, Environment, ErrorKind, Output, State, Value, escape
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::text::tokenizer::{SpecialTokens, TOKENIZER_CONFIG_FILE, read_json_if_present};
+use crate::text::tokenizer::{SpecialTokens, TOKENIZER_CONFIG_FILE};
+use crate::util::read_json_if_present;
 
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 pub const CHAT_TEMPLATE_DIR: &str = "additional_chat_templates";

@@ -20,7 +20,6 @@ mod tokenizer;
 pub use chat::{CHAT_TEMPLATE_DIR, CHAT_TEMPLATE_FILE, ChatMessage, ChatOptions, ChatTemplate};
 pub use generation::{Completion, FinishReason, Generated, TextGeneration, TokenLogprob, complete};
 pub use stream::StreamDecoder;
-pub(crate) use tokenizer::read_json_if_present;
 pub use tokenizer::{
     CONFIG_FILE, GENERATION_CONFIG_FILE, SpecialToken, SpecialTokens, TOKENIZER_CONFIG_FILE,
     TOKENIZER_FILE, Tokenizer,

@@ -29,6 +29,13 @@ pub struct StreamDecoder<'a> {
     emitted: usize,
 }
 
+impl Tokenizer {
+    /// A decoder that turns ids into text as they are generated.
+    pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {
+        StreamDecoder::new(self, skip_special_tokens)
+    }
+}
+
 impl<'a> StreamDecoder<'a> {
     pub(crate) fn new(tokenizer: &'a Tokenizer, skip_special_tokens: bool) -> Self {
         StreamDecoder {

@@ -6,12 +6,11 @@ use std::path::{Path, PathBuf};
 use serde_json::Value;
 
 use crate::error::{Error, Result};
-use crate::text::stream::StreamDecoder;
 
-pub const TOKENIZER_FILE: &str = "tokenizer.json";
-pub const TOKENIZER_CONFIG_FILE: &str = "tokenizer_config.json";
-pub const GENERATION_CONFIG_FILE: &str = "generation_config.json";
-pub const CONFIG_FILE: &str = "config.json";
+pub use crate::format::{
+    CONFIG_FILE, GENERATION_CONFIG_FILE, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE,
+};
+use crate::util::read_json_if_present;
 
 /// The named special tokens transformers passes to chat templates
 /// (`PreTrainedTokenizerBase.SPECIAL_TOKENS_ATTRIBUTES`).
@@ -157,7 +156,7 @@ impl Tokenizer {
     }
 
     /// The text of `ids`. Invalid UTF-8 (a multi-byte character cut by the
-    /// end of `ids`) comes out as U+FFFD; [`StreamDecoder`] avoids that when
+    /// end of `ids`) comes out as U+FFFD; [`super::StreamDecoder`] avoids that when
     /// decoding token by token.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
         if let Some(&id) = ids.iter().find(|&&id| self.inner.id_to_token(id).is_none()) {
@@ -173,11 +172,6 @@ impl Tokenizer {
         self.inner
             .decode(ids, skip_special_tokens)
             .map_err(|e| Error::bad_file(&self.path, format!("cannot decode token ids: {e}")))
-    }
-
-    /// A decoder that turns ids into text as they are generated.
-    pub fn stream_decoder(&self, skip_special_tokens: bool) -> StreamDecoder<'_> {
-        StreamDecoder::new(self, skip_special_tokens)
     }
 
     fn read_special_tokens(&self, dir: &Path) -> Result<SpecialTokens> {
@@ -267,21 +261,6 @@ impl Tokenizer {
             )),
         }
     }
-}
-
-/// Parses a JSON file that may be absent.
-pub(crate) fn read_json_if_present(path: &Path) -> Result<Option<(PathBuf, Value)>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io(path, "reading", e)),
-    };
-    let value: Value = serde_json::from_str(&text)
-        .map_err(|e| Error::bad_file(path, format!("malformed JSON: {e}")))?;
-    if !value.is_object() {
-        return Err(Error::bad_file(path, "expected a JSON object at the top"));
-    }
-    Ok(Some((path.to_path_buf(), value)))
 }
 
 /// The named special tokens of `tokenizer_config.json` as transformers 5
