@@ -95,6 +95,7 @@ pub mod quant;
 pub mod sampling;
 pub mod synth;
 pub mod text;
+pub mod tuning;
 pub mod util;
 
 pub use config::ModelConfig;

@@ -93,19 +93,9 @@ impl SplitMix64 {
 }
 
 /// Where moeflux keeps what it can rebuild (converted bundled model,
-/// compiled GPU kernels): `$MOEFLUX_CACHE`, else `$XDG_CACHE_HOME/moeflux`,
-/// else `~/.cache/moeflux`, else a folder in the temporary directory.
+/// compiled GPU kernels): see [`crate::tuning::cache_dir`].
 pub fn cache_dir() -> std::path::PathBuf {
-    use std::path::PathBuf;
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("MOEFLUX_CACHE")
-        .or_else(|| var("XDG_CACHE_HOME").map(|p| p.join("moeflux")))
-        .or_else(|| var("HOME").map(|p| p.join(".cache/moeflux")))
-        .unwrap_or_else(|| std::env::temp_dir().join("moeflux-cache"))
+    crate::tuning::cache_dir()
 }
 
 /// Hex form of a 64-bit checksum as stored in manifests.

@@ -59,8 +59,7 @@ impl Isa {
         static ISA: OnceLock<Isa> = OnceLock::new();
         *ISA.get_or_init(|| {
             let available = Isa::available();
-            std::env::var("MOEFLUX_CPU_KERNELS")
-                .ok()
+            crate::tuning::cpu_kernels()
                 .and_then(|name| available.iter().copied().find(|i| i.name() == name))
                 .unwrap_or(available[0])
         })

@@ -1,0 +1,86 @@
+//! Every environment variable moeflux reads, in one place.
+//!
+//! | variable | what it does | default |
+//! | --- | --- | --- |
+//! | `MOEFLUX_CACHE` | where moeflux keeps what it can rebuild: the converted bundled model, compiled GPU kernels | `$XDG_CACHE_HOME/moeflux`, else `~/.cache/moeflux` |
+//! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
+//! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
+//! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
+//! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
+//! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: kernel tuning constants | none |
+//! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
+//! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
+//!
+//! The `MOEFLUX_CUDA_*` variables other than `GRAPHS` are for measuring
+//! the kernels (docs/PERFORMANCE.md); a user's settings are the command's
+//! options.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// A variable's value, if set and not empty.
+fn var(name: &str) -> Option<OsString> {
+    std::env::var_os(name).filter(|v| !v.is_empty())
+}
+
+/// Whether `name` is not set to `0` (a switch that is on by default).
+fn switched_on(name: &str) -> bool {
+    var(name).is_none_or(|v| v != "0")
+}
+
+/// A number from `name`, or `default` when unset or not a number.
+fn number(name: &str, default: usize) -> usize {
+    var(name)
+        .and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
+        .unwrap_or(default)
+}
+
+/// `MOEFLUX_CACHE`, else `$XDG_CACHE_HOME/moeflux`, else
+/// `~/.cache/moeflux`, else a folder in the temporary directory.
+pub fn cache_dir() -> PathBuf {
+    var("MOEFLUX_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| var("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("moeflux")))
+        .or_else(|| var("HOME").map(|p| PathBuf::from(p).join(".cache/moeflux")))
+        .unwrap_or_else(|| std::env::temp_dir().join("moeflux-cache"))
+}
+
+/// `MOEFLUX_CPU_KERNELS`: the name of the CPU kernel set asked for.
+pub fn cpu_kernels() -> Option<String> {
+    var("MOEFLUX_CPU_KERNELS").and_then(|v| v.into_string().ok())
+}
+
+/// `MOEFLUX_CUDA_GRAPHS`: whether decode steps may be recorded and
+/// replayed.
+pub fn cuda_graphs() -> bool {
+    switched_on("MOEFLUX_CUDA_GRAPHS")
+}
+
+/// `MOEFLUX_CUDA_PDL`: whether kernels may launch while the one before
+/// finishes.
+pub fn cuda_programmatic_launch() -> bool {
+    switched_on("MOEFLUX_CUDA_PDL")
+}
+
+/// `MOEFLUX_CUDA_PROFILE`: whether to time every operation.
+pub fn cuda_profile() -> bool {
+    var("MOEFLUX_CUDA_PROFILE").is_some_and(|v| v != "0")
+}
+
+/// `MOEFLUX_CUDA_DEFINES`: the `NAME=VALUE` pairs given.
+pub fn cuda_defines() -> Vec<String> {
+    var("MOEFLUX_CUDA_DEFINES")
+        .and_then(|v| v.into_string().ok())
+        .map(|v| v.split_whitespace().map(str::to_string).collect())
+        .unwrap_or_default()
+}
+
+/// `MOEFLUX_CUDA_WHOLE_ROWS_MIN`, else `default`.
+pub fn cuda_whole_rows_min(default: usize) -> usize {
+    number("MOEFLUX_CUDA_WHOLE_ROWS_MIN", default)
+}
+
+/// `MOEFLUX_CUDA_GDN_CHUNKED_MIN`, else `default`.
+pub fn cuda_gdn_chunked_min(default: usize) -> usize {
+    number("MOEFLUX_CUDA_GDN_CHUNKED_MIN", default)
+}
