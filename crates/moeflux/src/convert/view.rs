@@ -230,6 +230,20 @@ impl<S: Store> TensorSource for Views<S> {
                 ),
             ));
         }
+        let maps_fit = v.rows.as_ref().is_none_or(|m| m.len() == v.height())
+            && v.cols
+                .as_ref()
+                .is_none_or(|m| m.len() == w && m.iter().all(|&c| c < w));
+        if !maps_fit {
+            return Err(Error::tensor(
+                self.store.path_of(&v.tensor),
+                &src.tensor,
+                format!(
+                    "its shape {:?} does not fit the layout the format implies",
+                    v.shape
+                ),
+            ));
+        }
         let before = out.len();
         let mut r = 0;
         while r < src.rows {

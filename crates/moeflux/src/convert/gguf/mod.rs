@@ -297,6 +297,13 @@ impl GgufFile {
         })
     }
 
+    /// Parses and checks a GGUF file held in memory as [`GgufFile::open`]
+    /// does (`path` names it in errors): the entry point for fuzzing the
+    /// header parser.
+    pub fn validate(bytes: &[u8], path: &Path) -> Result<()> {
+        parse(path, bytes).map(|_| ())
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
