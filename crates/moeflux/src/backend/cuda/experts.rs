@@ -368,7 +368,7 @@ impl CudaBackend {
             DType::Q8 => (&self.kernels.moe_gate_up_q8, &self.kernels.moe_down_q8),
             DType::Q4 => (&self.kernels.moe_gate_up_q4, &self.kernels.moe_down_q4),
         };
-        let vec = super::vector_cols(gate.dtype);
+        let vec = super::linear::vector_cols(gate.dtype);
         assert!(
             hidden.is_multiple_of(vec) && inter.is_multiple_of(vec),
             "routed experts: sizes {hidden} and {inter} must be multiples of {vec} for {}",

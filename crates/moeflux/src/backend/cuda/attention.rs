@@ -1,0 +1,245 @@
+//! Attention over the KV caches (kernels/attention.cu): a block per
+//! (token, head) for a few tokens; one token's decode kernels, which store
+//! its key and value into the cache themselves; the decode step of several
+//! sequences, each over its own cache; and flash-style tiles from
+//! [`FLASH_MIN_TOKENS`] tokens.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+
+use super::{CudaBackend, KvCache, Tensor, Weight, block_per_item, int, long};
+use crate::backend::{AttentionShape, RmsNorm, Rope};
+use crate::error::Result;
+
+/// Threads per block of the attention kernel (`ATTN_WARPS` warps).
+const ATTENTION_THREADS: u32 = 128;
+/// Threads per block of its one-token variant (`DECODE_ATTN_WARPS` warps).
+const ATTENTION_DECODE_THREADS: u32 = 512;
+/// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
+const MAX_HEAD_DIM: usize = 512;
+/// Query rows per block, keys per staged tile and warps of the prefill
+/// attention kernel (`FA_ROWS`, `FA_KEYS`, `FA_WARPS`, `FA_ROWS_PER_WARP`,
+/// `FA_KEY_PAD` in attention.cu).
+const FLASH_ROWS: usize = 32;
+const FLASH_KEYS: usize = 32;
+const FLASH_WARPS: usize = 4;
+const FLASH_ROWS_PER_WARP: usize = 8;
+const FLASH_KEY_PAD: usize = 4;
+/// Largest head dimension of the prefill attention kernels.
+pub(super) const FLASH_MAX_HEAD_DIM: usize = 256;
+/// Tokens from which attention takes the prefill kernels: with fewer, the
+/// (token, head) blocks of the other kernel are more parallel.
+const FLASH_MIN_TOKENS: usize = 16;
+
+/// Dynamic shared memory of a prefill attention block: the query rows,
+/// a tile of keys (rows padded) and values, and each warp's probabilities.
+pub(super) fn flash_attention_shared_bytes(head_dim: usize) -> usize {
+    4 * (FLASH_ROWS * head_dim
+        + FLASH_KEYS * (head_dim + FLASH_KEY_PAD)
+        + FLASH_KEYS * head_dim
+        + FLASH_WARPS * FLASH_KEYS * FLASH_ROWS_PER_WARP)
+}
+
+impl CudaBackend {
+    pub(super) fn attention(
+        &self,
+        cache: &mut KvCache,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        shape: AttentionShape,
+    ) -> Result<Tensor> {
+        let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let n = q.rows;
+        assert!(
+            kv_heads > 0 && heads.is_multiple_of(kv_heads) && head_dim <= MAX_HEAD_DIM,
+            "attention: {heads} heads over {kv_heads} KV heads of {head_dim} (at most {MAX_HEAD_DIM})"
+        );
+        assert_eq!(q.cols, heads * head_dim, "attention: query width");
+        assert!(
+            k.cols == kv_heads * head_dim && v.cols == k.cols && k.rows == n && v.rows == n,
+            "attention: key/value shapes"
+        );
+        // One token: the attention kernel stores its key and value itself.
+        let (start, position) = if n == 1 {
+            self.kv_claim_one(cache)?
+        } else {
+            let start = cache.len();
+            self.kv_append(cache, &k.data, &v.data, n)?;
+            (start, self.recorded_position(None))
+        };
+        let mut out = self.tensor("attention", n, heads * head_dim)?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
+            int(n, "tokens"),
+            int(heads, "heads"),
+            int(kv_heads, "KV heads"),
+            int(head_dim, "head_dim"),
+            long(start),
+        );
+        if n >= FLASH_MIN_TOKENS && head_dim <= FLASH_MAX_HEAD_DIM && head_dim.is_multiple_of(4) {
+            let kernel = match head_dim {
+                ..=128 => &self.kernels.flash_attention_128,
+                _ => &self.kernels.flash_attention_256,
+            };
+            let rows = n * (heads / kv_heads);
+            let config = LaunchConfig {
+                grid_dim: (
+                    u32::try_from(rows.div_ceil(FLASH_ROWS)).expect("attention: too many tokens"),
+                    u32::try_from(kv_heads).expect("attention: too many KV heads"),
+                    1,
+                ),
+                block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: flash_attention_shared_bytes(head_dim) as u32,
+            };
+            launch!(
+                self,
+                "attention (prefill)",
+                kernel,
+                config,
+                &q.data,
+                cache.keys(),
+                cache.values(),
+                &mut out.data,
+                &n_i,
+                &heads_i,
+                &kv_heads_i,
+                &head_dim_i,
+                &start_l,
+                &scale
+            );
+            return Ok(out);
+        }
+        if n > 1 {
+            launch!(
+                self,
+                "attention",
+                &self.kernels.attention,
+                block_per_item(n * heads, ATTENTION_THREADS, 0),
+                &q.data,
+                cache.keys(),
+                cache.values(),
+                &mut out.data,
+                &n_i,
+                &heads_i,
+                &kv_heads_i,
+                &head_dim_i,
+                &start_l,
+                &position,
+                &scale
+            );
+            return Ok(out);
+        }
+        // One token: the kernel reads the token's key and value from k and
+        // v and writes them into the cache.
+        let kernel = match head_dim {
+            ..=128 => &self.kernels.attention_decode_128,
+            129..=256 => &self.kernels.attention_decode_256,
+            _ => &self.kernels.attention_decode_512,
+        };
+        let (new_k, new_v) = (
+            k.data.device_ptr(&self.stream).0,
+            v.data.device_ptr(&self.stream).0,
+        );
+        launch!(
+            self,
+            "attention",
+            kernel,
+            block_per_item(heads, ATTENTION_DECODE_THREADS, 0),
+            &q.data,
+            cache.keys(),
+            cache.values(),
+            &mut out.data,
+            &n_i,
+            &heads_i,
+            &kv_heads_i,
+            &head_dim_i,
+            &start_l,
+            &position,
+            &scale,
+            &new_k,
+            &new_v
+        );
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attention_decode_many(
+        &self,
+        caches: &mut [&mut KvCache],
+        q: Tensor,
+        k: Tensor,
+        v: &Tensor,
+        q_norm: &Weight,
+        k_norm: &Weight,
+        norm: RmsNorm,
+        rope: Rope,
+        shape: AttentionShape,
+    ) -> Result<Tensor> {
+        let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+        let n = caches.len();
+        assert!(
+            kv_heads > 0 && heads.is_multiple_of(kv_heads) && head_dim <= MAX_HEAD_DIM,
+            "attention: {heads} heads over {kv_heads} KV heads of {head_dim} (at most {MAX_HEAD_DIM})"
+        );
+        assert!(
+            q.rows == n
+                && k.rows == n
+                && v.rows == n
+                && q.cols == heads * head_dim
+                && k.cols == kv_heads * head_dim
+                && v.cols == k.cols,
+            "attention: {n} sequences' query, key and value shapes"
+        );
+        let op = "attention (batched decode)";
+        let starts = self.kv_claim_each(caches)?;
+        let positions = self.upload(op, &starts)?;
+        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions))?;
+        let pointers = |part: fn(&KvCache) -> &CudaSlice<f32>| -> Vec<u64> {
+            caches
+                .iter()
+                .map(|c| part(c).device_ptr(&self.stream).0)
+                .collect()
+        };
+        let keys = self.upload(op, &pointers(KvCache::keys))?;
+        let values = self.upload(op, &pointers(KvCache::values))?;
+        let mut out = self.tensor(op, n, heads * head_dim)?;
+        let kernel = match head_dim {
+            ..=128 => &self.kernels.attention_decode_batch_128,
+            129..=256 => &self.kernels.attention_decode_batch_256,
+            _ => &self.kernels.attention_decode_batch_512,
+        };
+        let config = LaunchConfig {
+            grid_dim: (
+                u32::try_from(heads).expect("attention: too many heads"),
+                u32::try_from(n).expect("attention: too many sequences"),
+                1,
+            ),
+            block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let (heads_i, kv_heads_i, head_dim_i) = (
+            int(heads, "heads"),
+            int(kv_heads, "KV heads"),
+            int(head_dim, "head_dim"),
+        );
+        launch!(
+            self,
+            op,
+            kernel,
+            config,
+            &q.data,
+            &keys,
+            &values,
+            &mut out.data,
+            &heads_i,
+            &kv_heads_i,
+            &head_dim_i,
+            &positions,
+            &scale,
+            &k.data,
+            &v.data
+        );
+        Ok(out)
+    }
+}

@@ -1,0 +1,215 @@
+//! Elementwise operations and moves of rows and columns
+//! (kernels/elementwise.cu): residual adds, SwiGLU's silu(gate) · up,
+//! sigmoid gates, RoPE, column splits; gathers and concatenations of rows
+//! are device-to-device copies.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::CudaSlice;
+
+use super::{CudaBackend, RopeFrequencies, Tensor, grid_stride, int, long, ok};
+use crate::backend::Rope;
+use crate::error::Result;
+
+impl CudaBackend {
+    pub(super) fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Result<Tensor> {
+        let rows = ranges.iter().map(|r| r.len()).sum();
+        let mut out = self.tensor("gather_rows", rows, x.cols)?;
+        let mut at = 0;
+        for r in ranges.iter().filter(|r| !r.is_empty()) {
+            let (from, to) = (r.start * x.cols, r.end * x.cols);
+            ok(
+                "gather_rows",
+                self.stream.memcpy_dtod(
+                    &x.data.slice(from..to),
+                    &mut out.data.slice_mut(at..at + to - from),
+                ),
+            )?;
+            at += to - from;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn concat_rows(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let cols = parts.first().map_or(0, |p| p.cols);
+        let mut out = self.tensor("concat_rows", parts.iter().map(|p| p.rows).sum(), cols)?;
+        let mut at = 0;
+        for p in parts.iter().filter(|p| p.rows > 0) {
+            assert_eq!(p.cols, cols, "concat_rows: columns differ");
+            let len = p.rows * p.cols;
+            ok(
+                "concat_rows",
+                self.stream
+                    .memcpy_dtod(&p.data.slice(..len), &mut out.data.slice_mut(at..at + len)),
+            )?;
+            at += len;
+        }
+        Ok(out)
+    }
+
+    pub(super) fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {
+        assert_eq!(widths.iter().sum::<usize>(), x.cols, "split_cols widths");
+        let (rows, src_cols) = (long(x.rows), int(x.cols, "columns"));
+        let mut start = 0;
+        widths
+            .iter()
+            .map(|&width| {
+                let mut part = self.tensor("split_cols", x.rows, width)?;
+                let (start_i, width_i) = (int(start, "column"), int(width, "width"));
+                launch!(
+                    self,
+                    "copy_cols",
+                    &self.kernels.copy_cols,
+                    grid_stride(x.rows * width),
+                    &x.data,
+                    &mut part.data,
+                    &rows,
+                    &src_cols,
+                    &start_i,
+                    &width_i
+                );
+                start += width;
+                Ok(part)
+            })
+            .collect::<Result<_>>()
+    }
+
+    pub(super) fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
+        let len = x.rows * x.cols;
+        assert_eq!(len, y.rows * y.cols, "add_assign: shapes differ");
+        let n = long(len);
+        launch!(
+            self,
+            "add_assign",
+            &self.kernels.add_assign,
+            grid_stride(len),
+            &mut x.data,
+            &y.data,
+            &n
+        );
+        Ok(())
+    }
+
+    pub(super) fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let len = gate.rows * gate.cols;
+        assert_eq!(len, up.rows * up.cols, "silu_mul: shapes differ");
+        Ok(Tensor {
+            rows: gate.rows,
+            cols: gate.cols,
+            data: self.silu_mul_raw(&gate.data, &up.data, len)?,
+        })
+    }
+
+    pub(super) fn silu_mul_raw(
+        &self,
+        gate: &CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<CudaSlice<f32>> {
+        let mut out = self.alloc::<f32>("silu_mul", len)?;
+        let n = long(len);
+        launch!(
+            self,
+            "silu_mul",
+            &self.kernels.silu_mul,
+            grid_stride(len),
+            gate,
+            up,
+            &mut out,
+            &n
+        );
+        Ok(out)
+    }
+
+    pub(super) fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
+        let len = x.rows * x.cols;
+        if gate.cols == 1 {
+            assert_eq!(gate.rows, x.rows, "mul_sigmoid: one gate per row");
+            let (rows, cols) = (long(x.rows), int(x.cols, "columns"));
+            launch!(
+                self,
+                "mul_sigmoid_rows",
+                &self.kernels.mul_sigmoid_rows,
+                grid_stride(len),
+                &mut x.data,
+                &gate.data,
+                &rows,
+                &cols
+            );
+        } else {
+            assert_eq!(len, gate.rows * gate.cols, "mul_sigmoid: shapes differ");
+            let n = long(len);
+            launch!(
+                self,
+                "mul_sigmoid",
+                &self.kernels.mul_sigmoid,
+                grid_stride(len),
+                &mut x.data,
+                &gate.data,
+                &n
+            );
+        };
+        Ok(())
+    }
+
+    pub(super) fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
+        assert!(
+            rope.head_dim > 0
+                && x.cols.is_multiple_of(rope.head_dim)
+                && rope.rotary_dim <= rope.head_dim
+                && rope.rotary_dim.is_multiple_of(2),
+            "rope: {} columns, head_dim {}, rotary_dim {}",
+            x.cols,
+            rope.head_dim,
+            rope.rotary_dim
+        );
+        let half = rope.rotary_dim / 2;
+        if half == 0 {
+            return Ok(());
+        }
+        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta)?;
+        let total = x.rows * (x.cols / rope.head_dim) * half;
+        let (rows, cols, head_dim, half, start) = (
+            long(x.rows),
+            int(x.cols, "columns"),
+            int(rope.head_dim, "head_dim"),
+            int(half, "rotary half"),
+            long(start_pos),
+        );
+        launch!(
+            self,
+            "rope",
+            &self.kernels.rope,
+            grid_stride(total),
+            &mut x.data,
+            &*frequencies,
+            &rows,
+            &cols,
+            &head_dim,
+            &half,
+            &start
+        );
+        Ok(())
+    }
+
+    /// Rotary frequencies, computed in f32 exactly as the CPU backend does
+    /// (transformers' RotaryEmbedding), uploaded once per shape.
+    pub(super) fn rope_frequencies(
+        &self,
+        rotary_dim: usize,
+        theta: f64,
+    ) -> Result<RopeFrequencies> {
+        let mut cache = self.rope_frequencies.lock().unwrap();
+        let key = (rotary_dim, theta.to_bits());
+        if let Some(frequencies) = cache.get(&key) {
+            return Ok(frequencies.clone());
+        }
+        let inv_freq: Vec<f32> = (0..rotary_dim / 2)
+            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
+            .collect();
+        let frequencies = Arc::new(self.upload("rope", &inv_freq)?);
+        cache.insert(key, frequencies.clone());
+        Ok(frequencies)
+    }
+}
