@@ -63,9 +63,17 @@ gguf/malformed/     damaged GGUF files (truncated, huge counts, bad types,
                     a bad magic or version); each must be refused with a clear
                     error.
 
-bundled-gguf writes the bundled model (bundled/qwen35-tiny) as a BF16 GGUF
-(16 MB, so not committed); `cargo test --test format_gguf -- --ignored`
-converts it and checks that generation gives the bundled model's text.
+Not committed (too large), for the opt-in tests
+(`cargo test -p moeflux --test format_gguf -- --ignored`):
+
+    tools/make_format_fixtures.py bundled-gguf --out target/format-fixtures/qwen35-tiny.gguf
+        the bundled model (bundled/qwen35-tiny) as a BF16 GGUF with its
+        tokenizer and chat template (16 MB); generation through it must give
+        the bundled model's text.
+    tools/make_format_fixtures.py families-gguf --out target/format-fixtures
+        the qwen3_moe, qwen3_next and qwen3_5_moe fixtures as Q8_0 GGUFs
+        (qwen3moe, qwen3next, qwen35moe); logits against their bf16
+        conversions.
 """
 
 from __future__ import annotations
@@ -337,28 +345,60 @@ def reorder_v_heads(t: np.ndarray, dim: int, nk: int, r: int, head_dim: int) -> 
     return t.transpose(perm).reshape(shape)
 
 
-def qwen35moe_gguf_tensors(hf: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
-    """The tensors convert_hf_to_gguf.py writes for Qwen3_5MoeForCausalLM
-    (Qwen3_5MoeTextModel: _LinearAttentionVReorderBase, then
-    Qwen3NextModel.modify_tensors, Qwen2MoeModel's expert stacking and
-    gguf-py's tensor_mapping), as f32 arrays in Hugging Face order."""
+GGUF_ARCHES = {
+    "qwen3_moe": "QWEN3MOE",
+    "qwen3_next": "QWEN3NEXT",
+    "qwen3_5_moe": "QWEN35MOE",
+    "qwen3_5_moe_text": "QWEN35MOE",
+}
+
+
+def gguf_arch(config: dict):
     import gguf
 
+    return getattr(gguf.MODEL_ARCH, GGUF_ARCHES[config["model_type"]])
+
+
+def gguf_tensors(hf: dict[str, np.ndarray], config: dict) -> dict[str, np.ndarray]:
+    """The tensors convert_hf_to_gguf.py writes for Qwen3MoeForCausalLM,
+    Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM, as f32 arrays in
+    Hugging Face order: Qwen3_5MoeTextModel's _LinearAttentionVReorderBase,
+    then Qwen3NextModel.modify_tensors (A_log, dt_bias, conv1d, `1 + w`
+    norms, in_proj_qkvz split), Qwen2MoeModel's expert stacking (fused
+    gate_up_proj split) and gguf-py's tensor_mapping. Dense MLP layers
+    (mlp_only_layers), which these llama.cpp architectures do not list, get
+    ggml's generic ffn_gate/ffn_up/ffn_down names."""
+    import gguf
+
+    arch = gguf_arch(config)
     c = config.get("text_config", config)
-    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    r = nv // nk
-    layers, experts = c["num_hidden_layers"], c["num_experts"]
-    tmap = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN35MOE, layers)
+    layers, experts = c["num_hidden_layers"], c.get("num_experts", c.get("num_local_experts"))
+    next_family = arch != gguf.MODEL_ARCH.QWEN3MOE
+    if next_family:
+        nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+        dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+        r = nv // nk
+    reorder = arch == gguf.MODEL_ARCH.QWEN35MOE and r > 1
+    tmap = gguf.get_tensor_name_map(arch, layers)
     out = {}
     pending: dict[str, np.ndarray] = {}
+
+    def emit(name: str, w: np.ndarray) -> None:
+        mapped = tmap.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            for hf_proj, g in (("gate_proj", "ffn_gate"), ("up_proj", "ffn_up"), ("down_proj", "ffn_down")):
+                parts = name.split(".")
+                if name.endswith(f".mlp.{hf_proj}.weight"):
+                    mapped = f"blk.{parts[2]}.{g}.weight"
+        assert mapped is not None, name
+        out[mapped] = w
+
     for name, w in hf.items():
         name = name.replace("model.language_model.", "model.")
         w = w.astype(np.float32)
         if name.startswith(("mtp.", "model.visual.")):
             continue
-        # _LinearAttentionVReorderBase.modify_tensors
-        if r > 1 and "linear_attn." in name:
+        if reorder and "linear_attn." in name:
             if ".in_proj_qkv." in name:
                 q, k, v = w[: nk * dk], w[nk * dk : 2 * nk * dk], w[2 * nk * dk :]
                 w = np.concatenate([q, k, reorder_v_heads(v, 0, nk, r, dv)])
@@ -374,50 +414,79 @@ def qwen35moe_gguf_tensors(hf: dict[str, np.ndarray], config: dict) -> dict[str,
                 w = np.concatenate([w[:qk], reorder_v_heads(w[qk:], 0, nk, r, dv)])
             elif ".out_proj." in name:
                 w = reorder_v_heads(w, 1, nk, r, dv)
-        # Qwen3NextModel.modify_tensors
-        if name.endswith(".A_log"):
-            w = -np.exp(w)
-        elif name.endswith(".dt_bias"):
-            name = name[: -len(".dt_bias")] + ".dt_proj.bias"
-        elif "conv1d" in name:
-            w = w.squeeze()
-        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
-            w = w + 1
-        # Qwen2MoeModel.modify_tensors: per-expert tensors stacked
+        if next_family:
+            if name.endswith(".A_log"):
+                w = -np.exp(w)
+            elif name.endswith(".dt_bias"):
+                name = name[: -len(".dt_bias")] + ".dt_proj.bias"
+            elif "conv1d" in name:
+                w = w.squeeze()
+            elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+                w = w + 1
+            if "in_proj_qkvz.weight" in name:
+                # [q, k, v, z] per key head -> all q, all k, all v | all z
+                hidden = w.shape[1]
+                split = [dk, dk, r * dv, r * dv]
+                t = w.T.reshape(hidden, nk, sum(split))
+                q, k, v, z = np.split(t, np.cumsum(split)[:-1], axis=-1)
+                flat = [x.reshape(hidden, -1) for x in (q, k, v, z)]
+                bid = name.split(".")[2]
+                out[f"blk.{bid}.attn_qkv.weight"] = np.concatenate(flat[:3], axis=-1).T.copy()
+                out[f"blk.{bid}.attn_gate.weight"] = flat[3].T.copy()
+                continue
+        if name.endswith("mlp.experts.gate_up_proj"):
+            half = w.shape[-2] // 2
+            emit(name.replace("gate_up_proj", "gate_proj.weight"), w[..., :half, :])
+            emit(name.replace("gate_up_proj", "up_proj.weight"), w[..., half:, :])
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            emit(name + ".weight", w)
+            continue
         if ".mlp.experts." in name:
             pending[name] = w
             continue
-        out[tmap.get_name(name, try_suffixes=(".weight", ".bias"))] = w
+        emit(name, w)
     for l in range(layers):
         for proj in ("down_proj", "gate_proj", "up_proj"):
-            stack = np.stack(
-                [pending.pop(f"model.layers.{l}.mlp.experts.{e}.{proj}.weight") for e in range(experts)]
-            )
-            name = tmap.get_name(f"model.layers.{l}.mlp.experts.{proj}.weight", try_suffixes=(".weight",))
-            out[name] = stack
+            names = [f"model.layers.{l}.mlp.experts.{e}.{proj}.weight" for e in range(experts)]
+            if names[0] in pending:
+                emit(f"model.layers.{l}.mlp.experts.{proj}.weight", np.stack([pending.pop(n) for n in names]))
     assert not pending, pending.keys()
     return out
 
 
-def qwen35moe_gguf_metadata(writer, config: dict) -> None:
-    """set_gguf_parameters of Qwen3_5MoeTextModel (TextModel, Qwen2MoeModel,
-    Qwen3NextModel, _Qwen35MRopeMixin)."""
+def gguf_metadata(writer, config: dict) -> None:
+    """set_gguf_parameters of the three model classes (TextModel,
+    Qwen2MoeModel, Qwen3NextModel, _Qwen35MRopeMixin)."""
+    import gguf
+
+    arch = gguf_arch(config)
     c = config.get("text_config", config)
     rope = c.get("rope_parameters", {})
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(c["max_position_embeddings"])
     writer.add_embedding_length(c["hidden_size"])
+    if "intermediate_size" in c:
+        writer.add_feed_forward_length(c["intermediate_size"])
     writer.add_head_count(c["num_attention_heads"])
     writer.add_head_count_kv(c["num_key_value_heads"])
-    sections = list(rope.get("mrope_section", [11, 11, 10]))
-    writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+    if arch == gguf.MODEL_ARCH.QWEN35MOE:
+        sections = list(rope.get("mrope_section", [11, 11, 10]))
+        writer.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
     writer.add_rope_freq_base(rope.get("rope_theta", c.get("rope_theta")))
     writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    writer.add_expert_count(c["num_experts"])
+    writer.add_expert_count(c.get("num_experts", c.get("num_local_experts")))
     writer.add_expert_used_count(c["num_experts_per_tok"])
     writer.add_key_length(c["head_dim"])
     writer.add_value_length(c["head_dim"])
     writer.add_expert_feed_forward_length(c["moe_intermediate_size"])
+    if not c.get("norm_topk_prob", True):
+        # llama.cpp's Qwen3-MoE assumes renormalised top-k weights and its
+        # converter does not record the setting; written here so that a
+        # fixture without renormalisation converts to the same model.
+        writer.add_expert_weights_norm(False)
+    if arch == gguf.MODEL_ARCH.QWEN3MOE:
+        return
     writer.add_expert_shared_feed_forward_length(c["shared_expert_intermediate_size"])
     writer.add_ssm_conv_kernel(c["linear_conv_kernel_dim"])
     writer.add_ssm_state_size(c["linear_key_head_dim"])
@@ -509,23 +578,24 @@ def fixture_qtype(name: str):
     return T.F32
 
 
-def write_qwen35moe_gguf(
+def write_gguf(
     src: Path, out: Path, qtype, tokenizer_dir: Path | None, split_max_tensors: int = 0
 ) -> None:
+    """A Hugging Face checkpoint folder (one safetensors file) as GGUF."""
     import gguf
 
     config = json.loads((src / "config.json").read_text())
     hf = read_safetensors(src / "model.safetensors")
     writer = gguf.GGUFWriter(
         str(out),
-        gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN35MOE],
+        gguf.MODEL_ARCH_NAMES[gguf_arch(config)],
         split_max_tensors=split_max_tensors,
     )
     writer.add_name(src.parent.name if src.name == "hf" else src.name)
-    qwen35moe_gguf_metadata(writer, config)
+    gguf_metadata(writer, config)
     if tokenizer_dir is not None:
         gguf_vocab(writer, tokenizer_dir, config.get("text_config", config)["vocab_size"])
-    for name, w in qwen35moe_gguf_tensors(hf, config).items():
+    for name, w in gguf_tensors(hf, config).items():
         # convert_hf_to_gguf.py keeps 1-D tensors, norms and the
         # convolution in F32.
         one_d = w.ndim <= 1 or name.endswith("_norm.weight") or "ssm_conv1d" in name
@@ -545,9 +615,7 @@ def make_gguf() -> None:
         old.unlink()
     # Split in two parts, as gguf-split and convert_hf_to_gguf.py
     # --split-max-tensors write them.
-    write_qwen35moe_gguf(
-        FIXTURES / "qwen3_5_moe" / "hf", out / "qwen3_5_moe.gguf", fixture_qtype, None, 40
-    )
+    write_gguf(FIXTURES / "qwen3_5_moe" / "hf", out / "qwen3_5_moe.gguf", fixture_qtype, None, 40)
     print(f"wrote {out}/qwen3_5_moe-0000[12]-of-00002.gguf")
 
     # Every type: gguf.quants quantizes the 32-block types; it has no
@@ -682,8 +750,21 @@ def make_bundled_gguf(path: Path) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     bundled = REPO / "bundled" / "qwen35-tiny"
-    write_qwen35moe_gguf(bundled, path, lambda name: gguf.GGMLQuantizationType.BF16, bundled)
+    write_gguf(bundled, path, lambda name: gguf.GGMLQuantizationType.BF16, bundled)
     print(f"wrote {path}")
+
+
+def make_families_gguf(out: Path) -> None:
+    """The fixtures as Q8_0 GGUFs (not committed)."""
+    import gguf
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("qwen3_moe", "qwen3_next", "qwen3_5_moe"):
+        src = FIXTURES / name / "hf"
+        # convert_hf_to_gguf.py keeps routers (ffn_gate_inp) in F32.
+        T = gguf.GGMLQuantizationType
+        write_gguf(src, out / f"{name}.gguf", lambda n: T.F32 if "ffn_gate_inp." in n else T.Q8_0, None)
+        print(f"wrote {out / name}.gguf")
 
 
 TARGETS = {"fp8": make_fp8, "mlx": make_mlx, "gguf": make_gguf}
@@ -691,8 +772,12 @@ TARGETS = {"fp8": make_fp8, "mlx": make_mlx, "gguf": make_gguf}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="*", help=f"some of {', '.join(TARGETS)}, bundled-gguf")
-    parser.add_argument("--out", type=Path, help="bundled-gguf: the file to write")
+    parser.add_argument(
+        "what", nargs="*", help=f"some of {', '.join(TARGETS)}, bundled-gguf, families-gguf"
+    )
+    parser.add_argument(
+        "--out", type=Path, help="bundled-gguf: the file to write; families-gguf: the folder"
+    )
     args = parser.parse_args()
     what = args.what or list(TARGETS)
     for w in what:
@@ -700,6 +785,10 @@ def main() -> None:
             if args.out is None:
                 sys.exit("bundled-gguf needs --out FILE")
             make_bundled_gguf(args.out)
+        elif w == "families-gguf":
+            if args.out is None:
+                sys.exit("families-gguf needs --out DIR")
+            make_families_gguf(args.out)
         elif w in TARGETS:
             TARGETS[w]()
         else:
