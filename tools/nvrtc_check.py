@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
 """Compiles moeflux's CUDA kernels with NVRTC on a machine without a GPU, as
 the CUDA backend does at run time (the sources of
-crates/moeflux/src/backend/cuda/compile.rs, in its order, one program), and
-prints NVRTC's log. Needs libnvrtc: `pip install nvidia-cuda-nvrtc` puts it
-in site-packages/nvidia/cu13/lib, which this script finds; or pass
---lib PATH.
+crates/moeflux/src/backend/cuda/compile.rs, in its order, one program, with
+the launch geometry of geometry.rs as -D options), and prints NVRTC's log.
+Needs libnvrtc: `pip install nvidia-cuda-nvrtc` puts it in
+site-packages/nvidia/cu13/lib, which this script finds; or pass --lib PATH.
 
     python3 tools/nvrtc_check.py [--arch sm_90] [-D NAME=VALUE ...]
+
+-D adds tuning defines as MOEFLUX_CUDA_DEFINES does; like it, it may not
+set a constant of geometry.rs.
 """
 import argparse
 import ctypes
@@ -36,6 +39,17 @@ def program():
     )
 
 
+def geometry():
+    """geometry.rs's constants as (name, value): its `NAME: type = digits;`
+    lines (compile.rs's test the_nvrtc_check_reads_the_same_geometry holds
+    the file to that form)."""
+    text = open(os.path.join(CUDA, "geometry.rs")).read()
+    found = re.findall(r"^\s*([A-Z][A-Z0-9_]*):\s*([a-z0-9]+)\s*=\s*([0-9_]+);\s*$", text, re.M)
+    if not found:
+        sys.exit("no constants found in geometry.rs")
+    return [(name, value.replace("_", "")) for name, _, value in found]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
@@ -48,9 +62,13 @@ def main():
     check = lambda rc, what: rc == 0 or sys.exit(f"{what} failed: {rc}")
     check(nvrtc.nvrtcCreateProgram(ctypes.byref(prog), source, b"moeflux.cu", 0, None, None),
           "nvrtcCreateProgram")
+    defines = geometry()
+    for d in args.defines:
+        if d.split("=")[0] in dict(defines):
+            sys.exit(f"-D {d}: launch geometry comes from geometry.rs only")
     options = [f"--gpu-architecture={args.arch}".encode()] + [
-        f"-D{d}".encode() for d in args.defines
-    ]
+        f"-D{name}={value}".encode() for name, value in defines
+    ] + [f"-D{d}".encode() for d in args.defines]
     array = (ctypes.c_char_p * len(options))(*options)
     rc = nvrtc.nvrtcCompileProgram(prog, len(options), array)
     size = ctypes.c_size_t()

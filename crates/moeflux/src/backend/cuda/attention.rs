@@ -6,24 +6,23 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
+use super::geometry::{
+    ATTN_MAX_PER_LANE, ATTN_WARPS, DECODE_ATTN_WARPS, FA_KEY_PAD, FA_KEYS, FA_ROWS_PER_WARP,
+    FA_WARPS,
+};
 use super::{CudaBackend, KvCache, Tensor, Weight, block_per_item, int, long};
 use crate::backend::{AttentionShape, RmsNorm, Rope};
 use crate::error::Result;
 
-/// Threads per block of the attention kernel (`ATTN_WARPS` warps).
-const ATTENTION_THREADS: u32 = 128;
-/// Threads per block of its one-token variant (`DECODE_ATTN_WARPS` warps).
-const ATTENTION_DECODE_THREADS: u32 = 512;
-/// Largest head dimension of the attention kernel (`ATTN_MAX_PER_LANE` · 32).
-const MAX_HEAD_DIM: usize = 512;
-/// Query rows per block, keys per staged tile and warps of the prefill
-/// attention kernel (`FA_ROWS`, `FA_KEYS`, `FA_WARPS`, `FA_ROWS_PER_WARP`,
-/// `FA_KEY_PAD` in attention.cu).
-const FLASH_ROWS: usize = 32;
-const FLASH_KEYS: usize = 32;
-const FLASH_WARPS: usize = 4;
-const FLASH_ROWS_PER_WARP: usize = 8;
-const FLASH_KEY_PAD: usize = 4;
+/// Threads per block of the attention kernel.
+const ATTENTION_THREADS: u32 = (ATTN_WARPS * 32) as u32;
+/// Threads per block of its one-token variant.
+const ATTENTION_DECODE_THREADS: u32 = (DECODE_ATTN_WARPS * 32) as u32;
+/// Largest head dimension of the attention kernels.
+const MAX_HEAD_DIM: usize = ATTN_MAX_PER_LANE * 32;
+/// Query rows per block of the prefill attention kernels (`FA_ROWS` in
+/// attention.cu).
+const FA_ROWS: usize = FA_WARPS * FA_ROWS_PER_WARP;
 /// Largest head dimension of the prefill attention kernels.
 pub(super) const FLASH_MAX_HEAD_DIM: usize = 256;
 /// Tokens from which attention takes the prefill kernels: with fewer, the
@@ -33,10 +32,10 @@ const FLASH_MIN_TOKENS: usize = 16;
 /// Dynamic shared memory of a prefill attention block: the query rows,
 /// a tile of keys (rows padded) and values, and each warp's probabilities.
 pub(super) fn flash_attention_shared_bytes(head_dim: usize) -> usize {
-    4 * (FLASH_ROWS * head_dim
-        + FLASH_KEYS * (head_dim + FLASH_KEY_PAD)
-        + FLASH_KEYS * head_dim
-        + FLASH_WARPS * FLASH_KEYS * FLASH_ROWS_PER_WARP)
+    4 * (FA_ROWS * head_dim
+        + FA_KEYS * (head_dim + FA_KEY_PAD)
+        + FA_KEYS * head_dim
+        + FA_WARPS * FA_KEYS * FA_ROWS_PER_WARP)
 }
 
 impl CudaBackend {
@@ -84,11 +83,11 @@ impl CudaBackend {
             let rows = n * (heads / kv_heads);
             let config = LaunchConfig {
                 grid_dim: (
-                    u32::try_from(rows.div_ceil(FLASH_ROWS)).expect("attention: too many tokens"),
+                    u32::try_from(rows.div_ceil(FA_ROWS)).expect("attention: too many tokens"),
                     u32::try_from(kv_heads).expect("attention: too many KV heads"),
                     1,
                 ),
-                block_dim: ((FLASH_WARPS * 32) as u32, 1, 1),
+                block_dim: ((FA_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: flash_attention_shared_bytes(head_dim) as u32,
             };
             launch!(

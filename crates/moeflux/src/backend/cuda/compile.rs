@@ -2,6 +2,10 @@
 //! architecture on first use and cached on disk, so later runs load the
 //! binary in milliseconds.
 //!
+//! The options: the architecture, then the launch geometry (geometry.rs)
+//! as `-DNAME=VALUE`, which the kernels do not define themselves, then the
+//! tuning defines of `MOEFLUX_CUDA_DEFINES` (see [`tuning_defines`]).
+//!
 //! The cache key hashes the sources, the compile options, the compute
 //! capability and the NVRTC version: any change compiles afresh. Files go
 //! to `$MOEFLUX_CACHE/kernels` (else `$XDG_CACHE_HOME/moeflux/kernels`,
@@ -14,6 +18,8 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
+
+use super::geometry;
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
@@ -163,7 +169,8 @@ pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
         .map_err(|e| format!("reading the compute capability: {e}"))?;
     let arch = format!("sm_{major}{minor}");
     let mut options = vec![format!("--gpu-architecture={arch}")];
-    options.extend(tuning_defines());
+    options.extend(geometry_defines());
+    options.extend(tuning_defines()?);
     let (nvrtc_major, nvrtc_minor) = nvrtc_version()?;
     let source = program();
     let mut key = xxhash_rust::xxh3::Xxh3::new();
@@ -191,14 +198,41 @@ pub(super) fn load(ctx: &Arc<CudaContext>) -> Result<Kernels, String> {
     Kernels::load(&module)
 }
 
+/// The launch geometry the host launches with, as `-D` options: the
+/// kernels take every one of these constants from here.
+fn geometry_defines() -> Vec<String> {
+    geometry::DEFINES
+        .iter()
+        .map(|(name, value)| format!("-D{name}={value}"))
+        .collect()
+}
+
 /// `-D` options from `MOEFLUX_CUDA_DEFINES` (`NAME=VALUE ...`), for tuning
-/// experiments on constants the kernels declare overridable (`#ifndef`);
-/// they are part of the cache key like every option.
-fn tuning_defines() -> Vec<String> {
-    std::env::var("MOEFLUX_CUDA_DEFINES")
-        .unwrap_or_default()
+/// experiments on constants the kernels declare overridable (`#ifndef`:
+/// unrolling, blocks per SM); they are part of the cache key like every
+/// option. The launch geometry wins: a define naming one of its constants
+/// is refused, since the host would still launch with its own value
+/// (change the constant in geometry.rs instead).
+fn tuning_defines() -> Result<Vec<String>, String> {
+    tuning_options(&std::env::var("MOEFLUX_CUDA_DEFINES").unwrap_or_default())
+}
+
+fn tuning_options(defines: &str) -> Result<Vec<String>, String> {
+    defines
         .split_whitespace()
-        .map(|define| format!("-D{define}"))
+        .map(|define| {
+            let name = define.split('=').next().unwrap_or(define);
+            if geometry::DEFINES
+                .iter()
+                .any(|(geometry, _)| *geometry == name)
+            {
+                return Err(format!(
+                    "MOEFLUX_CUDA_DEFINES sets {name}, which is launch geometry the host \
+                     launches with: change it in backend/cuda/geometry.rs instead"
+                ));
+            }
+            Ok(format!("-D{define}"))
+        })
         .collect()
 }
 
@@ -293,6 +327,87 @@ mod tests {
                 });
             assert!(defined, "kernel {name} is not defined in kernels/");
         }
+    }
+
+    /// The kernels take their launch geometry from geometry.rs only: each
+    /// file's `#if !defined(...)` guard names constants of geometry.rs, no
+    /// file defines one itself, and every constant is used by some kernel.
+    #[test]
+    fn kernels_take_the_launch_geometry_from_the_host() {
+        let is_geometry = |name: &str| geometry::DEFINES.iter().any(|(n, _)| *n == name);
+        let mut guarded = Vec::new();
+        for (file, text) in SOURCES {
+            let text = text.replace("\\\n", " ");
+            for line in text.lines().map(str::trim) {
+                if let Some(name) = line.strip_prefix("#define ") {
+                    let name = name.split([' ', '(']).next().unwrap_or_default();
+                    assert!(
+                        !is_geometry(name),
+                        "{file} defines {name}, which geometry.rs defines"
+                    );
+                }
+                if line.starts_with("#if !defined(") {
+                    for name in line.split("defined(").skip(1) {
+                        let name = name.split(')').next().unwrap_or_default();
+                        assert!(
+                            is_geometry(name),
+                            "{file} expects {name}, not in geometry.rs"
+                        );
+                        guarded.push(name.to_string());
+                    }
+                }
+            }
+        }
+        for (name, _) in geometry::DEFINES {
+            assert!(
+                guarded.iter().any(|g| g == name),
+                "geometry.rs's {name} is expected by no kernel file's guard"
+            );
+        }
+    }
+
+    /// tools/nvrtc_check.py reads geometry.rs line by line: each
+    /// `NAME: type = digits;` line is a define. That reading gives exactly
+    /// the defines compile.rs passes.
+    #[test]
+    fn the_nvrtc_check_reads_the_same_geometry() {
+        let parsed: Vec<(String, u64)> = include_str!("geometry.rs")
+            .lines()
+            .filter_map(|line| {
+                let (name, rest) = line.trim().split_once(':')?;
+                let (ty, value) = rest.split_once('=')?;
+                let value = value.trim().strip_suffix(';')?.replace('_', "");
+                let name_ok = name.starts_with(|c: char| c.is_ascii_uppercase())
+                    && name
+                        .chars()
+                        .all(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_');
+                let ty_ok = !ty.trim().is_empty()
+                    && ty
+                        .trim()
+                        .chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit());
+                (name_ok && ty_ok && value.chars().all(|c| c.is_ascii_digit()))
+                    .then(|| (name.to_string(), value.parse().expect("digits")))
+            })
+            .collect();
+        let defines: Vec<(String, u64)> = geometry::DEFINES
+            .iter()
+            .map(|(name, value)| (name.to_string(), *value))
+            .collect();
+        assert_eq!(parsed, defines);
+    }
+
+    /// `MOEFLUX_CUDA_DEFINES` tunes what the kernels declare overridable
+    /// but may not change the launch geometry.
+    #[test]
+    fn tuning_defines_cannot_override_the_geometry() {
+        assert_eq!(
+            tuning_options(" WORD_UNROLL=8  DOWN_MIN_BLOCKS=2 ").unwrap(),
+            ["-DWORD_UNROLL=8", "-DDOWN_MIN_BLOCKS=2"]
+        );
+        let refused = tuning_options("WORD_UNROLL=8 VEC_WARPS=4").unwrap_err();
+        assert!(refused.contains("VEC_WARPS"), "{refused}");
+        assert!(geometry_defines().contains(&"-DVEC_WARPS=8".to_string()));
     }
 
     /// Decode recordings link kernels by programmatic edges (graph.rs),

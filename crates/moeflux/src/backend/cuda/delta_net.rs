@@ -4,26 +4,20 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
+use super::geometry::{
+    GDN_CHUNK, GDN_CHUNK_THREADS, GDN_LANE_ROWS, GDN_MAX_DIM, GDN_STATE_COLS, GDN_WARPS,
+};
 use super::{CudaBackend, DeltaNetState, Tensor, grid_stride, int};
 use crate::backend::GatedDeltaNetParams;
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 
-/// Warps (value columns) per block of the Gated DeltaNet recurrence
-/// (`GDN_WARPS`), and its largest key head dimension (32 · `GDN_LANE_ROWS`).
-const GDN_WARPS: usize = 16;
-const GDN_MAX_KEY_DIM: usize = 256;
+/// Largest key head dimension of the Gated DeltaNet recurrence.
+const GDN_MAX_KEY_DIM: usize = 32 * GDN_LANE_ROWS;
 /// Tokens from which Gated DeltaNet's delta rule runs in chunks on the
 /// tensor cores (gdn_chunked.cu) instead of token by token, unless
 /// `MOEFLUX_CUDA_GDN_CHUNKED_MIN` says otherwise (a tuning knob).
 pub(super) const GDN_CHUNKED_MIN: usize = 64;
-/// Tokens per chunk (`GDN_CHUNK`), state columns per block
-/// (`GDN_STATE_COLS`), threads per block and the largest head dimension
-/// (`GDN_MAX_DIM`) of the chunked kernels.
-const GDN_CHUNK: usize = 64;
-const GDN_STATE_COLS: usize = 32;
-const GDN_CHUNK_THREADS: u32 = 256;
-const GDN_CHUNK_MAX_DIM: usize = 128;
 
 /// Dynamic shared memory of the chunked Gated DeltaNet kernels
 /// (gdn_chunked.cu; strides as there): gdn_chunk_prepare's K and Q (then
@@ -131,8 +125,8 @@ impl CudaBackend {
         let mut out = self.tensor("gated_delta_net", n, cfg.value_dim())?;
         let shared = gdn_chunked_shared_bytes(dk, dv);
         let chunked = n >= self.gdn_chunked_min
-            && dk <= GDN_CHUNK_MAX_DIM
-            && dv <= GDN_CHUNK_MAX_DIM
+            && dk <= GDN_MAX_DIM
+            && dv <= GDN_MAX_DIM
             && dk.is_multiple_of(4)
             && dv.is_multiple_of(4)
             && self

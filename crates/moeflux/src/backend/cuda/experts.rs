@@ -26,6 +26,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
+use super::geometry::{
+    DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
+};
 use super::streaming::{PART_ALIGN, VramCache};
 use super::{CudaBackend, Matrix, Routing, Tensor, device_error, grid_stride, int};
 use crate::error::Result;
@@ -42,25 +45,13 @@ const RESERVE_BYTES: u64 = 4 << 30;
 /// flight beyond the caches.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
-/// Warps (rows) per block of the one-token gate/up kernel (`GATE_UP_WARPS`
-/// in moe.cu).
-const GATE_UP_WARPS: usize = 8;
-/// Warps per block of the one-token down kernel (`DOWN_WARPS`).
-const DOWN_WARPS: usize = 8;
-/// Most experts per token the one-token kernels take (`MAX_TOP_K`).
-const MAX_TOP_K: usize = 32;
-/// Warps per expert and most warps per block of the tensor-core down
-/// kernel (`TC_DOWN_SPLIT`, `TC_DOWN_MAX_WARPS` in matvec_tc.cu).
-const TC_DOWN_SPLIT: usize = 2;
-const TC_DOWN_MAX_WARPS: usize = 16;
-
 /// Bytes of shared memory one token's input of `cols` values takes staged
 /// for the tensor-core products of matvec_tc.cu (`tc_staged_words`): a B
-/// table (96 words per 64 columns) and the groups' Σ x (padded to an even
-/// count of words).
+/// table (`tc_table_words`: 4 · 2 words per B lane per 64 columns) and the
+/// groups' Σ x (padded to an even count of words).
 pub(super) fn tc_staged_bytes(cols: usize) -> usize {
     let groups = cols / 64;
-    4 * (groups * 96 + groups.next_multiple_of(2))
+    4 * (groups * 4 * TC_B_LANES * 2 + groups.next_multiple_of(2))
 }
 
 /// Bytes of shared memory moe_down_tc_q4 takes for `top_k` experts of

@@ -20,6 +20,7 @@
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
+use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS};
 use super::{CudaBackend, Matrix, int, ok};
 use crate::error::Result;
 use crate::quant::DType;
@@ -29,12 +30,6 @@ use crate::quant::DType;
 /// kernels (which read each weight once per 8 tokens) do about as well; a
 /// first choice, to be tuned by measurement.
 const TENSOR_CORE_MIN_TOKENS: usize = 16;
-/// Weight rows per block (`GEMM_BM` in gemm.cu).
-const TILE_ROWS: usize = 128;
-/// Tokens per block (`GEMM_BN`).
-const TILE_TOKENS: usize = 64;
-/// Threads per block (`GEMM_THREADS`).
-const GEMM_THREADS: u32 = 256;
 /// Most blocks along a grid's y dimension (the token tiles).
 const MAX_GRID_Y: usize = 65_535;
 
@@ -51,7 +46,7 @@ impl CudaBackend {
         w: &Matrix<'_>,
     ) -> Result<Option<CudaSlice<f32>>> {
         let l = w.layout;
-        let token_tiles = n.div_ceil(TILE_TOKENS);
+        let token_tiles = n.div_ceil(GEMM_BN);
         if n < TENSOR_CORE_MIN_TOKENS || l.rows == 0 || token_tiles > MAX_GRID_Y {
             return Ok(None);
         }
@@ -72,7 +67,7 @@ impl CudaBackend {
         let mut out = self.alloc::<f32>(op, n * l.rows)?;
         let (rows, cols, n_i) = (int(l.rows, "rows"), int(cols, "columns"), int(n, "tokens"));
         let config = LaunchConfig {
-            grid_dim: (l.rows.div_ceil(TILE_ROWS) as u32, token_tiles as u32, 1),
+            grid_dim: (l.rows.div_ceil(GEMM_BM) as u32, token_tiles as u32, 1),
             block_dim: (GEMM_THREADS, 1, 1),
             // The kernels' tiles are static shared memory (38 KiB).
             shared_mem_bytes: 0,

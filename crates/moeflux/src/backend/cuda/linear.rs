@@ -6,6 +6,9 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
+use super::geometry::{
+    LINEAR_WARPS, MAX_JOBS, ROWS_PER_WARP, TC_VECTOR_WARPS, VEC_ROWS, VEC_WARPS,
+};
 use super::{
     CudaBackend, MAX_BLOCKS, MAX_SHARED_BYTES, Matrix, Tensor, Weight, experts, grid_stride, int,
 };
@@ -13,15 +16,8 @@ use crate::backend::RmsNorm;
 use crate::error::Result;
 use crate::quant::DType;
 
-/// Warps per block of the linear kernels (`LINEAR_WARPS` in linear.cu).
-const LINEAR_WARPS: usize = 4;
-/// Warps per block of the one-token linear kernel (`VEC_WARPS` in
-/// linear.cu).
-const VECTOR_WARPS: usize = 8;
-/// Rows per block of the one-token linear kernel (`VEC_ROWS`).
-const VECTOR_ROWS: usize = 4;
-/// Rows per block of its whole-rows variant (`VEC_WARPS · ROWS_PER_WARP`).
-const WHOLE_ROWS: usize = VECTOR_WARPS * 2;
+/// Rows per block of the one-token products' whole-rows variant.
+const WHOLE_ROWS: usize = VEC_WARPS * ROWS_PER_WARP;
 /// Rows (over the matrices of one launch) from which the whole-rows
 /// variant is used, unless `MOEFLUX_CUDA_WHOLE_ROWS_MIN` says otherwise
 /// (a tuning knob).
@@ -30,8 +26,6 @@ pub(super) const WHOLE_ROWS_MIN: usize = 1024;
 /// rows: each warp still has a long stretch to stream (o_proj of the 30B
 /// shape, 2048 × 4096: 6.3 µs split, 7.7 µs whole rows, H100).
 const SPLIT_COLS_MIN: usize = 4096;
-/// Matrices one launch of the one-token linear kernel covers (`MAX_JOBS`).
-const MAX_MATVEC_JOBS: usize = 4;
 
 /// One matrix of a one-token linear launch (`MatvecJob` in linear.cu):
 /// device addresses, its rows, and its first block of the grid.
@@ -49,7 +43,7 @@ struct MatvecJob {
 #[repr(C)]
 #[derive(Clone, Copy)]
 struct MatvecJobs {
-    job: [MatvecJob; MAX_MATVEC_JOBS],
+    job: [MatvecJob; MAX_JOBS],
     count: i32,
 }
 
@@ -76,10 +70,8 @@ unsafe impl DeviceRepr for FusedNorm {}
 /// Rows from which a one-token q4 product runs on the tensor cores
 /// ([`CudaBackend::matvec_tensor_cores`]): LM heads, not layer matrices.
 const TC_VECTOR_ROWS_MIN: usize = 32768;
-/// Warps per block of linear_vector_tc_q4 (`TC_VECTOR_WARPS` in
-/// matvec_tc.cu), and its blocks per SM (two fit by registers; fewer or
+/// Blocks per SM of linear_vector_tc_q4 (two fit by registers; fewer or
 /// more were slower).
-const TC_VECTOR_WARPS: usize = 8;
 const TC_VECTOR_BLOCKS_PER_SM: usize = 2;
 
 /// Columns one 32-bit word of a row holds in the one-token kernels
@@ -346,7 +338,7 @@ impl CudaBackend {
     /// Whether [`CudaBackend::matvecs`] takes these matrices for one token
     /// of width `cols`: the same type, rows a whole number of 16-byte loads.
     fn matvecs_fit(cols: usize, ws: &[&Matrix<'_>]) -> bool {
-        (1..=MAX_MATVEC_JOBS).contains(&ws.len())
+        (1..=MAX_JOBS).contains(&ws.len())
             && ws.iter().all(|w| {
                 w.layout.dtype == ws[0].layout.dtype
                     && w.layout.cols == cols
@@ -355,7 +347,7 @@ impl CudaBackend {
     }
 
     /// `out_j (+)= w_j · x` for one token `x` and up to
-    /// [`MAX_MATVEC_JOBS`] matrices of one type, in one launch; with
+    /// [`MAX_JOBS`] matrices of one type, in one launch; with
     /// `accumulate` each result is added to its output. With `norm` the
     /// products take the RMSNorm of x instead (see `FusedNorm` in
     /// linear.cu), which the launch also stores where `norm` says.
@@ -420,9 +412,9 @@ impl CudaBackend {
             ),
         };
         let kernel = kernels[usize::from(whole_rows) + 2 * usize::from(norm.is_some())];
-        let rows_per_block = if whole_rows { WHOLE_ROWS } else { VECTOR_ROWS };
+        let rows_per_block = if whole_rows { WHOLE_ROWS } else { VEC_ROWS };
         let mut packed = MatvecJobs {
-            job: [MatvecJob::default(); MAX_MATVEC_JOBS],
+            job: [MatvecJob::default(); MAX_JOBS],
             count: jobs.len() as i32,
         };
         let mut blocks = 0;
@@ -446,7 +438,7 @@ impl CudaBackend {
         }
         let config = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
-            block_dim: ((VECTOR_WARPS * 32) as u32, 1, 1),
+            block_dim: ((VEC_WARPS * 32) as u32, 1, 1),
             shared_mem_bytes: 0,
         };
         let (cols_i, accumulate_i) = (int(cols, "columns"), i32::from(accumulate));

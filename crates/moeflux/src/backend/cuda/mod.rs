@@ -56,6 +56,7 @@ mod delta_net;
 mod elementwise;
 mod experts;
 mod gemm;
+mod geometry;
 mod graph;
 mod linear;
 mod norm;

@@ -4,6 +4,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::geometry::NORM_THREADS;
 use super::{CudaBackend, Tensor, Weight, block_per_item, int, long};
 use crate::backend::{RmsNorm, Rope};
 use crate::error::Result;
@@ -139,7 +140,7 @@ impl CudaBackend {
         let threads = match group {
             0..=128 => 128,
             129..=512 => 256,
-            _ if groups < 64 => 1024,
+            _ if groups < 64 => NORM_THREADS,
             _ => 256,
         };
         let config = block_per_item(groups, threads, 0);

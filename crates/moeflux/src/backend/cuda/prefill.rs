@@ -3,7 +3,7 @@
 //! matmuls, an activation and a scatter per expert.
 //!
 //! The host sorts the slots (token · top_k + rank) by expert and cuts each
-//! expert's run into tiles of at most [`TILE_SLOTS`] slots; a tile names
+//! expert's run into tiles of at most [`MP_BN`] slots; a tile names
 //! the expert by its index in a table of device addresses (the layer's
 //! table, indexed by expert id, when every expert is resident; else a
 //! table of the experts of the launch at the same indices). Then:
@@ -21,17 +21,10 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::experts::expert_inter;
+use super::geometry::{MP_BM, MP_BN, MP_THREADS};
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::error::Result;
 use crate::quant::{DType, MatrixLayout};
-
-/// Slots per tile (`MP_BN` in moe_prefill.cu).
-const TILE_SLOTS: usize = 32;
-/// Weight rows a block keeps in shared memory (`MP_BM`): 128 rows of
-/// down, or 64 rows of gate and the same 64 of up.
-const BLOCK_ROWS: usize = 128;
-/// Threads per block (`MP_THREADS`).
-const THREADS: u32 = 128;
 
 /// Where one matrix lies in an expert's buffer (`ExpertPart` in moe.cu):
 /// its codes from the buffer's start, scales and biases from its codes.
@@ -73,8 +66,8 @@ impl Tiles {
         let mut start = 0;
         for (expert, slots) in order {
             let first = data.len();
-            for at in (0..slots.len()).step_by(TILE_SLOTS) {
-                let count = TILE_SLOTS.min(slots.len() - at);
+            for at in (0..slots.len()).step_by(MP_BN) {
+                let count = MP_BN.min(slots.len() - at);
                 data.extend([*expert, (start + at) as u32, count as u32, 0]);
             }
             by_expert.push(first..data.len());
@@ -167,7 +160,7 @@ impl CudaBackend {
         );
         let config = |rows_per_block: usize, rows: usize| LaunchConfig {
             grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
-            block_dim: (THREADS, 1, 1),
+            block_dim: (MP_THREADS, 1, 1),
             // The kernels' tiles are static shared memory (29 KiB).
             shared_mem_bytes: 0,
         };
@@ -175,7 +168,7 @@ impl CudaBackend {
             self,
             "routed experts gate/up (tensor cores)",
             gate_up,
-            config(BLOCK_ROWS / 2, inter),
+            config(MP_BM / 2, inter),
             table,
             tiles,
             slots,
@@ -191,7 +184,7 @@ impl CudaBackend {
             self,
             "routed experts down (tensor cores)",
             down_kernel,
-            config(BLOCK_ROWS, hidden),
+            config(MP_BM, hidden),
             table,
             tiles,
             slots,

@@ -5,10 +5,12 @@ use std::sync::OnceLock;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::{CudaBackend, MAX_SHARED_BYTES, THREADS, Tensor, block_per_item, int, ok};
+use super::geometry::ROUTE_THREADS;
+use super::{CudaBackend, MAX_SHARED_BYTES, Tensor, block_per_item, int, ok};
 use crate::error::Result;
 
-/// Tokens (warps) per block of the one-warp router.
+/// Tokens (warps) per block of the one-warp router (its kernels take any
+/// number of warps per block).
 const ROUTE_WARPS: usize = 4;
 
 /// Each token's selected experts and weights on the device, and the ids on
@@ -75,7 +77,7 @@ impl CudaBackend {
             257..=512 => (&self.kernels.route_warp_16, warp_config),
             _ => (
                 &self.kernels.route,
-                block_per_item(n, THREADS, experts as u32),
+                block_per_item(n, ROUTE_THREADS, experts as u32),
             ),
         };
         launch!(

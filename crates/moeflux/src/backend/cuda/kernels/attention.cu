@@ -8,9 +8,16 @@
 // the context. One token (decode) takes attend_decode below instead, and
 // sixteen or more the tiled flash_attend.
 
-#define ATTN_WARPS 4
-// Head dimensions up to ATTN_MAX_PER_LANE · 32 (checked on the host).
-#define ATTN_MAX_PER_LANE 16
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(ATTN_WARPS) || !defined(ATTN_MAX_PER_LANE) || !defined(DECODE_ATTN_WARPS) || \
+    !defined(FA_WARPS) || !defined(FA_ROWS_PER_WARP) || !defined(FA_KEYS) || \
+    !defined(FA_KEY_PAD)
+#error "attention.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
+
+// ATTN_WARPS warps per block; head dimensions up to ATTN_MAX_PER_LANE · 32
+// (checked on the host).
 
 // `start` is the position of the first query, read from `position` on the
 // device instead when that is given (a recorded step).
@@ -115,7 +122,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
 // (no other block reads that position of the cache), saving a launch per
 // layer.
 
-#define DECODE_ATTN_WARPS 16
+// DECODE_ATTN_WARPS (geometry.rs) warps per block.
 #define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
 // Positions a warp's lanes load values of before using them (half as many
 // for heads over 256 wide, to stay in registers).
@@ -322,13 +329,10 @@ ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512, 16)
 // l, l + 32, ... of those rows. Running maxima and sums per row as in
 // attend(); everything in f32.
 
-#define FA_WARPS 4
-#define FA_ROWS_PER_WARP 8
-#define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
-#define FA_KEYS 32
-// Padding of a staged key row, so lanes reading the same dimension of
+// FA_WARPS, FA_ROWS_PER_WARP, FA_KEYS and FA_KEY_PAD come from geometry.rs;
+// FA_KEY_PAD pads a staged key row, so lanes reading the same dimension of
 // consecutive keys hit different banks (16-byte reads stay aligned).
-#define FA_KEY_PAD 4
+#define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
 
 template <int PER_LANE>
 __device__ __forceinline__ void flash_attend(const float* q, const float* keys,

@@ -75,8 +75,11 @@ extern "C" __global__ void gdn_qk_norm(float* mixed, int n, int channels, int ke
 // are loaded while the current one computes. Grid (value_heads,
 // ceil(dv / GDN_WARPS)), GDN_WARPS warps per block (columns of one head,
 // which share q and k through L1).
-#define GDN_WARPS 16
-#define GDN_LANE_ROWS 8
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(GDN_WARPS) || !defined(GDN_LANE_ROWS)
+#error "gated_delta_net.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
 
 // One token's inputs of one column.
 struct GdnStep {

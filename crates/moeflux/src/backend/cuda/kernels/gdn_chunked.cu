@@ -29,10 +29,15 @@
 // are zeros (k = q = v = 0, β = 0, log decay 0), which leaves U, O and S
 // as they would be without them.
 
-#define GDN_CHUNK 64
-#define GDN_CHUNK_THREADS 256
-#define GDN_MAX_DIM 128
-#define GDN_STATE_COLS 32
+// GDN_CHUNK tokens per chunk, GDN_CHUNK_THREADS threads per block, head
+// dimensions up to GDN_MAX_DIM, GDN_STATE_COLS state columns per block.
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(GDN_CHUNK) || !defined(GDN_CHUNK_THREADS) || !defined(GDN_MAX_DIM) || \
+    !defined(GDN_STATE_COLS)
+#error "gdn_chunked.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
+
 // Row stride of U and of the state tile: ≡ 8 (mod 32) words, so the B
 // fragment's loads (k = lane % 4 rows apart, n = lane / 4 columns) hit 32
 // different banks.

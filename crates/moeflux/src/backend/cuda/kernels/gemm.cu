@@ -55,10 +55,14 @@
 // sm_80+ only (bf16 mma and conversions); on older devices the kernels are
 // empty and gemm.rs never launches them.
 
-#define GEMM_BM 128            // weight rows per block
-#define GEMM_BN 64             // tokens per block
+// GEMM_BM weight rows and GEMM_BN tokens per block, GEMM_THREADS threads
+// (8 warps: 4 along the rows, 2 along the tokens).
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(GEMM_BM) || !defined(GEMM_BN) || !defined(GEMM_THREADS)
+#error "gemm.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
 #define GEMM_BK 64             // columns per stage (GROUP_SIZE)
-#define GEMM_THREADS 256       // 8 warps: 4 along the rows, 2 along the tokens
 // Shared row stride in bf16: 144 bytes, so the eight 16-byte rows an
 // ldmatrix matrix reads start 4 banks apart and hit all 32 banks once.
 #define GEMM_LD (GEMM_BK + 8)

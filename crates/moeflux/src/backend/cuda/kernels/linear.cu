@@ -11,7 +11,12 @@
 // f32 rounding (each output within 1e-5 of Σ|w·x|), not bit for bit;
 // repeating the same calls gives identical results.
 
-#define LINEAR_WARPS 4
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(LINEAR_WARPS) || !defined(VEC_ROWS) || !defined(VEC_WARPS) || \
+    !defined(ROWS_PER_WARP) || !defined(MAX_JOBS)
+#error "linear.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
 
 // Rows of `table` for `tokens`, dequantized: out is [n, cols].
 extern "C" __global__ void embed(const u8* codes, const u16* scales, const u16* biases,
@@ -365,13 +370,11 @@ __device__ __forceinline__ int2 warp_words(int words, int warp, int warps) {
     return make_int2((int)((i64)words * warp / warps), (int)((i64)words * (warp + 1) / warps));
 }
 
-// Rows per block and warps per block of the one-token kernels: the warps
-// of a block split the columns of its rows (many loads in flight even for
-// a matrix of few rows), and their sums are added in warp order.
-#define VEC_ROWS 4
-#define VEC_WARPS 8
-// Matrices one launch of linear_vector may cover.
-#define MAX_JOBS 4
+// VEC_ROWS and VEC_WARPS (geometry.rs): rows per block and warps per block
+// of the one-token kernels: the warps of a block split the columns of its
+// rows (many loads in flight even for a matrix of few rows), and their sums
+// are added in warp order. MAX_JOBS: matrices one launch of linear_vector
+// may cover.
 
 // One matrix of a linear_vector launch: its blocks are
 // first_block .. first_block + ceil(rows / VEC_ROWS).
@@ -479,9 +482,7 @@ __device__ __forceinline__ void linear_vector(const MatvecJobs& jobs, const floa
     if (NORMED) store_normed(x, cols, norm, inv);
 }
 
-// Rows per warp of linear_vector_rows.
-#define ROWS_PER_WARP 2
-
+// ROWS_PER_WARP (geometry.rs): rows per warp of linear_vector_rows.
 // linear_vector with whole rows per warp (ROWS_PER_WARP of them, so a block
 // covers VEC_WARPS · ROWS_PER_WARP rows) instead of columns split across the
 // block's warps: longer-lived warps, no block-wide reduction; faster for

@@ -35,8 +35,14 @@
 // sm_80+ only, like gemm.cu; elsewhere the kernel is empty and the host
 // takes moe_down.
 
-// Lanes whose B registers are not zero: columns 0-2 (g = 0, 1, 2).
-#define TC_B_LANES 12
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(TC_B_LANES) || !defined(TC_DOWN_SPLIT) || !defined(TC_DOWN_MAX_WARPS) || \
+    !defined(TC_VECTOR_WARPS)
+#error "matvec_tc.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
+
+// TC_B_LANES: lanes whose B registers are not zero: columns 0-2 (g = 0, 1, 2).
 // Groups (16 rows × 64 columns) whose loads a warp issues before using any.
 #define TC_GROUPS_IN_FLIGHT 6
 
@@ -165,11 +171,9 @@ struct TcBatch {
 
 #endif
 
-// Warps per selected expert of moe_down_tc_q4 (each takes a share of the
-// groups), and its most warps per block (items (expert, share) beyond them
-// are taken in turn).
-#define TC_DOWN_SPLIT 2
-#define TC_DOWN_MAX_WARPS 16
+// TC_DOWN_SPLIT (geometry.rs): warps per selected expert of moe_down_tc_q4
+// (each takes a share of the groups); TC_DOWN_MAX_WARPS: its most warps per
+// block (items (expert, share) beyond them are taken in turn).
 
 // moe.cu's moe_down for q4 on the tensor cores: a block per 16-row tile of
 // the output; item i = (expert i / TC_DOWN_SPLIT, share i % TC_DOWN_SPLIT)
@@ -235,8 +239,7 @@ extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
 #endif
 }
 
-// Warps per block of linear_vector_tc_q4.
-#define TC_VECTOR_WARPS 8
+// TC_VECTOR_WARPS (geometry.rs): warps per block of linear_vector_tc_q4.
 
 // One token's product with a q4 matrix of many rows (the LM head) on the
 // tensor cores: each block stages x's B table and Σ x per group once, then

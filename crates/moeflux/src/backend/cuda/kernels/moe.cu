@@ -1,6 +1,11 @@
 // Routing and the gather/scatter around each routed expert.
 
-#define ROUTE_THREADS 256
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(ROUTE_THREADS) || !defined(GATE_UP_WARPS) || !defined(DOWN_WARPS) || \
+    !defined(MAX_TOP_K)
+#error "moe.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
 
 // Per token: softmax over the router logits, the top_k experts (ties to
 // the lower index, like the CPU's stable sort) and their probabilities,
@@ -250,8 +255,7 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
                       (const u16*)(codes + part.biases), r, cols);
 }
 
-// Warps per block of moe_gate_up.
-#define GATE_UP_WARPS 8
+// GATE_UP_WARPS (geometry.rs): warps per block of moe_gate_up.
 // Words in flight and blocks per SM to keep registers for (see linear.cu).
 #ifndef GATE_UP_UNROLL
 #define GATE_UP_UNROLL WORD_UNROLL
@@ -291,10 +295,8 @@ __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
     if (lane == 0) act[(i64)blockIdx.y * inter + r] = silu(g) * u;
 }
 
-// Most experts a token selects that moe_down takes (top_k).
-#define MAX_TOP_K 32
-// Warps per block of moe_down.
-#define DOWN_WARPS 8
+// MAX_TOP_K (geometry.rs): most experts a token selects that moe_down takes
+// (top_k); DOWN_WARPS: warps per block of moe_down.
 
 // out[r] (+)= Σ_k weights[k] · (down_k[r] · act[k]), k in order; with
 // `accumulate` added to out (the residual stream) instead of stored.

@@ -29,9 +29,13 @@
 // so one thread holds gate and up of the same (row, slot) and applies
 // silu(gate) · up in registers.
 
-#define MP_BM 128        // weight rows per block in shared memory
-#define MP_BN 32         // slots per tile
-#define MP_THREADS 128   // 4 warps, each 32 weight rows × 32 slots
+// MP_BM weight rows per block in shared memory, MP_BN slots per tile,
+// MP_THREADS threads (4 warps, each 32 weight rows × 32 slots).
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(MP_BM) || !defined(MP_BN) || !defined(MP_THREADS)
+#error "moe_prefill.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
 
 struct MoePrefillShared {
     u16 w[MP_BM][GEMM_LD];   // weights as bf16 (gemm.cu's column order)

@@ -1,7 +1,12 @@
 // RMSNorm over consecutive groups of `group` features (a whole row, or one
 // head): one block per group, the sum of squares reduced across the block.
 
-#define NORM_THREADS 1024
+// NORM_THREADS: the most threads per block.
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(NORM_THREADS)
+#error "norm.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
 
 // out = x · 1/sqrt(mean(x²) + eps) · (offset + w); offset is 0 or 1.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)

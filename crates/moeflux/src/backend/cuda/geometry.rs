@@ -1,0 +1,109 @@
+//! Launch geometry: the constants that the host's launch configurations
+//! and the kernels share, defined here and nowhere else.
+//!
+//! compile.rs passes every one to NVRTC as `-DNAME=VALUE`; the kernel
+//! files define none of them and stop with `#error` when one is missing,
+//! so a launch and its kernel cannot disagree. `MOEFLUX_CUDA_DEFINES` may
+//! not override them (compile.rs refuses it: the host launches with these
+//! values); change them here. tools/nvrtc_check.py reads this file to
+//! pass the same options, so every entry stays on one line as
+//! `NAME: type = decimal literal;` (the macro accepts literals only).
+
+/// Defines each constant and [`DEFINES`], the list compile.rs passes.
+macro_rules! geometry {
+    ($($(#[$doc:meta])* $name:ident: $ty:ty = $value:literal;)*) => {
+        $($(#[$doc])* pub(super) const $name: $ty = $value;)*
+
+        /// Every constant by its name in the kernels, in declaration order.
+        pub(super) const DEFINES: &[(&str, u64)] = &[$((stringify!($name), $name as u64)),*];
+    };
+}
+
+geometry! {
+    // ---- linear.cu
+    /// Warps (weight rows) per block of the products of a few tokens
+    /// (`linear_*_t1`, `linear_*_t8`).
+    LINEAR_WARPS: usize = 4;
+    /// Warps per block of the one-token products (`linear_vector_*`).
+    VEC_WARPS: usize = 8;
+    /// Rows per block of the one-token products that split a row's columns
+    /// across the block's warps.
+    VEC_ROWS: usize = 4;
+    /// Rows per warp of their whole-rows variant (`linear_vector_*_rows`),
+    /// whose blocks cover `VEC_WARPS · ROWS_PER_WARP` rows.
+    ROWS_PER_WARP: usize = 2;
+    /// Matrices one launch of the one-token products covers (the length of
+    /// `MatvecJobs`).
+    MAX_JOBS: usize = 4;
+
+    // ---- matvec_tc.cu
+    /// Lanes of a warp whose B registers hold values in the tensor-core
+    /// products (so 4 · 2 · 12 = 96 words of B table per 64 columns).
+    TC_B_LANES: usize = 12;
+    /// Warps per block of `linear_vector_tc_q4`.
+    TC_VECTOR_WARPS: usize = 8;
+    /// Warps per selected expert of `moe_down_tc_q4`, and its most warps
+    /// per block.
+    TC_DOWN_SPLIT: usize = 2;
+    TC_DOWN_MAX_WARPS: usize = 16;
+
+    // ---- norm.cu
+    /// Most threads per block of the norm kernels (their launch bound).
+    NORM_THREADS: u32 = 1024;
+
+    // ---- attention.cu
+    /// Warps per block of `attention` (a block per token and head).
+    ATTN_WARPS: usize = 4;
+    /// Values per lane of `attention`'s head (head dimensions up to
+    /// `ATTN_MAX_PER_LANE · 32`).
+    ATTN_MAX_PER_LANE: usize = 16;
+    /// Warps per block of the one-token attention kernels.
+    DECODE_ATTN_WARPS: usize = 16;
+    /// Warps, query rows per warp, keys per staged tile and the padding of
+    /// a staged key row of the prefill attention kernels
+    /// (`flash_attention_*`).
+    FA_WARPS: usize = 4;
+    FA_ROWS_PER_WARP: usize = 8;
+    FA_KEYS: usize = 32;
+    FA_KEY_PAD: usize = 4;
+
+    // ---- gated_delta_net.cu
+    /// Warps (value columns) per block of `gdn_recurrence`, and the key
+    /// rows each lane holds (key head dimensions up to `32 · GDN_LANE_ROWS`).
+    GDN_WARPS: usize = 16;
+    GDN_LANE_ROWS: usize = 8;
+
+    // ---- gdn_chunked.cu
+    /// Tokens per chunk, threads per block, the largest head dimension and
+    /// the state columns per block of the chunked delta rule.
+    GDN_CHUNK: usize = 64;
+    GDN_CHUNK_THREADS: u32 = 256;
+    GDN_MAX_DIM: usize = 128;
+    GDN_STATE_COLS: usize = 32;
+
+    // ---- gemm.cu
+    /// Weight rows and tokens per block, and threads per block, of the
+    /// tensor-core products (`linear_tc_*`).
+    GEMM_BM: usize = 128;
+    GEMM_BN: usize = 64;
+    GEMM_THREADS: u32 = 256;
+
+    // ---- moe.cu
+    /// Threads per block of `route` (one block per token, more than 512
+    /// experts).
+    ROUTE_THREADS: u32 = 256;
+    /// Warps (rows) per block of one token's expert gate/up kernels.
+    GATE_UP_WARPS: usize = 8;
+    /// Warps per block of one token's expert down kernels.
+    DOWN_WARPS: usize = 8;
+    /// Most experts per token one token's expert kernels take.
+    MAX_TOP_K: usize = 32;
+
+    // ---- moe_prefill.cu
+    /// Weight rows a block keeps in shared memory (128 rows of down, or 64
+    /// rows of gate and the same 64 of up), slots per tile, and threads per
+    /// block of the routed experts of many tokens.
+    MP_BM: usize = 128;
+    MP_BN: usize = 32;
+    MP_THREADS: u32 = 128;
+}
