@@ -121,7 +121,9 @@ impl ConvertOptions {
 pub struct SourceOptions {
     /// Store each matrix in the moeflux type closest in size to the way the
     /// input stores it (a GGUF Q4_K or an MLX 4-bit matrix as q4, Q6_K or
-    /// FP8 as q8, bf16 as bf16) instead of [`ConvertOptions::quant`].
+    /// FP8 as q8, bf16 as bf16; a matrix assembled from several input
+    /// tensors by their mean size, weighted by rows) instead of
+    /// [`ConvertOptions::quant`]. Routers still keep at least 8 bits.
     pub keep_nearest: bool,
 }
 
@@ -457,10 +459,19 @@ impl Dtypes {
             .dense
             .iter()
             .map(|t| {
-                let d = t
-                    .sources
-                    .first()
-                    .map_or(options.quant, |s| nearest(&s.tensor));
+                // An assembled tensor: the mean of its sources, by rows.
+                let (mut bits, mut rows) = (0.0, 0);
+                for s in &t.sources {
+                    if let Some(b) = source.stored_bits(&s.tensor) {
+                        bits += b * s.rows as f64;
+                        rows += s.rows;
+                    }
+                }
+                let d = if rows == 0 {
+                    options.quant
+                } else {
+                    nearest_dtype(bits / rows as f64)
+                };
                 if t.role != TensorRole::Vector {
                     count(d, t.rows * t.cols);
                 }
