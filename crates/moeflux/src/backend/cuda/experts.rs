@@ -29,7 +29,7 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, Lau
 use super::geometry::{
     DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
 };
-use super::streaming::{PART_ALIGN, VramCache};
+use super::vram_cache::{PART_ALIGN, VramCache};
 use super::{CudaBackend, Matrix, Routing, Tensor, device_error, grid_stride, int};
 use crate::error::Result;
 use crate::experts::{ExpertStore, Fetch};

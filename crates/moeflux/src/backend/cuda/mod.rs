@@ -60,11 +60,13 @@ mod geometry;
 mod graph;
 mod linear;
 mod norm;
+mod pinned;
 mod prefill;
 mod profile;
 mod routing;
 mod state;
 mod streaming;
+mod vram_cache;
 
 use std::collections::HashMap;
 use std::fmt::Display;
@@ -79,7 +81,7 @@ use cudarc::driver::{
 
 pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
-pub use streaming::ExpertCacheStats;
+pub use vram_cache::ExpertCacheStats;
 
 use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
@@ -91,16 +93,12 @@ use crate::format::TensorData;
 use crate::quant::{DType, MatrixLayout};
 use crate::util::{Progress, human_bytes};
 use compile::Kernels;
-use streaming::VramCache;
+use vram_cache::VramCache;
 
 /// Threads per block of the grid-stride kernels.
 const THREADS: u32 = 256;
 /// Most blocks of a grid-stride launch (they loop over the rest).
 const MAX_BLOCKS: usize = 65_535;
-
-/// Values from which [`Backend::to_host`] copies through page-locked
-/// memory (a vocabulary's logits; small downloads are not worth it).
-const PINNED_DOWNLOAD_MIN: usize = 1 << 14;
 
 /// Shared memory a block may use without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
@@ -622,27 +620,7 @@ impl Backend for CudaBackend {
     }
 
     fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
-        let len = x.rows * x.cols;
-        if len < PINNED_DOWNLOAD_MIN {
-            return self.download("to_host", &x.data, len);
-        }
-        let op = "to_host";
-        let mut staging = self.download_staging.lock().unwrap();
-        if staging.as_ref().is_none_or(|s| s.len() < len) {
-            // SAFETY: page-locked memory the copy below writes before it is
-            // read (cached, not write-combined: the host reads it).
-            *staging = Some(ok(op, unsafe { self.ctx.alloc_pinned_with_flags(len, 0) })?);
-        }
-        // The buffer may be longer than this download: copy into its first
-        // `len` values only.
-        let host = &mut ok(
-            op,
-            staging.as_mut().expect("allocated above").as_mut_slice(),
-        )?[..len];
-        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host))?;
-        ok(op, self.stream.synchronize())?;
-        ok(op, self.ctx.check_err())?;
-        Ok(host.to_vec())
+        CudaBackend::to_host(self, x)
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Tensor> {
