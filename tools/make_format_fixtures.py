@@ -23,8 +23,9 @@ fp8_qwen3_moe/      FP8 safetensors as DeepSeek-V3 and Qwen3-*-FP8 ship them:
                     for the fused expert tensors), router, embeddings, lm_head
                     and norms left in bf16; config.json with
                     quantization_config {quant_method: fp8, weight_block_size}.
-                    reference.safetensors: some tensors dequantized by
-                    ml_dtypes (e4m3 -> f32 times the block's scale, in f32).
+                    reference.safetensors: the first rows of two tensors
+                    dequantized by ml_dtypes (e4m3 -> f32 times the block's
+                    scale, in f32).
 mlx_qwen3_5_moe/    MLX affine quantization as mlx-community ships it:
                     fixtures/qwen3_5_moe re-encoded the way `mlx_lm.convert -q`
                     does (model.sanitize: experts stacked into switch_mlp, the
@@ -38,8 +39,8 @@ mlx_qwen3_5_moe/    MLX affine quantization as mlx-community ships it:
                     exact; codes packed lowest bits first into uint32).  One
                     matrix (layer 3 o_proj) is stored 8 bits in groups of 32,
                     a configuration moeflux must re-quantize.
-                    reference.safetensors: some tensors dequantized in numpy
-                    (q * scale + bias in f32).
+                    reference.safetensors: the first rows of four tensors
+                    dequantized in numpy (q * scale + bias in f32).
 gguf/qwen3_5_moe-00001-of-00002.gguf, gguf/qwen3_5_moe-00002-of-00002.gguf
                     fixtures/qwen3_5_moe written by the `gguf` package the way
                     llama.cpp's convert_hf_to_gguf.py writes Qwen3.5-MoE
@@ -51,13 +52,15 @@ gguf/qwen3_5_moe-00001-of-00002.gguf, gguf/qwen3_5_moe-00002-of-00002.gguf
                     and F32 tensors; split in two parts (40 tensors in the
                     first), as --split-max-tensors writes them.
 gguf/types.gguf     one [2, 512] tensor of every type moeflux reads (F32, F16,
-                    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K,
-                    Q5_K, Q6_K) quantized by gguf.quants, and the same values
-                    dequantized by gguf.quants.dequantize as `ref.<type>` F32
-                    tensors.
+                    BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 quantized by
+                    gguf.quants; Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, which
+                    gguf.quants cannot quantize, as random codes with sane f16
+                    scales), and the same values dequantized by
+                    gguf.quants.dequantize as `ref.<type>` F32 tensors.
 gguf/vocab.gguf     the bundled model's tokenizer and chat template as
                     convert_hf_to_gguf.py writes them (a vocabulary-only GGUF,
-                    like llama.cpp's models/ggml-vocab-*.gguf).
+                    like llama.cpp's models/ggml-vocab-*.gguf); pre-tokenizer
+                    `qwen2`, whose regex the bundled tokenizer uses.
 gguf/malformed/     damaged GGUF files (truncated, huge counts, bad types,
                     overlapping or out-of-file tensor data, misaligned offsets,
                     a bad magic or version); each must be refused with a clear
