@@ -398,7 +398,7 @@ pub fn weight_bytes_per_token<B: Backend>(model: &Model<B>) -> u64 {
     let experts: u64 = manifest
         .experts
         .iter()
-        .map(|e| e.blob.nbytes * cfg.moe.top_k as u64)
+        .map(|e| e.blob.nbytes * cfg.moe.router.top_k as u64)
         .sum();
     dense + experts
 }

@@ -94,12 +94,81 @@ impl LinearAttentionConfig {
 #[derive(Clone, Debug, Serialize)]
 pub struct MoeConfig {
     pub num_experts: usize,
-    pub top_k: usize,
     pub expert_intermediate_size: usize,
-    /// Renormalise the top-k router probabilities to sum to one.
-    pub norm_topk_prob: bool,
-    /// Intermediate size of the always-active shared expert, if any.
-    pub shared_expert_intermediate_size: Option<usize>,
+    /// How the router picks each token's experts and weighs them.
+    pub router: RouterSpec,
+    /// The always-active shared expert, if any.
+    pub shared_expert: Option<SharedExpert>,
+}
+
+/// A MoE router, as data: scores from the router's logits, the experts a
+/// token may choose among, the choice, and the weights of the chosen.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RouterSpec {
+    /// Experts each token uses.
+    pub top_k: usize,
+    pub score: ScoreFunction,
+    /// Group-limited choice (DeepSeek-V3): the experts fall into
+    /// `groups.count` equal groups, and only the `groups.keep` groups with
+    /// the highest sums of their two best scores are chosen from.
+    pub groups: Option<ExpertGroups>,
+    /// A per-expert bias (`e_score_correction_bias`) added to the scores for
+    /// the choice only, not for the weights.
+    pub correction_bias: bool,
+    /// Divide the chosen experts' weights by their sum.
+    pub renormalize: bool,
+    /// Multiply the weights by this (`routed_scaling_factor`).
+    pub scaling: f32,
+}
+
+impl RouterSpec {
+    /// Softmax over every expert, the `top_k` most probable, optionally
+    /// renormalised: the Qwen3 and Mixtral routers.
+    pub fn softmax(top_k: usize, renormalize: bool) -> RouterSpec {
+        RouterSpec {
+            top_k,
+            score: ScoreFunction::Softmax,
+            groups: None,
+            correction_bias: false,
+            renormalize,
+            scaling: 1.0,
+        }
+    }
+
+    /// Whether this is [`RouterSpec::softmax`]'s router.
+    pub fn is_plain_softmax(&self) -> bool {
+        self.score == ScoreFunction::Softmax
+            && self.groups.is_none()
+            && !self.correction_bias
+            && self.scaling == 1.0
+    }
+}
+
+/// How router logits become scores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ScoreFunction {
+    /// Softmax over all experts.
+    Softmax,
+    /// Each expert's sigmoid, independently.
+    Sigmoid,
+    /// Softmax over the chosen experts' logits only (the choice by logit).
+    SoftmaxOfChosen,
+}
+
+/// Experts in equal groups for a group-limited choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct ExpertGroups {
+    pub count: usize,
+    pub keep: usize,
+}
+
+/// An expert every token uses, beside its routed ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct SharedExpert {
+    pub intermediate_size: usize,
+    /// Scaled by the sigmoid of a learned gate of the token (Qwen3-Next),
+    /// or added as is (DeepSeek-V3).
+    pub gated: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -184,11 +253,13 @@ impl ModelConfig {
         }
         let m = &self.moe;
         if self.layers.iter().any(|l| l.ffn == FeedForwardKind::Moe)
-            && (m.top_k == 0 || m.top_k > m.num_experts || m.expert_intermediate_size == 0)
+            && (m.router.top_k == 0
+                || m.router.top_k > m.num_experts
+                || m.expert_intermediate_size == 0)
         {
             return fail(format!(
                 "num_experts_per_tok ({}) must be between 1 and num_experts ({}), moe_intermediate_size positive",
-                m.top_k, m.num_experts
+                m.router.top_k, m.num_experts
             ));
         }
         if self.layers.iter().any(|l| l.ffn == FeedForwardKind::Dense)

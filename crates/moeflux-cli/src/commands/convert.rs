@@ -10,8 +10,27 @@ use moeflux::text::TOKENIZER_FILE;
 use moeflux::util::Progress;
 use moeflux::util::human_bytes;
 
+/// A stored precision (convert and synth).
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum Quant {
+    Q4,
+    Q8,
+    Bf16,
+}
+
+impl Quant {
+    pub fn dtype(self) -> DType {
+        match self {
+            Quant::Q4 => DType::Q4,
+            Quant::Q8 => DType::Q8,
+            Quant::Bf16 => DType::Bf16,
+        }
+    }
+}
+
+/// convert's precisions: one for every matrix, or each matrix's nearest.
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum ConvertQuant {
     Q4,
     Q8,
     Bf16,
@@ -19,16 +38,6 @@ pub enum Quant {
     /// (GGUF Q4_K or MLX 4-bit as q4, Q6_K, Q8_0 or FP8 as q8, bf16 as
     /// bf16).
     KeepNearest,
-}
-
-impl Quant {
-    pub fn dtype(self) -> DType {
-        match self {
-            Quant::Q4 | Quant::KeepNearest => DType::Q4,
-            Quant::Q8 => DType::Q8,
-            Quant::Bf16 => DType::Bf16,
-        }
-    }
 }
 
 #[derive(clap::Args)]
@@ -42,7 +51,7 @@ pub struct Args {
     output: PathBuf,
     /// Weight precision.
     #[arg(long, value_enum, default_value = "q4")]
-    quant: Quant,
+    quant: ConvertQuant,
     /// Replace the output directory if it exists.
     #[arg(long)]
     force: bool,
@@ -94,8 +103,12 @@ impl Progress for Bar {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let quant = args.quant.dtype();
-    let keep_nearest = matches!(args.quant, Quant::KeepNearest);
+    let (quant, keep_nearest) = match args.quant {
+        ConvertQuant::Q4 => (DType::Q4, false),
+        ConvertQuant::Q8 => (DType::Q8, false),
+        ConvertQuant::Bf16 => (DType::Bf16, false),
+        ConvertQuant::KeepNearest => (DType::Q4, true),
+    };
     if args.input.is_dir()
         && args.input.join("config.json").is_file()
         && !args.input.join(TOKENIZER_FILE).is_file()

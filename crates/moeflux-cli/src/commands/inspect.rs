@@ -1,7 +1,7 @@
 //! `moeflux inspect -m DIR`
 
 use anyhow::Result;
-use moeflux::config::{FeedForwardKind, LayerKind};
+use moeflux::config::{FeedForwardKind, LayerKind, ScoreFunction};
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::util::human_bytes;
 
@@ -60,14 +60,41 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let moe = &c.moe;
+    let r = &moe.router;
     println!(
         "experts        {} per MoE layer, top-{}, intermediate {}{}",
         moe.num_experts,
-        moe.top_k,
+        r.top_k,
         moe.expert_intermediate_size,
-        moe.shared_expert_intermediate_size
-            .map(|s| format!(", shared expert {s}"))
+        moe.shared_expert
+            .map(|s| format!(
+                ", shared expert {}{}",
+                s.intermediate_size,
+                if s.gated { " (gated)" } else { "" }
+            ))
             .unwrap_or_default()
+    );
+    println!(
+        "router         {}{}{}{}{}",
+        match r.score {
+            ScoreFunction::Softmax => "softmax",
+            ScoreFunction::Sigmoid => "sigmoid",
+            ScoreFunction::SoftmaxOfChosen => "softmax of the chosen",
+        },
+        r.groups
+            .map(|g| format!(", best {} of {} groups", g.keep, g.count))
+            .unwrap_or_default(),
+        if r.correction_bias {
+            ", correction bias"
+        } else {
+            ""
+        },
+        if r.renormalize { ", renormalised" } else { "" },
+        if r.scaling != 1.0 {
+            format!(", scaled by {}", r.scaling)
+        } else {
+            String::new()
+        },
     );
     println!(
         "context        {} positions; KV cache {} per position",

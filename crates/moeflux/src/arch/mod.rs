@@ -106,6 +106,8 @@ pub mod names {
     pub const MLP_DOWN: &str = "mlp.down_proj";
 
     pub const MOE_ROUTER: &str = "moe.router";
+    /// The per-expert bias a router adds to its scores for the choice.
+    pub const MOE_ROUTER_CORRECTION: &str = "moe.router_correction_bias";
     pub const SHARED_GATE: &str = "moe.shared_expert.gate_proj";
     pub const SHARED_UP: &str = "moe.shared_expert.up_proj";
     pub const SHARED_DOWN: &str = "moe.shared_expert.down_proj";

@@ -5,7 +5,7 @@
 use crate::arch::{Architecture, names};
 use crate::config::{
     AttentionConfig, ConfigReader, FeedForwardKind, LayerKind, LayerSpec, ModelConfig, MoeConfig,
-    NormStyle,
+    NormStyle, RouterSpec,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
 use crate::error::Result;
@@ -57,10 +57,12 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         linear_attention: None,
         moe: MoeConfig {
             num_experts,
-            top_k: c.usize_or("num_experts_per_tok", 0)?,
             expert_intermediate_size: c.usize_or("moe_intermediate_size", 0)?,
-            norm_topk_prob: c.bool_or("norm_topk_prob", false)?,
-            shared_expert_intermediate_size: None,
+            router: RouterSpec::softmax(
+                c.usize_or("num_experts_per_tok", 0)?,
+                c.bool_or("norm_topk_prob", false)?,
+            ),
+            shared_expert: None,
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,
@@ -202,7 +204,8 @@ pub(super) fn feed_forward(
                 moe.num_experts,
                 h,
             )?;
-            if let Some(inter) = moe.shared_expert_intermediate_size {
+            if let Some(shared) = moe.shared_expert {
+                let inter = shared.intermediate_size;
                 swiglu(
                     b,
                     [
@@ -212,13 +215,15 @@ pub(super) fn feed_forward(
                     ],
                     inter,
                 )?;
-                b.matrix(
-                    canon(names::SHARED_EXPERT_GATE),
-                    TensorRole::Router,
-                    &hf("shared_expert_gate.weight"),
-                    1,
-                    h,
-                )?;
+                if shared.gated {
+                    b.matrix(
+                        canon(names::SHARED_EXPERT_GATE),
+                        TensorRole::Router,
+                        &hf("shared_expert_gate.weight"),
+                        1,
+                        h,
+                    )?;
+                }
             }
             b.experts(
                 i,

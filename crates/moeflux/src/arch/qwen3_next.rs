@@ -13,7 +13,7 @@ use crate::arch::qwen3_moe::{common_tensors, feed_forward};
 use crate::arch::{Architecture, names};
 use crate::config::{
     AttentionConfig, ConfigReader, LayerKind, LayerSpec, LinearAttentionConfig, ModelConfig,
-    MoeConfig, NormStyle,
+    MoeConfig, NormStyle, RouterSpec, SharedExpert,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, RowSource, TensorRole};
 use crate::error::Result;
@@ -96,11 +96,18 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
         }),
         moe: MoeConfig {
             num_experts,
-            top_k: c.usize_or("num_experts_per_tok", 0)?,
             expert_intermediate_size: c.usize_or("moe_intermediate_size", 0)?,
             // Qwen3.5's router always renormalises (its config has no key).
-            norm_topk_prob: c.bool_or("norm_topk_prob", true)?,
-            shared_expert_intermediate_size: c.opt_usize("shared_expert_intermediate_size")?,
+            router: RouterSpec::softmax(
+                c.usize_or("num_experts_per_tok", 0)?,
+                c.bool_or("norm_topk_prob", true)?,
+            ),
+            shared_expert: c.opt_usize("shared_expert_intermediate_size")?.map(
+                |intermediate_size| SharedExpert {
+                    intermediate_size,
+                    gated: true,
+                },
+            ),
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,

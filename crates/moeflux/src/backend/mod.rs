@@ -23,7 +23,7 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 use std::ops::Range;
 
-use crate::config::LinearAttentionConfig;
+use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
@@ -190,8 +190,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
         eps: f32,
     ) -> Result<Self::Tensor>;
 
-    /// Softmax over router logits, top-k, optionally renormalised.
-    fn route(&self, logits: &Self::Tensor, top_k: usize, normalize: bool) -> Result<Self::Routing>;
+    /// Each token's experts and their weights from the router's logits, as
+    /// `spec` says (`correction_bias`: the per-expert bias of a spec that
+    /// has one).
+    fn route(
+        &self,
+        logits: &Self::Tensor,
+        spec: &RouterSpec,
+        correction_bias: Option<&Self::Weight>,
+    ) -> Result<Self::Routing>;
     /// The experts a routing selected, every token's in order, on the host
     /// (the expert store reads by these ids).
     fn selected_experts(&self, routing: &Self::Routing) -> Result<Vec<u32>>;

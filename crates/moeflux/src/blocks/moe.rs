@@ -1,10 +1,12 @@
 //! Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block
-//! (router, routed experts read from the expert store, and an optional
-//! shared expert scaled by a sigmoid gate).
+//! (a router described by a [`RouterSpec`], routed experts read from the
+//! expert store, and an optional shared expert, optionally scaled by a
+//! sigmoid gate).
 
 use super::Weights;
 use crate::arch::names;
 use crate::backend::{Backend, RmsNorm};
+use crate::config::RouterSpec;
 use crate::error::Result;
 use crate::experts::ExpertStore;
 
@@ -54,10 +56,11 @@ impl<B: Backend> Mlp<B> {
 pub struct SparseMoe<B: Backend> {
     layer: usize,
     router: B::Weight,
-    top_k: usize,
-    normalize: bool,
-    /// The shared expert and its `[1, hidden]` gate.
-    shared: Option<(Mlp<B>, B::Weight)>,
+    spec: RouterSpec,
+    /// The per-expert bias of a router that corrects its choice with one.
+    correction_bias: Option<B::Weight>,
+    /// The shared expert and, when it has one, its `[1, hidden]` gate.
+    shared: Option<(Mlp<B>, Option<B::Weight>)>,
 }
 
 impl<B: Backend> SparseMoe<B> {
@@ -66,23 +69,30 @@ impl<B: Backend> SparseMoe<B> {
         let moe = &cfg.moe;
         let h = cfg.hidden_size;
         let name = |t| names::layer(layer, t);
-        let shared = match moe.shared_expert_intermediate_size {
-            Some(inter) => Some((
+        let shared = match moe.shared_expert {
+            Some(shared) => Some((
                 Mlp::load(
                     w,
                     layer,
                     [names::SHARED_GATE, names::SHARED_UP, names::SHARED_DOWN],
-                    inter,
+                    shared.intermediate_size,
                 )?,
-                w.matrix(&name(names::SHARED_EXPERT_GATE), 1, h)?,
+                match shared.gated {
+                    true => Some(w.matrix(&name(names::SHARED_EXPERT_GATE), 1, h)?),
+                    false => None,
+                },
             )),
             None => None,
+        };
+        let correction_bias = match moe.router.correction_bias {
+            true => Some(w.f32_tensor(&name(names::MOE_ROUTER_CORRECTION), &[moe.num_experts])?),
+            false => None,
         };
         Ok(SparseMoe {
             layer,
             router: w.matrix(&name(names::MOE_ROUTER), moe.num_experts, h)?,
-            top_k: moe.top_k,
-            normalize: moe.norm_topk_prob,
+            spec: moe.router.clone(),
+            correction_bias,
             shared,
         })
     }
@@ -92,7 +102,7 @@ impl<B: Backend> SparseMoe<B> {
     /// layer's input).
     pub fn predict(&self, b: &B, x: &B::Tensor) -> Result<Vec<u32>> {
         let logits = b.linear(x, &self.router)?;
-        b.selected_experts(&b.route(&logits, self.top_k, self.normalize)?)
+        b.selected_experts(&b.route(&logits, &self.spec, self.correction_bias.as_ref())?)
     }
 
     /// The block's input, `norm(residual)` with the layer's
@@ -111,7 +121,7 @@ impl<B: Backend> SparseMoe<B> {
         let [logits] = logits.as_slice() else {
             unreachable!("one product")
         };
-        let routing = b.route(logits, self.top_k, self.normalize)?;
+        let routing = b.route(logits, &self.spec, self.correction_bias.as_ref())?;
         Ok((x, routing))
     }
 
@@ -136,7 +146,9 @@ impl<B: Backend> SparseMoe<B> {
             Some((mlp, gate)) => {
                 let mut out = b.routed_experts(x, routing, store, self.layer)?;
                 let mut shared = mlp.forward(b, x)?;
-                b.mul_sigmoid(&mut shared, &b.linear(x, gate)?)?;
+                if let Some(gate) = gate {
+                    b.mul_sigmoid(&mut shared, &b.linear(x, gate)?)?;
+                }
                 b.add_assign(&mut out, &shared)?;
                 b.add_assign(residual, &out)
             }

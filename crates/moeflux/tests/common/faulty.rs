@@ -11,7 +11,7 @@ use moeflux::backend::{
     AttentionShape, Backend, DeviceExpertStats, GatedDeltaNetParams, HostDeltaNetState, HostKv,
     RmsNorm, Rope,
 };
-use moeflux::config::LinearAttentionConfig;
+use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::ExpertStore;
 use moeflux::format::TensorData;
 use moeflux::util::Progress;
@@ -198,9 +198,14 @@ impl<B: Backend> Backend for Faulty<B> {
         self.check("gated_rms_norm")?;
         self.inner.gated_rms_norm(x, gate, weight, eps)
     }
-    fn route(&self, logits: &B::Tensor, top_k: usize, normalize: bool) -> Result<B::Routing> {
+    fn route(
+        &self,
+        logits: &B::Tensor,
+        spec: &RouterSpec,
+        correction_bias: Option<&B::Weight>,
+    ) -> Result<B::Routing> {
         self.check("route")?;
-        self.inner.route(logits, top_k, normalize)
+        self.inner.route(logits, spec, correction_bias)
     }
     fn selected_experts(&self, routing: &B::Routing) -> Result<Vec<u32>> {
         self.check("selected_experts")?;

@@ -7,7 +7,7 @@ mod bandwidth;
 mod bench;
 mod gated_delta_net;
 mod linear;
-mod moe;
+pub(crate) mod moe;
 mod simd;
 
 use rayon::prelude::*;
@@ -17,7 +17,7 @@ use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
 };
 use crate::arch::names;
-use crate::config::LinearAttentionConfig;
+use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
@@ -382,8 +382,18 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(x.rows, x.cols, out))
     }
 
-    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Result<Routing> {
-        Ok(moe::route(&logits.data, logits.cols, top_k, normalize))
+    fn route(
+        &self,
+        logits: &Tensor,
+        spec: &RouterSpec,
+        correction_bias: Option<&Weight>,
+    ) -> Result<Routing> {
+        let bias = correction_bias.map(|w| {
+            let mut row = vec![0f32; w.tensor.view().cols()];
+            w.tensor.view().dequantize_row(0, &mut row);
+            row
+        });
+        Ok(moe::route(&logits.data, logits.cols, spec, bias.as_deref()))
     }
 
     fn selected_experts(&self, routing: &Routing) -> Result<Vec<u32>> {

@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::linear::{Activations, Product, matmul_many};
+use crate::config::{ExpertGroups, RouterSpec, ScoreFunction};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, Fetch};
 
@@ -19,37 +20,106 @@ pub struct Routing {
     pub weights: Vec<f32>,
 }
 
-/// Softmax, top-k and optional renormalisation, as transformers' Qwen
-/// routers compute them.
-pub fn route(logits: &[f32], num_experts: usize, top_k: usize, normalize: bool) -> Routing {
-    let n = logits.len() / num_experts;
+/// Each token's experts and weights as `spec` routes them, following
+/// transformers' routers (Qwen3's softmax top-k, DeepSeek-V3's grouped
+/// sigmoid with its correction bias, gpt-oss's softmax over the chosen).
+/// `bias` is the per-expert correction bias when the spec uses one.
+pub fn route(
+    logits: &[f32],
+    num_experts: usize,
+    spec: &RouterSpec,
+    bias: Option<&[f32]>,
+) -> Routing {
+    let (n, top_k) = (logits.len() / num_experts, spec.top_k);
     let mut experts = Vec::with_capacity(n * top_k);
     let mut weights = Vec::with_capacity(n * top_k);
+    let mut scores = vec![0f32; num_experts];
+    let mut choice = vec![0f32; num_experts];
     let mut order: Vec<u32> = Vec::with_capacity(num_experts);
     for row in logits.chunks_exact(num_experts) {
-        let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let total: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+        match spec.score {
+            ScoreFunction::Softmax => {
+                let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let total: f32 = row.iter().map(|&x| (x - max).exp()).sum();
+                for (s, &x) in scores.iter_mut().zip(row) {
+                    *s = (x - max).exp() / total;
+                }
+            }
+            ScoreFunction::Sigmoid => {
+                for (s, &x) in scores.iter_mut().zip(row) {
+                    *s = 1.0 / (1.0 + (-x).exp());
+                }
+            }
+            // The choice is by logit; the weights are the softmax of the
+            // chosen logits, below.
+            ScoreFunction::SoftmaxOfChosen => scores.copy_from_slice(row),
+        }
+        choice.copy_from_slice(&scores);
+        if let Some(bias) = bias.filter(|_| spec.correction_bias) {
+            choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
+        }
+        if let Some(groups) = spec.groups {
+            keep_best_groups(&mut choice, groups);
+        }
         order.clear();
         order.extend(0..num_experts as u32);
         // Ties resolve to the lower index, like a stable descending sort.
-        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+        order.sort_by(|&a, &b| {
+            choice[b as usize]
+                .total_cmp(&choice[a as usize])
+                .then(a.cmp(&b))
+        });
         let chosen = &order[..top_k];
-        let probs: Vec<f32> = chosen
-            .iter()
-            .map(|&e| (row[e as usize] - max).exp() / total)
-            .collect();
-        let scale = if normalize {
-            1.0 / probs.iter().sum::<f32>()
-        } else {
-            1.0
-        };
+        let mut picked: Vec<f32> = chosen.iter().map(|&e| scores[e as usize]).collect();
+        if spec.score == ScoreFunction::SoftmaxOfChosen {
+            let max = picked.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            picked.iter_mut().for_each(|p| *p = (*p - max).exp());
+            let total: f32 = picked.iter().sum();
+            picked.iter_mut().for_each(|p| *p /= total);
+        }
+        let mut scale = spec.scaling;
+        if spec.renormalize {
+            // transformers adds 1e-20 to sigmoid routers' sums.
+            let guard = if spec.score == ScoreFunction::Sigmoid {
+                1e-20
+            } else {
+                0.0
+            };
+            scale /= picked.iter().sum::<f32>() + guard;
+        }
         experts.extend_from_slice(chosen);
-        weights.extend(probs.iter().map(|p| p * scale));
+        weights.extend(picked.iter().map(|p| p * scale));
     }
     Routing {
         top_k,
         experts,
         weights,
+    }
+}
+
+/// Zeroes the choice scores of every group but the `groups.keep` whose two
+/// best scores sum highest (transformers' DeepSeek-V3 router: masked
+/// scores become 0, not minus infinity).
+fn keep_best_groups(choice: &mut [f32], groups: ExpertGroups) {
+    let size = choice.len() / groups.count;
+    let mut group_scores: Vec<(usize, f32)> = choice
+        .chunks_exact(size)
+        .map(|g| {
+            let (mut first, mut second) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &s in g {
+                if s > first {
+                    (first, second) = (s, first);
+                } else if s > second {
+                    second = s;
+                }
+            }
+            if size < 2 { first } else { first + second }
+        })
+        .enumerate()
+        .collect();
+    group_scores.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    for &(g, _) in &group_scores[groups.keep..] {
+        choice[g * size..(g + 1) * size].fill(0.0);
     }
 }
 
@@ -182,4 +252,78 @@ fn experts(
         .collect();
     let down = matmul_many(&down);
     experts.iter().map(|e| e.index).zip(down).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sigmoid(x: f32) -> f32 {
+        1.0 / (1.0 + (-x).exp())
+    }
+
+    #[test]
+    fn softmax_router_picks_the_most_probable_and_renormalises() {
+        let logits = [0.5f32, 2.0, -1.0, 1.0];
+        let r = route(&logits, 4, &RouterSpec::softmax(2, true), None);
+        assert_eq!(r.experts, [1, 3]);
+        let (a, b) = (2.0f32.exp(), 1.0f32.exp());
+        assert!((r.weights[0] - a / (a + b)).abs() < 1e-6);
+        assert!((r.weights[1] - b / (a + b)).abs() < 1e-6);
+        let raw = route(&logits, 4, &RouterSpec::softmax(2, false), None);
+        let total: f32 = logits.iter().map(|x| x.exp()).sum();
+        assert!((raw.weights[0] - a / total).abs() < 1e-6);
+    }
+
+    #[test]
+    fn grouped_sigmoid_router_chooses_with_the_bias_and_weighs_without_it() {
+        // Eight experts in four groups of two; a group's score is the sum
+        // of its two choice scores.
+        let logits = [3.0f32, -3.0, 1.0, 0.8, -2.0, -2.0, 0.5, 0.4];
+        let bias = [0.0f32, 0.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0];
+        let spec = RouterSpec {
+            top_k: 2,
+            score: ScoreFunction::Sigmoid,
+            groups: Some(ExpertGroups { count: 4, keep: 2 }),
+            correction_bias: true,
+            renormalize: true,
+            scaling: 2.5,
+        };
+        let r = route(&logits, 8, &spec, Some(&bias));
+        // Choice scores: group 0: s(3)+s(-3) = 1.0; group 1: s(1)+s(.8) ≈
+        // 1.42; group 2 ≈ 0.24; group 3: s(.5)+2+s(.4) ≈ 3.22. Kept: 3 and
+        // 1; best: 6 (with its bias), then 2.
+        assert_eq!(r.experts, [6, 2]);
+        let (w6, w2) = (sigmoid(0.5), sigmoid(1.0));
+        let total = w6 + w2 + 1e-20;
+        assert!((r.weights[0] - 2.5 * w6 / total).abs() < 1e-6);
+        assert!((r.weights[1] - 2.5 * w2 / total).abs() < 1e-6);
+        // Without the bias the choice is by score alone: groups 1 and 3
+        // (1.42 and 1.22 against group 0's 1.0), so expert 0, the best
+        // alone, is out: experts 2 and 3.
+        let plain = RouterSpec {
+            correction_bias: false,
+            renormalize: false,
+            scaling: 1.0,
+            ..spec
+        };
+        let r = route(&logits, 8, &plain, Some(&bias));
+        assert_eq!(r.experts, [2, 3]);
+        assert!((r.weights[0] - sigmoid(1.0)).abs() < 1e-6);
+        assert!((r.weights[1] - sigmoid(0.8)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn softmax_of_the_chosen_weighs_the_chosen_logits_only() {
+        let logits = [1.0f32, 3.0, 2.0, 0.0, -1.0, 2.5];
+        let spec = RouterSpec {
+            score: ScoreFunction::SoftmaxOfChosen,
+            ..RouterSpec::softmax(2, false)
+        };
+        let r = route(&logits, 6, &spec, None);
+        assert_eq!(r.experts, [1, 5]);
+        let (a, b) = (3.0f32.exp(), 2.5f32.exp());
+        assert!((r.weights[0] - a / (a + b)).abs() < 1e-6);
+        assert!((r.weights[1] - b / (a + b)).abs() < 1e-6);
+    }
 }

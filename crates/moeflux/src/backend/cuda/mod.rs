@@ -86,7 +86,7 @@ pub use vram_cache::ExpertCacheStats;
 use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
 };
-use crate::config::LinearAttentionConfig;
+use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
 use crate::format::TensorData;
@@ -688,8 +688,13 @@ impl Backend for CudaBackend {
         CudaBackend::gated_rms_norm(self, x, gate, weight, eps)
     }
 
-    fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Result<Routing> {
-        CudaBackend::route(self, logits, top_k, normalize)
+    fn route(
+        &self,
+        logits: &Tensor,
+        spec: &RouterSpec,
+        correction_bias: Option<&Weight>,
+    ) -> Result<Routing> {
+        CudaBackend::route(self, logits, spec, correction_bias)
     }
 
     fn selected_experts(&self, routing: &Routing) -> Result<Vec<u32>> {

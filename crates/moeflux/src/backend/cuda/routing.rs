@@ -6,7 +6,8 @@ use std::sync::OnceLock;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::geometry::ROUTE_THREADS;
-use super::{CudaBackend, MAX_SHARED_BYTES, Tensor, block_per_item, int, ok};
+use super::{CudaBackend, MAX_SHARED_BYTES, Tensor, Weight, block_per_item, int, ok};
+use crate::config::RouterSpec;
 use crate::error::Result;
 
 /// Tokens (warps) per block of the one-warp router (its kernels take any
@@ -50,7 +51,19 @@ impl Routing {
 }
 
 impl CudaBackend {
-    pub(super) fn route(&self, logits: &Tensor, top_k: usize, normalize: bool) -> Result<Routing> {
+    /// A plain softmax router (Qwen3's) runs in moe.cu's kernels; the
+    /// others, on the host from downloaded logits (their kernels are still
+    /// to be written).
+    pub(super) fn route(
+        &self,
+        logits: &Tensor,
+        spec: &RouterSpec,
+        correction_bias: Option<&Weight>,
+    ) -> Result<Routing> {
+        if !spec.is_plain_softmax() {
+            return self.route_on_host(logits, spec, correction_bias);
+        }
+        let (top_k, normalize) = (spec.top_k, spec.renormalize);
         let (n, experts) = (logits.rows, logits.cols);
         assert!(
             top_k >= 1 && top_k <= experts && experts + 1024 <= MAX_SHARED_BYTES,
@@ -99,6 +112,31 @@ impl CudaBackend {
             experts: ids,
             weights,
             host_experts: OnceLock::new(),
+        })
+    }
+
+    fn route_on_host(
+        &self,
+        logits: &Tensor,
+        spec: &RouterSpec,
+        correction_bias: Option<&Weight>,
+    ) -> Result<Routing> {
+        let op = "route (host)";
+        let host = self.download(op, &logits.data, logits.rows * logits.cols)?;
+        let bias = match correction_bias {
+            Some(w) => {
+                let bytes = self.download(op, &w.data, w.data.len())?;
+                Some(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes))
+            }
+            None => None,
+        };
+        let routing = crate::backend::cpu::moe::route(&host, logits.cols, spec, bias.as_deref());
+        Ok(Routing {
+            top_k: routing.top_k,
+            rows: logits.rows,
+            experts: self.upload(op, &routing.experts)?,
+            weights: self.upload(op, &routing.weights)?,
+            host_experts: OnceLock::from(routing.experts),
         })
     }
 
