@@ -3,11 +3,12 @@
 //! | variable | what it does | default |
 //! | --- | --- | --- |
 //! | `MOEFLUX_CACHE` | where moeflux keeps what it can rebuild: the converted bundled model, compiled GPU kernels | `$XDG_CACHE_HOME/moeflux`, else `~/.cache/moeflux` |
+//! | `XDG_STATE_HOME` | where `moeflux chat` keeps its input history (`moeflux/chat_history`) | `~/.local/state` |
 //! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
 //! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
 //! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
-//! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: kernel tuning constants | none |
+//! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
 //! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
 //!
@@ -43,6 +44,14 @@ pub fn cache_dir() -> PathBuf {
         .or_else(|| var("XDG_CACHE_HOME").map(|p| PathBuf::from(p).join("moeflux")))
         .or_else(|| var("HOME").map(|p| PathBuf::from(p).join(".cache/moeflux")))
         .unwrap_or_else(|| std::env::temp_dir().join("moeflux-cache"))
+}
+
+/// Where programs keep state between runs: `$XDG_STATE_HOME`, else
+/// `~/.local/state`.
+pub fn state_dir() -> Option<PathBuf> {
+    var("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| var("HOME").map(|h| PathBuf::from(h).join(".local/state")))
 }
 
 /// `MOEFLUX_CPU_KERNELS`: the name of the CPU kernel set asked for.

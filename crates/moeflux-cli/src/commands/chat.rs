@@ -116,17 +116,9 @@ impl rustyline::hint::Hinter for MultiLine {
 impl rustyline::highlight::Highlighter for MultiLine {}
 impl rustyline::Helper for MultiLine {}
 
-/// The chat history file: `$XDG_STATE_HOME/moeflux/chat_history`, else
-/// `~/.local/state/moeflux/chat_history`.
+/// The chat history file (`moeflux::tuning::state_dir`).
 fn history_file() -> Option<PathBuf> {
-    let var = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    var("XDG_STATE_HOME")
-        .or_else(|| var("HOME").map(|h| h.join(".local/state")))
-        .map(|d| d.join("moeflux/chat_history"))
+    moeflux::tuning::state_dir().map(|d| d.join("moeflux/chat_history"))
 }
 
 impl Input {

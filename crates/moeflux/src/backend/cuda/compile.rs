@@ -214,7 +214,7 @@ fn geometry_defines() -> Vec<String> {
 /// is refused, since the host would still launch with its own value
 /// (change the constant in geometry.rs instead).
 fn tuning_defines() -> Result<Vec<String>, String> {
-    tuning_options(&std::env::var("MOEFLUX_CUDA_DEFINES").unwrap_or_default())
+    tuning_options(&crate::tuning::cuda_defines().join(" "))
 }
 
 fn tuning_options(defines: &str) -> Result<Vec<String>, String> {

@@ -165,12 +165,12 @@ pub(super) struct Recordings {
 }
 
 pub(super) fn enabled_by_env() -> bool {
-    std::env::var_os("MOEFLUX_CUDA_GRAPHS").is_none_or(|v| v != "0")
+    crate::tuning::cuda_graphs()
 }
 
 /// Programmatic edges are on unless `MOEFLUX_CUDA_PDL=0` (for comparing).
 pub(super) fn programmatic_by_env() -> bool {
-    std::env::var_os("MOEFLUX_CUDA_PDL").is_none_or(|v| v != "0")
+    crate::tuning::cuda_programmatic_launch()
 }
 
 /// A captured and instantiated step. Ours rather than cudarc's `CudaGraph`

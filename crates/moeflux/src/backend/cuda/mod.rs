@@ -103,15 +103,6 @@ const MAX_BLOCKS: usize = 65_535;
 /// Shared memory a block may use without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
-/// A count from the environment variable `name` (a tuning knob for
-/// experiments), else `default`.
-fn tuning_knob(name: &str, default: usize) -> usize {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
-
 /// CUDA devices this process can use: 0 when there is no driver library
 /// or no device, an error when a driver is installed but fails.
 pub fn device_count() -> Result<usize> {
@@ -401,11 +392,8 @@ impl CudaBackend {
             recordings: Mutex::new(graph::Recordings::default()),
             graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
-            whole_rows_min: tuning_knob("MOEFLUX_CUDA_WHOLE_ROWS_MIN", linear::WHOLE_ROWS_MIN),
-            gdn_chunked_min: tuning_knob(
-                "MOEFLUX_CUDA_GDN_CHUNKED_MIN",
-                delta_net::GDN_CHUNKED_MIN,
-            ),
+            whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
+            gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
             sm_count,
             download_staging: Mutex::new(None),
             tc_shared_limit,

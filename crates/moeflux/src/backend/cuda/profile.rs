@@ -16,12 +16,10 @@ pub(super) struct Profiler {
 
 impl Profiler {
     pub(super) fn from_env() -> Option<Profiler> {
-        std::env::var_os("MOEFLUX_CUDA_PROFILE")
-            .filter(|v| !v.is_empty() && v != "0")
-            .map(|_| Profiler {
-                launches: Mutex::new(Vec::new()),
-                created: std::time::Instant::now(),
-            })
+        crate::tuning::cuda_profile().then(|| Profiler {
+            launches: Mutex::new(Vec::new()),
+            created: std::time::Instant::now(),
+        })
     }
 
     fn event(stream: &CudaStream) -> CudaEvent {
