@@ -508,9 +508,14 @@ fn parse(path: &Path, bytes: &[u8]) -> Result<Parsed> {
     }
     let version = c.u32("version")?;
     if !(2..=3).contains(&version) {
+        let hint = if (2..=3).contains(&version.swap_bytes()) {
+            "; this is a big-endian GGUF, and moeflux reads little-endian ones"
+        } else {
+            ""
+        };
         return Err(c.error(
             "version",
-            format!("version {version} is not supported (GGUF 2 and 3 are)"),
+            format!("version {version} is not supported (GGUF 2 and 3 are){hint}"),
         ));
     }
     // A tensor info is at least a name length, one dimension, a type and
