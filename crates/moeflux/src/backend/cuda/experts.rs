@@ -24,16 +24,17 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
 
+use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_inter};
 use super::geometry::{
     DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
 };
-use super::vram_cache::{PART_ALIGN, VramCache};
-use super::{CudaBackend, Matrix, Routing, Tensor, device_error, grid_stride, int};
+use super::vram_cache::VramCache;
+use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int};
 use crate::error::Result;
 use crate::experts::{ExpertStore, Fetch};
-use crate::quant::{DType, MatrixLayout};
+use crate::quant::DType;
 use crate::util::Progress;
 
 /// Device memory the automatic budget leaves free for KV caches and
@@ -61,79 +62,10 @@ fn down_tc_shared_bytes(top_k: usize, inter: usize) -> usize {
     top_k * tc_staged_bytes(inter) + 4 * 16 * top_k * TC_DOWN_SPLIT
 }
 
-/// An expert's gate, up and down matrices in one device buffer.
-pub(super) struct DeviceExpert {
-    pub(super) data: CudaSlice<u8>,
-    /// (offset, layout) of gate, up and down.
-    pub(super) parts: [(usize, MatrixLayout); 3],
-}
-
-/// Where one matrix of an expert lies in the expert's buffer, as the fused
-/// kernels take it (`ExpertPart` in moe.cu): its codes from the buffer's
-/// start, its scales and biases from its codes.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct ExpertPart {
-    offset: i64,
-    scales: i64,
-    biases: i64,
-}
-
-// SAFETY: three i64s, laid out as the kernels' struct of three long longs.
-unsafe impl DeviceRepr for ExpertPart {}
-
-/// The placement of gate, up and down, the same in every expert of a layer.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct PartsLayout(pub(super) [(usize, MatrixLayout); 3]);
-
-impl PartsLayout {
-    fn part(&self, i: usize) -> ExpertPart {
-        let (offset, layout) = self.0[i];
-        ExpertPart {
-            offset: offset as i64,
-            scales: layout.scales_offset as i64,
-            biases: layout.biases_offset as i64,
-        }
-    }
-}
-
-impl DeviceExpert {
-    /// The device address of the buffer (valid while `self` lives).
-    pub(super) fn address(&self, stream: &CudaStream) -> u64 {
-        let (ptr, _sync) = self.data.device_ptr(stream);
-        ptr
-    }
-
-    fn matrix(&self, part: usize, name: &'static str) -> Matrix<'_> {
-        let (offset, layout) = self.parts[part];
-        Matrix {
-            name,
-            layout,
-            data: &self.data,
-            offset,
-        }
-    }
-}
-
 /// Where an expert of the current layer comes from.
 enum Source {
     Resident(Arc<DeviceExpert>),
     Fetching(Fetch),
-}
-
-/// The intermediate size of experts laid out as `parts` (gate, up, down)
-/// for a hidden size of `hidden`, checked against the down projection.
-pub(super) fn expert_inter(parts: &[(usize, MatrixLayout); 3], hidden: usize) -> usize {
-    let (gate, down) = (parts[0].1, parts[2].1);
-    assert!(
-        gate.cols == hidden && down.rows == hidden && down.cols == gate.rows,
-        "routed experts: expert shapes [{}, {}] and [{}, {}] for hidden size {hidden}",
-        gate.rows,
-        gate.cols,
-        down.rows,
-        down.cols
-    );
-    gate.rows
 }
 
 impl CudaBackend {

@@ -53,6 +53,7 @@ macro_rules! launch {
 mod attention;
 mod compile;
 mod delta_net;
+mod device_expert;
 mod elementwise;
 mod experts;
 mod gemm;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaEvent;
 
-use super::vram_cache::{DeviceLayout, VramKey};
+use super::device_expert::{DeviceLayout, VramKey};
 use crate::experts::Expert;
 
 /// Pinned slots allocated at once (one `cuMemHostAlloc`).

@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
-use super::experts::expert_inter;
+use super::device_expert::expert_inter;
 use super::geometry::{MP_BM, MP_BN, MP_THREADS};
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::error::Result;

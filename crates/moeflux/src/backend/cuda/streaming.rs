@@ -35,11 +35,10 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUevent_flags, CUresult};
 use cudarc::driver::{CudaSlice, DevicePtr, DriverError};
 
-use super::experts::{DeviceExpert, PartsLayout};
+use super::device_expert::{DeviceExpert, DeviceLayout, PartsLayout, VramKey};
 use super::pinned::SLOTS_PER_CHUNK;
 use super::vram_cache::{
-    Buffer, CompleteLayer, DeviceLayout, Entry, ExpertCacheStats, LastUse, Streams, VramCache,
-    VramKey,
+    Buffer, CompleteLayer, Entry, ExpertCacheStats, LastUse, Streams, VramCache,
 };
 use super::{CudaBackend, device_error};
 use crate::error::Result;

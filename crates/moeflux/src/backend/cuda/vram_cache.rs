@@ -10,19 +10,12 @@ use std::sync::Arc;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use serde::Serialize;
 
-use super::experts::{DeviceExpert, PartsLayout};
+use super::device_expert::{DeviceExpert, PartsLayout, VramKey};
 use super::pinned::PinnedTier;
-use crate::experts::ExpertStore;
 use crate::quant::MatrixLayout;
 
-/// (expert store, layer, expert)
-pub(super) type VramKey = (u64, u32, u32);
 /// (expert store, layer)
 type LayerKey = (u64, u32);
-
-/// Offsets of an expert's matrices in its device buffer (and pinned slot)
-/// are aligned to this.
-pub(super) const PART_ALIGN: usize = 256;
 
 /// What the VRAM expert cache and the copies feeding it have done since
 /// the backend was created. Every routed expert a layer uses counts once,
@@ -360,30 +353,6 @@ impl VramCache {
             false
         });
         self.stats.copy_nanos += nanos;
-    }
-}
-
-/// An expert's parts in a device buffer (or pinned slot).
-#[derive(Clone, Copy)]
-pub(super) struct DeviceLayout {
-    pub(super) parts: [(usize, MatrixLayout); 3],
-    pub(super) total: usize,
-}
-
-impl DeviceLayout {
-    /// The layout of every expert of `layer`: parts one after another,
-    /// each aligned to [`PART_ALIGN`].
-    pub(super) fn of(store: &ExpertStore, layer: usize) -> DeviceLayout {
-        let blob = store
-            .blob_layout(layer)
-            .expect("routed experts of an MoE layer");
-        let mut parts = [blob.gate, blob.up, blob.down];
-        let mut total = 0;
-        for part in parts.iter_mut() {
-            part.0 = total;
-            total += part.1.total_bytes.next_multiple_of(PART_ALIGN);
-        }
-        DeviceLayout { parts, total }
     }
 }
 
