@@ -29,7 +29,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Convert a Hugging Face checkpoint into a moeflux model directory.
+    /// Convert a checkpoint (Hugging Face safetensors in bf16/f16/f32 or FP8,
+    /// an MLX-quantized folder, or a GGUF file) into a moeflux model directory.
     Convert(commands::convert::Args),
     /// Write the logits of every position of a token sequence to a .npy file.
     Logits(commands::logits::Args),
