@@ -237,6 +237,23 @@ fn wrong_tensor_shape_in_manifest_is_reported() {
 }
 
 #[test]
+fn tensor_roles_are_recorded_and_a_wrong_one_is_refused() {
+    let (_tmp, model) = converted();
+    let manifest_path = model.join("manifest.json");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&fs::read_to_string(&manifest_path).unwrap()).unwrap();
+    let role = |name: &str| manifest["tensors"][name]["role"].clone();
+    assert_eq!(role("layers.0.moe.router"), "router");
+    assert_eq!(role("layers.0.attn.o_proj"), "matrix");
+    assert_eq!(role("layers.0.input_norm"), "vector");
+    edit_json(&manifest_path, |m| {
+        m["tensors"]["layers.0.moe.router"]["role"] = "matrix".into();
+    });
+    let err = fails(&mut generate(&model, "1,2,3"));
+    assert_mentions(&err, &["layers.0.moe.router", "recorded as a Matrix"]);
+}
+
+#[test]
 fn unknown_architecture_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");

@@ -615,7 +615,10 @@ impl TestWeights {
 
     fn load<B: Backend>(&self, backend: &B, name: &str, shape: &[usize]) -> B::Weight {
         backend
-            .load_weight(&self.dir.tensor(name, shape).unwrap())
+            .load_weight(
+                &self.dir.tensor(name, shape).unwrap(),
+                moeflux::format::TensorRole::Matrix,
+            )
             .unwrap()
     }
 }
@@ -1236,8 +1239,12 @@ fn routing_matches_cpu() {
     for (n, experts, top_k) in [(9, 37, 5), (1, 8, 2), (4, 300, 10), (3, 512, 1)] {
         let (l_cpu, l_gpu) = both(&gpu, n, experts, values(n * experts, experts as u64));
         for normalize in [false, true] {
-            let want = cpu.route(&l_cpu, &RouterSpec::softmax(top_k, normalize), None).unwrap();
-            let got = gpu.route(&l_gpu, &RouterSpec::softmax(top_k, normalize), None).unwrap();
+            let want = cpu
+                .route(&l_cpu, &RouterSpec::softmax(top_k, normalize), None)
+                .unwrap();
+            let got = gpu
+                .route(&l_gpu, &RouterSpec::softmax(top_k, normalize), None)
+                .unwrap();
             assert_eq!(
                 gpu.selected_experts(&got).unwrap(),
                 cpu.selected_experts(&want).unwrap(),
@@ -1284,7 +1291,8 @@ fn routed_experts_match_cpu() {
             let want = cpu
                 .routed_experts(
                     &x_cpu,
-                    &cpu.route(&l_cpu, &RouterSpec::softmax(top_k, true), None).unwrap(),
+                    &cpu.route(&l_cpu, &RouterSpec::softmax(top_k, true), None)
+                        .unwrap(),
                     &store,
                     layer,
                 )
@@ -1292,7 +1300,8 @@ fn routed_experts_match_cpu() {
             let got = gpu
                 .routed_experts(
                     &x_gpu,
-                    &gpu.route(&l_gpu, &RouterSpec::softmax(top_k, true), None).unwrap(),
+                    &gpu.route(&l_gpu, &RouterSpec::softmax(top_k, true), None)
+                        .unwrap(),
                     &store,
                     layer,
                 )
@@ -1489,7 +1498,8 @@ fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
             let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
             let store = whole_store(&dir);
             let cfg = dir.config();
-            let (hidden, experts, top_k) = (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.router.top_k);
+            let (hidden, experts, top_k) =
+                (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.router.top_k);
             let layer = cfg.moe_layers().next().expect("an MoE layer");
             let streamed_gpu = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(1),
@@ -1525,7 +1535,8 @@ fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
                 let want = cpu
                     .routed_experts(
                         &x_cpu,
-                        &cpu.route(&l_cpu, &RouterSpec::softmax(top_k, true), None).unwrap(),
+                        &cpu.route(&l_cpu, &RouterSpec::softmax(top_k, true), None)
+                            .unwrap(),
                         &store,
                         layer,
                     )
@@ -1534,14 +1545,18 @@ fn grouped_prefill_experts_match_cpu_and_agree_however_cached() {
                 let on = |gpu: &CudaBackend| {
                     let x = gpu.tensor_from_host(n, hidden, &x).unwrap();
                     let l = gpu.tensor_from_host(n, experts, &logits).unwrap();
-                    let routing = gpu.route(&l, &RouterSpec::softmax(top_k, true), None).unwrap();
+                    let routing = gpu
+                        .route(&l, &RouterSpec::softmax(top_k, true), None)
+                        .unwrap();
                     gpu.to_host(&gpu.routed_experts(&x, &routing, &store, layer).unwrap())
                         .unwrap()
                 };
                 let got = on(&resident_gpu);
                 let what = format!("grouped experts {model} {} n={n}", quant.name());
                 assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite");
-                let routing = cpu.route(&l_cpu, &RouterSpec::softmax(top_k, true), None).unwrap();
+                let routing = cpu
+                    .route(&l_cpu, &RouterSpec::softmax(top_k, true), None)
+                    .unwrap();
                 let bounds = expert_error_bounds(&store, layer, &x, hidden, &routing, 1e-5);
                 let mut worst = 0f64;
                 for ((g, w), bound) in got.iter().zip(&want).zip(&bounds) {

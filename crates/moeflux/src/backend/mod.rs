@@ -26,7 +26,7 @@ use std::ops::Range;
 use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
-use crate::format::TensorData;
+use crate::format::{TensorData, TensorRole};
 use crate::util::Progress;
 
 /// Geometry of grouped-query attention.
@@ -103,8 +103,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// bytes read plus written, on a GPU).
     fn memory_bandwidth(&self) -> Result<f64>;
 
-    /// Makes a stored tensor usable by this backend.
-    fn load_weight(&self, tensor: &TensorData) -> Result<Self::Weight>;
+    /// Makes a stored tensor usable by this backend, for `role` (a router's
+    /// matrix takes exact activations).
+    fn load_weight(&self, tensor: &TensorData, role: TensorRole) -> Result<Self::Weight>;
 
     fn new_kv_cache(&self, shape: AttentionShape) -> Result<Self::KvCache>;
     fn kv_len(&self, cache: &Self::KvCache) -> usize;

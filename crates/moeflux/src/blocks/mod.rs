@@ -14,7 +14,7 @@ use std::ops::Range;
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::format::{MANIFEST_FILE, ModelDir};
+use crate::format::{MANIFEST_FILE, ModelDir, TensorRole};
 use crate::quant::DType;
 
 /// Loads canonical tensors from a model directory onto a backend, checking
@@ -30,8 +30,31 @@ impl<B: Backend> Weights<'_, B> {
     }
 
     pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weight> {
-        let t = self.dir.tensor(name, &[rows, cols])?;
-        self.backend.load_weight(&t)
+        self.load(name, &[rows, cols], TensorRole::Matrix)
+    }
+
+    /// A router's matrix (or the shared expert's gate): multiplied with
+    /// exact activations whatever the backend's options.
+    pub fn router(&self, name: &str, rows: usize, cols: usize) -> Result<B::Weight> {
+        self.load(name, &[rows, cols], TensorRole::Router)
+    }
+
+    /// Loads a tensor for `role`, which must be the role the converter
+    /// recorded for it (directories from before roles were recorded take
+    /// the model definition's word).
+    fn load(&self, name: &str, shape: &[usize], role: TensorRole) -> Result<B::Weight> {
+        let t = self.dir.tensor(name, shape)?;
+        if let Some(recorded) = t.entry.role.filter(|&r| r != role) {
+            return Err(Error::tensor(
+                self.dir.root().join(MANIFEST_FILE),
+                name,
+                format!(
+                    "recorded as a {recorded:?} tensor, but the model uses it as a {role:?}: \
+                     the directory does not match its architecture; convert it again"
+                ),
+            ));
+        }
+        self.backend.load_weight(&t, role)
     }
 
     /// A vector or small table kept in f32 (norm weights, convolution
@@ -48,7 +71,7 @@ impl<B: Backend> Weights<'_, B> {
                 ),
             ));
         }
-        self.backend.load_weight(&t)
+        self.load(name, shape, TensorRole::Vector)
     }
 }
 

@@ -78,7 +78,7 @@ impl<B: Backend> SparseMoe<B> {
                     shared.intermediate_size,
                 )?,
                 match shared.gated {
-                    true => Some(w.matrix(&name(names::SHARED_EXPERT_GATE), 1, h)?),
+                    true => Some(w.router(&name(names::SHARED_EXPERT_GATE), 1, h)?),
                     false => None,
                 },
             )),
@@ -90,7 +90,7 @@ impl<B: Backend> SparseMoe<B> {
         };
         Ok(SparseMoe {
             layer,
-            router: w.matrix(&name(names::MOE_ROUTER), moe.num_experts, h)?,
+            router: w.router(&name(names::MOE_ROUTER), moe.num_experts, h)?,
             spec: moe.router.clone(),
             correction_bias,
             shared,

@@ -813,6 +813,7 @@ fn write_dense(
                 nbytes: layout.total_bytes as u64,
                 shape,
                 dtype,
+                role: Some(t.role),
             },
         );
         cursor = offset + layout.total_bytes;

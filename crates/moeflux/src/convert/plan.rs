@@ -70,18 +70,7 @@ impl CheckpointIndex {
     }
 }
 
-/// How a canonical tensor is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TensorRole {
-    /// A weight matrix: quantized at the requested precision when its input
-    /// dimension is a multiple of the quantization group.
-    Matrix,
-    /// A matrix whose precision matters more than its size (router, shared
-    /// expert gate): never stored below 8 bits.
-    Router,
-    /// Norm weights and other small vectors: kept in f32.
-    Vector,
-}
+pub use crate::format::TensorRole;
 
 /// Rows `[row_start, row_start + rows)` of a checkpoint tensor viewed as a
 /// matrix `[product of leading dims, last dim]`.

@@ -55,6 +55,25 @@ pub struct TensorEntry {
     /// Logical shape: `[n]` for vectors, `[rows, cols]` for matrices.
     pub shape: Vec<usize>,
     pub dtype: DType,
+    /// What the tensor is for, as the converter's plan said (absent in
+    /// directories written before roles were recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<TensorRole>,
+}
+
+/// What a stored tensor is for, which decides how it is stored and used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TensorRole {
+    /// A weight matrix: quantized at the requested precision when its input
+    /// dimension is a multiple of the quantization group.
+    Matrix,
+    /// A matrix whose precision matters more than its size (router, shared
+    /// expert gate): never stored below 8 bits, and multiplied with exact
+    /// activations.
+    Router,
+    /// Norm weights and other small vectors: kept in f32.
+    Vector,
 }
 
 impl TensorEntry {

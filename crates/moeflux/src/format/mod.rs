@@ -25,7 +25,9 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::quant::{ALIGN, MatrixLayout, MatrixView};
 use crate::util::{BUFFER_ALIGN, parse_hex64};
-pub use manifest::{BlobMatrix, ExpertBlobLayout, ExpertLayerEntry, Manifest, TensorEntry};
+pub use manifest::{
+    BlobMatrix, ExpertBlobLayout, ExpertLayerEntry, Manifest, TensorEntry, TensorRole,
+};
 
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// Files of a Hugging Face checkpoint that a model directory keeps.

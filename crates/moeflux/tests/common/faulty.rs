@@ -13,7 +13,7 @@ use moeflux::backend::{
 };
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::ExpertStore;
-use moeflux::format::TensorData;
+use moeflux::format::{TensorData, TensorRole};
 use moeflux::util::Progress;
 use moeflux::{Error, Result};
 
@@ -72,8 +72,8 @@ impl<B: Backend> Backend for Faulty<B> {
     fn memory_bandwidth(&self) -> Result<f64> {
         self.inner.memory_bandwidth()
     }
-    fn load_weight(&self, tensor: &TensorData) -> Result<B::Weight> {
-        self.inner.load_weight(tensor)
+    fn load_weight(&self, tensor: &TensorData, role: TensorRole) -> Result<B::Weight> {
+        self.inner.load_weight(tensor, role)
     }
     fn new_kv_cache(&self, shape: AttentionShape) -> Result<B::KvCache> {
         self.check("new_kv_cache")?;

@@ -16,11 +16,10 @@ use std::ops::Range;
 use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
 };
-use crate::arch::names;
 use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
-use crate::format::TensorData;
+use crate::format::{TensorData, TensorRole};
 use crate::quant::DType;
 use crate::util::Progress;
 use linear::{Product, matmul_many};
@@ -123,16 +122,13 @@ impl Backend for CpuBackend {
         Ok(memory_read_bandwidth())
     }
 
-    fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
-        let routes = [names::MOE_ROUTER, names::SHARED_EXPERT_GATE]
-            .iter()
-            .any(|n| tensor.name.ends_with(n));
+    fn load_weight(&self, tensor: &TensorData, role: TensorRole) -> Result<Weight> {
         Ok(Weight {
             tensor: tensor.clone(),
-            activations: if routes {
-                Activations::F32
-            } else {
-                self.options.activations
+            // A router's choice is too sensitive for int8 activations.
+            activations: match role {
+                TensorRole::Router => Activations::F32,
+                _ => self.options.activations,
             },
         })
     }

@@ -90,7 +90,7 @@ use super::{
 use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
-use crate::format::TensorData;
+use crate::format::{TensorData, TensorRole};
 use crate::quant::{DType, MatrixLayout};
 use crate::util::{Progress, human_bytes};
 use compile::Kernels;
@@ -538,7 +538,7 @@ impl Backend for CudaBackend {
         Ok(2.0 * BYTES as f64 / best / 1e9)
     }
 
-    fn load_weight(&self, tensor: &TensorData) -> Result<Weight> {
+    fn load_weight(&self, tensor: &TensorData, _role: TensorRole) -> Result<Weight> {
         let bytes = tensor.bytes();
         let fail = |e: DriverError| {
             device_error(self.ordinal, format!("uploading tensor {}", tensor.name), e)
