@@ -14,7 +14,9 @@
 pub mod cpu;
 pub mod cuda;
 
-pub use cuda::ExpertCacheStats as DeviceExpertStats;
+mod stats;
+
+pub use stats::DeviceExpertStats;
 
 /// Tokens processed together in one prefill step, unless the backend
 /// prefers another number ([`Backend::default_prefill_chunk`]) or the

@@ -80,9 +80,9 @@ use cudarc::driver::{
     PinnedHostSlice, ValidAsZeroBits,
 };
 
+pub use crate::backend::DeviceExpertStats as ExpertCacheStats;
 pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
-pub use vram_cache::ExpertCacheStats;
 
 use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,

@@ -37,10 +37,8 @@ use cudarc::driver::{CudaSlice, DevicePtr, DriverError};
 
 use super::device_expert::{DeviceExpert, DeviceLayout, PartsLayout, VramKey};
 use super::pinned::SLOTS_PER_CHUNK;
-use super::vram_cache::{
-    Buffer, CompleteLayer, Entry, ExpertCacheStats, LastUse, Streams, VramCache,
-};
-use super::{CudaBackend, device_error};
+use super::vram_cache::{Buffer, CompleteLayer, Entry, LastUse, Streams, VramCache};
+use super::{CudaBackend, ExpertCacheStats, device_error};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, available_memory};
 use crate::util::Progress;
