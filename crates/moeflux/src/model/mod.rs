@@ -6,6 +6,7 @@
 //! own KV caches and Gated DeltaNet states, while all sessions share the
 //! weights and one expert cache.
 
+mod batch;
 mod session;
 mod state;
 
@@ -15,7 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::blocks::batch::Phase;
-pub use session::{BatchItem, Session, SessionOptions, forward_batch};
+pub use batch::{BatchItem, forward_batch};
+pub use session::{Session, SessionOptions};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;

@@ -12,11 +12,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::batch::{BatchItem, forward_batch, run_rounds};
 use super::state;
 use super::{Logits, LogitsWanted, Model};
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
-use crate::blocks::batch::{ForwardBatch, Phase};
+use crate::blocks::batch::Phase;
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
 
@@ -91,12 +92,12 @@ struct Checkpoint<B: Backend> {
 /// # Ok::<(), moeflux::Error>(())
 /// ```
 pub struct Session<B: Backend = CpuBackend> {
-    model: Arc<Model<B>>,
+    pub(super) model: Arc<Model<B>>,
     layers: Vec<LayerState<B>>,
-    tokens: Vec<u32>,
+    pub(super) tokens: Vec<u32>,
     capacity: usize,
     /// Logits after the last token, when known.
-    logits: Option<Vec<f32>>,
+    pub(super) logits: Option<Vec<f32>>,
     checkpoints: Vec<Checkpoint<B>>,
     max_checkpoints: usize,
     clock: u64,
@@ -168,7 +169,7 @@ impl<B: Backend> Session<B> {
         self.checkpoints.iter().map(|c| c.position).collect()
     }
 
-    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+    pub(super) fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
         let vocab = self.model.config().vocab_size;
         if tokens.is_empty() {
             return Err(Error::invalid(
@@ -345,7 +346,7 @@ impl<B: Backend> Session<B> {
         Ok(run_rounds(&mut item)?.pop().expect("one item"))
     }
 
-    fn interrupted(&self) -> bool {
+    pub(super) fn interrupted(&self) -> bool {
         self.interrupt
             .as_ref()
             .is_some_and(|f| f.load(Ordering::Relaxed))
@@ -521,7 +522,7 @@ impl<B: Backend> Session<B> {
 
     /// The layer states, made on first use (making them can fail on a
     /// device short of memory; a session costs nothing until then).
-    fn layers_mut(&mut self) -> Result<&mut [LayerState<B>]> {
+    pub(super) fn layers_mut(&mut self) -> Result<&mut [LayerState<B>]> {
         if self.layers.is_empty() {
             self.layers = self.model.new_layer_states()?;
         }
@@ -580,7 +581,7 @@ impl<B: Backend> Session<B> {
     /// history: KV caches are cut; Gated DeltaNet states come from the
     /// nearest checkpoint at or before `target`, then the tokens in between
     /// are prefilled again.
-    fn rebuild(&mut self, target: usize) -> Result<()> {
+    pub(super) fn rebuild(&mut self, target: usize) -> Result<()> {
         if !self.model.has_delta_net_layers() {
             let b = self.model.backend();
             for layer in &mut self.layers {
@@ -612,7 +613,7 @@ impl<B: Backend> Session<B> {
 
     /// Grows this session's share of the model's KV budget to cover
     /// `positions`.
-    fn reserve_kv(&mut self, positions: usize) -> Result<()> {
+    pub(super) fn reserve_kv(&mut self, positions: usize) -> Result<()> {
         let needed = positions as u64 * self.model.kv.bytes_per_position;
         if needed > self.kv_reserved {
             self.model.kv.reserve(needed - self.kv_reserved)?;
@@ -622,7 +623,7 @@ impl<B: Backend> Session<B> {
     }
 
     /// Returns what the session no longer holds to the KV budget.
-    fn sync_kv(&mut self) {
+    pub(super) fn sync_kv(&mut self) {
         let held = self.position() as u64 * self.model.kv.bytes_per_position;
         if held < self.kv_reserved {
             self.model.kv.release(self.kv_reserved - held);
@@ -726,147 +727,4 @@ impl<B: Backend> Drop for Session<B> {
     fn drop(&mut self) {
         self.model.kv.release(self.kv_reserved);
     }
-}
-
-/// One session's part of a batched forward pass ([`forward_batch`]).
-pub struct BatchItem<'a, B: Backend> {
-    pub session: &'a mut Session<B>,
-    /// Tokens to append to the session.
-    pub tokens: &'a [u32],
-    pub wanted: LogitsWanted,
-    /// A prompt being read, or a generated token.
-    pub phase: Phase,
-}
-
-/// Appends each item's tokens to its session, all sessions going through
-/// the model together: one forward pass per prefill chunk, whatever the
-/// mix of prompts and generated tokens, in which each expert is read and
-/// multiplied once for every row that chose it. Returns each item's logits;
-/// they equal what the sessions would get alone.
-///
-/// Every item is checked before anything runs. On failure every session is
-/// rebuilt to where it was before the call; an interruption (a session's
-/// [`Session::set_interrupt`] flag) keeps the chunks done.
-pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<Logits>> {
-    let Some(first) = items.first() else {
-        return Ok(Vec::new());
-    };
-    let model = first.session.model.clone();
-    for item in items.iter() {
-        if !Arc::ptr_eq(&item.session.model, &model) {
-            return Err(Error::invalid(
-                "forward_batch",
-                "every session of a batch must belong to the same model",
-            ));
-        }
-        item.session.check_tokens(item.tokens)?;
-    }
-    for i in 0..items.len() {
-        let session = &mut *items[i].session;
-        let needed = session.position() + items[i].tokens.len();
-        if let Err(err) = session.reserve_kv(needed) {
-            items[..i].iter_mut().for_each(|it| it.session.sync_kv());
-            return Err(err);
-        }
-    }
-    // The logits are taken, not copied (a vocabulary's worth per step):
-    // a successful pass replaces them, a failed one puts them back.
-    let starts: Vec<(usize, Option<Vec<f32>>)> = items
-        .iter_mut()
-        .map(|it| (it.session.position(), it.session.logits.take()))
-        .collect();
-    match run_rounds(items) {
-        Ok(logits) => Ok(logits),
-        Err(Error::Interrupted) => {
-            items.iter_mut().for_each(|it| it.session.sync_kv());
-            Err(Error::Interrupted)
-        }
-        Err(err) => {
-            for (item, (start, logits)) in items.iter_mut().zip(starts) {
-                let session = &mut *item.session;
-                // Back where it was, the logits there included (a KV cache
-                // cut back exactly does not recompute them).
-                if session.rebuild(start).is_ok() && session.logits.is_none() {
-                    session.logits = logits;
-                }
-                session.sync_kv();
-            }
-            Err(err)
-        }
-    }
-}
-
-/// The forward passes of [`forward_batch`]: in round `r`, every item with
-/// an `r`-th chunk of tokens contributes it.
-fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<Logits>> {
-    let model = items[0].session.model.clone();
-    let (chunk, vocab) = (model.prefill_chunk, model.config().vocab_size);
-    let rounds = items
-        .iter()
-        .map(|it| it.tokens.len().div_ceil(chunk))
-        .max()
-        .unwrap_or(0);
-    let mut data: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
-    for round in 0..rounds {
-        if round > 0 && items.iter().any(|it| it.session.interrupted()) {
-            items.iter_mut().for_each(|it| it.session.logits = None);
-            return Err(Error::Interrupted);
-        }
-        let mut batch = ForwardBatch::default();
-        let mut members = Vec::new();
-        for (i, item) in items.iter().enumerate() {
-            let tokens: &[u32] = item.tokens;
-            let chunks = tokens.len().div_ceil(chunk);
-            if round >= chunks {
-                continue;
-            }
-            let part = &tokens[round * chunk..((round + 1) * chunk).min(tokens.len())];
-            let rows = match item.wanted {
-                LogitsWanted::All => part.len(),
-                LogitsWanted::Last if round + 1 == chunks => 1,
-                LogitsWanted::Last => 0,
-            };
-            batch.push(part, item.phase, rows);
-            members.push((i, part, rows));
-        }
-        let logits = {
-            let mut states: Vec<&mut [LayerState<B>]> = items
-                .iter_mut()
-                .enumerate()
-                .filter(|(i, _)| members.iter().any(|m| m.0 == *i))
-                .map(|(_, it)| it.session.layers_mut())
-                .collect::<Result<_>>()?;
-            model.run_batch(&mut states, &batch)?
-        };
-        let single = members.len() == 1;
-        let mut logits = logits;
-        let mut offset = 0;
-        for (i, part, rows) in members {
-            items[i].session.tokens.extend_from_slice(part);
-            if rows == 0 {
-                continue;
-            }
-            let all = logits.as_mut().expect("logit rows were asked for");
-            // One sequence's first logits (a decode step's) are moved, not
-            // copied.
-            if single && data[i].is_empty() {
-                data[i] = std::mem::take(all);
-            } else {
-                data[i].extend_from_slice(&all[offset * vocab..(offset + rows) * vocab]);
-            }
-            offset += rows;
-        }
-    }
-    Ok(items
-        .iter_mut()
-        .zip(data)
-        .map(|(item, data)| {
-            item.session.logits = Some(data[data.len() - vocab..].to_vec());
-            Logits {
-                rows: data.len() / vocab,
-                vocab,
-                data,
-            }
-        })
-        .collect())
 }
