@@ -184,6 +184,14 @@ batch() {
         echo "--- decode, round $round"
         "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
     done
+    for round in 1 2; do
+        if [[ -x "$base" ]]; then
+            echo "--- base pp512, round $round"
+            "$base" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
+        fi
+        echo "--- pp512, round $round"
+        "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
+    done
     for n in 16 64; do
         for round in 1 2; do
             if [[ -x "$base" ]] && "$base" bench --help | grep -q -- --sequences; then

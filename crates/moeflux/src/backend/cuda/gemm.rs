@@ -15,15 +15,17 @@
 //! they do differ: a token's result depends, to rounding, on whether its
 //! call had [`TENSOR_CORE_MIN_TOKENS`] tokens or more (prefill and decode
 //! agree to rounding, no longer bit for bit). Within the tensor-core path
-//! each output is the same sequence of operations whatever the other
-//! tokens, so repeated runs are identical.
+//! each output is the same sequence of operations for a call of the same
+//! shape, so repeated runs are identical (a call of few tokens splits its
+//! columns over several blocks and adds the parts in a fixed order).
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS};
-use super::{CudaBackend, Matrix, int, ok};
+use super::{CudaBackend, Matrix, grid_stride, int, ok};
 use crate::error::Result;
 use crate::quant::DType;
+use crate::quant::GROUP_SIZE;
 
 /// Fewest tokens for which `matmul` takes the tensor-core kernels. Below
 /// it most of a block's 64-token tile would be padding and linear.cu's
@@ -64,17 +66,52 @@ impl CudaBackend {
             return Ok(None);
         }
         let (codes, scales, biases) = w.sections();
-        let mut out = self.alloc::<f32>(op, n * l.rows)?;
-        let (rows, cols, n_i) = (int(l.rows, "rows"), int(cols, "columns"), int(n, "tokens"));
+        // Few tokens make few tiles: the stages are split over blocks, about
+        // two blocks per multiprocessor in all, and the splits summed after.
+        let tiles = l.rows.div_ceil(GEMM_BM) * token_tiles;
+        let stages = cols.div_ceil(GROUP_SIZE);
+        let split_stages = stages.div_ceil((2 * self.sm_count / tiles).clamp(1, stages));
+        let splits = stages.div_ceil(split_stages);
+        let count = n * l.rows;
+        let mut out = self.alloc::<f32>(op, count)?;
+        let mut partial = match splits {
+            1 => None,
+            _ => Some(self.alloc::<f32>(op, splits * count)?),
+        };
+        let (rows, cols_i, n_i, split_i) = (
+            int(l.rows, "rows"),
+            int(cols, "columns"),
+            int(n, "tokens"),
+            int(split_stages, "stages"),
+        );
         let config = LaunchConfig {
-            grid_dim: (l.rows.div_ceil(GEMM_BM) as u32, token_tiles as u32, 1),
+            grid_dim: (
+                l.rows.div_ceil(GEMM_BM) as u32,
+                token_tiles as u32,
+                splits as u32,
+            ),
             block_dim: (GEMM_THREADS, 1, 1),
             // The kernels' tiles are static shared memory (38 KiB).
             shared_mem_bytes: 0,
         };
+        let target = partial.as_mut().unwrap_or(&mut out);
         launch!(
-            self, op, kernel, config, &codes, &scales, &biases, x, &mut out, &rows, &cols, &n_i
+            self, op, kernel, config, &codes, &scales, &biases, x, target, &rows, &cols_i, &n_i,
+            &split_i
         );
+        if let Some(partial) = &partial {
+            let (splits_i, count_l) = (int(splits, "splits"), count as i64);
+            launch!(
+                self,
+                op,
+                &self.kernels.sum_split_outputs,
+                grid_stride(count),
+                partial,
+                &mut out,
+                &splits_i,
+                &count_l
+            );
+        }
         Ok(Some(out))
     }
 }

@@ -359,16 +359,20 @@ __device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2]
     }
 }
 
-// The kernels' body. Grid: (ceil(rows / GEMM_BM), ceil(n / GEMM_BN)),
-// GEMM_THREADS threads. For DT_BF16, cols must be a multiple of 8; the
-// quantized types have whole groups.
+// The kernels' body. Grid: (ceil(rows / GEMM_BM), ceil(n / GEMM_BN),
+// splits), GEMM_THREADS threads. Block z sums the stages
+// z·split_stages .. (z+1)·split_stages into out + z·n·rows (with one split,
+// all stages into out; with several, sum_split_outputs adds them up): a
+// product of few tokens has too few tiles to fill the device otherwise.
+// For DT_BF16, cols must be a multiple of 8; the quantized types have whole
+// groups.
 template <int DT>
 __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
                                           const u16* __restrict__ scales,
                                           const u16* __restrict__ biases,
                                           const float* __restrict__ x,
                                           float* __restrict__ out, int rows, int cols,
-                                          int n) {
+                                          int n, int split_stages) {
     __shared__ __align__(16) GemmShared sm;
     const int tid = threadIdx.x;
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
@@ -385,12 +389,14 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
     float acc[2][4][4] = {};
 
     GemmStage<DT> stage;
-    const int stages = (cols + GEMM_BK - 1) / GEMM_BK;
-    stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, 0);
+    const int first = blockIdx.z * split_stages;
+    const int stages = min((cols + GEMM_BK - 1) / GEMM_BK, first + split_stages);
+    out += (i64)blockIdx.z * n * rows;
+    stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, first * GEMM_BK);
     stage.store(sm);
     __syncthreads();
     const int rows_of_warp[2] = {wm, wm + 16};
-    for (int s = 0; s < stages; ++s) {
+    for (int s = first; s < stages; ++s) {
         if (s + 1 < stages) {
             stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, (s + 1) * GEMM_BK);
         }
@@ -419,30 +425,47 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
 #endif  // __CUDA_ARCH__ >= 800
 
 // The kernels (one per stored type), all with linear.cu's parameters:
-// codes (or bf16 values), scales, biases, x [n, cols], out [n, rows].
+// codes (or bf16 values), scales, biases, x [n, cols], out [n, rows]; then
+// the stages each split sums (all of them: one split).
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_tc_q4(const u8* codes, const u16* scales, const u16* biases, const float* x,
-                 float* out, int rows, int cols, int n) {
+                 float* out, int rows, int cols, int n,
+                 int split_stages) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
-    linear_tc<DT_Q4>(codes, scales, biases, x, out, rows, cols, n);
+    linear_tc<DT_Q4>(codes, scales, biases, x, out, rows, cols, n, split_stages);
 #endif
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_tc_q8(const u8* codes, const u16* scales, const u16* biases, const float* x,
-                 float* out, int rows, int cols, int n) {
+                 float* out, int rows, int cols, int n,
+                 int split_stages) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
-    linear_tc<DT_Q8>(codes, scales, biases, x, out, rows, cols, n);
+    linear_tc<DT_Q8>(codes, scales, biases, x, out, rows, cols, n, split_stages);
 #endif
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
     linear_tc_bf16(const u8* codes, const u16* scales, const u16* biases, const float* x,
-                   float* out, int rows, int cols, int n) {
+                   float* out, int rows, int cols, int n,
+                 int split_stages) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
-    linear_tc<DT_BF16>(codes, scales, biases, x, out, rows, cols, n);
+    linear_tc<DT_BF16>(codes, scales, biases, x, out, rows, cols, n, split_stages);
 #endif
+}
+
+// out[i] = Σ_z partial[z·count + i], z in order: the splits of a split
+// product added up (the same order every run).
+extern "C" __global__ void sum_split_outputs(const float* partial, float* out, int splits,
+                                             i64 count) {
+    await_inputs();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < count;
+         i += (i64)gridDim.x * blockDim.x) {
+        float sum = 0.0f;
+        for (int z = 0; z < splits; ++z) sum += partial[z * count + i];
+        out[i] = sum;
+    }
 }
