@@ -1,0 +1,113 @@
+//! The precision of each matrix: the one asked (uniform, or the nearest to
+//! how the input stores it) and the one stored.
+
+use super::plan::{ConversionPlan, TensorRole};
+use super::{ConvertOptions, SourceOptions, TensorSource};
+use crate::quant::{DType, GROUP_SIZE};
+
+/// The precision asked of each matrix of a plan (before
+/// `storage_dtype`'s rules for routers and odd sizes).
+pub(crate) struct Dtypes {
+    pub(super) dense: Vec<DType>,
+    pub(super) experts: Vec<[DType; 3]>,
+    /// The manifest's `quantization`: the precision of most weights.
+    pub(super) label: DType,
+}
+
+impl Dtypes {
+    /// Every matrix at `quant`.
+    pub(super) fn uniform(plan: &ConversionPlan, quant: DType) -> Dtypes {
+        Dtypes {
+            dense: vec![quant; plan.dense.len()],
+            experts: vec![[quant; 3]; plan.experts.len()],
+            label: quant,
+        }
+    }
+
+    pub(super) fn choose(
+        plan: &ConversionPlan,
+        source: &dyn TensorSource,
+        options: &ConvertOptions,
+        source_options: &SourceOptions,
+    ) -> Dtypes {
+        if !source_options.keep_nearest {
+            return Dtypes::uniform(plan, options.quant);
+        }
+        let nearest = |tensor: &str| match source.stored_bits(tensor) {
+            Some(bits) => nearest_dtype(bits),
+            None => options.quant,
+        };
+        let mut weights: std::collections::BTreeMap<&'static str, (u64, DType)> =
+            Default::default();
+        let mut count = |d: DType, n: usize| {
+            weights.entry(d.name()).or_insert((0, d)).0 += n as u64;
+        };
+        let dense: Vec<DType> = plan
+            .dense
+            .iter()
+            .map(|t| {
+                // An assembled tensor: the mean of its sources, by rows.
+                let (mut bits, mut rows) = (0.0, 0);
+                for s in &t.sources {
+                    if let Some(b) = source.stored_bits(&s.tensor) {
+                        bits += b * s.rows as f64;
+                        rows += s.rows;
+                    }
+                }
+                let d = if rows == 0 {
+                    options.quant
+                } else {
+                    nearest_dtype(bits / rows as f64)
+                };
+                if t.role != TensorRole::Vector {
+                    count(d, t.rows * t.cols);
+                }
+                d
+            })
+            .collect();
+        let experts: Vec<[DType; 3]> = plan
+            .experts
+            .iter()
+            .map(|l| {
+                let ds = [&l.gate, &l.up, &l.down].map(|m| nearest(&m.source(0, 1).tensor));
+                for d in ds {
+                    count(d, l.num_experts * l.hidden * l.intermediate);
+                }
+                ds
+            })
+            .collect();
+        let label = weights
+            .values()
+            .max_by_key(|(n, _)| *n)
+            .map_or(options.quant, |(_, d)| *d);
+        Dtypes {
+            dense,
+            experts,
+            label,
+        }
+    }
+}
+
+/// The moeflux matrix type closest in size to `bits` per weight (q4 is 4.5
+/// bits with its scales, q8 8.5, bf16 16); ties go to the larger type.
+fn nearest_dtype(bits: f64) -> DType {
+    [(DType::Bf16, 16.0), (DType::Q8, 8.5), (DType::Q4, 4.5)]
+        .into_iter()
+        .min_by(|a, b| (a.1 - bits).abs().total_cmp(&(b.1 - bits).abs()))
+        .map(|(d, _)| d)
+        .expect("candidates")
+}
+
+/// The stored type of a canonical tensor.
+pub(super) fn storage_dtype(role: TensorRole, cols: usize, quant: DType) -> DType {
+    let dtype = match role {
+        TensorRole::Vector => return DType::F32,
+        TensorRole::Router if quant == DType::Q4 => DType::Q8,
+        _ => quant,
+    };
+    if dtype.is_quantized() && !cols.is_multiple_of(GROUP_SIZE) {
+        DType::Bf16
+    } else {
+        dtype
+    }
+}
