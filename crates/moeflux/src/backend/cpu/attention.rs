@@ -32,7 +32,14 @@ impl KvCache {
 
 /// Appends `k`, `v` (`n` rows) and attends each of the `n` queries to every
 /// cached position up to and including its own.
-pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) -> Vec<f32> {
+pub fn attend(
+    isa: Isa,
+    cache: &mut KvCache,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    n: usize,
+) -> Vec<f32> {
     let s = cache.shape;
     let start = cache.len();
     cache.keys.extend_from_slice(k);
@@ -41,7 +48,6 @@ pub fn attend(cache: &mut KvCache, q: &[f32], k: &[f32], v: &[f32], n: usize) ->
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; n * q_width];
-    let isa = Isa::get();
     let cache = &*cache;
     // One task per (position, KV head): the query heads that share a KV
     // head read each cached key and value once between them. Each head's

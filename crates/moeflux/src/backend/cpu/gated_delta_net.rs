@@ -57,6 +57,7 @@ pub struct Inputs<'a> {
 }
 
 pub fn forward(
+    isa: Isa,
     state: &mut DeltaNetState,
     inp: Inputs<'_>,
     n: usize,
@@ -99,7 +100,6 @@ pub fn forward(
     });
 
     // The recurrence, one value head per task.
-    let isa = Isa::get();
     let value_dim = cfg.value_dim();
     let heads_per_key = nv / nk;
     let mut out_by_head = vec![0f32; nv * n * dv];

@@ -5,7 +5,7 @@
 //! and unpacked once per tile of tokens. Blocks of rows become rayon tasks
 //! only when each has enough work to pay for the split. Several products
 //! (a layer's experts, attention's projections) can share one parallel
-//! region ([`matmul_many`]): their rows are split into tasks of about
+//! region ([`matmul_many_with`]): their rows are split into tasks of about
 //! equal work across all of them, one fork and join for the lot.
 
 use rayon::prelude::*;
@@ -51,21 +51,13 @@ pub fn matmul_with(
     out.pop().expect("one product")
 }
 
-/// One product of [`matmul_many`]: `x` (`[n, cols]`) by the rows of `w`.
+/// One product of [`matmul_many_with`]: `x` (`[n, cols]`) by the rows of `w`.
 #[derive(Clone, Copy)]
 pub struct Product<'a> {
     pub x: &'a [f32],
     pub n: usize,
     pub w: MatrixView<'a>,
     pub activations: Activations,
-}
-
-/// Each product's result as [`matmul`] gives it, bit for bit, all computed
-/// in one parallel region. Products whose inputs are the same slice (and
-/// whose weights take inputs in the same layout) share one preparation of
-/// them, e.g. one int8 quantization for an expert's gate and up.
-pub fn matmul_many(products: &[Product<'_>]) -> Vec<Vec<f32>> {
-    matmul_many_with(Isa::get(), products)
 }
 
 /// Products below this many multiply-adds per task are not split further
@@ -137,7 +129,11 @@ fn block(
     }
 }
 
-/// [`matmul_many`] with the kernels of `isa`.
+/// Each product's result as [`matmul`] gives it, bit for bit, all computed
+/// in one parallel region, with the kernels of `isa`. Products whose
+/// inputs are the same slice (and whose weights take inputs in the same
+/// layout) share one preparation of them, e.g. one int8 quantization for
+/// an expert's gate and up.
 pub fn matmul_many_with(isa: Isa, products: &[Product<'_>]) -> Vec<Vec<f32>> {
     // Each product's index into `inputs`: the first product with the same
     // input slice and layout prepares it for all.

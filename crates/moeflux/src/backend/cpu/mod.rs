@@ -22,7 +22,8 @@ use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
 use crate::quant::DType;
 use crate::util::Progress;
-use linear::{Product, matmul_many};
+use linear::{Product, matmul_many_with, matmul_with};
+use simd::Isa;
 
 pub use attention::KvCache;
 pub use bandwidth::memory_read_bandwidth;
@@ -39,11 +40,70 @@ pub struct CpuOptions {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CpuBackend {
     options: CpuOptions,
+    /// The SIMD kernels this backend runs; `None`: the process-wide choice
+    /// ([`KernelSet::detected`]).
+    kernels: Option<KernelSet>,
 }
 
 impl CpuBackend {
     pub fn with_options(options: CpuOptions) -> CpuBackend {
-        CpuBackend { options }
+        CpuBackend {
+            options,
+            kernels: None,
+        }
+    }
+
+    /// This backend running the kernels of `kernels` instead of the
+    /// process-wide choice (to compare kernel sets within one process).
+    pub fn with_kernels(self, kernels: KernelSet) -> CpuBackend {
+        CpuBackend {
+            kernels: Some(kernels),
+            ..self
+        }
+    }
+
+    /// The kernels this backend runs.
+    pub fn kernels(&self) -> KernelSet {
+        self.kernels.unwrap_or_else(KernelSet::detected)
+    }
+
+    fn isa(&self) -> Isa {
+        self.kernels().0
+    }
+}
+
+/// One of the SIMD kernel sets this machine runs (AVX-512, AVX2+FMA,
+/// NEON, scalar): values come only from the machine's detected features.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KernelSet(Isa);
+
+impl KernelSet {
+    /// The set the backend runs unless told otherwise: the fastest
+    /// available, or the one `MOEFLUX_CPU_KERNELS` names.
+    pub fn detected() -> KernelSet {
+        KernelSet(Isa::get())
+    }
+
+    /// Every set this machine runs, fastest first (scalar last, always).
+    pub fn available() -> Vec<KernelSet> {
+        Isa::available().into_iter().map(KernelSet).collect()
+    }
+
+    /// The portable scalar kernels, which every machine runs.
+    pub fn scalar() -> KernelSet {
+        KernelSet(Isa::Scalar)
+    }
+
+    /// The set called `name` (`scalar`, `avx2`, `avx512`, `neon`), if this
+    /// machine runs it.
+    pub fn named(name: &str) -> Option<KernelSet> {
+        KernelSet::available()
+            .into_iter()
+            .find(|k| k.name() == name)
+    }
+
+    pub fn name(self) -> &'static str {
+        self.0.name()
     }
 }
 
@@ -112,8 +172,12 @@ impl Backend for CpuBackend {
             Activations::F32 => "",
             Activations::Int8 => ", int8 activations",
         };
+        let kernels = match self.kernels {
+            Some(k) => format!(", {} kernels", k.name()),
+            None => String::new(),
+        };
         format!(
-            "cpu ({} threads{activations})",
+            "cpu ({} threads{activations}{kernels})",
             rayon::current_num_threads()
         )
     }
@@ -229,7 +293,7 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(
             x.rows,
             view.rows(),
-            matmul(&x.data, x.rows, &view, w.activations),
+            matmul_with(self.isa(), &x.data, x.rows, &view, w.activations),
         ))
     }
 
@@ -248,7 +312,7 @@ impl Backend for CpuBackend {
                 }
             })
             .collect();
-        Ok(matmul_many(&products)
+        Ok(matmul_many_with(self.isa(), &products)
             .into_iter()
             .zip(ws)
             .map(|(out, w)| Tensor::new(x.rows, w.tensor.view().rows(), out))
@@ -342,7 +406,7 @@ impl Backend for CpuBackend {
         v: &Tensor,
         shape: AttentionShape,
     ) -> Result<Tensor> {
-        let out = attention::attend(cache, &q.data, &k.data, &v.data, q.rows);
+        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows);
         Ok(Tensor::new(q.rows, shape.num_heads * shape.head_dim, out))
     }
 
@@ -363,7 +427,7 @@ impl Backend for CpuBackend {
             a_log: params.a_log.f32s(),
             dt_bias: params.dt_bias.f32s(),
         };
-        let out = gated_delta_net::forward(state, inputs, qkv.rows, cfg);
+        let out = gated_delta_net::forward(self.isa(), state, inputs, qkv.rows, cfg);
         Ok(Tensor::new(qkv.rows, cfg.value_dim(), out))
     }
 
@@ -404,6 +468,7 @@ impl Backend for CpuBackend {
         layer: usize,
     ) -> Result<Tensor> {
         let out = moe::routed_experts(
+            self.isa(),
             &x.data,
             x.cols,
             routing,

@@ -8,7 +8,8 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use super::linear::{Activations, Product, matmul_many};
+use super::linear::{Activations, Product, matmul_many_with};
+use super::simd::Isa;
 use crate::config::{ExpertGroups, RouterSpec, ScoreFunction};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, Fetch};
@@ -130,6 +131,7 @@ const EXPERTS_IN_FLIGHT: usize = 8;
 type Assigned = std::collections::BTreeMap<usize, Vec<(usize, f32)>>;
 
 pub fn routed_experts(
+    isa: Isa,
     x: &[f32],
     hidden: usize,
     routing: &Routing,
@@ -165,10 +167,10 @@ pub fn routed_experts(
             .into_iter()
             .map(|f| store.wait(f))
             .collect::<Result<_>>()?;
-        let mut results = experts(&ready, x, hidden, &assigned, activations);
+        let mut results = experts(isa, &ready, x, hidden, &assigned, activations);
         for fetch in reading {
             let expert = store.wait(fetch)?;
-            results.extend(experts(&[expert], x, hidden, &assigned, activations));
+            results.extend(experts(isa, &[expert], x, hidden, &assigned, activations));
         }
         // Summed in ascending expert order whatever finished first, so the
         // result does not depend on read timing.
@@ -192,6 +194,7 @@ pub fn routed_experts(
 /// an expert takes every token (always, in decode) its input is `x`
 /// itself, quantized once for all of them.
 fn experts(
+    isa: Isa,
     experts: &[Arc<Expert>],
     x: &[f32],
     hidden: usize,
@@ -228,7 +231,7 @@ fn experts(
             })
         })
         .collect();
-    let gate_up = matmul_many(&gate_up);
+    let gate_up = matmul_many_with(isa, &gate_up);
     let act: Vec<Vec<f32>> = gate_up
         .chunks_exact(2)
         .map(|pair| {
@@ -250,7 +253,7 @@ fn experts(
             activations,
         })
         .collect();
-    let down = matmul_many(&down);
+    let down = matmul_many_with(isa, &down);
     experts.iter().map(|e| e.index).zip(down).collect()
 }
 
