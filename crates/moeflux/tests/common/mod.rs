@@ -3,8 +3,10 @@
 
 #![allow(dead_code)]
 
+pub mod backends;
 pub mod batch;
 pub mod faulty;
+pub mod ops;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
