@@ -254,6 +254,30 @@ fn tensor_roles_are_recorded_and_a_wrong_one_is_refused() {
 }
 
 #[test]
+fn format_versions_one_and_two_are_read_and_a_newer_one_named() {
+    let (_tmp, model) = converted();
+    let manifest_path = model.join("manifest.json");
+    // A version-1 directory: no roles.
+    edit_json(&manifest_path, |m| {
+        m["version"] = 1.into();
+        for (_, tensor) in m["tensors"].as_object_mut().unwrap() {
+            tensor.as_object_mut().unwrap().remove("role");
+        }
+    });
+    generate(&model, "1,2,3").assert().success();
+    // A directory from a newer moeflux, with a field this one does not know.
+    edit_json(&manifest_path, |m| {
+        m["version"] = 3.into();
+        m["tensors"]["layers.0.attn.o_proj"]["sparsity"] = 0.5.into();
+    });
+    let err = fails(&mut generate(&model, "1,2,3"));
+    assert_mentions(
+        &err,
+        &["manifest.json", "format version 3 is not supported"],
+    );
+}
+
+#[test]
 fn unknown_architecture_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let ckpt = tmp.path().join("ckpt");

@@ -11,7 +11,10 @@ use crate::error::{Error, Result};
 use crate::quant::{DType, MatrixLayout};
 
 pub const FORMAT_NAME: &str = "moeflux";
-pub const FORMAT_VERSION: u32 = 1;
+/// The version this moeflux writes: 2 records each tensor's role.
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest version this moeflux reads (1: no roles).
+pub const OLDEST_FORMAT_VERSION: u32 = 1;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -139,28 +142,31 @@ impl Manifest {
             ),
             _ => Error::io(path, "reading the manifest", e),
         })?;
-        let manifest: Manifest = serde_json::from_str(&text)
+        // The format and version first, so that a newer directory is named
+        // as such rather than as a manifest with fields this one does not
+        // know.
+        let value: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| Error::bad_file(path, format!("malformed manifest: {e}")))?;
-        if manifest.format != FORMAT_NAME {
+        let format = value.get("format").and_then(|v| v.as_str()).unwrap_or("");
+        if format != FORMAT_NAME {
+            return Err(Error::bad_file(
+                path,
+                format!("`format` is `{format}`, expected `{FORMAT_NAME}`"),
+            ));
+        }
+        let version = value.get("version").and_then(|v| v.as_u64()).unwrap_or(0);
+        if !(OLDEST_FORMAT_VERSION as u64..=FORMAT_VERSION as u64).contains(&version) {
             return Err(Error::bad_file(
                 path,
                 format!(
-                    "`format` is `{}`, expected `{FORMAT_NAME}`",
-                    manifest.format
+                    "format version {version} is not supported by this moeflux (reads versions \
+                     {OLDEST_FORMAT_VERSION} to {FORMAT_VERSION}); convert the model again with \
+                     this version, or use the moeflux that wrote it"
                 ),
             ));
         }
-        if manifest.version != FORMAT_VERSION {
-            return Err(Error::bad_file(
-                path,
-                format!(
-                    "format version {} is not supported by this moeflux (reads version {FORMAT_VERSION}); \
-                     convert the model again with this version",
-                    manifest.version
-                ),
-            ));
-        }
-        Ok(manifest)
+        serde_json::from_value(value)
+            .map_err(|e| Error::bad_file(path, format!("malformed manifest: {e}")))
     }
 
     pub fn to_json(&self) -> String {
