@@ -175,11 +175,18 @@ batch() {
         grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
     fi
     "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
+    # The baseline writes its own copy (the same weights), in its own format version.
+    local base_model="$synthetic"
+    if [[ -x "$base" ]]; then
+        base_model=/tmp/moeflux-synth-q30-base
+        "$base" synth --preset qwen3-30b-a3b -o "$base_model" --force >"$OUT/synth-base.log" 2>&1
+    fi
     local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
+    local base_decode=(bench -m "$base_model" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
     for round in $(seq "${DECODE_ROUNDS:-3}"); do
         if [[ -x "$base" ]]; then
             echo "--- base decode, round $round"
-            "$base" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
+            "$base" "${base_decode[@]}" 2>&1 | grep -E '^decode|rror' || true
         fi
         echo "--- decode, round $round"
         "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
@@ -187,7 +194,7 @@ batch() {
     for round in 1 2; do
         if [[ -x "$base" ]]; then
             echo "--- base pp512, round $round"
-            "$base" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
+            "$base" bench -m "$base_model" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
         fi
         echo "--- pp512, round $round"
         "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
@@ -196,7 +203,7 @@ batch() {
         for round in 1 2; do
             if [[ -x "$base" ]] && "$base" bench --help | grep -q -- --sequences; then
                 echo "--- base, $n sequences, resident, round $round"
-                "$base" bench -m "$synthetic" --device cuda -n 16 --warmup 4 --prefill 0 --no-ceilings \
+                "$base" bench -m "$base_model" --device cuda -n 16 --warmup 4 --prefill 0 --no-ceilings \
                     --sequences "$n" 2>&1 | grep -E '^decode, |rror' || true
             fi
             echo "--- $n sequences, resident, round $round"
