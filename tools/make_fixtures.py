@@ -130,6 +130,8 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
     GenerationConfig,
+    Glm4MoeConfig,
+    Glm4MoeForCausalLM,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
@@ -300,6 +302,52 @@ def qwen3_5_moe_config() -> Qwen3_5MoeTextConfig:
     )
 
 
+def _glm4_moe_config(**overrides) -> Glm4MoeConfig:
+    # 8 experts in 4 groups of 2, the tokens choosing among the experts of
+    # their 2 best groups (topk_group < n_group), renormalised and scaled by
+    # 2.5; one shared expert; layer 0 dense (first_k_dense_replace=1);
+    # q/k/v biases and half-rotary heads as in GLM-4.5.
+    kw = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        attention_bias=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+    )
+    kw.update(overrides)
+    return Glm4MoeConfig(**kw)
+
+
+def glm4_moe_config() -> Glm4MoeConfig:
+    # GLM-4.5-Air's attention: no q/k norm.
+    return _glm4_moe_config(use_qk_norm=False)
+
+
+def glm4_moe_qk_norm_config() -> Glm4MoeConfig:
+    # GLM-4.5's attention: per-head q/k RMSNorm after the biases; the router
+    # keeps its raw top-k weights (norm_topk_prob off), one group of two;
+    # layers 0 and 1 dense.
+    return _glm4_moe_config(use_qk_norm=True, norm_topk_prob=False, n_group=2, topk_group=1,
+                            routed_scaling_factor=1.8, first_k_dense_replace=2)
+
+
 # A deliberately tiny vision tower: only its weights are needed (as tensors the
 # engine must skip), it is never run.
 TINY_VISION_CONFIG = dict(
@@ -324,6 +372,11 @@ FIXTURES = {
     ),
     "qwen3_next": dict(cls=Qwen3NextForCausalLM, config=qwen3_next_config, seed=3000, fused_experts=True),
     "qwen3_5_moe": dict(cls=Qwen3_5MoeForCausalLM, config=qwen3_5_moe_config, seed=4000, fused_experts=False),
+    # seq_long: the long sequence's length (SEQ_LONG unless given).
+    "glm4_moe": dict(cls=Glm4MoeForCausalLM, config=glm4_moe_config, seed=5000, fused_experts=False),
+    "glm4_moe_qk_norm": dict(
+        cls=Glm4MoeForCausalLM, config=glm4_moe_qk_norm_config, seed=6000, fused_experts=True, seq_long=300
+    ),
 }
 
 # =============================================================================
@@ -399,7 +452,7 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
             new = matrix(p.shape, 2.0 / hidden**0.5)
         elif name.endswith("mlp.gate.weight"):
             # Router: logits with std ~2 give clearly separated experts.
-            new = matrix(p.shape, 2.0 / hidden**0.5)
+            new = matrix(p.shape, ROUTER_STD.get(model.config.model_type, 2.0) / hidden**0.5)
         elif p.dim() == 3 and ".experts." in name:
             # Fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I];
             # the last dim is the input dim.
@@ -407,12 +460,25 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
         elif p.dim() == 2:
             # Every other matrix is a linear [out, in]: unit-gain init.
             new = matrix(p.shape, p.shape[-1] ** -0.5)
+        elif p.dim() == 1 and name.endswith("_proj.bias"):
+            # Attention biases (GLM-4.5): a visible offset on unit-size
+            # projections.
+            new = normal(p.shape, 0.5)
         else:
             raise ValueError(f"no randomisation rule for {name} {tuple(p.shape)}")
         assert not torch.equal(new, p), name
         p.copy_(new)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            # The router's correction of its choice (DeepSeek-V3, GLM-4.5):
+            # sigmoid scores lie in (0, 1), so +-0.15 changes choices without
+            # deciding them alone.
+            buf.copy_(uniform(buf.shape, -CORRECTION_BIAS, CORRECTION_BIAS))
     correlate_linear_attention_qk(model)
 
+
+ROUTER_STD = {}
+CORRECTION_BIAS = 0.15
 
 # How strongly each linear-attention head's keys follow its queries.
 LINEAR_QK_RHO = 0.8
@@ -479,6 +545,8 @@ def residual_branches(model: torch.nn.Module) -> list[dict]:
             params = [mlp.experts.down_proj]
             if hasattr(mlp, "shared_expert"):
                 params.append(mlp.shared_expert.down_proj.weight)
+            if hasattr(mlp, "shared_experts"):  # DeepSeek-V3, GLM-4.5
+                params.append(mlp.shared_experts.down_proj.weight)
             out.append(dict(layer=i, part="ffn", kind="moe", module=mlp, norm=layer.post_attention_layernorm,
                             out_params=params))
         else:
@@ -564,7 +632,8 @@ def checkpoint_layout(hf_dir: Path, config, fused_experts: bool) -> dict:
         shapes = {k: list(sf.get_slice(k).get_shape()) for k in sf.keys()}
     fused = sorted(k for k in shapes if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")))
     per_expert = sorted(k for k in shapes if ".mlp.experts." in k and k not in fused)
-    e, h, i = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    e = getattr(config, "num_experts", None) or config.num_local_experts
+    h, i = config.hidden_size, config.moe_intermediate_size
     if fused_experts:
         if per_expert or not fused:
             raise AssertionError(f"{hf_dir}: expected only fused experts, got {per_expert[:3]}")
@@ -576,7 +645,7 @@ def checkpoint_layout(hf_dir: Path, config, fused_experts: bool) -> dict:
         raise AssertionError(f"{hf_dir}: expected only per-expert tensors, got {fused[:3]}")
     # Qwen3MoeConfig maps num_experts to num_local_experts and writes that key.
     config_json = json.loads((hf_dir / "config.json").read_text())
-    (num_experts_key,) = [k for k in ("num_experts", "num_local_experts") if k in config_json]
+    (num_experts_key,) = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if k in config_json]
     assert config_json[num_experts_key] == e
     info = {
         "experts": "fused" if fused_experts else "per_expert",
@@ -757,12 +826,42 @@ class RouterLog:
         self.choices: list[torch.Tensor] = []
 
     def hook(self, k: int):
-        def fn(_module, _inputs, output):
-            top = output[0].topk(k + 1, dim=-1)  # output[0]: router logits [T, E]
-            self.gaps.append(float((top.values[:, k - 1] - top.values[:, k]).min()))
+        def fn(module, _inputs, output):
+            choice = output[0]  # router logits [T, E]
+            gap, slope = float("inf"), 1.0
+            if hasattr(module, "e_score_correction_bias"):
+                # Gaps of sigmoid scores, in logits: divided by the sigmoid's
+                # largest slope, so a last-bit logit error moves a score by
+                # at most a quarter of its size.
+                choice, gap = grouped_choice(module, choice)
+                slope = 0.25
+            top = choice.topk(k + 1, dim=-1)
+            gap = min(gap, float((top.values[:, k - 1] - top.values[:, k]).min()))
+            self.gaps.append(gap / slope)
             self.choices.append(top.indices[:, :k].sort(dim=-1).values)
 
         return fn
+
+
+def grouped_choice(router, logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """The scores a DeepSeek-V3 / GLM-4.5 router chooses its top-k by, and the
+    smallest gap of its group choice.
+
+    sigmoid(logits) + e_score_correction_bias, minus infinity outside the
+    topk_group groups whose two best scores sum highest; the gap is between
+    the topk_group-th and the next group's sum (infinite with one group kept
+    of one).
+    """
+    scores = logits.sigmoid() + router.e_score_correction_bias
+    groups, keep = router.num_group, router.topk_group
+    group_scores = scores.view(scores.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+    gap = float("inf")
+    if keep < groups:
+        ordered = group_scores.sort(dim=-1, descending=True).values
+        gap = float((ordered[:, keep - 1] - ordered[:, keep]).min())
+    kept = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(keep, dim=-1).indices, 1)
+    mask = kept.unsqueeze(-1).expand(-1, groups, scores.shape[1] // groups).reshape(scores.shape)
+    return scores.masked_fill(~mask.bool(), float("-inf")), gap
 
 
 def routing_differences(a: RouterLog, b: RouterLog) -> int:
@@ -882,11 +981,12 @@ def check_sensitivities(model, seqs: list[torch.Tensor]) -> dict:
     probes = []  # (layer, part, kind, module to hook, hook, threshold)
     for b in residual_branches(model):
         probes.append((b["layer"], b["part"], b["kind"], b["module"], _zero_output, SENS_BRANCH_MIN))
-        if b["kind"] == "moe" and hasattr(b["module"], "shared_expert"):
-            probes.append((b["layer"], "shared_expert", "moe", b["module"].shared_expert, _zero_output,
-                           SENS_BRANCH_MIN))
+        for shared in ("shared_expert", "shared_experts"):
+            if b["kind"] == "moe" and hasattr(b["module"], shared):
+                probes.append((b["layer"], "shared_expert", "moe", getattr(b["module"], shared), _zero_output,
+                               SENS_BRANCH_MIN))
         attn = b["module"]
-        if b["kind"] == FULL and attn.q_proj.out_features == 2 * model.config.num_attention_heads * attn.head_dim:
+        if b["kind"] == FULL and hasattr(attn, "q_proj") and attn.q_proj.out_features == 2 * model.config.num_attention_heads * attn.head_dim:
             # A gated attention (Qwen3-Next / Qwen3.5): q_proj also yields the gate.
             probes.append((b["layer"], "attn_output_gate", FULL, attn.q_proj, _open_output_gate(attn.head_dim),
                            SENS_GATE_MIN))
@@ -1112,7 +1212,7 @@ def build_candidate(spec: dict, seed: int, fdir: Path) -> dict:
     gen = torch.Generator().manual_seed(seed)
     vocab = config.vocab_size
     tokens_short = torch.randint(0, vocab, (SEQ_SHORT,), generator=gen, dtype=torch.int64)
-    tokens_long = torch.randint(0, vocab, (SEQ_LONG,), generator=gen, dtype=torch.int64)
+    tokens_long = torch.randint(0, vocab, (spec.get("seq_long", SEQ_LONG),), generator=gen, dtype=torch.int64)
     tokens_calib = torch.randint(0, vocab, (CALIB_LEN,), generator=gen, dtype=torch.int64)
 
     # 1. Build, randomise, calibrate the branch sizes, save as bf16.
@@ -1254,7 +1354,7 @@ def make_fixture(name: str, spec: dict, out_root: Path) -> dict:
         "rejected_seeds": rejected,
         "checkpoint_layout": cand["layout"],
         "seq_len_short": SEQ_SHORT,
-        "seq_len_long": SEQ_LONG,
+        "seq_len_long": int(tensors["tokens_long"].numel()),
         "generate_new_tokens": NEW_TOKENS,
         "generate_ids": tensors["generate_ids"].tolist(),
         "reference_recipe": (

@@ -23,6 +23,10 @@ pub enum Architecture {
     /// Qwen3.5-35B-A3B, Qwen3.5-397B-A17B: Qwen3-Next's layers with separate
     /// linear-attention projections; text weights of a multimodal checkpoint.
     Qwen35Moe,
+    /// GLM-4.5, GLM-4.6, GLM-4.5-Air: GQA with q/k/v biases and partial
+    /// rotary, optional q/k norm; DeepSeek-V3's grouped sigmoid router,
+    /// shared experts, leading dense layers.
+    Glm4Moe,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -67,6 +71,11 @@ pub struct AttentionConfig {
     /// Gated attention: `q_proj` also yields a per-head sigmoid gate applied
     /// to the attention output.
     pub output_gate: bool,
+    /// Per-head RMSNorm of q and k before RoPE (Qwen3; GLM-4.5's
+    /// `use_qk_norm`).
+    pub qk_norm: bool,
+    /// Biases of the q, k and v projections (GLM-4.5's `attention_bias`).
+    pub qkv_bias: bool,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -90,7 +90,44 @@ pub const PRESETS: &[Preset] = &[
         description: "Qwen3.5-397B-A17B: 60 hybrid layers, 512 experts top-10 + shared",
         config: || qwen35(4096, 60, 32, 64, 512, 10, 1024),
     },
+    Preset {
+        name: "glm-4.5-355b",
+        description: "GLM-4.5 (355B-A32B): 92 layers (3 dense), 160 experts top-8 + shared, q/k norm",
+        config: || glm45(5120, 92, 12288, 1536, 160, 3, 2.5, true),
+    },
+    Preset {
+        name: "glm-4.5-air",
+        description: "GLM-4.5-Air (106B-A12B): 46 layers (1 dense), 128 experts top-8 + shared",
+        config: || glm45(4096, 46, 10944, 1408, 128, 1, 1.0, false),
+    },
 ];
+
+/// GLM-4.5's `config.json`: 96 query and 8 KV heads of 128 with q/k/v
+/// biases and half-rotary heads; the sigmoid router with one group.
+#[allow(clippy::too_many_arguments)]
+fn glm45(
+    hidden: usize,
+    layers: usize,
+    dense_inter: usize,
+    expert_inter: usize,
+    experts: usize,
+    dense_layers: usize,
+    scaling: f64,
+    qk_norm: bool,
+) -> Value {
+    json!({
+        "model_type": "glm4_moe", "vocab_size": 151552, "hidden_size": hidden,
+        "num_hidden_layers": layers, "num_attention_heads": 96, "num_key_value_heads": 8,
+        "head_dim": 128, "partial_rotary_factor": 0.5, "attention_bias": true,
+        "use_qk_norm": qk_norm, "intermediate_size": dense_inter,
+        "moe_intermediate_size": expert_inter, "n_routed_experts": experts,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": 1, "topk_group": 1,
+        "first_k_dense_replace": dense_layers, "norm_topk_prob": true,
+        "routed_scaling_factor": scaling, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072, "num_nextn_predict_layers": 1,
+        "tie_word_embeddings": false, "hidden_act": "silu"
+    })
+}
 
 fn qwen35(
     hidden: usize,
@@ -275,5 +312,30 @@ impl TensorSource for RandomWeights {
             out.extend((0..cols).map(|_| centre + width * (2.0 * rng.next_unit() - 1.0)));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every preset is a configuration its family parses and a plan it
+    /// builds on a synthetic checkpoint, whole and cut to two layers.
+    #[test]
+    fn every_preset_parses_and_plans() {
+        for p in PRESETS {
+            for layers in [None, Some(2)] {
+                let config = preset_config(p, layers).unwrap();
+                let path = Path::new(p.name).join("config.json");
+                let cfg = ModelConfig::from_hf_json(&config, &path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.name));
+                let index = CheckpointIndex::synthetic(Path::new(p.name));
+                let plan = cfg
+                    .architecture
+                    .conversion_plan(&cfg, &index)
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.name));
+                assert_eq!(plan.experts.len(), cfg.moe_layers().count(), "{}", p.name);
+            }
+        }
     }
 }

@@ -59,7 +59,15 @@ pub fn run(args: Args) -> Result<()> {
                 y.attention_factor()
             ))
             .unwrap_or_default(),
-        if a.output_gate { ", output gate" } else { "" }
+        [
+            (a.output_gate, ", output gate"),
+            (a.qkv_bias, ", q/k/v bias"),
+            (!a.qk_norm, ", no q/k norm"),
+        ]
+        .iter()
+        .filter(|(on, _)| *on)
+        .map(|(_, s)| *s)
+        .collect::<String>()
     );
     if let Some(l) = &c.linear_attention {
         println!(

@@ -3,6 +3,7 @@
 //! canonical tensors. The forward pass itself is shared
 //! ([`crate::blocks::decoder`]) and driven by the config.
 
+mod glm4_moe;
 mod qwen3_moe;
 mod qwen3_next;
 
@@ -16,11 +17,12 @@ use crate::convert::plan::{CheckpointIndex, ConversionPlan};
 use crate::error::{Error, Result};
 
 impl Architecture {
-    const ALL: [(&'static str, Architecture); 4] = [
+    const ALL: [(&'static str, Architecture); 5] = [
         ("qwen3_moe", Architecture::Qwen3Moe),
         ("qwen3_next", Architecture::Qwen3Next),
         ("qwen3_5_moe", Architecture::Qwen35Moe),
         ("qwen3_5_moe_text", Architecture::Qwen35Moe),
+        ("glm4_moe", Architecture::Glm4Moe),
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Architecture> {
@@ -43,12 +45,14 @@ impl Architecture {
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen3Next => "qwen3_next",
             Architecture::Qwen35Moe => "qwen3_5_moe",
+            Architecture::Glm4Moe => "glm4_moe",
         }
     }
 
     pub(crate) fn parse_config(self, reader: &ConfigReader<'_>) -> Result<ModelConfig> {
         match self {
             Architecture::Qwen3Moe => qwen3_moe::parse_config(reader),
+            Architecture::Glm4Moe => glm4_moe::parse_config(reader),
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::parse_config(self, reader)
             }
@@ -64,6 +68,7 @@ impl Architecture {
     ) -> Result<ConversionPlan> {
         match self {
             Architecture::Qwen3Moe => qwen3_moe::conversion_plan(cfg, checkpoint),
+            Architecture::Glm4Moe => glm4_moe::conversion_plan(cfg, checkpoint),
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::conversion_plan(cfg, checkpoint)
             }
@@ -92,6 +97,9 @@ pub mod names {
     pub const ATTN_O: &str = "attn.o_proj";
     pub const ATTN_Q_NORM: &str = "attn.q_norm";
     pub const ATTN_K_NORM: &str = "attn.k_norm";
+    pub const ATTN_Q_BIAS: &str = "attn.q_proj.bias";
+    pub const ATTN_K_BIAS: &str = "attn.k_proj.bias";
+    pub const ATTN_V_BIAS: &str = "attn.v_proj.bias";
 
     /// Rows q | k | v | z | b | a of the Gated DeltaNet input projection.
     pub const LINEAR_IN_PROJ: &str = "linear_attn.in_proj";

@@ -54,6 +54,8 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             rope_theta: rope.theta,
             rope_yarn: rope.yarn,
             output_gate: false,
+            qk_norm: true,
+            qkv_bias: false,
         },
         linear_attention: None,
         moe: MoeConfig {

@@ -87,6 +87,8 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             rope_theta: rope.theta,
             rope_yarn: rope.yarn,
             output_gate: true,
+            qk_norm: true,
+            qkv_bias: false,
         },
         linear_attention: Some(LinearAttentionConfig {
             num_key_heads: c.usize("linear_num_key_heads")?,

@@ -177,6 +177,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Splits columns into consecutive parts of the given widths.
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
+    /// `x[r, c] += bias[c]` for every row: a projection's bias (an f32
+    /// vector of `x`'s width).
+    fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Weight) -> Result<()>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
     /// `x *= sigmoid(gate)`, elementwise, or per row when `gate` has one

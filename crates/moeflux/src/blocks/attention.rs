@@ -1,6 +1,7 @@
-//! Full (softmax) attention with grouped-query heads, per-head RMSNorm of q
-//! and k, RoPE, and — in the Qwen3-Next family — a sigmoid output gate per
-//! head computed by `q_proj` alongside the queries.
+//! Full (softmax) attention with grouped-query heads, optional q/k/v
+//! biases (GLM-4.5), optional per-head RMSNorm of q and k, RoPE, and — in
+//! the Qwen3-Next family — a sigmoid output gate per head computed by
+//! `q_proj` alongside the queries.
 
 use std::ops::Range;
 
@@ -16,8 +17,10 @@ pub struct Attention<B: Backend> {
     k_proj: B::Weight,
     v_proj: B::Weight,
     o_proj: B::Weight,
-    q_norm: B::Weight,
-    k_norm: B::Weight,
+    /// Biases of q (the queries' columns), k and v.
+    biases: Option<[B::Weight; 3]>,
+    /// Per-head RMSNorm weights of q and k.
+    qk_norm: Option<(B::Weight, B::Weight)>,
     shape: AttentionShape,
     rope: Rope,
     norm: RmsNorm,
@@ -52,8 +55,21 @@ impl<B: Backend> Attention<B> {
             k_proj: w.matrix(&name(names::ATTN_K), kv_dim, h)?,
             v_proj: w.matrix(&name(names::ATTN_V), kv_dim, h)?,
             o_proj: w.matrix(&name(names::ATTN_O), h, q_dim)?,
-            q_norm: w.f32_tensor(&name(names::ATTN_Q_NORM), &[a.head_dim])?,
-            k_norm: w.f32_tensor(&name(names::ATTN_K_NORM), &[a.head_dim])?,
+            biases: match a.qkv_bias {
+                true => Some([
+                    w.f32_tensor(&name(names::ATTN_Q_BIAS), &[q_dim])?,
+                    w.f32_tensor(&name(names::ATTN_K_BIAS), &[kv_dim])?,
+                    w.f32_tensor(&name(names::ATTN_V_BIAS), &[kv_dim])?,
+                ]),
+                false => None,
+            },
+            qk_norm: match a.qk_norm {
+                true => Some((
+                    w.f32_tensor(&name(names::ATTN_Q_NORM), &[a.head_dim])?,
+                    w.f32_tensor(&name(names::ATTN_K_NORM), &[a.head_dim])?,
+                )),
+                false => None,
+            },
             shape: shape(cfg),
             rope: Rope {
                 head_dim: a.head_dim,
@@ -83,27 +99,24 @@ impl<B: Backend> Attention<B> {
         let q_dim = self.shape.num_heads * self.shape.head_dim;
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &projections)?;
-        let [projected, k, v]: [B::Tensor; 3] = projected
+        let [projected, mut k, mut v]: [B::Tensor; 3] = projected
             .try_into()
             .unwrap_or_else(|_| unreachable!("three projections"));
-        let (q, gate) = if self.output_gate {
+        let (mut q, gate) = if self.output_gate {
             let mut parts = b.split_cols(&projected, &[q_dim, q_dim])?.into_iter();
             (parts.next().unwrap(), parts.next())
         } else {
             (projected, None)
         };
+        if let Some([q_bias, k_bias, v_bias]) = &self.biases {
+            b.add_bias(&mut q, q_bias)?;
+            b.add_bias(&mut k, k_bias)?;
+            b.add_bias(&mut v, v_bias)?;
+        }
         let decode_many = ranges.len() > 1 && ranges.iter().all(|r| r.len() == 1);
-        let mut out = if decode_many {
+        let mut out = if let (true, Some((q_norm, k_norm))) = (decode_many, &self.qk_norm) {
             b.attention_decode_many(
-                caches,
-                q,
-                k,
-                &v,
-                &self.q_norm,
-                &self.k_norm,
-                self.norm,
-                self.rope,
-                self.shape,
+                caches, q, k, &v, q_norm, k_norm, self.norm, self.rope, self.shape,
             )?
         } else {
             self.attend_per_sequence(b, caches, ranges, q, k, v)?
@@ -129,15 +142,17 @@ impl<B: Backend> Attention<B> {
             let [q, k, v]: [B::Tensor; 3] = qkv.try_into().unwrap_or_else(|_| unreachable!());
             let cache = &mut *caches[i];
             let start = b.kv_len(cache);
-            let (q, k) = b.qk_norm_rope(
-                q,
-                k,
-                &self.q_norm,
-                &self.k_norm,
-                self.norm,
-                self.rope,
-                start,
-            )?;
+            let (q, k) = match &self.qk_norm {
+                Some((q_norm, k_norm)) => {
+                    b.qk_norm_rope(q, k, q_norm, k_norm, self.norm, self.rope, start)?
+                }
+                None => {
+                    let (mut q, mut k) = (q, k);
+                    b.rope(&mut q, self.rope, start)?;
+                    b.rope(&mut k, self.rope, start)?;
+                    (q, k)
+                }
+            };
             b.attention(cache, &q, &k, &v, self.shape)
         })
     }

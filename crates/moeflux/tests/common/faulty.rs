@@ -148,6 +148,10 @@ impl<B: Backend> Backend for Faulty<B> {
         self.check("add_assign")?;
         self.inner.add_assign(x, y)
     }
+    fn add_bias(&self, x: &mut B::Tensor, bias: &B::Weight) -> Result<()> {
+        self.check("add_bias")?;
+        self.inner.add_bias(x, bias)
+    }
     fn silu_mul(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
         self.check("silu_mul")?;
         self.inner.silu_mul(gate, up)

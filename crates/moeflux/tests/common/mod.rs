@@ -23,6 +23,8 @@ pub const FIXTURES: &[&str] = &[
     "qwen3_moe_sparse_step",
     "qwen3_next",
     "qwen3_5_moe",
+    "glm4_moe",
+    "glm4_moe_qk_norm",
 ];
 
 /// The repository's fixtures: under `$MOEFLUX_REPO` when set (a test

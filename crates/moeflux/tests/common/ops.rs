@@ -30,7 +30,8 @@
 //!   2e-5) enter scores `q·k/√d`, whose error grows with `√d`, up to 16
 //!   for 256-wide heads (measured on an H100: below 1e-6); the keys it
 //!   caches within 2e-5, the values exactly;
-//! - routing weights, `silu_mul`, `mul_sigmoid`: 1e-6; `add_assign` 1e-7;
+//! - routing weights, `silu_mul`, `mul_sigmoid`: 1e-6; `add_assign` and
+//!   `add_bias` 1e-7;
 //! - exact where no arithmetic reorders: embedding rows, row and column
 //!   copies, exported keys and values, the experts chosen.
 //!
@@ -774,6 +775,24 @@ pub fn elementwise<B: Conformance>(b: &B, _: Activations) {
     r.add_assign(&mut a_r, &y_r).unwrap();
     b.add_assign(&mut a_b, &y_b).unwrap();
     assert_close("add_assign", &host(b, &a_b), &a_r.data, 1e-7);
+
+    // A projection's bias, added to every row.
+    let bias = TestWeights::new(&[("test.bias", DType::F32, vec![cols], values(cols, 13))]);
+    let (mut a_r, mut a_b) = both(b, rows, cols, values(rows * cols, 1));
+    r.add_bias(&mut a_r, &bias.load(&r, "test.bias", &[cols]))
+        .unwrap();
+    b.add_bias(&mut a_b, &bias.load(b, "test.bias", &[cols]))
+        .unwrap();
+    assert_close("add_bias", &host(b, &a_b), &a_r.data, 1e-7);
+    let want: Vec<f32> = values(rows * cols, 1)
+        .iter()
+        .zip(values(cols, 13).iter().cycle())
+        .map(|(x, b)| x + b)
+        .collect();
+    assert_eq!(
+        a_r.data, want,
+        "add_bias: the reference adds the bias to each row"
+    );
 
     assert_close(
         "silu_mul",

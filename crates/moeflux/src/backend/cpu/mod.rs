@@ -359,6 +359,21 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        let b = bias.f32s();
+        assert_eq!(
+            b.len(),
+            x.cols,
+            "add_bias: a bias of {} for {} columns",
+            b.len(),
+            x.cols
+        );
+        for row in x.data.chunks_exact_mut(x.cols) {
+            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+        }
+        Ok(())
+    }
+
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let data = gate
             .data

@@ -98,9 +98,10 @@ pub fn route(
     }
 }
 
-/// Zeroes the choice scores of every group but the `groups.keep` whose two
-/// best scores sum highest (transformers' DeepSeek-V3 router: masked
-/// scores become 0, not minus infinity).
+/// Excludes every group but the `groups.keep` whose two best scores sum
+/// highest (transformers 5's DeepSeek-V3 and GLM-4.5 routers: masked
+/// scores become minus infinity, so a kept expert whose corrected score is
+/// negative still wins over a dropped one).
 fn keep_best_groups(choice: &mut [f32], groups: ExpertGroups) {
     let size = choice.len() / groups.count;
     let mut group_scores: Vec<(usize, f32)> = choice
@@ -120,7 +121,7 @@ fn keep_best_groups(choice: &mut [f32], groups: ExpertGroups) {
         .collect();
     group_scores.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     for &(g, _) in &group_scores[groups.keep..] {
-        choice[g * size..(g + 1) * size].fill(0.0);
+        choice[g * size..(g + 1) * size].fill(f32::NEG_INFINITY);
     }
 }
 

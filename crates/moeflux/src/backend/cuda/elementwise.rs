@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::{CudaBackend, RopeFrequencies, Tensor, grid_stride, int, long, ok};
+use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
 use crate::backend::Rope;
 use crate::error::Result;
 
@@ -120,6 +120,28 @@ impl CudaBackend {
         Ok(())
     }
 
+    pub(super) fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        let width = bias.vector_len("add_bias");
+        assert_eq!(
+            width, x.cols,
+            "add_bias: a bias of {width} for {} columns",
+            x.cols
+        );
+        let len = x.rows * x.cols;
+        let (n, cols) = (long(len), int(x.cols, "columns"));
+        launch!(
+            self,
+            "add_bias",
+            &self.kernels.add_bias,
+            grid_stride(len),
+            &mut x.data,
+            &bias.data,
+            &n,
+            &cols
+        );
+        Ok(())
+    }
+
     pub(super) fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let len = gate.rows * gate.cols;
         assert_eq!(len, up.rows * up.cols, "silu_mul: shapes differ");
@@ -198,6 +220,7 @@ impl CudaBackend {
             return Ok(());
         }
         let frequencies = self.rope_frequencies(rope)?;
+        let position = self.recorded_position(None);
         let total = x.rows * (x.cols / rope.head_dim) * half;
         let (rows, cols, head_dim, half, start, scale) = (
             long(x.rows),
@@ -219,7 +242,8 @@ impl CudaBackend {
             &head_dim,
             &half,
             &start,
-            &scale
+            &scale,
+            &position
         );
         Ok(())
     }

@@ -636,6 +636,10 @@ impl Backend for CudaBackend {
         CudaBackend::add_assign(self, x, y)
     }
 
+    fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        CudaBackend::add_bias(self, x, bias)
+    }
+
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         CudaBackend::silu_mul(self, gate, up)
     }

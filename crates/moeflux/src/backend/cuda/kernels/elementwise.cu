@@ -10,6 +10,12 @@ extern "C" __global__ void add_assign(float* x, const float* y, i64 n) {
     GRID_STRIDE(i, n) { x[i] += y[i]; }
 }
 
+// x[r, c] += bias[c] for the rows of x ([n / cols, cols]).
+extern "C" __global__ void add_bias(float* x, const float* bias, i64 n, int cols) {
+    await_inputs();
+    GRID_STRIDE(i, n) { x[i] += bias[i % cols]; }
+}
+
 // out = silu(gate) · up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, i64 n) {
     await_inputs();
@@ -40,13 +46,17 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int
 }
 
 // Rotates the first 2·half features of each head_dim group of every row,
-// row t at position start_pos + t, the halves against each other (NeoX);
+// row t at position start_pos + t (start_pos read from `position` on the
+// device when given: a recorded decode step), the halves against each
+// other (NeoX);
 // inv_freq holds the half frequencies, computed in f32 on the host exactly
 // as the CPU backend computes them; cos and sin are multiplied by `scale`
 // (YaRN's attention factor, else 1).
 extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int cols,
-                                int head_dim, int half, i64 start_pos, float scale) {
+                                int head_dim, int half, i64 start_pos, float scale,
+                                const u32* position) {
     await_inputs();
+    if (position) start_pos = *position;
     int heads = cols / head_dim;
     GRID_STRIDE(i, rows * heads * half) {
         i64 t = i / ((i64)heads * half);

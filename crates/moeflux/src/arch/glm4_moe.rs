@@ -1,0 +1,252 @@
+//! GLM-4.5 / GLM-4.6 / GLM-4.5-Air (`glm4_moe`): GQA attention with q/k/v
+//! biases, partial rotary (half of each head by default) and optional
+//! per-head q/k RMSNorm; the first `first_k_dense_replace` layers dense,
+//! the rest MoE with DeepSeek-V3's router (sigmoid scores, a correction
+//! bias for the choice, group-limited top-k, renormalisation, routed
+//! scaling) and ungated shared experts. Multi-token-prediction layers
+//! (after the last decoder layer in the checkpoint) are skipped.
+
+use crate::arch::{Architecture, names};
+use crate::config::{
+    AttentionConfig, ConfigReader, ExpertGroups, FeedForwardKind, LayerKind, LayerSpec,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec, ScoreFunction, SharedExpert,
+};
+use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
+use crate::error::Result;
+
+pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
+    c.require_silu()?;
+    let hidden_size = c.usize("hidden_size")?;
+    let num_heads = c.usize("num_attention_heads")?;
+    let head_dim = c.usize_or("head_dim", hidden_size / num_heads.max(1))?;
+    let rope = c.rope(0.5)?;
+    let num_layers = c.usize("num_hidden_layers")?;
+    let moe = deepseek_moe(c)?;
+    Ok(ModelConfig {
+        architecture: Architecture::Glm4Moe,
+        vocab_size: c.usize("vocab_size")?,
+        hidden_size,
+        rms_norm_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
+        norm: NormStyle::Weight,
+        tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        max_position_embeddings: c.usize_or("max_position_embeddings", 131072)?,
+        attention: AttentionConfig {
+            num_heads,
+            num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
+            head_dim,
+            rotary_dim: (head_dim as f64 * rope.partial) as usize,
+            rope_theta: rope.theta,
+            rope_yarn: rope.yarn,
+            output_gate: false,
+            qk_norm: c.bool_or("use_qk_norm", false)?,
+            qkv_bias: c.bool_or("attention_bias", false)?,
+        },
+        linear_attention: None,
+        layers: leading_dense_layers(c, num_layers, LayerKind::FullAttention, &moe)?,
+        moe,
+        dense_intermediate_size: c.opt_usize("intermediate_size")?,
+    })
+}
+
+/// The MoE settings of the DeepSeek-V3 family's configs (`n_routed_experts`,
+/// `n_shared_experts`, `n_group`, `topk_group`, `norm_topk_prob`,
+/// `routed_scaling_factor`), as transformers' `DeepseekV3TopkRouter` and
+/// `Glm4MoeTopkRouter` route: sigmoid scores, the correction bias for the
+/// choice, group-limited top-k.
+pub(super) fn deepseek_moe(c: &ConfigReader<'_>) -> Result<MoeConfig> {
+    let num_experts = match c.opt_usize("n_routed_experts")? {
+        Some(n) => n,
+        None => c.num_experts()?,
+    };
+    if let Some(f) = c.get("scoring_func").and_then(serde_json::Value::as_str)
+        && f != "sigmoid"
+    {
+        return Err(c.error(format!(
+            "scoring_func `{f}` is not supported (transformers' router uses sigmoid scores)"
+        )));
+    }
+    let expert_intermediate_size = c.usize_or("moe_intermediate_size", 0)?;
+    let (count, keep) = (c.usize_or("n_group", 1)?, c.usize_or("topk_group", 1)?);
+    if count == 0 || keep == 0 || keep > count || (num_experts > 0 && num_experts % count != 0) {
+        return Err(c.error(format!(
+            "n_group ({count}) must divide n_routed_experts ({num_experts}) and topk_group \
+             ({keep}) be between 1 and n_group"
+        )));
+    }
+    let shared = c.usize_or("n_shared_experts", 1)?;
+    Ok(MoeConfig {
+        num_experts,
+        expert_intermediate_size,
+        router: RouterSpec {
+            top_k: c.usize_or("num_experts_per_tok", 0)?,
+            score: ScoreFunction::Sigmoid,
+            // One group keeps every expert: the same choice without the
+            // grouping's work.
+            groups: (count > 1 && keep < count).then_some(ExpertGroups { count, keep }),
+            correction_bias: true,
+            renormalize: c.bool_or("norm_topk_prob", true)?,
+            scaling: c.opt_f64("routed_scaling_factor")?.unwrap_or(1.0) as f32,
+        },
+        shared_expert: (shared > 0).then_some(SharedExpert {
+            intermediate_size: shared * expert_intermediate_size,
+            gated: false,
+        }),
+    })
+}
+
+/// Layers of mixer `kind`, the first `first_k_dense_replace` with a dense
+/// MLP and the rest MoE (every `moe_layer_freq`-th, as DeepSeek's
+/// configs allow; transformers' models use 1).
+pub(super) fn leading_dense_layers(
+    c: &ConfigReader<'_>,
+    num_layers: usize,
+    kind: LayerKind,
+    moe: &MoeConfig,
+) -> Result<Vec<LayerSpec>> {
+    let first_dense = c.usize_or("first_k_dense_replace", 1)?;
+    let freq = c.usize_or("moe_layer_freq", 1)?.max(1);
+    Ok((0..num_layers)
+        .map(|i| LayerSpec {
+            kind,
+            ffn: if moe.num_experts > 0 && i >= first_dense && i % freq == 0 {
+                FeedForwardKind::Moe
+            } else {
+                FeedForwardKind::Dense
+            },
+        })
+        .collect())
+}
+
+pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Result<ConversionPlan> {
+    let mut b = PlanBuilder::new(ckpt);
+    let p = ckpt.text_prefix();
+    super::qwen3_moe::common_tensors(&mut b, cfg, p)?;
+    let a = &cfg.attention;
+    let (h, q_dim, kv_dim) = (
+        cfg.hidden_size,
+        a.num_heads * a.head_dim,
+        a.num_kv_heads * a.head_dim,
+    );
+    for (i, spec) in cfg.layers.iter().enumerate() {
+        let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
+        let canon = |t: &str| names::layer(i, t);
+        let m = TensorRole::Matrix;
+        for (c, t, rows) in [
+            (names::ATTN_Q, "q_proj", q_dim),
+            (names::ATTN_K, "k_proj", kv_dim),
+            (names::ATTN_V, "v_proj", kv_dim),
+        ] {
+            b.matrix(canon(c), m, &hf(&format!("{t}.weight")), rows, h)?;
+        }
+        b.matrix(canon(names::ATTN_O), m, &hf("o_proj.weight"), h, q_dim)?;
+        if a.qkv_bias {
+            for (c, t, rows) in [
+                (names::ATTN_Q_BIAS, "q_proj", q_dim),
+                (names::ATTN_K_BIAS, "k_proj", kv_dim),
+                (names::ATTN_V_BIAS, "v_proj", kv_dim),
+            ] {
+                b.vector(canon(c), &hf(&format!("{t}.bias")), &[rows])?;
+            }
+        }
+        if a.qk_norm {
+            b.vector(
+                canon(names::ATTN_Q_NORM),
+                &hf("q_norm.weight"),
+                &[a.head_dim],
+            )?;
+            b.vector(
+                canon(names::ATTN_K_NORM),
+                &hf("k_norm.weight"),
+                &[a.head_dim],
+            )?;
+        }
+        deepseek_feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+    }
+    let mtp = mtp_prefixes(cfg, ckpt, p);
+    let skips: Vec<(&str, &'static str)> = mtp.iter().map(|s| (s.as_str(), MTP_NOTICE)).collect();
+    Ok(b.finish(&skips))
+}
+
+/// Why multi-token-prediction layers are left out.
+pub(super) const MTP_NOTICE: &str =
+    "multi-token-prediction layer (kept in the checkpoint for speculative decoding; not run)";
+
+/// The checkpoint's multi-token-prediction layers: decoder layers numbered
+/// from `num_hidden_layers` on (`num_nextn_predict_layers` of them on the
+/// Hub, any found here).
+pub(super) fn mtp_prefixes(cfg: &ModelConfig, ckpt: &CheckpointIndex, p: &str) -> Vec<String> {
+    let n = cfg.num_layers();
+    let mut prefixes: Vec<String> = (n..)
+        .map(|l| format!("{p}layers.{l}."))
+        .take_while(|prefix| ckpt.tensors.keys().any(|k| k.starts_with(prefix)))
+        .collect();
+    prefixes.push("mtp.".into());
+    prefixes
+}
+
+/// The dense MLP, or the MoE block of the DeepSeek-V3 family's names:
+/// `mlp.gate` (router, with its `e_score_correction_bias`),
+/// `mlp.shared_experts`, `mlp.experts`.
+pub(super) fn deepseek_feed_forward(
+    b: &mut PlanBuilder<'_>,
+    cfg: &ModelConfig,
+    p: &str,
+    i: usize,
+    ffn: FeedForwardKind,
+) -> Result<()> {
+    let h = cfg.hidden_size;
+    let hf = |t: &str| format!("{p}layers.{i}.mlp.{t}");
+    let canon = |t: &str| names::layer(i, t);
+    let m = TensorRole::Matrix;
+    let swiglu = |b: &mut PlanBuilder<'_>, tensors: [(&str, String); 3], inter: usize| {
+        let [(cg, hg), (cu, hu), (cd, hd)] = tensors;
+        b.matrix(canon(cg), m, &hf(&hg), inter, h)?;
+        b.matrix(canon(cu), m, &hf(&hu), inter, h)?;
+        b.matrix(canon(cd), m, &hf(&hd), h, inter)
+    };
+    match ffn {
+        FeedForwardKind::Dense => swiglu(
+            b,
+            [
+                (names::MLP_GATE, "gate_proj.weight".into()),
+                (names::MLP_UP, "up_proj.weight".into()),
+                (names::MLP_DOWN, "down_proj.weight".into()),
+            ],
+            cfg.dense_intermediate_size.unwrap_or(0),
+        ),
+        FeedForwardKind::Moe => {
+            let moe = &cfg.moe;
+            b.matrix(
+                canon(names::MOE_ROUTER),
+                TensorRole::Router,
+                &hf("gate.weight"),
+                moe.num_experts,
+                h,
+            )?;
+            b.vector(
+                canon(names::MOE_ROUTER_CORRECTION),
+                &hf("gate.e_score_correction_bias"),
+                &[moe.num_experts],
+            )?;
+            if let Some(shared) = moe.shared_expert {
+                let t = |proj: &str| format!("shared_experts.{proj}.weight");
+                swiglu(
+                    b,
+                    [
+                        (names::SHARED_GATE, t("gate_proj")),
+                        (names::SHARED_UP, t("up_proj")),
+                        (names::SHARED_DOWN, t("down_proj")),
+                    ],
+                    shared.intermediate_size,
+                )?;
+            }
+            b.experts(
+                i,
+                &hf("experts."),
+                moe.num_experts,
+                h,
+                moe.expert_intermediate_size,
+            )
+        }
+    }
+}
