@@ -129,6 +129,8 @@ import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import (  # noqa: E402
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
@@ -348,6 +350,66 @@ def glm4_moe_qk_norm_config() -> Glm4MoeConfig:
                             routed_scaling_factor=1.8, first_k_dense_replace=2)
 
 
+def _deepseek_v3_config(**overrides) -> DeepseekV3Config:
+    # Multi-head latent attention at sizes whose matrices quantize in groups
+    # of 64: 4 heads of 16 + 16 query/key features and 16 value features, a
+    # latent of 64; interleaved rotary pairs (rope_interleave, the default);
+    # the router of glm4_moe's fixture (4 groups keep 2, renormalised,
+    # scaling 2.5), one shared expert, layer 0 dense.
+    kw = dict(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        num_mtp_layers=0,
+        # DeepseekV3Config's defaults name tokens 0 and 1: generate() would stop at 1.
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    kw.update(overrides)
+    return DeepseekV3Config(**kw)
+
+
+def deepseek_v3_config() -> DeepseekV3Config:
+    # YaRN over a pretraining context of 32 (factor 4): the 80-token sequence
+    # runs past it; mscale_all_dim != mscale makes both the cos/sin factor
+    # and the softmax-scale correction differ from 1.
+    return _deepseek_v3_config(
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 0.707},
+    )
+
+
+def deepseek_v3_no_q_lora_config() -> DeepseekV3Config:
+    # Queries from one q_proj (q_lora_rank null, as DeepSeek-V2-Lite), plain
+    # RoPE; 2 groups keep 1, raw top-k weights scaled by 1.5, layers 0-1 dense.
+    return _deepseek_v3_config(
+        q_lora_rank=None, n_group=2, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.5,
+        first_k_dense_replace=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+
+
 # A deliberately tiny vision tower: only its weights are needed (as tensors the
 # engine must skip), it is never run.
 TINY_VISION_CONFIG = dict(
@@ -374,6 +436,10 @@ FIXTURES = {
     "qwen3_5_moe": dict(cls=Qwen3_5MoeForCausalLM, config=qwen3_5_moe_config, seed=4000, fused_experts=False),
     # seq_long: the long sequence's length (SEQ_LONG unless given).
     "glm4_moe": dict(cls=Glm4MoeForCausalLM, config=glm4_moe_config, seed=5000, fused_experts=False),
+    "deepseek_v3": dict(cls=DeepseekV3ForCausalLM, config=deepseek_v3_config, seed=7000, fused_experts=False),
+    "deepseek_v3_no_q_lora": dict(
+        cls=DeepseekV3ForCausalLM, config=deepseek_v3_no_q_lora_config, seed=8006, fused_experts=True
+    ),
     "glm4_moe_qk_norm": dict(
         cls=Glm4MoeForCausalLM, config=glm4_moe_qk_norm_config, seed=6000, fused_experts=True, seq_long=300
     ),
@@ -986,7 +1052,8 @@ def check_sensitivities(model, seqs: list[torch.Tensor]) -> dict:
                 probes.append((b["layer"], "shared_expert", "moe", getattr(b["module"], shared), _zero_output,
                                SENS_BRANCH_MIN))
         attn = b["module"]
-        if b["kind"] == FULL and hasattr(attn, "q_proj") and attn.q_proj.out_features == 2 * model.config.num_attention_heads * attn.head_dim:
+        if b["kind"] == FULL and getattr(attn, "q_proj", None) is not None and hasattr(attn, "head_dim") \
+                and attn.q_proj.out_features == 2 * model.config.num_attention_heads * attn.head_dim:
             # A gated attention (Qwen3-Next / Qwen3.5): q_proj also yields the gate.
             probes.append((b["layer"], "attn_output_gate", FULL, attn.q_proj, _open_output_gate(attn.head_dim),
                            SENS_GATE_MIN))

@@ -27,6 +27,9 @@ pub enum Architecture {
     /// rotary, optional q/k norm; DeepSeek-V3's grouped sigmoid router,
     /// shared experts, leading dense layers.
     Glm4Moe,
+    /// DeepSeek-V3, DeepSeek-R1, Kimi K2: multi-head latent attention,
+    /// the grouped sigmoid router, shared experts, leading dense layers.
+    DeepseekV3,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -41,6 +44,9 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     pub max_position_embeddings: usize,
     pub attention: AttentionConfig,
+    /// Multi-head latent attention (DeepSeek-V3): every attention layer is
+    /// MLA, and its KV cache holds the compressed latent and rotary key.
+    pub mla: Option<MlaConfig>,
     pub linear_attention: Option<LinearAttentionConfig>,
     pub moe: MoeConfig,
     /// Intermediate size of the dense SwiGLU MLP used by non-MoE layers.
@@ -76,6 +82,40 @@ pub struct AttentionConfig {
     pub qk_norm: bool,
     /// Biases of the q, k and v projections (GLM-4.5's `attention_bias`).
     pub qkv_bias: bool,
+}
+
+/// DeepSeek-V3's multi-head latent attention. Queries come from `q_proj`,
+/// or from `q_a_proj` → RMSNorm → `q_b_proj` with a `q_lora_rank`;
+/// `kv_a_proj_with_mqa` gives the latent (`kv_lora_rank`, RMSNorm'd) and
+/// one rotary key shared by the heads; `kv_b_proj` expands the latent into
+/// each head's non-rotary key and value, and is absorbed into the query
+/// and the output instead, so only the latent and rotary key are cached.
+/// `AttentionConfig::num_heads` are the heads; its `rotary_dim` is
+/// `qk_rope_head_dim`.
+#[derive(Clone, Debug, Serialize)]
+pub struct MlaConfig {
+    pub q_lora_rank: Option<usize>,
+    pub kv_lora_rank: usize,
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// Whether the checkpoint rotates interleaved pairs (`rope_interleave`;
+    /// the conversion reorders them into halves).
+    pub rope_interleave: bool,
+    /// The softmax scale: `qk_head_dim^-0.5`, times YaRN's
+    /// `get_mscale(factor, mscale_all_dim)²` where the rope is scaled.
+    pub softmax_scale: f32,
+}
+
+impl MlaConfig {
+    /// A query head: its rotary part first (as converted), then the rest.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+    /// Values cached per position and layer: the latent and the rotary key.
+    pub fn latent_width(&self) -> usize {
+        self.kv_lora_rank + self.qk_rope_head_dim
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -224,8 +264,16 @@ impl ModelConfig {
             .iter()
             .filter(|l| l.kind == LayerKind::FullAttention)
             .count() as u64;
-        let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
-        attention_layers * 2 * width * 4
+        attention_layers * self.kv_bytes_per_position_and_layer()
+    }
+
+    /// Bytes one attention layer caches per position: keys and values in
+    /// f32, or MLA's latent and rotary key alone.
+    pub fn kv_bytes_per_position_and_layer(&self) -> u64 {
+        match &self.mla {
+            Some(m) => m.latent_width() as u64 * 4,
+            None => 2 * (self.attention.num_kv_heads * self.attention.head_dim) as u64 * 4,
+        }
     }
 
     /// Checks relations between fields that the forward pass relies on.

@@ -100,7 +100,50 @@ pub const PRESETS: &[Preset] = &[
         description: "GLM-4.5-Air (106B-A12B): 46 layers (1 dense), 128 experts top-8 + shared",
         config: || glm45(4096, 46, 10944, 1408, 128, 1, 1.0, false),
     },
+    Preset {
+        name: "deepseek-v3-671b",
+        description: "DeepSeek-V3 / R1 (671B-A37B): 61 layers (3 dense), MLA, 256 experts top-8 + shared",
+        config: || deepseek_v3(61, 128, 256, 8, 4, 3, 2.5, "deepseek_v3", 163840, 40.0),
+    },
+    Preset {
+        name: "kimi-k2-1t",
+        description: "Kimi K2 (1T-A32B): 61 layers (1 dense), MLA with 64 heads, 384 experts top-8 + shared",
+        config: || deepseek_v3(61, 64, 384, 1, 1, 1, 2.827, "kimi_k2", 131072, 32.0),
+    },
 ];
+
+/// DeepSeek-V3's `config.json` (Kimi K2 is the same architecture): MLA with
+/// a query rank of 1536, a latent of 512, heads of 128 + 64 rotary
+/// features and values of 128; YaRN over 4096 positions.
+#[allow(clippy::too_many_arguments)]
+fn deepseek_v3(
+    layers: usize,
+    heads: usize,
+    experts: usize,
+    groups: usize,
+    keep: usize,
+    dense_layers: usize,
+    scaling: f64,
+    model_type: &str,
+    context: usize,
+    factor: f64,
+) -> Value {
+    json!({
+        "model_type": model_type, "vocab_size": if model_type == "kimi_k2" { 163840 } else { 129280 },
+        "hidden_size": 7168, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": heads, "q_lora_rank": 1536, "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": experts,
+        "n_shared_experts": 1, "num_experts_per_tok": 8, "n_group": groups, "topk_group": keep,
+        "first_k_dense_replace": dense_layers, "norm_topk_prob": true,
+        "routed_scaling_factor": scaling, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "rms_norm_eps": 1e-6, "rope_theta": if model_type == "kimi_k2" { 50000.0 } else { 10000.0 },
+        "max_position_embeddings": context,
+        "rope_scaling": {"type": "yarn", "factor": factor, "original_max_position_embeddings": 4096,
+                         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        "num_nextn_predict_layers": 1, "tie_word_embeddings": false, "hidden_act": "silu"
+    })
+}
 
 /// GLM-4.5's `config.json`: 96 query and 8 KV heads of 128 with q/k/v
 /// biases and half-rotary heads; the sigmoid router with one group.
@@ -336,6 +379,18 @@ mod tests {
                     .unwrap_or_else(|e| panic!("{}: {e}", p.name));
                 assert_eq!(plan.experts.len(), cfg.moe_layers().count(), "{}", p.name);
             }
+        }
+    }
+
+    /// DeepSeek-V3's and Kimi K2's KV cache keeps 512 latent and 64 rotary
+    /// values a position and layer (in f32), not 2 · heads · 192.
+    #[test]
+    fn mla_presets_cache_the_latent_alone() {
+        for name in ["deepseek-v3-671b", "kimi-k2-1t"] {
+            let config = preset_config(preset(name).unwrap(), None).unwrap();
+            let cfg = ModelConfig::from_hf_json(&config, Path::new(name)).unwrap();
+            assert_eq!(cfg.kv_bytes_per_position_and_layer(), 576 * 4, "{name}");
+            assert_eq!(cfg.kv_bytes_per_position(), 61 * 576 * 4, "{name}");
         }
     }
 }

@@ -65,7 +65,7 @@ fn check_fixtures(quant: DType, suffix: &str, reference_tolerance: f64) {
     if cuda().is_none() {
         return;
     }
-    for name in FIXTURES {
+    for name in fixtures_with(false) {
         let converted = convert_fixture(name, quant);
         let reference = Reference::load(name);
         for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
@@ -124,7 +124,7 @@ fn greedy_continuation_matches_transformers_generate() {
     if cuda().is_none() {
         return;
     }
-    for name in FIXTURES {
+    for name in fixtures_with(false) {
         let converted = convert_fixture(name, DType::Bf16);
         let reference = Reference::load(name);
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -140,7 +140,7 @@ fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
         return;
     }
-    for name in FIXTURES {
+    for name in fixtures_with(false) {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -167,7 +167,7 @@ fn tiny_expert_caches_give_identical_results() {
     if cuda().is_none() {
         return;
     }
-    for name in FIXTURES {
+    for name in fixtures_with(false) {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let unbounded = ModelOptions {
@@ -237,7 +237,7 @@ fn resident_and_streamed_experts_give_identical_results() {
     if cuda().is_none() {
         return;
     }
-    for name in FIXTURES {
+    for name in fixtures_with(false) {
         for quant in [DType::Q4, DType::Bf16] {
             let converted = convert_fixture(name, quant);
             let tokens = Reference::load(name).tokens("tokens_long");
@@ -306,7 +306,7 @@ fn streamed_expert_statistics_are_consistent() {
     if cuda().is_none() {
         return;
     }
-    for name in FIXTURES {
+    for name in fixtures_with(false) {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());

@@ -117,9 +117,33 @@ pub fn run(args: Args) -> Result<()> {
         c.max_position_embeddings,
         human_bytes(c.kv_bytes_per_position())
     );
+    println!(
+        "KV cache       {} bytes per position and attention layer ({})",
+        c.kv_bytes_per_position_and_layer(),
+        match &c.mla {
+            Some(m) => format!(
+                "latent {} + rotary key {}, f32",
+                m.kv_lora_rank, m.qk_rope_head_dim
+            ),
+            None => "keys and values, f32".into(),
+        }
+    );
+    if let Some(m) = &c.mla {
+        println!(
+            "latent attn    q rank {}, kv rank {}, qk {} + rotary {}, v {}, softmax scale {}",
+            m.q_lora_rank
+                .map_or_else(|| "none (q_proj)".into(), |r| r.to_string()),
+            m.kv_lora_rank,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.v_head_dim,
+            m.softmax_scale
+        );
+    }
     println!("layers         {}", c.num_layers());
     for (i, l) in c.layers.iter().enumerate() {
         let mixer = match l.kind {
+            LayerKind::FullAttention if c.mla.is_some() => "latent attention (MLA)",
             LayerKind::FullAttention => "full attention",
             LayerKind::LinearAttention => "linear attention (Gated DeltaNet)",
         };

@@ -41,6 +41,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             qk_norm: c.bool_or("use_qk_norm", false)?,
             qkv_bias: c.bool_or("attention_bias", false)?,
         },
+        mla: None,
         linear_attention: None,
         layers: leading_dense_layers(c, num_layers, LayerKind::FullAttention, &moe)?,
         moe,

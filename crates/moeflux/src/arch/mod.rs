@@ -3,6 +3,7 @@
 //! canonical tensors. The forward pass itself is shared
 //! ([`crate::blocks::decoder`]) and driven by the config.
 
+mod deepseek_v3;
 mod glm4_moe;
 mod qwen3_moe;
 mod qwen3_next;
@@ -17,12 +18,14 @@ use crate::convert::plan::{CheckpointIndex, ConversionPlan};
 use crate::error::{Error, Result};
 
 impl Architecture {
-    const ALL: [(&'static str, Architecture); 5] = [
+    const ALL: [(&'static str, Architecture); 7] = [
         ("qwen3_moe", Architecture::Qwen3Moe),
         ("qwen3_next", Architecture::Qwen3Next),
         ("qwen3_5_moe", Architecture::Qwen35Moe),
         ("qwen3_5_moe_text", Architecture::Qwen35Moe),
         ("glm4_moe", Architecture::Glm4Moe),
+        ("deepseek_v3", Architecture::DeepseekV3),
+        ("kimi_k2", Architecture::DeepseekV3),
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Architecture> {
@@ -46,6 +49,7 @@ impl Architecture {
             Architecture::Qwen3Next => "qwen3_next",
             Architecture::Qwen35Moe => "qwen3_5_moe",
             Architecture::Glm4Moe => "glm4_moe",
+            Architecture::DeepseekV3 => "deepseek_v3",
         }
     }
 
@@ -53,6 +57,7 @@ impl Architecture {
         match self {
             Architecture::Qwen3Moe => qwen3_moe::parse_config(reader),
             Architecture::Glm4Moe => glm4_moe::parse_config(reader),
+            Architecture::DeepseekV3 => deepseek_v3::parse_config(reader),
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::parse_config(self, reader)
             }
@@ -69,6 +74,7 @@ impl Architecture {
         match self {
             Architecture::Qwen3Moe => qwen3_moe::conversion_plan(cfg, checkpoint),
             Architecture::Glm4Moe => glm4_moe::conversion_plan(cfg, checkpoint),
+            Architecture::DeepseekV3 => deepseek_v3::conversion_plan(cfg, checkpoint),
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::conversion_plan(cfg, checkpoint)
             }
@@ -100,6 +106,19 @@ pub mod names {
     pub const ATTN_Q_BIAS: &str = "attn.q_proj.bias";
     pub const ATTN_K_BIAS: &str = "attn.k_proj.bias";
     pub const ATTN_V_BIAS: &str = "attn.v_proj.bias";
+
+    /// Multi-head latent attention (DeepSeek-V3): the query's low-rank
+    /// projection and its norm, then its expansion (rows per head: rotary
+    /// part in halves, then the rest); without a query rank, `attn.q_proj`
+    /// with the same row order.
+    pub const MLA_Q_A: &str = "attn.q_a_proj";
+    pub const MLA_Q_A_NORM: &str = "attn.q_a_norm";
+    pub const MLA_Q_B: &str = "attn.q_b_proj";
+    /// Rows: the latent, then the rotary key in halves.
+    pub const MLA_KV_A: &str = "attn.kv_a_proj";
+    pub const MLA_KV_A_NORM: &str = "attn.kv_a_norm";
+    /// Rows per head: its key's non-rotary part, then its value.
+    pub const MLA_KV_B: &str = "attn.kv_b_proj";
 
     /// Rows q | k | v | z | b | a of the Gated DeltaNet input projection.
     pub const LINEAR_IN_PROJ: &str = "linear_attn.in_proj";

@@ -57,6 +57,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             qk_norm: true,
             qkv_bias: false,
         },
+        mla: None,
         linear_attention: None,
         moe: MoeConfig {
             num_experts,

@@ -90,6 +90,7 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             qk_norm: true,
             qkv_bias: false,
         },
+        mla: None,
         linear_attention: Some(LinearAttentionConfig {
             num_key_heads: c.usize("linear_num_key_heads")?,
             num_value_heads: c.usize("linear_num_value_heads")?,

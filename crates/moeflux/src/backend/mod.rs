@@ -25,7 +25,7 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 use std::ops::Range;
 
-use crate::config::{LinearAttentionConfig, RouterSpec};
+use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
@@ -197,6 +197,30 @@ pub trait Backend: Send + Sync + Sized + 'static {
         k: &Self::Tensor,
         v: &Self::Tensor,
         shape: AttentionShape,
+    ) -> Result<Self::Tensor>;
+
+    /// Multi-head latent attention (DeepSeek-V3) with `kv_b` absorbed into
+    /// the query and the output: appends each row's latent and rotary key
+    /// to the cache (`kv_lora_rank + qk_rope_head_dim` values a position),
+    /// then for each query row and head `h`: the query's non-rotary part
+    /// through `h`'s key rows of `kv_b` into the latent space, scores
+    /// `(q_latent·latent_j + q_rot·k_rot_j)·softmax_scale` over every cached
+    /// position up to its own, the softmax-weighted latent, and `h`'s value
+    /// rows of `kv_b` applied to it. `q` is `[T, heads·qk_head_dim]`, each
+    /// head its rotated part first; `latent` `[T, kv_lora_rank]` (normed),
+    /// `k_rot` `[T, qk_rope_head_dim]` (rotated); `kv_b` holds per head its
+    /// key's non-rotary rows, then its value rows. Returns
+    /// `[T, heads·v_head_dim]`.
+    #[allow(clippy::too_many_arguments)]
+    fn mla_attention(
+        &self,
+        cache: &mut Self::KvCache,
+        q: &Self::Tensor,
+        latent: &Self::Tensor,
+        k_rot: &Self::Tensor,
+        kv_b: &Self::Weight,
+        mla: &MlaConfig,
+        heads: usize,
     ) -> Result<Self::Tensor>;
 
     /// Gated DeltaNet's token mixing for a run of tokens: causal conv1d +

@@ -27,7 +27,17 @@ pub struct Attention<B: Backend> {
     output_gate: bool,
 }
 
+/// The KV cache's geometry of an attention layer: the heads', or for MLA
+/// one head of the latent width (the latent and the rotary key; no
+/// values).
 pub fn shape(cfg: &ModelConfig) -> AttentionShape {
+    if let Some(m) = &cfg.mla {
+        return AttentionShape {
+            num_heads: cfg.attention.num_heads,
+            num_kv_heads: 1,
+            head_dim: m.latent_width(),
+        };
+    }
     AttentionShape {
         num_heads: cfg.attention.num_heads,
         num_kv_heads: cfg.attention.num_kv_heads,

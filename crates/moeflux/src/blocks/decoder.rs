@@ -7,6 +7,7 @@ use super::Weights;
 use super::attention::{self, Attention};
 use super::batch::ForwardBatch;
 use super::gated_delta_net::GatedDeltaNet;
+use super::mla::LatentAttention;
 use super::moe::{Mlp, SparseMoe};
 use crate::arch::names;
 use crate::backend::{Backend, RmsNorm};
@@ -16,6 +17,7 @@ use crate::experts::{ExpertStore, Prefetch};
 
 enum Mixer<B: Backend> {
     Attention(Attention<B>),
+    Latent(LatentAttention<B>),
     DeltaNet(GatedDeltaNet<B>),
 }
 
@@ -56,6 +58,9 @@ impl<B: Backend> Decoder<B> {
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for (i, spec) in cfg.layers.iter().enumerate() {
             let mixer = match spec.kind {
+                LayerKind::FullAttention if cfg.mla.is_some() => {
+                    Mixer::Latent(LatentAttention::load(w, i)?)
+                }
                 LayerKind::FullAttention => Mixer::Attention(Attention::load(w, i)?),
                 LayerKind::LinearAttention => Mixer::DeltaNet(GatedDeltaNet::load(w, i)?),
             };
@@ -124,7 +129,7 @@ impl<B: Backend> Decoder<B> {
             .iter()
             .map(|layer| {
                 Ok(match layer.mixer {
-                    Mixer::Attention(_) => {
+                    Mixer::Attention(_) | Mixer::Latent(_) => {
                         LayerState::Attention(b.new_kv_cache(attention::shape(cfg))?)
                     }
                     Mixer::DeltaNet(_) => LayerState::DeltaNet(
@@ -161,7 +166,7 @@ impl<B: Backend> Decoder<B> {
         for (i, layer) in self.layers.iter().enumerate() {
             let (norm, input_norm) = (self.norm, &layer.input_norm);
             match &layer.mixer {
-                Mixer::Attention(attn) => {
+                Mixer::Attention(_) | Mixer::Latent(_) => {
                     let mut caches: Vec<&mut B::KvCache> = states
                         .iter_mut()
                         .map(|s| match &mut s[i] {
@@ -169,7 +174,15 @@ impl<B: Backend> Decoder<B> {
                             LayerState::DeltaNet(_) => unreachable!("state built by new_state"),
                         })
                         .collect();
-                    attn.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)?
+                    match &layer.mixer {
+                        Mixer::Attention(attn) => {
+                            attn.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)?
+                        }
+                        Mixer::Latent(mla) => {
+                            mla.forward_add(b, input_norm, norm, &mut caches, &ranges, &mut x)?
+                        }
+                        Mixer::DeltaNet(_) => unreachable!("matched above"),
+                    }
                 }
                 Mixer::DeltaNet(gdn) => {
                     let mut linear: Vec<&mut B::DeltaNetState> = states

@@ -7,6 +7,7 @@ pub mod attention;
 pub mod batch;
 pub mod decoder;
 pub mod gated_delta_net;
+pub mod mla;
 pub mod moe;
 
 use std::ops::Range;

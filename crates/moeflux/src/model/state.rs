@@ -139,6 +139,8 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
     let positions = header.tokens.len();
     let shape = attention::shape(cfg);
     let kv_width = shape.num_kv_heads * shape.head_dim;
+    // MLA caches its latent as keys and no values.
+    let value_width = if cfg.mla.is_some() { 0 } else { kv_width };
     let mut layers = Vec::with_capacity(cfg.num_layers());
     for (i, (kind, fresh)) in header
         .layers
@@ -151,7 +153,7 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
                 shape,
                 HostKv {
                     keys: payload.take(positions * kv_width)?,
-                    values: payload.take(positions * kv_width)?,
+                    values: payload.take(positions * value_width)?,
                 },
             )?),
             ("linear", LayerState::DeltaNet(_)) => {

@@ -148,6 +148,20 @@ impl<B: Backend> Backend for Faulty<B> {
         self.check("add_assign")?;
         self.inner.add_assign(x, y)
     }
+    fn mla_attention(
+        &self,
+        cache: &mut B::KvCache,
+        q: &B::Tensor,
+        latent: &B::Tensor,
+        k_rot: &B::Tensor,
+        kv_b: &B::Weight,
+        mla: &moeflux::config::MlaConfig,
+        heads: usize,
+    ) -> Result<B::Tensor> {
+        self.check("mla_attention")?;
+        self.inner
+            .mla_attention(cache, q, latent, k_rot, kv_b, mla, heads)
+    }
     fn add_bias(&self, x: &mut B::Tensor, bias: &B::Weight) -> Result<()> {
         self.check("add_bias")?;
         self.inner.add_bias(x, bias)

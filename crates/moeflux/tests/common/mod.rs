@@ -25,7 +25,22 @@ pub const FIXTURES: &[&str] = &[
     "qwen3_5_moe",
     "glm4_moe",
     "glm4_moe_qk_norm",
+    "deepseek_v3",
+    "deepseek_v3_no_q_lora",
 ];
+
+/// Fixtures of multi-head latent attention (DeepSeek-V3), which has no
+/// CUDA kernels yet.
+pub const MLA_FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_no_q_lora"];
+
+/// The fixtures a backend runs: every one, less MLA's on a backend without
+/// latent attention.
+pub fn fixtures_with(latent_attention: bool) -> impl Iterator<Item = &'static str> {
+    FIXTURES
+        .iter()
+        .copied()
+        .filter(move |name| latent_attention || !MLA_FIXTURES.contains(name))
+}
 
 /// The repository's fixtures: under `$MOEFLUX_REPO` when set (a test
 /// binary run from another checkout, e.g. on a GPU machine), else beside

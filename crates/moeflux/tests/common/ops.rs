@@ -58,7 +58,7 @@ use moeflux::quant::{DType, GROUP_SIZE, MatrixLayout, MatrixView, RowEncoder};
 use moeflux::{Model, ModelOptions};
 
 pub use super::backends::{Conformance, reference};
-use super::{Converted, FIXTURES, convert_checkpoint, convert_fixture};
+use super::{Converted, convert_checkpoint, convert_fixture};
 
 /// Makes a module `$name` of tests, one per operation of the suite, each
 /// running it on the backend `$make()` returns (a closure returning
@@ -1544,7 +1544,7 @@ fn open_on<B: Backend>(backend: B, dir: &Path) -> Arc<Model<B>> {
 /// Every fixture in bf16 and q4: sequences batched equal each alone
 /// within the backend's [`Conformance::BATCHED_BOUND`] (common/batch.rs).
 pub fn batched_equals_alone<B: Conformance>(label: &str, make: impl Fn() -> B) {
-    for name in FIXTURES {
+    for name in super::fixtures_with(B::LATENT_ATTENTION) {
         for quant in [DType::Bf16, DType::Q4] {
             let converted = convert_fixture(name, quant);
             let model = open_on(make(), &converted.dir);
@@ -1560,7 +1560,7 @@ pub fn batched_equals_alone<B: Conformance>(label: &str, make: impl Fn() -> B) {
 /// Every fixture in q8 and q4: a device failure in the middle of a batch
 /// fails only that batch (common/batch.rs).
 pub fn device_failure_contained<B: Conformance>(_label: &str, make: impl Fn() -> B) {
-    for name in FIXTURES {
+    for name in super::fixtures_with(B::LATENT_ATTENTION) {
         for quant in [DType::Q8, DType::Q4] {
             let converted = convert_fixture(name, quant);
             super::batch::check_device_failure_is_contained(&converted.dir, &make);

@@ -4,6 +4,7 @@ use rayon::prelude::*;
 
 use super::simd::{Isa, dot};
 use crate::backend::{AttentionShape, Rope};
+use crate::config::MlaConfig;
 
 /// Keys and values of every position seen so far, `[len, kv_heads·head_dim]`.
 pub struct KvCache {
@@ -124,6 +125,86 @@ impl HeadGroup<'_> {
     }
 }
 
+/// [`crate::backend::Backend::mla_attention`] on the CPU: appends `n` rows
+/// of `[latent | k_rot]` to the cache (one KV head of the latent width, no
+/// values) and attends each query row's heads over it, `kv_b` dequantized
+/// (`[heads·(nope + v), kv_lora]`).
+pub fn attend_latent(
+    cache: &mut KvCache,
+    q: &[f32],
+    latent: &[f32],
+    k_rot: &[f32],
+    kv_b: &[f32],
+    mla: &MlaConfig,
+    heads: usize,
+) -> Vec<f32> {
+    let (lora, rope, nope, v) = (
+        mla.kv_lora_rank,
+        mla.qk_rope_head_dim,
+        mla.qk_nope_head_dim,
+        mla.v_head_dim,
+    );
+    let (width, qk) = (lora + rope, rope + nope);
+    assert_eq!(
+        cache.shape.head_dim * cache.shape.num_kv_heads,
+        width,
+        "latent cache width"
+    );
+    let n = latent.len() / lora;
+    let start = cache.len();
+    for t in 0..n {
+        cache.keys.extend_from_slice(&latent[t * lora..][..lora]);
+        cache.keys.extend_from_slice(&k_rot[t * rope..][..rope]);
+    }
+    let cache = &*cache;
+    let mut out = vec![0f32; n * heads * v];
+    out.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
+        let (t, h) = (i / heads, i % heads);
+        let query = &q[(t * heads + h) * qk..][..qk];
+        let (q_rot, q_nope) = query.split_at(rope);
+        let rows = &kv_b[h * (nope + v) * lora..][..(nope + v) * lora];
+        let (w_k, w_v) = rows.split_at(nope * lora);
+        // The query's non-rotary part in the latent space.
+        let mut q_latent = vec![0f32; lora];
+        for (&qi, w) in q_nope.iter().zip(w_k.chunks_exact(lora)) {
+            q_latent.iter_mut().zip(w).for_each(|(a, &w)| *a += qi * w);
+        }
+        let visible = start + t + 1;
+        let mut scores: Vec<f32> = (0..visible)
+            .map(|j| {
+                let row = &cache.keys[j * width..][..width];
+                let s: f32 = q_latent
+                    .iter()
+                    .zip(&row[..lora])
+                    .map(|(a, b)| a * b)
+                    .sum::<f32>()
+                    + q_rot
+                        .iter()
+                        .zip(&row[lora..])
+                        .map(|(a, b)| a * b)
+                        .sum::<f32>();
+                s * mla.softmax_scale
+            })
+            .collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            total += *s;
+        }
+        let mut o_latent = vec![0f32; lora];
+        for (j, &s) in scores.iter().enumerate() {
+            let w = s / total;
+            let row = &cache.keys[j * width..][..lora];
+            o_latent.iter_mut().zip(row).for_each(|(o, &c)| *o += w * c);
+        }
+        for (o, w) in out.iter_mut().zip(w_v.chunks_exact(lora)) {
+            *o = w.iter().zip(&o_latent).map(|(a, b)| a * b).sum();
+        }
+    });
+    out
+}
+
 /// Rotates the first `rotary_dim` features of each `head_dim` group of
 /// every row, row `t` at position `start_pos + t` (halves rotated against
 /// each other, as transformers' `rotate_half`), with cos and sin scaled by
@@ -150,4 +231,94 @@ pub fn rope(x: &mut [f32], cols: usize, rope: Rope, start_pos: usize) {
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u64) -> Vec<f32> {
+        let mut rng = crate::util::SplitMix64(seed);
+        (0..n)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect()
+    }
+
+    /// The absorbed form equals attention over keys and values expanded
+    /// from the latent by `kv_b`, over a cache grown in two steps.
+    #[test]
+    fn latent_attention_equals_expanded_attention() {
+        let mla = MlaConfig {
+            q_lora_rank: None,
+            kv_lora_rank: 8,
+            qk_nope_head_dim: 6,
+            qk_rope_head_dim: 4,
+            v_head_dim: 5,
+            rope_interleave: true,
+            softmax_scale: 0.37,
+        };
+        let (heads, lora, rope, nope, v) = (3, 8, 4, 6, 5);
+        let qk = rope + nope;
+        let kv_b = values(heads * (nope + v) * lora, 1);
+        let mut cache = KvCache::new(AttentionShape {
+            num_heads: heads,
+            num_kv_heads: 1,
+            head_dim: lora + rope,
+        });
+        let (mut latents, mut k_rots) = (Vec::new(), Vec::new());
+        for (step, n) in [(0u64, 3usize), (1, 2)] {
+            let q = values(n * heads * qk, 10 + step);
+            let latent = values(n * lora, 20 + step);
+            let k_rot = values(n * rope, 30 + step);
+            let start = latents.len() / lora;
+            latents.extend_from_slice(&latent);
+            k_rots.extend_from_slice(&k_rot);
+            let got = attend_latent(&mut cache, &q, &latent, &k_rot, &kv_b, &mla, heads);
+            for t in 0..n {
+                for h in 0..heads {
+                    let query = &q[(t * heads + h) * qk..][..qk];
+                    let w = &kv_b[h * (nope + v) * lora..][..(nope + v) * lora];
+                    let project = |rows: &[f32], c: &[f32]| -> Vec<f32> {
+                        rows.chunks_exact(lora)
+                            .map(|r| r.iter().zip(c).map(|(a, b)| a * b).sum())
+                            .collect()
+                    };
+                    let visible = start + t + 1;
+                    let scores: Vec<f32> = (0..visible)
+                        .map(|j| {
+                            let c = &latents[j * lora..][..lora];
+                            let mut key = k_rots[j * rope..][..rope].to_vec();
+                            key.extend(project(&w[..nope * lora], c));
+                            query.iter().zip(&key).map(|(a, b)| a * b).sum::<f32>()
+                                * mla.softmax_scale
+                        })
+                        .collect();
+                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let e: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                    let total: f32 = e.iter().sum();
+                    let mut want = vec![0f32; v];
+                    for (j, p) in e.iter().enumerate() {
+                        let value = project(&w[nope * lora..], &latents[j * lora..][..lora]);
+                        want.iter_mut()
+                            .zip(value)
+                            .for_each(|(o, x)| *o += p / total * x);
+                    }
+                    let out = &got[(t * heads + h) * v..][..v];
+                    for (g, w) in out.iter().zip(&want) {
+                        assert!(
+                            (g - w).abs() < 1e-5,
+                            "step {step} token {t} head {h}: {g} against {w}"
+                        );
+                    }
+                }
+            }
+        }
+        assert_eq!(cache.len(), 5);
+        assert_eq!(
+            cache.keys.len(),
+            5 * (lora + rope),
+            "only the latent and rotary key are cached"
+        );
+        assert!(cache.values.is_empty());
+    }
 }

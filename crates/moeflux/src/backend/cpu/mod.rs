@@ -16,7 +16,7 @@ use std::ops::Range;
 use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
 };
-use crate::config::{LinearAttentionConfig, RouterSpec};
+use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
@@ -404,6 +404,31 @@ impl Backend for CpuBackend {
     fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
         attention::rope(&mut x.data, x.cols, rope, start_pos);
         Ok(())
+    }
+
+    fn mla_attention(
+        &self,
+        cache: &mut KvCache,
+        q: &Tensor,
+        latent: &Tensor,
+        k_rot: &Tensor,
+        kv_b: &Weight,
+        mla: &MlaConfig,
+        heads: usize,
+    ) -> Result<Tensor> {
+        let rows = heads * (mla.qk_nope_head_dim + mla.v_head_dim);
+        let ids: Vec<u32> = (0..rows as u32).collect();
+        let kv_b = self.embed(kv_b, &ids)?;
+        let out = attention::attend_latent(
+            cache,
+            &q.data,
+            &latent.data,
+            &k_rot.data,
+            &kv_b.data,
+            mla,
+            heads,
+        );
+        Ok(Tensor::new(q.rows, heads * mla.v_head_dim, out))
     }
 
     fn attention(

@@ -87,7 +87,7 @@ pub use state::{DeltaNetState, KvCache};
 use super::{
     AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
 };
-use crate::config::{LinearAttentionConfig, RouterSpec};
+use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
@@ -638,6 +638,23 @@ impl Backend for CudaBackend {
 
     fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
         CudaBackend::add_bias(self, x, bias)
+    }
+
+    fn mla_attention(
+        &self,
+        _cache: &mut KvCache,
+        _q: &Tensor,
+        _latent: &Tensor,
+        _k_rot: &Tensor,
+        _kv_b: &Weight,
+        _mla: &MlaConfig,
+        _heads: usize,
+    ) -> Result<Tensor> {
+        Err(Error::invalid(
+            "--device cuda",
+            "multi-head latent attention (DeepSeek-V3, Kimi K2) has no CUDA kernels yet; \
+             run these models with --device cpu",
+        ))
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
