@@ -13,7 +13,9 @@ use common::*;
 use moeflux::quant::DType;
 use moeflux::{LogitsWanted, Model, ModelOptions, Session, SessionOptions};
 
-const MODELS: [&str; 2] = ["qwen3_5_moe", "qwen3_moe"];
+/// A hybrid model, a plain one, and one of multi-head latent attention
+/// (whose cache holds latents and no values).
+const MODELS: [&str; 3] = ["qwen3_5_moe", "qwen3_moe", "deepseek_v3"];
 
 fn model(name: &str) -> (Converted, Arc<Model>, Vec<u32>) {
     let converted = convert_fixture(name, DType::Q4);
