@@ -87,6 +87,7 @@ macro_rules! backend_tests {
             attention_matches_reference_across_chunks_growth_truncation_and_import => attention,
             prefill_attention_matches_reference_for_every_head_dimension => prefill_attention,
             attention_decode_many_matches_reference => attention_decode_many,
+            decode_after_long_contexts_matches_reference => long_context_decode,
             gated_delta_net_matches_reference_across_chunks_copies_and_import => gated_delta_net,
             routing_matches_reference => routing,
             routed_experts_match_reference => routed_experts,
@@ -1054,6 +1055,150 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
                 2e-5,
             );
             assert_eq!(got.values, want.values, "sequence {s}'s values");
+        }
+    }
+}
+
+/// Decode steps after long contexts, where a GPU splits each head's
+/// positions over several blocks and merges their results: histories of
+/// one chunk of positions and one more, several chunks, and chunks that
+/// do not divide evenly among the splits; several steps in a row (each
+/// merges anew), one sequence at a time and several at once, for the head
+/// dimensions of the real models and an odd one, groups of 8 and 16 query
+/// heads per KV head, an odd group and none (a GPU's kernels differ by
+/// group). Bounds as `attention` and `attention_decode_many`.
+pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
+    let r = reference();
+    for (heads, kv_heads, head_dim) in [
+        (32, 4, 128),
+        (6, 2, 40),
+        (8, 1, 256),
+        (32, 2, 128),
+        (4, 4, 64),
+    ] {
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+        };
+        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+        let host_kv = |len: usize, seed: u64| moeflux::backend::HostKv {
+            keys: values(len * kv_width, seed),
+            values: values(len * kv_width, seed + 1),
+        };
+        for (i, len) in [512, 513, 2047, 4700].into_iter().enumerate() {
+            let seed = 3000 + 10 * i as u64 + head_dim as u64;
+            let mut cache_r = r.kv_import(shape, host_kv(len, seed)).unwrap();
+            let mut cache_b = b.kv_import(shape, host_kv(len, seed)).unwrap();
+            for step in 0..3 {
+                let seed = seed + 100 * step;
+                let (q_r, q_b) = both(b, 1, q_width, values(q_width, seed + 2));
+                let (k_r, k_b) = both(b, 1, kv_width, values(kv_width, seed + 3));
+                let (v_r, v_b) = both(b, 1, kv_width, values(kv_width, seed + 4));
+                let want = r
+                    .attention(&mut cache_r, &q_r, &k_r, &v_r, shape)
+                    .unwrap()
+                    .data;
+                let got = host(
+                    b,
+                    &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape).unwrap(),
+                );
+                assert_close(
+                    &format!(
+                        "decode after {} positions, head_dim {head_dim}",
+                        len + step as usize
+                    ),
+                    &got,
+                    &want,
+                    1e-5,
+                );
+            }
+            let (got, want) = (
+                b.kv_export(&cache_b).unwrap(),
+                r.kv_export(&cache_r).unwrap(),
+            );
+            assert_eq!(
+                got.keys, want.keys,
+                "keys after decoding from {len} positions"
+            );
+            assert_eq!(
+                got.values, want.values,
+                "values after decoding from {len} positions"
+            );
+        }
+
+        let weights = TestWeights::new(&[
+            (
+                "test.q_norm",
+                DType::F32,
+                vec![head_dim],
+                values(head_dim, 8),
+            ),
+            (
+                "test.k_norm",
+                DType::F32,
+                vec![head_dim],
+                values(head_dim, 9),
+            ),
+        ]);
+        let (qn_r, kn_r) = (
+            weights.load(&r, "test.q_norm", &[head_dim]),
+            weights.load(&r, "test.k_norm", &[head_dim]),
+        );
+        let (qn_b, kn_b) = (
+            weights.load(b, "test.q_norm", &[head_dim]),
+            weights.load(b, "test.k_norm", &[head_dim]),
+        );
+        let norm = RmsNorm {
+            eps: 1e-6,
+            unit_offset: true,
+        };
+        let rope = Rope {
+            head_dim,
+            rotary_dim: head_dim,
+            theta: 1_000_000.0,
+        };
+        let history = [1500, 3, 4100];
+        let mut caches_r = Vec::new();
+        let mut caches_b = Vec::new();
+        for (s, &len) in history.iter().enumerate() {
+            caches_r.push(
+                r.kv_import(shape, host_kv(len, 500 + 2 * s as u64))
+                    .unwrap(),
+            );
+            caches_b.push(
+                b.kv_import(shape, host_kv(len, 500 + 2 * s as u64))
+                    .unwrap(),
+            );
+        }
+        let n = history.len();
+        for round in 0..2 {
+            let seed = 40 * round as u64 + head_dim as u64;
+            let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
+            let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
+            let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
+            let mut refs_r: Vec<&mut CpuKv> = caches_r.iter_mut().collect();
+            let mut refs_b: Vec<&mut B::KvCache> = caches_b.iter_mut().collect();
+            let want = r
+                .attention_decode_many(&mut refs_r, q_r, k_r, &v_r, &qn_r, &kn_r, norm, rope, shape)
+                .unwrap()
+                .data;
+            let got = b
+                .attention_decode_many(&mut refs_b, q_b, k_b, &v_b, &qn_b, &kn_b, norm, rope, shape)
+                .unwrap();
+            let got = host(b, &got);
+            for (s, (g, w)) in got.chunks(q_width).zip(want.chunks(q_width)).enumerate() {
+                assert_close(
+                    &format!(
+                        "long decode of several sequences, head_dim {head_dim}, round {round}, \
+                         sequence {s} after {} positions",
+                        history[s] + round
+                    ),
+                    g,
+                    w,
+                    1e-4,
+                );
+            }
         }
     }
 }

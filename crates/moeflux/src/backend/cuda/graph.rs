@@ -406,6 +406,8 @@ impl CudaBackend {
             for word in cache.identity(self) {
                 key.update(&word.to_le_bytes());
             }
+            // The step's attention kernels depend on the context's length.
+            key.update(&[u8::from(self.grouped_decode(len + 1))]);
         }
         for state in linear {
             key.update(&state.conv.device_ptr(&self.stream).0.to_le_bytes());

@@ -162,6 +162,10 @@ pub struct CudaBackend {
     whole_rows_min: usize,
     /// See [`delta_net::GDN_CHUNKED_MIN`].
     gdn_chunked_min: usize,
+    /// Most blocks a head's positions are split over in a decode step.
+    decode_splits_max: usize,
+    /// See [`attention::GROUPED_DECODE_MIN`].
+    grouped_decode_min: usize,
     /// Streaming multiprocessors of the device.
     sm_count: usize,
     /// Page-locked memory that large downloads (a decode step's logits)
@@ -395,6 +399,10 @@ impl CudaBackend {
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
+            decode_splits_max: crate::tuning::cuda_decode_splits(geometry::DECODE_ATTN_MAX_SPLITS),
+            grouped_decode_min: crate::tuning::cuda_grouped_decode_min(
+                attention::GROUPED_DECODE_MIN,
+            ),
             sm_count,
             download_staging: Mutex::new(None),
             tc_shared_limit,

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::geometry::DECODE_ATTN_MAX_SPLITS;
 use super::{CudaBackend, grid_stride, int, long, ok};
 use crate::backend::{AttentionShape, HostDeltaNetState, HostKv};
 use crate::config::LinearAttentionConfig;
@@ -26,12 +27,20 @@ const MIN_KV_POSITIONS: usize = 256;
 ///
 /// The length is shared with recorded decode steps (graph.rs), which
 /// advance it when they are replayed without this code running.
+///
+/// A decode step that splits a head's positions over several blocks
+/// merges their results through `partials` (`[heads][splits][head_dim +
+/// 2]`) and `tickets` (a zeroed word per head, back to zero after each
+/// step): the cache's own, so sequences decoded together and layers never
+/// share them.
 pub struct KvCache {
     shape: AttentionShape,
     len: Arc<AtomicUsize>,
     capacity: usize,
     keys: CudaSlice<f32>,
     values: CudaSlice<f32>,
+    partials: CudaSlice<f32>,
+    tickets: CudaSlice<u32>,
 }
 
 impl KvCache {
@@ -75,6 +84,14 @@ impl KvCache {
     pub(super) fn values(&self) -> &CudaSlice<f32> {
         &self.values
     }
+
+    pub(super) fn partials(&self) -> &CudaSlice<f32> {
+        &self.partials
+    }
+
+    pub(super) fn tickets(&self) -> &CudaSlice<u32> {
+        &self.tickets
+    }
 }
 
 /// Convolution history `[kernel - 1, conv_dim]` and recurrent state
@@ -95,12 +112,16 @@ fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
 
 impl CudaBackend {
     pub(super) fn kv_new(&self, shape: AttentionShape) -> Result<KvCache> {
+        let op = "new KV cache";
+        let partials = shape.num_heads * DECODE_ATTN_MAX_SPLITS * (shape.head_dim + 2);
         Ok(KvCache {
             shape,
             len: Arc::new(AtomicUsize::new(0)),
             capacity: 0,
-            keys: self.alloc("new KV cache", 0)?,
-            values: self.alloc("new KV cache", 0)?,
+            keys: self.alloc(op, 0)?,
+            values: self.alloc(op, 0)?,
+            partials: self.alloc(op, partials)?,
+            tickets: self.zeros(op, shape.num_heads)?,
         })
     }
 
