@@ -36,7 +36,7 @@ use common::ops::{
 use common::*;
 use moeflux::backend::cpu::CpuBackend;
 use moeflux::backend::cuda::{CudaBackend, CudaOptions};
-use moeflux::backend::{Backend, RmsNorm};
+use moeflux::backend::{Backend, ExpertFfn, RmsNorm};
 use moeflux::config::RouterSpec;
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::quant::DType;
@@ -643,8 +643,11 @@ fn grouped_prefill_experts_agree_however_cached() {
                     let routing = gpu
                         .route(&l, &RouterSpec::softmax(top_k, true), None)
                         .unwrap();
-                    gpu.to_host(&gpu.routed_experts(&x, &routing, &store, layer).unwrap())
-                        .unwrap()
+                    gpu.to_host(
+                        &gpu.routed_experts(&x, &routing, &store, layer, ExpertFfn::swiglu())
+                            .unwrap(),
+                    )
+                    .unwrap()
                 };
                 let got = on(&resident_gpu);
                 let what = format!("grouped experts {model} {} n={n}", quant.name());

@@ -4,8 +4,8 @@
 
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, FeedForwardKind, LayerKind, LayerSpec, ModelConfig, MoeConfig,
-    NormStyle, RouterSpec,
+    AttentionConfig, ConfigReader, ExpertActivation, FeedForwardKind, LayerKind, LayerSpec,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
 use crate::error::Result;
@@ -53,6 +53,11 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             rotary_dim: (head_dim as f64 * partial) as usize,
             rope_theta,
             output_gate: false,
+            qk_norm: true,
+            qkv_bias: false,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         linear_attention: None,
         moe: MoeConfig {
@@ -63,6 +68,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
                 c.bool_or("norm_topk_prob", false)?,
             ),
             shared_expert: None,
+            router_bias: false,
+            expert_bias: false,
+            expert_activation: ExpertActivation::SwiGlu,
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,

@@ -49,7 +49,7 @@ pub use moeflux::backend::cpu::Activations;
 use moeflux::backend::cpu::{
     CpuBackend, DeltaNetState as CpuDeltaNet, KvCache as CpuKv, Tensor as CpuTensor,
 };
-use moeflux::backend::{AttentionShape, Backend, GatedDeltaNetParams, RmsNorm, Rope};
+use moeflux::backend::{AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, RmsNorm, Rope};
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::{CachePolicy, ExpertStore, IoMode, StoreOptions};
 use moeflux::format::{ModelDir, OpenOptions, TensorRole};
@@ -57,6 +57,8 @@ use moeflux::quant::{DType, GROUP_SIZE, MatrixLayout, MatrixView, RowEncoder};
 use moeflux::{Model, ModelOptions};
 
 pub use super::backends::{Conformance, reference};
+#[allow(unused_imports)]
+pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
 use super::{Converted, FIXTURES, convert_checkpoint, convert_fixture};
 
 /// Makes a module `$name` of tests, one per operation of the suite, each
@@ -91,6 +93,9 @@ macro_rules! backend_tests {
             routing_matches_reference => routing,
             routed_experts_match_reference => routed_experts,
             grouped_experts_of_many_tokens_match_reference => grouped_experts,
+            add_bias_matches_reference => add_bias,
+            attention_with_sinks_and_window_matches_reference => attention_with_sinks_and_window,
+            clamped_biased_experts_match_reference => clamped_biased_experts,
         ], [
             batched_sequences_equal_each_sequence_alone => batched_equals_alone,
             a_device_failure_fails_only_its_batch_and_the_process_goes_on => device_failure_contained,
@@ -284,7 +289,12 @@ pub fn both<B: Conformance>(
     (CpuTensor::new(rows, cols, data), on_b)
 }
 
-fn host<B: Backend>(b: &B, x: &B::Tensor) -> Vec<f32> {
+/// Plain SwiGLU experts without biases.
+pub fn swiglu<B: Backend>() -> ExpertFfn<'static, B> {
+    ExpertFfn::swiglu()
+}
+
+pub fn host<B: Backend>(b: &B, x: &B::Tensor) -> Vec<f32> {
     b.to_host(x).unwrap()
 }
 
@@ -888,6 +898,7 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         num_heads: 6,
         num_kv_heads: 2,
         head_dim: 40,
+        window: None,
     };
     let (q_width, kv_width) = (6 * 40, 2 * 40);
     let mut cache_r = r.new_kv_cache(shape).unwrap();
@@ -896,8 +907,14 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
         let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
         let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
-        let want = r.attention(cache_r, &q_r, &k_r, &v_r, shape).unwrap().data;
-        let got = host(b, &b.attention(cache_b, &q_b, &k_b, &v_b, shape).unwrap());
+        let want = r
+            .attention(cache_r, &q_r, &k_r, &v_r, shape, None)
+            .unwrap()
+            .data;
+        let got = host(
+            b,
+            &b.attention(cache_b, &q_b, &k_b, &v_b, shape, None).unwrap(),
+        );
         assert_close(
             &format!("attention chunk of {n} (seed {seed})"),
             &got,
@@ -936,6 +953,7 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
             num_heads: heads,
             num_kv_heads: kv_heads,
             head_dim,
+            window: None,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let mut cache_r = r.new_kv_cache(shape).unwrap();
@@ -946,12 +964,13 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
             let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
             let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
             let want = r
-                .attention(&mut cache_r, &q_r, &k_r, &v_r, shape)
+                .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
                 .unwrap()
                 .data;
             let got = host(
                 b,
-                &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape).unwrap(),
+                &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
+                    .unwrap(),
             );
             assert_close(
                 &format!("attention, head_dim {head_dim}, chunk of {n}"),
@@ -974,6 +993,7 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             num_heads: heads,
             num_kv_heads: kv_heads,
             head_dim,
+            window: None,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let weights = TestWeights::new(&[
@@ -1012,6 +1032,7 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
         let mut caches_b = Vec::new();
         for (s, &len) in history.iter().enumerate() {
             let host_kv = || moeflux::backend::HostKv {
+                first: 0,
                 keys: values(len * kv_width, 100 + s as u64),
                 values: values(len * kv_width, 200 + s as u64),
             };
@@ -1241,10 +1262,13 @@ pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
             let (l_r, l_b) = both(b, n, experts, values(n * experts, 7 + n as u64));
             let routing_r = r.route(&l_r, &spec, None).unwrap();
             let routing_b = b.route(&l_b, &spec, None).unwrap();
-            let want = r.routed_experts(&x_r, &routing_r, &store, layer).unwrap();
+            let want = r
+                .routed_experts(&x_r, &routing_r, &store, layer, swiglu())
+                .unwrap();
             let got = host(
                 b,
-                &b.routed_experts(&x_b, &routing_b, &store, layer).unwrap(),
+                &b.routed_experts(&x_b, &routing_b, &store, layer, swiglu())
+                    .unwrap(),
             );
             let what = format!("routed experts {} n={n}", quant.name());
             if activations == Activations::F32 {
@@ -1256,9 +1280,9 @@ pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
 
             let out = values(n * hidden, 40 + n as u64);
             let (mut out_r, mut out_b) = both(b, n, hidden, out.clone());
-            r.routed_experts_add(&mut out_r, &x_r, &routing_r, &store, layer)
+            r.routed_experts_add(&mut out_r, &x_r, &routing_r, &store, layer, swiglu())
                 .unwrap();
-            b.routed_experts_add(&mut out_b, &x_b, &routing_b, &store, layer)
+            b.routed_experts_add(&mut out_b, &x_b, &routing_b, &store, layer, swiglu())
                 .unwrap();
             let bounds: Vec<f64> = bounds
                 .iter()
@@ -1404,7 +1428,7 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
                 };
                 let want = cached(&what, || {
                     let x_r = CpuTensor::new(n, hidden, x.clone());
-                    r.routed_experts(&x_r, &routing_r(), &store, layer)
+                    r.routed_experts(&x_r, &routing_r(), &store, layer, swiglu())
                         .unwrap()
                         .data
                 });
@@ -1416,7 +1440,7 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
                     .unwrap();
                 let got = host(
                     b,
-                    &b.routed_experts(&b.upload(n, hidden, &x), &routing, &store, layer)
+                    &b.routed_experts(&b.upload(n, hidden, &x), &routing, &store, layer, swiglu())
                         .unwrap(),
                 );
                 let worst = assert_within(&what, &got, &want, &bounds);

@@ -46,7 +46,15 @@ impl CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
+        if sinks.is_some() || shape.window.is_some() {
+            return Err(super::device_error(
+                self.ordinal,
+                "attention",
+                "attention sinks and sliding windows (gpt-oss) are not implemented on CUDA;                  run the model with --device cpu",
+            ));
+        }
         let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let n = q.rows;
         assert!(

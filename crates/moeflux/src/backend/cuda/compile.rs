@@ -98,6 +98,7 @@ kernels!(
     gated_rms_norm,
     qk_norm_rope,
     add_assign,
+    add_bias,
     silu_mul,
     mul_sigmoid,
     mul_sigmoid_rows,

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::{CudaBackend, RopeFrequencies, Tensor, grid_stride, int, long, ok};
+use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
 use crate::backend::Rope;
 use crate::error::Result;
 
@@ -149,6 +149,22 @@ impl CudaBackend {
             &n
         );
         Ok(out)
+    }
+
+    pub(super) fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        assert_eq!(bias.vector_len("add_bias"), x.cols, "add_bias: bias width");
+        let (rows, cols) = (long(x.rows), int(x.cols, "columns"));
+        launch!(
+            self,
+            "add_bias",
+            &self.kernels.add_bias,
+            grid_stride(x.rows * x.cols),
+            &mut x.data,
+            &bias.data,
+            &rows,
+            &cols
+        );
+        Ok(())
     }
 
     pub(super) fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {

@@ -32,6 +32,8 @@ use super::geometry::{
 };
 use super::vram_cache::VramCache;
 use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int};
+use crate::backend::ExpertFfn;
+use crate::config::ExpertActivation;
 use crate::error::Result;
 use crate::experts::{ExpertStore, Fetch};
 use crate::quant::DType;
@@ -130,7 +132,9 @@ impl CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<Tensor> {
+        self.check_expert_ffn(ffn)?;
         let (n, hidden) = (x.rows, x.cols);
         assert_eq!(
             routing.rows, n,
@@ -194,7 +198,9 @@ impl CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<()> {
+        self.check_expert_ffn(ffn)?;
         assert!(
             out.rows == x.rows && out.cols == x.cols,
             "routed experts: output [{}, {}] for input [{}, {}]",
@@ -206,8 +212,20 @@ impl CudaBackend {
         if x.rows == 1 {
             return self.decode_routed_experts(x, routing, store, layer, &mut out.data, true);
         }
-        let y = self.compute_routed_experts(x, routing, store, layer)?;
+        let y = self.compute_routed_experts(x, routing, store, layer, ffn)?;
         crate::backend::Backend::add_assign(self, out, &y)
+    }
+
+    /// The expert kernels compute SwiGLU without biases.
+    fn check_expert_ffn(&self, ffn: ExpertFfn<'_, CudaBackend>) -> Result<()> {
+        if ffn.activation != ExpertActivation::SwiGlu || ffn.biases.is_some() {
+            return Err(device_error(
+                self.ordinal,
+                "routed experts",
+                "biased experts and the clamped SwiGLU (gpt-oss) are not implemented on CUDA;                  run the model with --device cpu",
+            ));
+        }
+        Ok(())
     }
 
     /// One token, into `out` (added to it with `accumulate`): the fused

@@ -85,7 +85,8 @@ pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
 
 use super::{
-    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
+    Rope,
 };
 use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::{Error, Result};
@@ -632,6 +633,10 @@ impl Backend for CudaBackend {
         CudaBackend::add_assign(self, x, y)
     }
 
+    fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        CudaBackend::add_bias(self, x, bias)
+    }
+
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         CudaBackend::silu_mul(self, gate, up)
     }
@@ -651,8 +656,9 @@ impl Backend for CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
-        CudaBackend::attention(self, cache, q, k, v, shape)
+        CudaBackend::attention(self, cache, q, k, v, shape, sinks)
     }
 
     fn gated_delta_net(
@@ -696,8 +702,9 @@ impl Backend for CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<Tensor> {
-        self.compute_routed_experts(x, routing, store, layer)
+        self.compute_routed_experts(x, routing, store, layer, ffn)
     }
 
     fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Result<Vec<Tensor>> {
@@ -754,8 +761,9 @@ impl Backend for CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<()> {
-        self.add_routed_experts(out, x, routing, store, layer)
+        self.add_routed_experts(out, x, routing, store, layer, ffn)
     }
 
     fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Result<Option<u64>> {

@@ -199,12 +199,20 @@ impl CudaBackend {
     pub(super) fn kv_to_host(&self, cache: &KvCache) -> Result<HostKv> {
         let valid = cache.len() * cache.width();
         Ok(HostKv {
+            first: 0,
             keys: self.download("saving a KV cache", &cache.keys, valid)?,
             values: self.download("saving a KV cache", &cache.values, valid)?,
         })
     }
 
     pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
+        if host.first != 0 {
+            return Err(super::device_error(
+                self.ordinal,
+                "loading a KV cache",
+                "a sliding window's cache (gpt-oss) is not implemented on CUDA",
+            ));
+        }
         let width = shape.num_kv_heads * shape.head_dim;
         assert!(
             host.keys.len() == host.values.len() && host.keys.len().is_multiple_of(width),

@@ -10,6 +10,12 @@ extern "C" __global__ void add_assign(float* x, const float* y, i64 n) {
     GRID_STRIDE(i, n) { x[i] += y[i]; }
 }
 
+// x[r, c] += bias[c]: a projection's bias on every row.
+extern "C" __global__ void add_bias(float* x, const float* bias, i64 rows, int cols) {
+    await_inputs();
+    GRID_STRIDE(i, rows * cols) { x[i] += bias[i % cols]; }
+}
+
 // out = silu(gate) · up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, i64 n) {
     await_inputs();

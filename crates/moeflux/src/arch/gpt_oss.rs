@@ -1,0 +1,222 @@
+//! gpt-oss (`gpt_oss`: gpt-oss-20b, gpt-oss-120b): GQA attention with q/k/v/o
+//! biases, a learned sink logit per head, no q/k norm, sliding-window and
+//! full layers alternating (`layer_types`); every layer MoE, the router with
+//! a bias choosing by logit and weighing by the softmax of the chosen; experts
+//! with biases and the clamped SwiGLU (`swiglu_limit`, `swiglu_alpha`, `up +
+//! 1`), their gate and up projections fused in alternating columns.
+
+use crate::arch::qwen3_moe::common_tensors;
+use crate::arch::{Architecture, names};
+use crate::config::{
+    AttentionConfig, ConfigReader, ExpertActivation, FeedForwardKind, LayerKind, LayerSpec,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec, ScoreFunction,
+};
+use crate::convert::plan::{CheckpointIndex, ColumnPick, ConversionPlan, PlanBuilder, TensorRole};
+use crate::error::Result;
+
+/// transformers' default `swiglu_alpha` (the Hub configs omit it).
+const DEFAULT_SWIGLU_ALPHA: f64 = 1.702;
+
+pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
+    let hidden_size = c.usize("hidden_size")?;
+    let num_heads = c.usize("num_attention_heads")?;
+    let head_dim = match c.opt_usize("head_dim")? {
+        Some(d) => d,
+        None if num_heads > 0 => hidden_size / num_heads,
+        None => 0,
+    };
+    let (rope_theta, partial) = c.rope(1.0)?;
+    let num_layers = c.usize("num_hidden_layers")?;
+    let kinds = match c.str_list("layer_types")? {
+        // transformers' default: sliding first, then alternating.
+        None => (0..num_layers)
+            .map(|i| match i % 2 {
+                0 => LayerKind::SlidingAttention,
+                _ => LayerKind::FullAttention,
+            })
+            .collect(),
+        Some(types) => {
+            if types.len() != num_layers {
+                return Err(c.error(format!(
+                    "`layer_types` lists {} layers, num_hidden_layers is {num_layers}",
+                    types.len()
+                )));
+            }
+            types
+                .iter()
+                .map(|t| match *t {
+                    "sliding_attention" => Ok(LayerKind::SlidingAttention),
+                    "full_attention" => Ok(LayerKind::FullAttention),
+                    other => Err(c.error(format!(
+                        "`layer_types` entry `{other}` is not `sliding_attention` or `full_attention`"
+                    ))),
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+    };
+    let top_k = match c.opt_usize("num_experts_per_tok")? {
+        Some(k) => k,
+        None => c.usize_or("experts_per_token", 0)?,
+    };
+    let bias = c.bool_or("attention_bias", true)?;
+    let limit = c.opt_f64("swiglu_limit")?.unwrap_or(7.0);
+    let alpha = c.opt_f64("swiglu_alpha")?.unwrap_or(DEFAULT_SWIGLU_ALPHA);
+    if !(limit > 0.0 && alpha.is_finite()) {
+        return Err(c.error(format!(
+            "swiglu_limit ({limit}) must be positive and swiglu_alpha ({alpha}) finite"
+        )));
+    }
+    Ok(ModelConfig {
+        architecture: Architecture::GptOss,
+        vocab_size: c.usize("vocab_size")?,
+        hidden_size,
+        rms_norm_eps: c.opt_f64("rms_norm_eps")?.unwrap_or(1e-5) as f32,
+        norm: NormStyle::Weight,
+        tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
+        max_position_embeddings: c.usize_or("max_position_embeddings", 131072)?,
+        attention: AttentionConfig {
+            num_heads,
+            num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
+            head_dim,
+            rotary_dim: (head_dim as f64 * partial) as usize,
+            rope_theta,
+            output_gate: false,
+            qk_norm: false,
+            qkv_bias: bias,
+            o_bias: bias,
+            sinks: true,
+            sliding_window: Some(c.usize_or("sliding_window", 128)?),
+        },
+        linear_attention: None,
+        moe: MoeConfig {
+            num_experts: c.num_experts()?,
+            expert_intermediate_size: c.usize("intermediate_size")?,
+            router: RouterSpec {
+                score: ScoreFunction::SoftmaxOfChosen,
+                ..RouterSpec::softmax(top_k, false)
+            },
+            shared_expert: None,
+            router_bias: true,
+            expert_bias: true,
+            expert_activation: ExpertActivation::ClampedSwiGlu {
+                limit: limit as f32,
+                alpha: alpha as f32,
+            },
+        },
+        dense_intermediate_size: None,
+        layers: kinds
+            .into_iter()
+            .map(|kind| LayerSpec {
+                kind,
+                ffn: FeedForwardKind::Moe,
+            })
+            .collect(),
+    })
+}
+
+pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Result<ConversionPlan> {
+    let mut b = PlanBuilder::new(ckpt);
+    let p = "model.";
+    common_tensors(&mut b, cfg, p)?;
+    let a = &cfg.attention;
+    let moe = &cfg.moe;
+    let (h, q_dim, kv_dim) = (
+        cfg.hidden_size,
+        a.num_heads * a.head_dim,
+        a.num_kv_heads * a.head_dim,
+    );
+    let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
+    for i in 0..cfg.num_layers() {
+        let hf = |t: &str| format!("{p}layers.{i}.{t}");
+        let canon = |t: &str| names::layer(i, t);
+        let m = TensorRole::Matrix;
+        for (proj, bias, rows, cols, canon_w, canon_b) in [
+            (
+                "q_proj",
+                a.qkv_bias,
+                q_dim,
+                h,
+                names::ATTN_Q,
+                names::ATTN_Q_BIAS,
+            ),
+            (
+                "k_proj",
+                a.qkv_bias,
+                kv_dim,
+                h,
+                names::ATTN_K,
+                names::ATTN_K_BIAS,
+            ),
+            (
+                "v_proj",
+                a.qkv_bias,
+                kv_dim,
+                h,
+                names::ATTN_V,
+                names::ATTN_V_BIAS,
+            ),
+            (
+                "o_proj",
+                a.o_bias,
+                h,
+                q_dim,
+                names::ATTN_O,
+                names::ATTN_O_BIAS,
+            ),
+        ] {
+            b.matrix(
+                canon(canon_w),
+                m,
+                &hf(&format!("self_attn.{proj}.weight")),
+                rows,
+                cols,
+            )?;
+            if bias {
+                b.vector(
+                    canon(canon_b),
+                    &hf(&format!("self_attn.{proj}.bias")),
+                    &[rows],
+                )?;
+            }
+        }
+        b.vector(
+            canon(names::ATTN_SINKS),
+            &hf("self_attn.sinks"),
+            &[a.num_heads],
+        )?;
+        b.matrix(
+            canon(names::MOE_ROUTER),
+            TensorRole::Router,
+            &hf("mlp.router.weight"),
+            e,
+            h,
+        )?;
+        b.vector(canon(names::MOE_ROUTER_BIAS), &hf("mlp.router.bias"), &[e])?;
+        let experts = hf("mlp.experts.");
+        if !ckpt.synthetic && ckpt.get(&format!("{experts}gate_up_proj_blocks")).is_some() {
+            return Err(crate::error::Error::tensor(
+                &ckpt.dir,
+                format!("{experts}gate_up_proj_blocks"),
+                "the experts are stored in MXFP4, which convert does not read yet; \
+                 convert a bf16 copy of the checkpoint (transformers' \
+                 `from_pretrained(..., dequantize=True)` then `save_pretrained` writes one)",
+            ));
+        }
+        b.experts_transposed_interleaved(i, &experts, e, h, inter)?;
+        let gate_up_bias = format!("{experts}gate_up_proj_bias");
+        for (canonical, start) in [(names::EXPERTS_GATE_BIAS, 0), (names::EXPERTS_UP_BIAS, 1)] {
+            b.vector_columns(
+                canon(canonical),
+                &gate_up_bias,
+                [e, 2 * inter],
+                ColumnPick { start, step: 2 },
+            )?;
+        }
+        b.vector(
+            canon(names::EXPERTS_DOWN_BIAS),
+            &format!("{experts}down_proj_bias"),
+            &[e, h],
+        )?;
+    }
+    Ok(b.finish(&[]))
+}
