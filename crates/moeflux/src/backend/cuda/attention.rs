@@ -48,13 +48,6 @@ impl CudaBackend {
         shape: AttentionShape,
         sinks: Option<&Weight>,
     ) -> Result<Tensor> {
-        if sinks.is_some() || shape.window.is_some() {
-            return Err(super::device_error(
-                self.ordinal,
-                "attention",
-                "attention sinks and sliding windows (gpt-oss) are not implemented on CUDA;                  run the model with --device cpu",
-            ));
-        }
         let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let n = q.rows;
         assert!(
@@ -66,14 +59,23 @@ impl CudaBackend {
             k.cols == kv_heads * head_dim && v.cols == k.cols && k.rows == n && v.rows == n,
             "attention: key/value shapes"
         );
+        if let Some(sinks) = sinks {
+            assert_eq!(
+                sinks.vector_len("attention"),
+                heads,
+                "attention: one sink per head"
+            );
+        }
         // One token: the attention kernel stores its key and value itself.
+        // `start` is the cache row of the first new position.
         let (start, position) = if n == 1 {
             self.kv_claim_one(cache)?
         } else {
-            let start = cache.len();
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (start, self.recorded_position(None))
+            (cache.held() - n, self.recorded_position(None))
         };
+        let window = int(shape.window.unwrap_or(0), "window");
+        let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);
         let mut out = self.tensor("attention", n, heads * head_dim)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
@@ -112,7 +114,9 @@ impl CudaBackend {
                 &kv_heads_i,
                 &head_dim_i,
                 &start_l,
-                &scale
+                &scale,
+                &window,
+                &sinks
             );
             return Ok(out);
         }
@@ -132,7 +136,9 @@ impl CudaBackend {
                 &head_dim_i,
                 &start_l,
                 &position,
-                &scale
+                &scale,
+                &window,
+                &sinks
             );
             return Ok(out);
         }
@@ -164,7 +170,9 @@ impl CudaBackend {
             &position,
             &scale,
             &new_k,
-            &new_v
+            &new_v,
+            &window,
+            &sinks
         );
         Ok(out)
     }

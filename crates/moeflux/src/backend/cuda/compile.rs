@@ -127,6 +127,8 @@ kernels!(
     route_warp_16,
     gather_rows,
     scatter_add_rows,
+    expert_act_rows,
+    expert_down_bias_rows,
     moe_gate_up_f32,
     moe_gate_up_bf16,
     moe_gate_up_q8,

@@ -222,6 +222,8 @@ impl CudaBackend {
             int(half, "rotary half"),
             long(start_pos),
         );
+        // A recorded step reads its position from the device.
+        let position = self.recorded_position(None);
         launch!(
             self,
             "rope",
@@ -233,7 +235,8 @@ impl CudaBackend {
             &cols,
             &head_dim,
             &half,
-            &start
+            &start,
+            &position
         );
         Ok(())
     }

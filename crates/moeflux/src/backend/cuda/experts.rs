@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_inter};
 use super::geometry::{
@@ -134,7 +134,7 @@ impl CudaBackend {
         layer: usize,
         ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<Tensor> {
-        self.check_expert_ffn(ffn)?;
+        let ffn = ffn_args(self, ffn);
         let (n, hidden) = (x.rows, x.cols);
         assert_eq!(
             routing.rows, n,
@@ -142,7 +142,7 @@ impl CudaBackend {
         );
         if n == 1 {
             let mut out = self.alloc::<f32>("routed experts", hidden)?;
-            self.decode_routed_experts(x, routing, store, layer, &mut out, false)?;
+            self.decode_routed_experts(x, routing, store, layer, ffn, &mut out, false)?;
             return Ok(Tensor {
                 rows: 1,
                 cols: hidden,
@@ -156,7 +156,9 @@ impl CudaBackend {
         }
         let order: Vec<(u32, Vec<u32>)> = assigned.into_iter().collect();
         let flat: Vec<u32> = order.iter().flat_map(|(_, s)| s.iter().copied()).collect();
-        if let Some(out) = self.prefill_routed_experts(x, routing, store, layer, &order, &flat)? {
+        if let Some(out) =
+            self.prefill_routed_experts(x, routing, store, layer, ffn, &order, &flat)?
+        {
             return Ok(out);
         }
         let slots = self.upload("routed experts", &flat)?;
@@ -170,7 +172,7 @@ impl CudaBackend {
             next = batches
                 .get(i + 1)
                 .map(|b| self.start_batch(layer, b, store));
-            for ((_, expert_slots), source) in batches[i].iter().zip(current) {
+            for ((e, expert_slots), source) in batches[i].iter().zip(current) {
                 let expert = match source {
                     Source::Resident(expert) => expert,
                     Source::Fetching(fetch) => {
@@ -179,7 +181,7 @@ impl CudaBackend {
                 };
                 let m = expert_slots.len();
                 let rows = slots.slice(offset..offset + m);
-                self.run_expert(x, &expert, &rows, m, routing, &mut out)?;
+                self.run_expert(x, (*e, &expert), ffn, &rows, m, routing, &mut out)?;
                 offset += m;
             }
         }
@@ -200,7 +202,6 @@ impl CudaBackend {
         layer: usize,
         ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<()> {
-        self.check_expert_ffn(ffn)?;
         assert!(
             out.rows == x.rows && out.cols == x.cols,
             "routed experts: output [{}, {}] for input [{}, {}]",
@@ -210,22 +211,11 @@ impl CudaBackend {
             x.cols
         );
         if x.rows == 1 {
-            return self.decode_routed_experts(x, routing, store, layer, &mut out.data, true);
+            let args = ffn_args(self, ffn);
+            return self.decode_routed_experts(x, routing, store, layer, args, &mut out.data, true);
         }
         let y = self.compute_routed_experts(x, routing, store, layer, ffn)?;
         crate::backend::Backend::add_assign(self, out, &y)
-    }
-
-    /// The expert kernels compute SwiGLU without biases.
-    fn check_expert_ffn(&self, ffn: ExpertFfn<'_, CudaBackend>) -> Result<()> {
-        if ffn.activation != ExpertActivation::SwiGlu || ffn.biases.is_some() {
-            return Err(device_error(
-                self.ordinal,
-                "routed experts",
-                "biased experts and the clamped SwiGLU (gpt-oss) are not implemented on CUDA;                  run the model with --device cpu",
-            ));
-        }
-        Ok(())
     }
 
     /// One token, into `out` (added to it with `accumulate`): the fused
@@ -237,6 +227,7 @@ impl CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: FfnArgs,
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
@@ -263,6 +254,7 @@ impl CudaBackend {
                     &routing.experts,
                     routing,
                     complete.parts,
+                    ffn,
                     &mut act,
                     out,
                     accumulate,
@@ -280,15 +272,17 @@ impl CudaBackend {
         let table = self.upload("routed experts", &addresses)?;
         let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>())?;
         let parts = PartsLayout(experts[0].parts);
-        self.launch_decode_experts(x, &table, &ranks, routing, parts, &mut act, out, accumulate)?;
+        self.launch_decode_experts(
+            x, &table, &ranks, routing, parts, ffn, &mut act, out, accumulate,
+        )?;
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
         self.decode_layer_done(store, layer, Some((ids, &experts)))
     }
 
-    /// `act = silu(gate · x) · (up · x)` for each selected expert, then
-    /// `out (+)= Σ weight · down · act`, the experts found through
-    /// `table[ids[k]]`.
+    /// `act = act(gate · x, up · x)` for each selected expert, then
+    /// `out (+)= Σ weight · (down · act + bias)`, the experts found through
+    /// `table[ids[k]]` (their biases by `routing.experts`).
     #[allow(clippy::too_many_arguments)]
     fn launch_decode_experts(
         &self,
@@ -297,6 +291,7 @@ impl CudaBackend {
         ids: &CudaSlice<u32>,
         routing: &Routing,
         parts: PartsLayout,
+        ffn: FfnArgs,
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         accumulate: bool,
@@ -344,7 +339,9 @@ impl CudaBackend {
             &hidden_i,
             &gate_part,
             &up_part,
-            &experts_i
+            &experts_i,
+            &ffn,
+            &routing.experts
         );
         // q4 downs run on the tensor cores where the device has them and
         // the experts' B tables fit in shared memory (matvec_tc.cu).
@@ -389,7 +386,9 @@ impl CudaBackend {
             &inter_i,
             &top_k_i,
             &down_part,
-            &accumulate_i
+            &accumulate_i,
+            &ffn,
+            &routing.experts
         );
         Ok(())
     }
@@ -427,10 +426,12 @@ impl CudaBackend {
 
     /// `out[token] += weight · down(silu(gate(x)) · up(x))` for the `m`
     /// tokens whose slots are `slots`.
+    #[allow(clippy::too_many_arguments)]
     fn run_expert(
         &self,
         x: &Tensor,
-        expert: &DeviceExpert,
+        (id, expert): (u32, &DeviceExpert),
+        ffn: FfnArgs,
         slots: &CudaView<'_, u32>,
         m: usize,
         routing: &Routing,
@@ -458,8 +459,33 @@ impl CudaBackend {
         let gate = self.matmul(&xs, m, hidden, &expert.matrix(0, "expert gate"))?;
         let up = self.matmul(&xs, m, hidden, &expert.matrix(1, "expert up"))?;
         let inter = expert.parts[0].1.rows;
-        let act = self.silu_mul_raw(&gate, &up, m * inter)?;
-        let y = self.matmul(&act, m, inter, &expert.matrix(2, "expert down"))?;
+        let (m_l, inter_i) = (m as i64, int(inter, "expert intermediate size"));
+        let mut act = self.alloc::<f32>("routed expert activation", m * inter)?;
+        launch!(
+            self,
+            "expert_act_rows",
+            &self.kernels.expert_act_rows,
+            grid_stride(m * inter),
+            &gate,
+            &up,
+            &mut act,
+            &m_l,
+            &inter_i,
+            &id,
+            &ffn
+        );
+        let mut y = self.matmul(&act, m, inter, &expert.matrix(2, "expert down"))?;
+        launch!(
+            self,
+            "expert_down_bias_rows",
+            &self.kernels.expert_down_bias_rows,
+            grid_stride(m * hidden),
+            &mut y,
+            &m_l,
+            &hidden_i,
+            &id,
+            &ffn
+        );
         launch!(
             self,
             "scatter_add_rows",
@@ -492,6 +518,7 @@ impl CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: FfnArgs,
         order: &[(u32, Vec<u32>)],
         flat: &[u32],
     ) -> Result<Option<Tensor>> {
@@ -527,6 +554,7 @@ impl CudaBackend {
                     tile_count,
                     &slots,
                     &complete.parts.0,
+                    ffn,
                     &mut act,
                     &mut y,
                 )?;
@@ -559,6 +587,7 @@ impl CudaBackend {
                 all_tiles: &all_tiles,
                 slots: &slots,
                 experts: store.expert_count(layer),
+                ffn,
             };
             // The first reads start before the resident experts compute.
             let mut next = batches.first().map(|b| request(b));
@@ -622,6 +651,7 @@ impl CudaBackend {
             count,
             call.slots,
             &first.parts,
+            call.ffn,
             act,
             y,
         )?;
@@ -638,6 +668,40 @@ struct PrefillCall<'a> {
     tiles: &'a super::prefill::Tiles,
     all_tiles: &'a CudaSlice<u32>,
     slots: &'a CudaSlice<u32>,
+    ffn: FfnArgs,
     /// Experts of the layer (the table's length).
     experts: usize,
+}
+
+/// [`ExpertFfn`] as the kernels take it (`ExpertFfn` in moe.cu): the
+/// biases' device addresses (0: none) and the clamp (`limit` 0: plain
+/// SwiGLU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FfnArgs {
+    gate_bias: u64,
+    up_bias: u64,
+    down_bias: u64,
+    limit: f32,
+    alpha: f32,
+}
+
+// SAFETY: plain data laid out as the kernels' struct (C layout, device
+// addresses as 64-bit integers).
+unsafe impl DeviceRepr for FfnArgs {}
+
+fn ffn_args(b: &CudaBackend, ffn: ExpertFfn<'_, CudaBackend>) -> FfnArgs {
+    let address = |w: &super::Weight| w.data.device_ptr(&b.stream).0;
+    let [gate_bias, up_bias, down_bias] = ffn.biases.map_or([0; 3], |ws| ws.map(address));
+    let (limit, alpha) = match ffn.activation {
+        ExpertActivation::SwiGlu => (0.0, 0.0),
+        ExpertActivation::ClampedSwiGlu { limit, alpha } => (limit, alpha),
+    };
+    FfnArgs {
+        gate_bias,
+        up_bias,
+        down_bias,
+        limit,
+        alpha,
+    }
 }

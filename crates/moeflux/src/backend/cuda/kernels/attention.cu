@@ -19,12 +19,15 @@
 // ATTN_WARPS warps per block; head dimensions up to ATTN_MAX_PER_LANE · 32
 // (checked on the host).
 
-// `start` is the position of the first query, read from `position` on the
-// device instead when that is given (a recorded step).
+// `start` is the cache row of the first query, read from `position` on the
+// device instead when that is given (a recorded step). Every kernel here
+// also takes `window` (a query sees that many rows, its own included; 0:
+// every row before it) and `sinks` (a logit per query head that joins the
+// softmax's denominator with no value; null: none).
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
     attention(const float* q, const float* keys, const float* values, float* out, int n,
               int heads, int kv_heads, int head_dim, i64 start, const u32* position,
-              float scale) {
+              float scale, int window, const float* sinks) {
     await_inputs();
     const int W = ATTN_WARPS;
     if (position) start = *position;
@@ -44,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         const float* k_head = keys + (i64)(h / group) * head_dim;
         const float* v_head = values + (i64)(h / group) * head_dim;
         i64 visible = start + t + 1;
+        i64 oldest = window > 0 ? max((i64)0, visible - window) : 0;
 
         float qv[ATTN_MAX_PER_LANE];
         float acc[ATTN_MAX_PER_LANE];
@@ -55,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         }
         float max_score = NEG_INF;
         float total = 0.0f;
-        for (i64 j = warp; j < visible; j += W) {
+        for (i64 j = oldest + warp; j < visible; j += W) {
             const float* key = k_head + j * kv_width;
             float s = 0.0f;
 #pragma unroll
@@ -86,12 +90,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
             if (d < head_dim) warp_acc[warp][d] = acc[k];
         }
         __syncthreads();
-        // A warp that saw no position has maximum -inf and weighs 0; at
-        // least one warp saw position 0, so the overall maximum is finite.
+        // A warp that saw no position has maximum -inf and weighs 0; warp 0
+        // saw the oldest visible row, so the overall maximum is finite.
         float overall = warp_max_score[0];
         for (int w = 1; w < W; ++w) overall = fmaxf(overall, warp_max_score[w]);
         float weights[W];
-        float denominator = 0.0f;
+        float denominator = sinks ? expf(sinks[h] - overall) : 0.0f;
         for (int w = 0; w < W; ++w) {
             weights[w] = expf(warp_max_score[w] - overall);
             denominator += warp_total[w] * weights[w];
@@ -136,7 +140,8 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
                                               float* out, int heads, int kv_heads,
                                               int head_dim, i64 start, const u32* position,
                                               float scale, const float* new_k,
-                                              const float* new_v) {
+                                              const float* new_v, int window,
+                                              const float* sinks) {
     if (position) start = *position;
     __shared__ float4 query4[PER_LANE * WARP_SIZE / 4];
     __shared__ float weight[DECODE_ATTN_CHUNK];
@@ -163,7 +168,8 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     float acc[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.0f;
-    for (i64 c0 = 0; c0 < visible; c0 += DECODE_ATTN_CHUNK) {
+    const i64 oldest = window > 0 ? max((i64)0, visible - window) : 0;
+    for (i64 c0 = oldest; c0 < visible; c0 += DECODE_ATTN_CHUNK) {
         const int chunk = (int)min((i64)DECODE_ATTN_CHUNK, visible - c0);
         // This thread's position: its score, the key read in batches of
         // DECODE_KEY_QUADS loads in flight.
@@ -235,10 +241,12 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     }
     __syncthreads();
     float* o = out + (i64)h * head_dim;
+    // The sink's share, relative to the running maximum like `total`.
+    const float denominator = total + (sinks ? expf(sinks[h] - running_max) : 0.0f);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.0f;
         for (int w = 0; w < DECODE_ATTN_WARPS; ++w) sum += warp_acc[w][d];
-        o[d] = sum / total;
+        o[d] = sum / denominator;
     }
     if (h % group == 0) {
         float* stored_k = keys + start * kv_width + (i64)(h / group) * head_dim;
@@ -280,11 +288,11 @@ __device__ __forceinline__ void prefetch_kv_history(const float* keys, const flo
     extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)            \
         name(const float* q, float* keys, float* values, float* out, int n, int heads,     \
              int kv_heads, int head_dim, i64 start, const u32* position, float scale,      \
-             const float* new_k, const float* new_v) {                                     \
+             const float* new_k, const float* new_v, int window, const float* sinks) {     \
         prefetch_kv_history(keys, values, heads, kv_heads, head_dim, start, position);     \
         await_inputs();                                                                    \
         attend_decode<PER_LANE>(q, keys, values, out, heads, kv_heads, head_dim, start,    \
-                                position, scale, new_k, new_v);                            \
+                                position, scale, new_k, new_v, window, sinks);             \
     }
 
 ATTENTION_DECODE_KERNEL(attention_decode_128, 4)
@@ -309,7 +317,7 @@ ATTENTION_DECODE_KERNEL(attention_decode_512, 16)
         const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;    \
         attend_decode<PER_LANE>(q + s * q_width, k, v, out + s * q_width, heads, kv_heads, \
                                 head_dim, start, nullptr, scale, new_k + s * kv_width,     \
-                                new_v + s * kv_width);                                     \
+                                new_v + s * kv_width, 0, nullptr);                         \
     }
 
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128, 4)
@@ -338,7 +346,7 @@ template <int PER_LANE>
 __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
                                              const float* values, float* out, int n,
                                              int heads, int kv_heads, int head_dim, i64 start,
-                                             float scale) {
+                                             float scale, int window, const float* sinks) {
     extern __shared__ float4 fa_shared[];
     const int group = heads / kv_heads;
     const int key_stride = head_dim + FA_KEY_PAD;
@@ -365,13 +373,18 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     }
     // Keys visible to this warp's rows and to the block (rows are
     // token-major, so the block's last row sees the most).
+    // With a window, each row sees only the last `window` of them, and the
+    // block starts at its first row's oldest.
     i64 visible[FA_ROWS_PER_WARP];
+    i64 oldest[FA_ROWS_PER_WARP];
 #pragma unroll
     for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
         i64 row = min(row0 + warp * FA_ROWS_PER_WARP + r, rows - 1);
         visible[r] = start + row / group + 1;
+        oldest[r] = window > 0 ? max((i64)0, visible[r] - window) : 0;
     }
     const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
+    const i64 block_oldest = window > 0 ? max((i64)0, start + row0 / group + 1 - window) : 0;
 
     float running_max[FA_ROWS_PER_WARP];
     float lane_total[FA_ROWS_PER_WARP];
@@ -386,7 +399,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * head_dim;
     float* warp_p = p_tile + warp * FA_KEYS * FA_ROWS_PER_WARP;
 
-    for (i64 j0 = 0; j0 < block_visible; j0 += FA_KEYS) {
+    for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
         int tile = (int)min((i64)FA_KEYS, block_visible - j0);
         __syncthreads();  // the previous tile is no longer read
         for (int i = threadIdx.x; i < FA_KEYS * quads; i += blockDim.x) {
@@ -422,12 +435,14 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         }
 #pragma unroll
         for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-            float s = j0 + lane < visible[r] ? score[r] * scale : NEG_INF;
-            // Every row sees key 0, so after the first tile its maximum
-            // is finite; a tile a row cannot see leaves it unchanged.
+            bool seen = j0 + lane < visible[r] && j0 + lane >= oldest[r];
+            float s = seen ? score[r] * scale : NEG_INF;
+            // A tile a row cannot see leaves it unchanged (before its
+            // window's first key, its maximum is still -inf).
             float new_max = fmaxf(running_max[r], warp_max(s));
-            float rescale = expf(running_max[r] - new_max);
-            float p = expf(s - new_max);
+            bool none = new_max == NEG_INF;
+            float rescale = none ? 1.0f : expf(running_max[r] - new_max);
+            float p = none ? 0.0f : expf(s - new_max);
             lane_total[r] = lane_total[r] * rescale + p;
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) acc[r][k] *= rescale;
@@ -459,6 +474,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         if (row >= rows) continue;
         i64 t = row / group;
         int h = kv_head * group + (int)(row % group);
+        if (sinks) total += expf(sinks[h] - running_max[r]);
         float* o = out + t * q_width + (i64)h * head_dim;
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
@@ -473,10 +489,11 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
 #define FLASH_ATTENTION_KERNEL(name, PER_LANE)                                            \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
         name(const float* q, const float* keys, const float* values, float* out, int n,   \
-             int heads, int kv_heads, int head_dim, i64 start, float scale) {             \
+             int heads, int kv_heads, int head_dim, i64 start, float scale, int window,   \
+             const float* sinks) {                                                        \
         await_inputs();                                                                   \
         flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
-                               scale);                                                    \
+                               scale, window, sinks);                                     \
     }
 
 FLASH_ATTENTION_KERNEL(flash_attention_128, 4)

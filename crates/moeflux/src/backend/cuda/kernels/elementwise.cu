@@ -48,10 +48,12 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int
 // Rotates the first 2·half features of each head_dim group of every row,
 // row t at position start_pos + t, the halves against each other (NeoX);
 // inv_freq holds the half frequencies, computed in f32 on the host exactly
-// as the CPU backend computes them.
+// as the CPU backend computes them. `start_pos` from `position` on the
+// device when given (a recorded step).
 extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int cols,
-                                int head_dim, int half, i64 start_pos) {
+                                int head_dim, int half, i64 start_pos, const u32* position) {
     await_inputs();
+    if (position) start_pos = *position;
     int heads = cols / head_dim;
     GRID_STRIDE(i, rows * heads * half) {
         i64 t = i / ((i64)heads * half);
