@@ -424,7 +424,7 @@ fn sessions_save_truncate_and_restore_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    for name in ["qwen3_5_moe", "qwen3_moe"] {
+    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss"] {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());

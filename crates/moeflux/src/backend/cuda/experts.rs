@@ -221,6 +221,7 @@ impl CudaBackend {
     /// One token, into `out` (added to it with `accumulate`): the fused
     /// kernels over the layer's address table when the layer is complete,
     /// else over a table of the selected experts made resident by the host.
+    #[allow(clippy::too_many_arguments)]
     fn decode_routed_experts(
         &self,
         x: &Tensor,
@@ -512,6 +513,7 @@ impl CudaBackend {
     /// otherwise the resident experts run first, in one launch pair, while
     /// the host reads the first missing ones, then the missing experts a
     /// batch at a time. Outputs are per slot, so both give the same result.
+    #[allow(clippy::too_many_arguments)]
     fn prefill_routed_experts(
         &self,
         x: &Tensor,
