@@ -99,7 +99,8 @@ fn direct_attention(
 
 /// Sliding windows of 8 and 3 positions with and without sinks, and sinks
 /// over a whole cache: chunks of one token and of several (longer than the
-/// window), each against the reference and the direct computation; the
+/// window), 304 positions in all, each against the reference and the
+/// direct computation; the
 /// cache holds only the window's last positions (exported as such), and a
 /// cache imported from the reference's export, or copied, continues as the
 /// reference does.
@@ -161,10 +162,13 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
             );
             assert_close(&format!("{what}: chunk of {n}"), &got, &want, 1e-5);
         };
-        for (i, n) in [5, 1, 20, 1, 1, 3].into_iter().enumerate() {
+        // Past 256 positions, where a CUDA cache first runs out of room and
+        // a window's lets go of its old rows.
+        let chunks = [5, 1, 20, 1, 1, 3, 240, 1, 30, 1, 1];
+        for (i, n) in chunks.into_iter().enumerate() {
             step(n, 10 * i as u64, &mut cache_r, &mut cache_b, &mut history);
         }
-        let len = 31;
+        let len: usize = chunks.iter().sum();
         assert_eq!(b.kv_len(&cache_b), len, "{what}: positions seen");
         let held = shape.retained(len);
         let (exported, want) = (
