@@ -193,16 +193,13 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
         )?;
         b.vector(canon(names::MOE_ROUTER_BIAS), &hf("mlp.router.bias"), &[e])?;
         let experts = hf("mlp.experts.");
+        // The Hub's checkpoints store the experts in MXFP4 (dequantized as
+        // read); transformers' save_pretrained writes them in bf16.
         if !ckpt.synthetic && ckpt.get(&format!("{experts}gate_up_proj_blocks")).is_some() {
-            return Err(crate::error::Error::tensor(
-                &ckpt.dir,
-                format!("{experts}gate_up_proj_blocks"),
-                "the experts are stored in MXFP4, which convert does not read yet; \
-                 convert a bf16 copy of the checkpoint (transformers' \
-                 `from_pretrained(..., dequantize=True)` then `save_pretrained` writes one)",
-            ));
+            b.experts_interleaved_rows(i, &experts, e, h, inter)?;
+        } else {
+            b.experts_transposed_interleaved(i, &experts, e, h, inter)?;
         }
-        b.experts_transposed_interleaved(i, &experts, e, h, inter)?;
         let gate_up_bias = format!("{experts}gate_up_proj_bias");
         for (canonical, start) in [(names::EXPERTS_GATE_BIAS, 0), (names::EXPERTS_UP_BIAS, 1)] {
             b.vector_columns(

@@ -133,6 +133,14 @@ pub enum ExpertMatrix {
         rows_per_expert: usize,
         pick: ColumnPick,
     },
+    /// A fused `[E, R, C]` tensor whose rows alternate between matrices
+    /// (gpt-oss's MXFP4 `gate_up_proj_blocks`): row `r` of this matrix is
+    /// row `pick.start + r·pick.step` of each expert's `R` rows.
+    InterleavedRows {
+        tensor: String,
+        rows_per_expert: usize,
+        pick: ColumnPick,
+    },
 }
 
 impl ExpertMatrix {
@@ -152,8 +160,14 @@ impl ExpertMatrix {
                 row_start: expert * rows_per_expert + row_start,
                 rows,
             },
-            // The expert's whole slice, which the matrix is read across.
+            // The expert's whole slice, which the matrix is read across or
+            // picked from.
             ExpertMatrix::Transposed {
+                tensor,
+                rows_per_expert,
+                ..
+            }
+            | ExpertMatrix::InterleavedRows {
                 tensor,
                 rows_per_expert,
                 ..
@@ -422,6 +436,43 @@ impl<'a> PlanBuilder<'a> {
             gate,
             up,
             down,
+        });
+        Ok(())
+    }
+
+    /// The routed experts of one layer from gpt-oss's MXFP4 tensors, as the
+    /// checkpoint reader presents them: `{prefix}gate_up_proj_blocks`
+    /// `[E, 2·inter, hidden]` with gate and up in alternating rows, and
+    /// `{prefix}down_proj_blocks` `[E, hidden, inter]`.
+    pub fn experts_interleaved_rows(
+        &mut self,
+        layer: usize,
+        prefix: &str,
+        num_experts: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<()> {
+        let gate_up = format!("{prefix}gate_up_proj_blocks");
+        let down = format!("{prefix}down_proj_blocks");
+        self.expect(&gate_up, &[num_experts, 2 * intermediate, hidden])?;
+        self.expect(&down, &[num_experts, hidden, intermediate])?;
+        let rows = |start| ExpertMatrix::InterleavedRows {
+            tensor: gate_up.clone(),
+            rows_per_expert: 2 * intermediate,
+            pick: ColumnPick { start, step: 2 },
+        };
+        self.plan.experts.push(ExpertLayerPlan {
+            layer,
+            num_experts,
+            hidden,
+            intermediate,
+            gate: rows(0),
+            up: rows(1),
+            down: ExpertMatrix::Fused {
+                tensor: down,
+                rows_per_expert: hidden,
+                row_start: 0,
+            },
         });
         Ok(())
     }

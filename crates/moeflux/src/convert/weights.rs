@@ -223,20 +223,26 @@ pub(super) fn write_expert_layer(
             let layout = m.layout().expect("dtype chosen to fit");
             let stored = format!("layers.{}.experts.{e}.{name}", layer.layer);
             let rows = source.source(e, m.rows);
-            let transposed = match source {
-                ExpertMatrix::Transposed { pick, .. } => Some(*pick),
-                _ => None,
-            };
-            let encoded = match (ckpt.encoded_rows(&stored, &layout, 0..m.rows), transposed) {
+            let encoded = match (ckpt.encoded_rows(&stored, &layout, 0..m.rows), source) {
                 (Some(enc), _) => layout.assemble(&enc),
-                (None, Some(pick)) => {
+                (None, ExpertMatrix::Transposed { pick, .. }) => {
                     let mut slice = Vec::new();
                     ckpt.read_rows(&rows, &mut slice)?;
                     values.clear();
-                    read_across(&slice, m.cols, pick, m.rows, &mut values);
+                    read_across(&slice, m.cols, *pick, m.rows, &mut values);
                     RowEncoder::new(layout).encode_matrix(&values)
                 }
-                (None, None) => {
+                (None, ExpertMatrix::InterleavedRows { pick, .. }) => {
+                    let mut slice = Vec::new();
+                    ckpt.read_rows(&rows, &mut slice)?;
+                    values.clear();
+                    for r in 0..m.rows {
+                        let row = pick.start + r * pick.step;
+                        values.extend_from_slice(&slice[row * m.cols..][..m.cols]);
+                    }
+                    RowEncoder::new(layout).encode_matrix(&values)
+                }
+                (None, _) => {
                     match ckpt.encoded_source_rows(std::slice::from_ref(&rows), &layout) {
                         Some(enc) => layout.assemble(&enc?),
                         None => {
