@@ -250,6 +250,19 @@ impl ModelConfig {
         attention_layers * 2 * width * 4
     }
 
+    /// Bytes of KV cache a sequence's sliding-window layers hold at most,
+    /// whatever its length (the window's newest positions, in f32).
+    pub fn kv_bytes_of_windows(&self) -> u64 {
+        let sliding = self
+            .layers
+            .iter()
+            .filter(|l| l.kind == LayerKind::SlidingAttention)
+            .count() as u64;
+        let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
+        let window = self.attention.sliding_window.unwrap_or(0) as u64;
+        sliding * 2 * width * 4 * window.saturating_sub(1)
+    }
+
     /// Checks relations between fields that the forward pass relies on.
     pub(crate) fn validate(&self, source: &Path) -> Result<()> {
         let fail = |msg: String| Err(Error::config(source, msg));

@@ -134,7 +134,11 @@ fn write_checkpoints(hub: &Path, plain: &Path) {
         let input_major = transpose(&back, e, outputs, inputs);
         plain_tensors.insert(
             name.to_string(),
-            (Dtype::BF16, vec![e, inputs, outputs], bf16_bytes(&input_major)),
+            (
+                Dtype::BF16,
+                vec![e, inputs, outputs],
+                bf16_bytes(&input_major),
+            ),
         );
     }
     let write = |dir: &Path,

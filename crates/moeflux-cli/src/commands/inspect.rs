@@ -123,8 +123,12 @@ pub fn run(args: Args) -> Result<()> {
             String::new()
         },
     );
+    let windows = match c.kv_bytes_of_windows() {
+        0 => String::new(),
+        bytes => format!(" + {} for the sliding windows", human_bytes(bytes)),
+    };
     println!(
-        "context        {} positions; KV cache {} per position",
+        "context        {} positions; KV cache {} per position{windows}",
         c.max_position_embeddings,
         human_bytes(c.kv_bytes_per_position())
     );

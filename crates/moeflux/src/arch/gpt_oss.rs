@@ -217,3 +217,62 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
     }
     Ok(b.finish(&[]))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use serde_json::json;
+
+    use crate::config::{ExpertActivation, LayerKind, ModelConfig, ScoreFunction};
+
+    fn config(overrides: serde_json::Value) -> crate::error::Result<ModelConfig> {
+        let mut c = json!({
+            "model_type": "gpt_oss", "vocab_size": 300, "hidden_size": 64,
+            "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "num_local_experts": 8, "num_experts_per_tok": 2,
+            "intermediate_size": 64, "sliding_window": 8, "swiglu_limit": 1.5,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}
+        });
+        for (k, v) in overrides.as_object().unwrap() {
+            c[k] = v.clone();
+        }
+        ModelConfig::from_hf_json(&c, Path::new("config.json"))
+    }
+
+    #[test]
+    fn layers_alternate_and_the_window_bounds_their_kv_cache() {
+        let c = config(json!({})).unwrap();
+        let kinds: Vec<_> = c.layers.iter().map(|l| l.kind).collect();
+        use LayerKind::{FullAttention as F, SlidingAttention as S};
+        assert_eq!(kinds, [S, F, S, F], "transformers' default layer_types");
+        let a = &c.attention;
+        assert!(a.sinks && a.qkv_bias && a.o_bias && !a.qk_norm);
+        assert_eq!(c.moe.router.score, ScoreFunction::SoftmaxOfChosen);
+        assert!(c.moe.router_bias && c.moe.expert_bias);
+        assert_eq!(
+            c.moe.expert_activation,
+            ExpertActivation::ClampedSwiGlu {
+                limit: 1.5,
+                alpha: 1.702
+            }
+        );
+        // Two full layers: keys and values of 2 heads of 32, f32.
+        assert_eq!(c.kv_bytes_per_position(), 2 * 2 * 64 * 4);
+        // Two sliding layers hold at most the 7 positions before a query.
+        assert_eq!(c.kv_bytes_of_windows(), 2 * 2 * 64 * 4 * 7);
+        let full = config(json!({"layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"]})).unwrap();
+        assert_eq!(full.kv_bytes_of_windows(), 0);
+    }
+
+    #[test]
+    fn bad_layer_types_are_named() {
+        let short = config(json!({"layer_types": ["full_attention"]})).unwrap_err();
+        assert!(short.to_string().contains("lists 1 layers"), "{short}");
+        let odd =
+            config(json!({"layer_types": ["full_attention", "chunked", "a", "b"]})).unwrap_err();
+        assert!(odd.to_string().contains("`chunked`"), "{odd}");
+        let limit = config(json!({"swiglu_limit": 0.0})).unwrap_err();
+        assert!(limit.to_string().contains("swiglu_limit"), "{limit}");
+    }
+}
