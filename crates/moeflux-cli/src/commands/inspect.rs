@@ -64,12 +64,20 @@ pub fn run(args: Args) -> Result<()> {
         extras.push(format!("sliding window {w}"));
     }
     println!(
-        "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}){}",
+        "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}{}){}",
         a.num_heads,
         a.num_kv_heads,
         a.head_dim,
         a.rotary_dim,
         a.rope_theta,
+        a.rope_yarn
+            .map(|y| format!(
+                ", YaRN x{} of {}, attention factor {:.4}",
+                y.factor,
+                y.original_max_position_embeddings,
+                y.attention_factor()
+            ))
+            .unwrap_or_default(),
         extras.iter().map(|e| format!(", {e}")).collect::<String>()
     );
     if let Some(l) = &c.linear_attention {

@@ -27,7 +27,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         None if num_heads > 0 => hidden_size / num_heads,
         None => 0,
     };
-    let (rope_theta, partial) = c.rope(1.0)?;
+    let rope = c.rope(1.0)?;
     let num_layers = c.usize("num_hidden_layers")?;
     let num_experts = c.num_experts()?;
     let layers = c
@@ -50,8 +50,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             num_heads,
             num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
             head_dim,
-            rotary_dim: (head_dim as f64 * partial) as usize,
-            rope_theta,
+            rotary_dim: (head_dim as f64 * rope.partial) as usize,
+            rope_theta: rope.theta,
+            rope_yarn: rope.yarn,
             output_gate: false,
             qk_norm: true,
             qkv_bias: false,

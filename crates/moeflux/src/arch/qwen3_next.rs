@@ -32,7 +32,7 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
     let head_dim = c.usize_or("head_dim", hidden_size / num_heads.max(1))?;
     // mrope_section only matters for image/video positions; for text the
     // three position streams coincide and the rotation is plain RoPE.
-    let (rope_theta, partial) = c.rope(0.25)?;
+    let rope = c.rope(0.25)?;
     let num_layers = c.usize("num_hidden_layers")?;
     let kinds: Vec<LayerKind> = match c.str_list("layer_types")? {
         Some(types) => types
@@ -83,8 +83,9 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             num_heads,
             num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
             head_dim,
-            rotary_dim: (head_dim as f64 * partial) as usize,
-            rope_theta,
+            rotary_dim: (head_dim as f64 * rope.partial) as usize,
+            rope_theta: rope.theta,
+            rope_yarn: rope.yarn,
             output_gate: true,
             qk_norm: true,
             qkv_bias: false,

@@ -29,6 +29,7 @@ use crate::config::{ExpertActivation, LinearAttentionConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
+use crate::rope::Yarn;
 use crate::util::Progress;
 
 /// Geometry of grouped-query attention.
@@ -69,6 +70,33 @@ pub struct Rope {
     pub head_dim: usize,
     pub rotary_dim: usize,
     pub theta: f64,
+    /// YaRN scaling of the frequencies, with cos and sin scaled by its
+    /// attention factor; `None`: plain RoPE.
+    pub yarn: Option<Yarn>,
+}
+
+impl Rope {
+    /// Plain RoPE.
+    pub fn plain(head_dim: usize, rotary_dim: usize, theta: f64) -> Rope {
+        Rope {
+            head_dim,
+            rotary_dim,
+            theta,
+            yarn: None,
+        }
+    }
+
+    /// The `rotary_dim / 2` inverse frequencies, in f32 as transformers
+    /// computes them.
+    pub fn inv_frequencies(&self) -> Vec<f32> {
+        crate::rope::inv_frequencies(self.rotary_dim, self.theta, self.yarn.as_ref())
+    }
+
+    /// What cos and sin are multiplied by (YaRN's attention factor; 1 for
+    /// plain RoPE).
+    pub fn attention_factor(&self) -> f32 {
+        self.yarn.map_or(1.0, |y| y.attention_factor() as f32)
+    }
 }
 
 /// Per-layer weights of Gated DeltaNet that are not projections.

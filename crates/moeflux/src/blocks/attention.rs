@@ -93,6 +93,7 @@ impl<B: Backend> Attention<B> {
                 head_dim: a.head_dim,
                 rotary_dim: a.rotary_dim,
                 theta: a.rope_theta,
+                yarn: a.rope_yarn,
             },
             norm: norm(cfg),
             output_gate: a.output_gate,

@@ -804,21 +804,53 @@ pub fn elementwise<B: Conformance>(b: &B, _: Activations) {
     assert_close("mul_sigmoid per row", &host(b, &m_b), &m_r.data, 1e-6);
 }
 
-/// Partial and whole rotations, θ from 1e4 to 1e7, positions up to 123457.
-const ROPES: [(usize, usize, f64, usize); 3] = [
-    (40, 24, 10_000.0, 0),
-    (40, 40, 1_000_000.0, 1000),
-    (64, 16, 10_000_000.0, 123_457),
-];
+/// Partial and whole rotations, θ from 1e4 to 1e7, positions up to 123457;
+/// YaRN with gpt-oss' settings (truncate false, attention factor 1.35)
+/// and DeepSeek-V3's (factor 40, mscale equal to mscale_all_dim), on a
+/// partial rotation.
+fn ropes() -> [(Rope, usize); 5] {
+    let yarn = moeflux::rope::Yarn {
+        factor: 32.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: None,
+        mscale_all_dim: None,
+        attention_factor: None,
+        truncate: false,
+    };
+    let deepseek = moeflux::rope::Yarn {
+        factor: 40.0,
+        mscale: Some(1.0),
+        mscale_all_dim: Some(1.0),
+        truncate: true,
+        ..yarn
+    };
+    [
+        (Rope::plain(40, 24, 10_000.0), 0),
+        (Rope::plain(40, 40, 1_000_000.0), 1000),
+        (Rope::plain(64, 16, 10_000_000.0), 123_457),
+        (
+            Rope {
+                yarn: Some(yarn),
+                ..Rope::plain(64, 64, 150_000.0)
+            },
+            70_001,
+        ),
+        (
+            Rope {
+                yarn: Some(deepseek),
+                ..Rope::plain(48, 32, 10_000.0)
+            },
+            5,
+        ),
+    ]
+}
 
 pub fn rope<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
-    for (head_dim, rotary_dim, theta, start) in ROPES {
-        let rope = Rope {
-            head_dim,
-            rotary_dim,
-            theta,
-        };
+    for (rope, start) in ropes() {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         let (rows, cols) = (5, 3 * head_dim);
         let (mut x_r, mut x_b) = both(b, rows, cols, values(rows * cols, head_dim as u64));
         r.rope(&mut x_r, rope, start).unwrap();
@@ -836,7 +868,8 @@ pub fn rope<B: Conformance>(b: &B, _: Activations) {
 /// one token and several, with and without the unit offset.
 pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
-    for (head_dim, rotary_dim, theta, start) in ROPES {
+    for (rope, start) in ropes() {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         let (qw, kw) = (
             format!("test.q_norm.{head_dim}"),
             format!("test.k_norm.{head_dim}"),
@@ -845,11 +878,6 @@ pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
             (&qw, DType::F32, vec![head_dim], values(head_dim, 8)),
             (&kw, DType::F32, vec![head_dim], values(head_dim, 9)),
         ]);
-        let rope = Rope {
-            head_dim,
-            rotary_dim,
-            theta,
-        };
         for (n, unit_offset) in [(1, false), (1, true), (7, true)] {
             let norm = RmsNorm {
                 eps: 1e-6,
@@ -1022,11 +1050,7 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             eps: 1e-6,
             unit_offset: true,
         };
-        let rope = Rope {
-            head_dim,
-            rotary_dim: head_dim / 2,
-            theta: 1_000_000.0,
-        };
+        let rope = Rope::plain(head_dim, head_dim / 2, 1_000_000.0);
         let history = [0, 1, 37, 300, 5];
         let mut caches_r = Vec::new();
         let mut caches_b = Vec::new();

@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 use super::simd::{Isa, dot};
-use crate::backend::AttentionShape;
+use crate::backend::{AttentionShape, Rope};
 
 /// Keys and values of the positions a sequence's next queries can see,
 /// `[held, kv_heads·head_dim]`: every position so far, or a sliding
@@ -181,27 +181,20 @@ impl HeadGroup<'_> {
 
 /// Rotates the first `rotary_dim` features of each `head_dim` group of
 /// every row, row `t` at position `start_pos + t` (halves rotated against
-/// each other, as transformers' `rotate_half`).
-pub fn rope(
-    x: &mut [f32],
-    cols: usize,
-    head_dim: usize,
-    rotary_dim: usize,
-    theta: f64,
-    start_pos: usize,
-) {
-    let half = rotary_dim / 2;
+/// each other, as transformers' `rotate_half`), with cos and sin scaled by
+/// the rope's attention factor (YaRN).
+pub fn rope(x: &mut [f32], cols: usize, rope: Rope, start_pos: usize) {
+    let (head_dim, half) = (rope.head_dim, rope.rotary_dim / 2);
     // Frequencies in f32 like transformers' RotaryEmbedding.
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
-        .collect();
+    let inv_freq = rope.inv_frequencies();
+    let scale = rope.attention_factor();
     x.par_chunks_mut(cols).enumerate().for_each(|(t, row)| {
         let pos = (start_pos + t) as f32;
         let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
             .iter()
             .map(|&f| {
                 let angle = pos * f;
-                (angle.cos(), angle.sin())
+                (angle.cos() * scale, angle.sin() * scale)
             })
             .unzip();
         for head in row.chunks_exact_mut(head_dim) {

@@ -397,14 +397,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
-        attention::rope(
-            &mut x.data,
-            x.cols,
-            rope.head_dim,
-            rope.rotary_dim,
-            rope.theta,
-            start_pos,
-        );
+        attention::rope(&mut x.data, x.cols, rope, start_pos);
         Ok(())
     }
 

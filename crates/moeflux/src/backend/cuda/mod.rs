@@ -130,6 +130,9 @@ pub fn device_count() -> Result<usize> {
 /// Rotary inverse frequencies on the device, shared by the layers.
 type RopeFrequencies = Arc<CudaSlice<f32>>;
 
+/// What rotary frequencies are cached by (see `rope_frequencies`).
+type RopeKey = (usize, u64, Option<[u64; 5]>);
+
 /// Options of a [`CudaBackend`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CudaOptions {
@@ -149,8 +152,9 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
-    /// Rotary frequencies by (rotary_dim, theta bits).
-    rope_frequencies: Mutex<HashMap<(usize, u64), RopeFrequencies>>,
+    /// Rotary frequencies by rotary_dim, theta bits and the YaRN settings
+    /// that change them.
+    rope_frequencies: Mutex<HashMap<RopeKey, RopeFrequencies>>,
     experts: Mutex<VramCache>,
     /// Device time per operation, when `MOEFLUX_CUDA_PROFILE` is set.
     profiler: Option<profile::Profiler>,

@@ -48,10 +48,12 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int
 // Rotates the first 2·half features of each head_dim group of every row,
 // row t at position start_pos + t, the halves against each other (NeoX);
 // inv_freq holds the half frequencies, computed in f32 on the host exactly
-// as the CPU backend computes them. `start_pos` from `position` on the
+// as the CPU backend computes them; cos and sin are multiplied by `scale`
+// (YaRN's attention factor, else 1). `start_pos` from `position` on the
 // device when given (a recorded step).
 extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int cols,
-                                int head_dim, int half, i64 start_pos, const u32* position) {
+                                int head_dim, int half, i64 start_pos, float scale,
+                                const u32* position) {
     await_inputs();
     if (position) start_pos = *position;
     int heads = cols / head_dim;
@@ -61,8 +63,8 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int c
         int h = rest / half;
         int k = rest % half;
         float angle = (float)(start_pos + t) * inv_freq[k];
-        float c = cosf(angle);
-        float s = sinf(angle);
+        float c = cosf(angle) * scale;
+        float s = sinf(angle) * scale;
         float* head = x + t * cols + (i64)h * head_dim;
         float x1 = head[k];
         float x2 = head[k + half];
