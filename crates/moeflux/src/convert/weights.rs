@@ -242,16 +242,14 @@ pub(super) fn write_expert_layer(
                     }
                     RowEncoder::new(layout).encode_matrix(&values)
                 }
-                (None, _) => {
-                    match ckpt.encoded_source_rows(std::slice::from_ref(&rows), &layout) {
-                        Some(enc) => layout.assemble(&enc?),
-                        None => {
-                            values.clear();
-                            ckpt.read_rows(&rows, &mut values)?;
-                            RowEncoder::new(layout).encode_matrix(&values)
-                        }
+                (None, _) => match ckpt.encoded_source_rows(std::slice::from_ref(&rows), &layout) {
+                    Some(enc) => layout.assemble(&enc?),
+                    None => {
+                        values.clear();
+                        ckpt.read_rows(&rows, &mut values)?;
+                        RowEncoder::new(layout).encode_matrix(&values)
                     }
-                }
+                },
             };
             bytes[m.offset as usize..][..encoded.len()].copy_from_slice(&encoded);
         }
