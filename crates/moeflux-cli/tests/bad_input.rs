@@ -305,10 +305,10 @@ fn unsupported_option_is_refused() {
     let ckpt = tmp.path().join("ckpt");
     copy_dir(&fixture("qwen3_moe"), &ckpt);
     edit_json(&ckpt.join("config.json"), |c| {
-        c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0});
+        c["rope_scaling"] = serde_json::json!({"rope_type": "dynamic", "factor": 4.0});
     });
     let err = convert_fails(&ckpt, &tmp.path().join("out"));
-    assert_mentions(&err, &["config.json", "rope_scaling type `yarn`"]);
+    assert_mentions(&err, &["config.json", "rope_scaling type `dynamic`"]);
 }
 
 #[test]

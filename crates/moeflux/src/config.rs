@@ -10,6 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use crate::error::{Error, Result};
+use crate::rope::Yarn;
 
 /// A model family moeflux implements (its parsing and checkpoint mapping
 /// live in [`crate::arch`]).
@@ -22,6 +23,9 @@ pub enum Architecture {
     /// Qwen3.5-35B-A3B, Qwen3.5-397B-A17B: Qwen3-Next's layers with separate
     /// linear-attention projections; text weights of a multimodal checkpoint.
     Qwen35Moe,
+    /// gpt-oss-20b, gpt-oss-120b: sinks, sliding-window and full attention
+    /// alternating, biased projections and experts, clamped SwiGLU.
+    GptOss,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -60,9 +64,24 @@ pub struct AttentionConfig {
     /// the model uses partial rotary embeddings).
     pub rotary_dim: usize,
     pub rope_theta: f64,
+    /// YaRN scaling of the rotary frequencies (`rope_scaling` or
+    /// `rope_parameters` of type `yarn`); `None`: plain RoPE.
+    pub rope_yarn: Option<Yarn>,
     /// Gated attention: `q_proj` also yields a per-head sigmoid gate applied
     /// to the attention output.
     pub output_gate: bool,
+    /// Per-head RMSNorm of queries and keys before RoPE (Qwen3).
+    pub qk_norm: bool,
+    /// Biases on the q, k and v projections.
+    pub qkv_bias: bool,
+    /// A bias on the output projection.
+    pub o_bias: bool,
+    /// A learned logit per query head that joins each softmax's
+    /// denominator without a value (gpt-oss's attention sinks).
+    pub sinks: bool,
+    /// Positions a query of a [`LayerKind::SlidingAttention`] layer sees,
+    /// its own included.
+    pub sliding_window: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -99,6 +118,23 @@ pub struct MoeConfig {
     pub router: RouterSpec,
     /// The always-active shared expert, if any.
     pub shared_expert: Option<SharedExpert>,
+    /// A bias on the router's logits (gpt-oss).
+    pub router_bias: bool,
+    /// Biases on each routed expert's gate, up and down products.
+    pub expert_bias: bool,
+    /// What the routed experts compute between their products.
+    pub expert_activation: ExpertActivation,
+}
+
+/// The activation of a routed expert between its gate/up and down
+/// products.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum ExpertActivation {
+    /// `silu(gate) · up`.
+    SwiGlu,
+    /// gpt-oss's clamped form: `g = min(gate, limit)`, `u = clamp(up,
+    /// -limit, limit)`, then `g · sigmoid(alpha · g) · (u + 1)`.
+    ClampedSwiGlu { limit: f32, alpha: f32 },
 }
 
 /// A MoE router, as data: scores from the router's logits, the experts a
@@ -174,6 +210,9 @@ pub struct SharedExpert {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum LayerKind {
     FullAttention,
+    /// Attention over the last [`AttentionConfig::sliding_window`]
+    /// positions only; its KV cache keeps no more.
+    SlidingAttention,
     LinearAttention,
 }
 
@@ -203,8 +242,8 @@ impl ModelConfig {
     }
 
     /// Bytes of KV cache one position of a sequence takes: keys and values
-    /// of every full-attention layer, in f32 (Gated DeltaNet layers hold a
-    /// fixed-size state instead).
+    /// of every full-attention layer, in f32 (Gated DeltaNet and
+    /// sliding-window layers hold a bounded state instead).
     pub fn kv_bytes_per_position(&self) -> u64 {
         let attention_layers = self
             .layers
@@ -213,6 +252,19 @@ impl ModelConfig {
             .count() as u64;
         let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
         attention_layers * 2 * width * 4
+    }
+
+    /// Bytes of KV cache a sequence's sliding-window layers hold at most,
+    /// whatever its length (the window's newest positions, in f32).
+    pub fn kv_bytes_of_windows(&self) -> u64 {
+        let sliding = self
+            .layers
+            .iter()
+            .filter(|l| l.kind == LayerKind::SlidingAttention)
+            .count() as u64;
+        let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
+        let window = self.attention.sliding_window.unwrap_or(0) as u64;
+        sliding * 2 * width * 4 * window.saturating_sub(1)
     }
 
     /// Checks relations between fields that the forward pass relies on.
@@ -233,6 +285,14 @@ impl ModelConfig {
                 "rotary dimension {} must be even and at most head_dim {}",
                 a.rotary_dim, a.head_dim
             ));
+        }
+        if self
+            .layers
+            .iter()
+            .any(|l| l.kind == LayerKind::SlidingAttention)
+            && a.sliding_window.unwrap_or(0) == 0
+        {
+            return fail("sliding-attention layers need a positive sliding_window".into());
         }
         if let Some(l) = &self.linear_attention {
             if l.num_key_heads == 0 || l.num_value_heads % l.num_key_heads != 0 {
@@ -269,6 +329,15 @@ impl ModelConfig {
         }
         Ok(())
     }
+}
+
+/// Rotary settings read by [`ConfigReader::rope`].
+#[derive(Clone, Copy, Debug)]
+pub struct RopeSettings {
+    pub theta: f64,
+    /// Fraction of each head that rotates.
+    pub partial: f64,
+    pub yarn: Option<Yarn>,
 }
 
 /// Typed access to a JSON config, with errors that name the file and key.
@@ -396,31 +465,33 @@ impl<'a> ConfigReader<'a> {
 
     /// Reads the RoPE settings: the legacy `rope_theta` / `rope_scaling` /
     /// `partial_rotary_factor` keys or transformers 5's `rope_parameters`.
-    /// Only plain RoPE is implemented; scaled variants are refused.
-    pub fn rope(&self, default_partial: f64) -> Result<(f64, f64)> {
-        if let Some(scaling) = self.object("rope_scaling")? {
-            let kind = scaling
-                .get("rope_type")
-                .or_else(|| scaling.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("default");
-            if kind != "default" {
-                return Err(self.error(format!(
-                    "rope_scaling type `{kind}` is not implemented (only plain RoPE is); \
-                     remove `rope_scaling` from config.json to run at the native context length"
-                )));
-            }
-        }
+    /// Plain RoPE and YaRN are implemented; other scaled variants are
+    /// refused.
+    pub fn rope(&self, default_partial: f64) -> Result<RopeSettings> {
         let params = self.object("rope_parameters")?;
-        if let Some(p) = &params {
+        let scaling = self.object("rope_scaling")?;
+        let mut yarn = None;
+        // transformers 5 moves `rope_scaling` into `rope_parameters`; a
+        // config may carry either.
+        for (key, p) in [("rope_parameters", &params), ("rope_scaling", &scaling)] {
+            let Some(p) = p else { continue };
             let kind = p
                 .get("rope_type")
+                .or_else(|| p.get("type"))
                 .and_then(Value::as_str)
                 .unwrap_or("default");
-            if kind != "default" {
-                return Err(self.error(format!(
-                    "rope_parameters.rope_type `{kind}` is not implemented (only `default` RoPE is)"
-                )));
+            match kind {
+                "default" => {}
+                "yarn" => {
+                    yarn = Some(self.yarn(key, p)?);
+                    break;
+                }
+                _ => {
+                    return Err(self.error(format!(
+                        "{key} type `{kind}` is not implemented (plain RoPE and `yarn` are); \
+                         remove `{key}` from config.json to run at the native context length"
+                    )));
+                }
             }
         }
         let theta = params
@@ -441,7 +512,58 @@ impl<'a> ConfigReader<'a> {
                 "rope_theta ({theta}) must be positive and partial_rotary_factor ({partial}) in (0, 1]"
             )));
         }
-        Ok((theta, partial))
+        Ok(RopeSettings {
+            theta,
+            partial,
+            yarn,
+        })
+    }
+
+    /// YaRN's settings from `p` (the `key` object), with transformers'
+    /// defaults: `original_max_position_embeddings` from the top level if
+    /// there, else `max_position_embeddings`; a null `factor` is their
+    /// ratio; `beta_fast` 32 and `beta_slow` 1 where absent or zero;
+    /// `truncate` true.
+    fn yarn(&self, key: &str, p: &ConfigReader<'_>) -> Result<Yarn> {
+        let original = match self.opt_usize("original_max_position_embeddings")? {
+            Some(n) => n,
+            None => match p.opt_usize("original_max_position_embeddings")? {
+                Some(n) => n,
+                None => self.usize("max_position_embeddings").map_err(|_| {
+                    self.error(format!(
+                        "{key} of type yarn needs `original_max_position_embeddings` \
+                         (or `max_position_embeddings`)"
+                    ))
+                })?,
+            },
+        };
+        let factor = match p.opt_f64("factor")? {
+            Some(f) => f,
+            None => {
+                let max = self.usize("max_position_embeddings")?;
+                max as f64 / original as f64
+            }
+        };
+        let nonzero_or = |k: &str, default: f64| -> Result<f64> {
+            Ok(p.opt_f64(k)?.filter(|&v| v != 0.0).unwrap_or(default))
+        };
+        let yarn = Yarn {
+            factor,
+            original_max_position_embeddings: original,
+            beta_fast: nonzero_or("beta_fast", 32.0)?,
+            beta_slow: nonzero_or("beta_slow", 1.0)?,
+            mscale: p.opt_f64("mscale")?,
+            mscale_all_dim: p.opt_f64("mscale_all_dim")?,
+            attention_factor: p.opt_f64("attention_factor")?,
+            truncate: p.bool_or("truncate", true)?,
+        };
+        if !(yarn.factor > 0.0 && yarn.original_max_position_embeddings > 0) {
+            return Err(self.error(format!(
+                "{key}: yarn's factor ({}) and original_max_position_embeddings ({}) must be positive",
+                yarn.factor, yarn.original_max_position_embeddings
+            )));
+        }
+        Ok(yarn)
     }
 
     /// Routed experts per MoE layer; transformers 5 writes `num_local_experts`
@@ -479,5 +601,69 @@ impl<'a> ConfigReader<'a> {
                 "hidden_act `{other}` is not supported (these architectures use `silu`)"
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rope_of(json: Value) -> Result<RopeSettings> {
+        ConfigReader::new(&json, Path::new("config.json"))?.rope(1.0)
+    }
+
+    #[test]
+    fn yarn_is_read_from_rope_scaling_and_rope_parameters() {
+        // DeepSeek-V3's legacy keys.
+        let r = rope_of(serde_json::json!({
+            "rope_theta": 10000, "max_position_embeddings": 163840,
+            "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+        }))
+        .unwrap();
+        let y = r.yarn.unwrap();
+        assert_eq!(
+            (r.theta, y.factor, y.original_max_position_embeddings),
+            (10000.0, 40.0, 4096)
+        );
+        assert_eq!(
+            (y.mscale, y.mscale_all_dim, y.truncate),
+            (Some(1.0), Some(1.0), true)
+        );
+        // transformers 5's keys (gpt-oss), defaults for the betas.
+        let r = rope_of(serde_json::json!({
+            "max_position_embeddings": 131072,
+            "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                                "original_max_position_embeddings": 4096, "truncate": false}
+        }))
+        .unwrap();
+        let y = r.yarn.unwrap();
+        assert_eq!(
+            (r.theta, y.beta_fast, y.beta_slow, y.truncate),
+            (150000.0, 32.0, 1.0, false)
+        );
+        // A null factor is the ratio of the context lengths; the pretraining
+        // context defaults to max_position_embeddings.
+        let r = rope_of(serde_json::json!({
+            "rope_theta": 1e6, "max_position_embeddings": 65536, "original_max_position_embeddings": 16384,
+            "rope_scaling": {"rope_type": "yarn", "factor": null}
+        }))
+        .unwrap();
+        assert_eq!(r.yarn.unwrap().factor, 4.0);
+        // Plain RoPE, and a type that is not implemented.
+        assert!(
+            rope_of(serde_json::json!({"rope_theta": 1e6}))
+                .unwrap()
+                .yarn
+                .is_none()
+        );
+        let err = rope_of(serde_json::json!({
+            "rope_theta": 1e6, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}
+        }))
+        .unwrap_err();
+        assert!(
+            err.to_string().contains("rope_scaling type `llama3`"),
+            "{err}"
+        );
     }
 }

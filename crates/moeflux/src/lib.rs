@@ -92,6 +92,7 @@ pub mod model;
 pub mod perplexity;
 mod platform;
 pub mod quant;
+pub mod rope;
 pub mod sampling;
 pub mod synth;
 pub mod text;

@@ -90,7 +90,40 @@ pub const PRESETS: &[Preset] = &[
         description: "Qwen3.5-397B-A17B: 60 hybrid layers, 512 experts top-10 + shared",
         config: || qwen35(4096, 60, 32, 64, 512, 10, 1024),
     },
+    Preset {
+        name: "gpt-oss-120b",
+        description: "gpt-oss-120b: 36 layers (sliding window and full alternating), 128 experts top-4",
+        config: || gpt_oss(36, 128),
+    },
+    Preset {
+        name: "gpt-oss-20b",
+        description: "gpt-oss-20b: 24 layers (sliding window and full alternating), 32 experts top-4",
+        config: || gpt_oss(24, 32),
+    },
 ];
+
+/// openai/gpt-oss-120b's and gpt-oss-20b's `config.json`, which differ in
+/// depth and expert count.
+fn gpt_oss(layers: usize, experts: usize) -> Value {
+    let layer_types: Vec<&str> = (0..layers)
+        .map(|i| match i % 2 {
+            0 => "sliding_attention",
+            _ => "full_attention",
+        })
+        .collect();
+    json!({
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "num_hidden_layers": layers, "layer_types": layer_types, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "sliding_window": 128, "attention_bias": true, "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "initial_context_length": 4096,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": false,
+                         "original_max_position_embeddings": 4096},
+        "max_position_embeddings": 131072, "tie_word_embeddings": false, "hidden_act": "silu"
+    })
+}
 
 fn qwen35(
     hidden: usize,
@@ -143,6 +176,9 @@ pub fn preset_config(preset: &Preset, layers: Option<usize>) -> Result<Value> {
             ));
         }
         config["num_hidden_layers"] = n.into();
+        if let Some(Value::Array(types)) = config.get_mut("layer_types") {
+            types.truncate(n);
+        }
     }
     Ok(config)
 }

@@ -1,7 +1,8 @@
 //! Sessions on the fixture models: state save/load, checkpoints, truncation,
 //! concurrent sessions, and the errors around them. Each property is
-//! checked on a hybrid model (Gated DeltaNet + attention) and on a
-//! full-attention one, since their states rewind differently.
+//! checked on a hybrid model (Gated DeltaNet + attention), a full-attention
+//! one and one with sliding-window layers (whose caches have let go of the
+//! oldest positions), since their states rewind differently.
 
 mod common;
 
@@ -13,7 +14,7 @@ use common::*;
 use moeflux::quant::DType;
 use moeflux::{LogitsWanted, Model, ModelOptions, Session, SessionOptions};
 
-const MODELS: [&str; 2] = ["qwen3_5_moe", "qwen3_moe"];
+const MODELS: [&str; 3] = ["qwen3_5_moe", "qwen3_moe", "gpt_oss"];
 
 fn model(name: &str) -> (Converted, Arc<Model>, Vec<u32>) {
     let converted = convert_fixture(name, DType::Q4);
@@ -101,6 +102,27 @@ fn restore_to_checkpoint_then_continue_equals_fresh_prefill() {
         assert_eq!(session.position(), 0);
         assert!(session.checkpoints().is_empty());
     }
+}
+
+/// A sliding window's cache has let go of what earlier positions saw:
+/// only a checkpoint (or the empty state) can be restored; the error says
+/// that truncate rebuilds instead.
+#[test]
+fn sliding_window_models_restore_only_checkpoints() {
+    let (_c, model, tokens) = model("gpt_oss");
+    let mut session = model.session();
+    session.prefill(&tokens[..30]).unwrap();
+    expect_error(
+        session.restore_to(20),
+        &["no checkpoint at position 20", "truncate(20)"],
+    );
+    assert_eq!(
+        session.position(),
+        30,
+        "a refused restore leaves the session"
+    );
+    session.truncate(20).unwrap();
+    assert_eq!(session.position(), 20);
 }
 
 #[test]

@@ -1,7 +1,7 @@
 //! `moeflux inspect -m DIR`
 
 use anyhow::Result;
-use moeflux::config::{FeedForwardKind, LayerKind, ScoreFunction};
+use moeflux::config::{ExpertActivation, FeedForwardKind, LayerKind, ScoreFunction};
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::util::human_bytes;
 
@@ -44,14 +44,41 @@ pub fn run(args: Args) -> Result<()> {
         m.group_size
     );
     println!("vocab / hidden {} / {}", c.vocab_size, c.hidden_size);
+    let mut extras = Vec::new();
+    if a.output_gate {
+        extras.push("output gate".to_string());
+    }
+    if a.qk_norm {
+        extras.push("q/k norm".to_string());
+    }
+    match (a.qkv_bias, a.o_bias) {
+        (true, true) => extras.push("q/k/v/o biases".to_string()),
+        (true, false) => extras.push("q/k/v biases".to_string()),
+        (false, true) => extras.push("o bias".to_string()),
+        (false, false) => {}
+    }
+    if a.sinks {
+        extras.push("sinks".to_string());
+    }
+    if let Some(w) = a.sliding_window {
+        extras.push(format!("sliding window {w}"));
+    }
     println!(
-        "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}){}",
+        "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}{}){}",
         a.num_heads,
         a.num_kv_heads,
         a.head_dim,
         a.rotary_dim,
         a.rope_theta,
-        if a.output_gate { ", output gate" } else { "" }
+        a.rope_yarn
+            .map(|y| format!(
+                ", YaRN x{} of {}, attention factor {:.4}",
+                y.factor,
+                y.original_max_position_embeddings,
+                y.attention_factor()
+            ))
+            .unwrap_or_default(),
+        extras.iter().map(|e| format!(", {e}")).collect::<String>()
     );
     if let Some(l) = &c.linear_attention {
         println!(
@@ -62,10 +89,17 @@ pub fn run(args: Args) -> Result<()> {
     let moe = &c.moe;
     let r = &moe.router;
     println!(
-        "experts        {} per MoE layer, top-{}, intermediate {}{}",
+        "experts        {} per MoE layer, top-{}, intermediate {}{}{}{}",
         moe.num_experts,
         r.top_k,
         moe.expert_intermediate_size,
+        match moe.expert_activation {
+            ExpertActivation::SwiGlu => String::new(),
+            ExpertActivation::ClampedSwiGlu { limit, alpha } => {
+                format!(", clamped SwiGLU (limit {limit}, alpha {alpha})")
+            }
+        },
+        if moe.expert_bias { ", biases" } else { "" },
         moe.shared_expert
             .map(|s| format!(
                 ", shared expert {}{}",
@@ -75,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
             .unwrap_or_default()
     );
     println!(
-        "router         {}{}{}{}{}",
+        "router         {}{}{}{}{}{}",
         match r.score {
             ScoreFunction::Softmax => "softmax",
             ScoreFunction::Sigmoid => "sigmoid",
@@ -90,14 +124,19 @@ pub fn run(args: Args) -> Result<()> {
             ""
         },
         if r.renormalize { ", renormalised" } else { "" },
+        if moe.router_bias { ", logit bias" } else { "" },
         if r.scaling != 1.0 {
             format!(", scaled by {}", r.scaling)
         } else {
             String::new()
         },
     );
+    let windows = match c.kv_bytes_of_windows() {
+        0 => String::new(),
+        bytes => format!(" + {} for the sliding windows", human_bytes(bytes)),
+    };
     println!(
-        "context        {} positions; KV cache {} per position",
+        "context        {} positions; KV cache {} per position{windows}",
         c.max_position_embeddings,
         human_bytes(c.kv_bytes_per_position())
     );
@@ -105,6 +144,7 @@ pub fn run(args: Args) -> Result<()> {
     for (i, l) in c.layers.iter().enumerate() {
         let mixer = match l.kind {
             LayerKind::FullAttention => "full attention",
+            LayerKind::SlidingAttention => "sliding-window attention",
             LayerKind::LinearAttention => "linear attention (Gated DeltaNet)",
         };
         let ffn = match l.ffn {

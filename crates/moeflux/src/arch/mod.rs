@@ -3,6 +3,7 @@
 //! canonical tensors. The forward pass itself is shared
 //! ([`crate::blocks::decoder`]) and driven by the config.
 
+mod gpt_oss;
 mod qwen3_moe;
 mod qwen3_next;
 
@@ -16,11 +17,12 @@ use crate::convert::plan::{CheckpointIndex, ConversionPlan};
 use crate::error::{Error, Result};
 
 impl Architecture {
-    const ALL: [(&'static str, Architecture); 4] = [
+    const ALL: [(&'static str, Architecture); 5] = [
         ("qwen3_moe", Architecture::Qwen3Moe),
         ("qwen3_next", Architecture::Qwen3Next),
         ("qwen3_5_moe", Architecture::Qwen35Moe),
         ("qwen3_5_moe_text", Architecture::Qwen35Moe),
+        ("gpt_oss", Architecture::GptOss),
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Architecture> {
@@ -43,6 +45,7 @@ impl Architecture {
             Architecture::Qwen3Moe => "qwen3_moe",
             Architecture::Qwen3Next => "qwen3_next",
             Architecture::Qwen35Moe => "qwen3_5_moe",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 
@@ -52,6 +55,7 @@ impl Architecture {
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::parse_config(self, reader)
             }
+            Architecture::GptOss => gpt_oss::parse_config(reader),
         }
     }
 
@@ -67,6 +71,7 @@ impl Architecture {
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::conversion_plan(cfg, checkpoint)
             }
+            Architecture::GptOss => gpt_oss::conversion_plan(cfg, checkpoint),
         }
     }
 }
@@ -92,6 +97,12 @@ pub mod names {
     pub const ATTN_O: &str = "attn.o_proj";
     pub const ATTN_Q_NORM: &str = "attn.q_norm";
     pub const ATTN_K_NORM: &str = "attn.k_norm";
+    pub const ATTN_Q_BIAS: &str = "attn.q_bias";
+    pub const ATTN_K_BIAS: &str = "attn.k_bias";
+    pub const ATTN_V_BIAS: &str = "attn.v_bias";
+    pub const ATTN_O_BIAS: &str = "attn.o_bias";
+    /// One sink logit per query head.
+    pub const ATTN_SINKS: &str = "attn.sinks";
 
     /// Rows q | k | v | z | b | a of the Gated DeltaNet input projection.
     pub const LINEAR_IN_PROJ: &str = "linear_attn.in_proj";
@@ -108,6 +119,13 @@ pub mod names {
     pub const MOE_ROUTER: &str = "moe.router";
     /// The per-expert bias a router adds to its scores for the choice.
     pub const MOE_ROUTER_CORRECTION: &str = "moe.router_correction_bias";
+    /// A bias added to the router's logits.
+    pub const MOE_ROUTER_BIAS: &str = "moe.router_bias";
+    /// Routed experts' biases, `[experts, width]`, kept with the dense
+    /// weights (a few KiB per expert) so expert blobs stay three matrices.
+    pub const EXPERTS_GATE_BIAS: &str = "moe.experts_gate_bias";
+    pub const EXPERTS_UP_BIAS: &str = "moe.experts_up_bias";
+    pub const EXPERTS_DOWN_BIAS: &str = "moe.experts_down_bias";
     pub const SHARED_GATE: &str = "moe.shared_expert.gate_proj";
     pub const SHARED_UP: &str = "moe.shared_expert.up_proj";
     pub const SHARED_DOWN: &str = "moe.shared_expert.down_proj";

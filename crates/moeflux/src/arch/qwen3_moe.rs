@@ -4,8 +4,8 @@
 
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, FeedForwardKind, LayerKind, LayerSpec, ModelConfig, MoeConfig,
-    NormStyle, RouterSpec,
+    AttentionConfig, ConfigReader, ExpertActivation, FeedForwardKind, LayerKind, LayerSpec,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
 use crate::error::Result;
@@ -27,7 +27,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         None if num_heads > 0 => hidden_size / num_heads,
         None => 0,
     };
-    let (rope_theta, partial) = c.rope(1.0)?;
+    let rope = c.rope(1.0)?;
     let num_layers = c.usize("num_hidden_layers")?;
     let num_experts = c.num_experts()?;
     let layers = c
@@ -50,9 +50,15 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             num_heads,
             num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
             head_dim,
-            rotary_dim: (head_dim as f64 * partial) as usize,
-            rope_theta,
+            rotary_dim: (head_dim as f64 * rope.partial) as usize,
+            rope_theta: rope.theta,
+            rope_yarn: rope.yarn,
             output_gate: false,
+            qk_norm: true,
+            qkv_bias: false,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         linear_attention: None,
         moe: MoeConfig {
@@ -63,6 +69,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
                 c.bool_or("norm_topk_prob", false)?,
             ),
             shared_expert: None,
+            router_bias: false,
+            expert_bias: false,
+            expert_activation: ExpertActivation::SwiGlu,
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,

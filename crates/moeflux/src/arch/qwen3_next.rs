@@ -12,8 +12,8 @@
 use crate::arch::qwen3_moe::{common_tensors, feed_forward};
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, LayerKind, LayerSpec, LinearAttentionConfig, ModelConfig,
-    MoeConfig, NormStyle, RouterSpec, SharedExpert,
+    AttentionConfig, ConfigReader, ExpertActivation, LayerKind, LayerSpec, LinearAttentionConfig,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec, SharedExpert,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, RowSource, TensorRole};
 use crate::error::Result;
@@ -32,7 +32,7 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
     let head_dim = c.usize_or("head_dim", hidden_size / num_heads.max(1))?;
     // mrope_section only matters for image/video positions; for text the
     // three position streams coincide and the rotation is plain RoPE.
-    let (rope_theta, partial) = c.rope(0.25)?;
+    let rope = c.rope(0.25)?;
     let num_layers = c.usize("num_hidden_layers")?;
     let kinds: Vec<LayerKind> = match c.str_list("layer_types")? {
         Some(types) => types
@@ -83,9 +83,15 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             num_heads,
             num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
             head_dim,
-            rotary_dim: (head_dim as f64 * partial) as usize,
-            rope_theta,
+            rotary_dim: (head_dim as f64 * rope.partial) as usize,
+            rope_theta: rope.theta,
+            rope_yarn: rope.yarn,
             output_gate: true,
+            qk_norm: true,
+            qkv_bias: false,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         linear_attention: Some(LinearAttentionConfig {
             num_key_heads: c.usize("linear_num_key_heads")?,
@@ -108,6 +114,9 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
                     gated: true,
                 },
             ),
+            router_bias: false,
+            expert_bias: false,
+            expert_activation: ExpertActivation::SwiGlu,
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,
@@ -120,7 +129,9 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
     common_tensors(&mut b, cfg, p)?;
     for (i, spec) in cfg.layers.iter().enumerate() {
         match spec.kind {
-            LayerKind::FullAttention => gated_attention(&mut b, cfg, p, i)?,
+            LayerKind::FullAttention | LayerKind::SlidingAttention => {
+                gated_attention(&mut b, cfg, p, i)?
+            }
             LayerKind::LinearAttention => gated_delta_net(&mut b, cfg, p, i)?,
         }
         feed_forward(&mut b, cfg, p, i, spec.ffn)?;

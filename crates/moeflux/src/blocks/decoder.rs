@@ -56,7 +56,9 @@ impl<B: Backend> Decoder<B> {
         let mut layers = Vec::with_capacity(cfg.num_layers());
         for (i, spec) in cfg.layers.iter().enumerate() {
             let mixer = match spec.kind {
-                LayerKind::FullAttention => Mixer::Attention(Attention::load(w, i)?),
+                LayerKind::FullAttention | LayerKind::SlidingAttention => {
+                    Mixer::Attention(Attention::load(w, i)?)
+                }
                 LayerKind::LinearAttention => Mixer::DeltaNet(GatedDeltaNet::load(w, i)?),
             };
             let ffn = match spec.ffn {
@@ -122,10 +124,11 @@ impl<B: Backend> Decoder<B> {
     pub fn new_state(&self, b: &B, cfg: &crate::config::ModelConfig) -> Result<Vec<LayerState<B>>> {
         self.layers
             .iter()
-            .map(|layer| {
+            .enumerate()
+            .map(|(i, layer)| {
                 Ok(match layer.mixer {
                     Mixer::Attention(_) => {
-                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg))?)
+                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i))?)
                     }
                     Mixer::DeltaNet(_) => LayerState::DeltaNet(
                         b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated"))?,

@@ -137,8 +137,6 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
     }
     let b = model.backend();
     let positions = header.tokens.len();
-    let shape = attention::shape(cfg);
-    let kv_width = shape.num_kv_heads * shape.head_dim;
     let mut layers = Vec::with_capacity(cfg.num_layers());
     for (i, (kind, fresh)) in header
         .layers
@@ -147,13 +145,22 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
         .enumerate()
     {
         let state = match (kind.as_str(), fresh) {
-            ("attention", LayerState::Attention(_)) => LayerState::Attention(b.kv_import(
-                shape,
-                HostKv {
-                    keys: payload.take(positions * kv_width)?,
-                    values: payload.take(positions * kv_width)?,
-                },
-            )?),
+            ("attention", LayerState::Attention(_)) => {
+                // A sliding window's cache holds only its newest positions.
+                let shape = attention::shape(cfg, i);
+                let (held, width) = (
+                    shape.retained(positions),
+                    shape.num_kv_heads * shape.head_dim,
+                );
+                LayerState::Attention(b.kv_import(
+                    shape,
+                    HostKv {
+                        first: positions - held,
+                        keys: payload.take(held * width)?,
+                        values: payload.take(held * width)?,
+                    },
+                )?)
+            }
             ("linear", LayerState::DeltaNet(_)) => {
                 let l = cfg
                     .linear_attention

@@ -7,6 +7,7 @@ pub mod backends;
 pub mod batch;
 pub mod faulty;
 pub mod ops;
+pub mod ops_extended;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -23,6 +24,7 @@ pub const FIXTURES: &[&str] = &[
     "qwen3_moe_sparse_step",
     "qwen3_next",
     "qwen3_5_moe",
+    "gpt_oss",
 ];
 
 /// The repository's fixtures: under `$MOEFLUX_REPO` when set (a test

@@ -49,7 +49,7 @@ pub use moeflux::backend::cpu::Activations;
 use moeflux::backend::cpu::{
     CpuBackend, DeltaNetState as CpuDeltaNet, KvCache as CpuKv, Tensor as CpuTensor,
 };
-use moeflux::backend::{AttentionShape, Backend, GatedDeltaNetParams, RmsNorm, Rope};
+use moeflux::backend::{AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, RmsNorm, Rope};
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::{CachePolicy, ExpertStore, IoMode, StoreOptions};
 use moeflux::format::{ModelDir, OpenOptions, TensorRole};
@@ -57,6 +57,8 @@ use moeflux::quant::{DType, GROUP_SIZE, MatrixLayout, MatrixView, RowEncoder};
 use moeflux::{Model, ModelOptions};
 
 pub use super::backends::{Conformance, reference};
+#[allow(unused_imports)]
+pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
 use super::{Converted, FIXTURES, convert_checkpoint, convert_fixture};
 
 /// Makes a module `$name` of tests, one per operation of the suite, each
@@ -92,6 +94,9 @@ macro_rules! backend_tests {
             routing_matches_reference => routing,
             routed_experts_match_reference => routed_experts,
             grouped_experts_of_many_tokens_match_reference => grouped_experts,
+            add_bias_matches_reference => add_bias,
+            attention_with_sinks_and_window_matches_reference => attention_with_sinks_and_window,
+            clamped_biased_experts_match_reference => clamped_biased_experts,
         ], [
             batched_sequences_equal_each_sequence_alone => batched_equals_alone,
             a_device_failure_fails_only_its_batch_and_the_process_goes_on => device_failure_contained,
@@ -285,7 +290,12 @@ pub fn both<B: Conformance>(
     (CpuTensor::new(rows, cols, data), on_b)
 }
 
-fn host<B: Backend>(b: &B, x: &B::Tensor) -> Vec<f32> {
+/// Plain SwiGLU experts without biases.
+pub fn swiglu<B: Backend>() -> ExpertFfn<'static, B> {
+    ExpertFfn::swiglu()
+}
+
+pub fn host<B: Backend>(b: &B, x: &B::Tensor) -> Vec<f32> {
     b.to_host(x).unwrap()
 }
 
@@ -795,21 +805,53 @@ pub fn elementwise<B: Conformance>(b: &B, _: Activations) {
     assert_close("mul_sigmoid per row", &host(b, &m_b), &m_r.data, 1e-6);
 }
 
-/// Partial and whole rotations, θ from 1e4 to 1e7, positions up to 123457.
-const ROPES: [(usize, usize, f64, usize); 3] = [
-    (40, 24, 10_000.0, 0),
-    (40, 40, 1_000_000.0, 1000),
-    (64, 16, 10_000_000.0, 123_457),
-];
+/// Partial and whole rotations, θ from 1e4 to 1e7, positions up to 123457;
+/// YaRN with gpt-oss' settings (truncate false, attention factor 1.35)
+/// and DeepSeek-V3's (factor 40, mscale equal to mscale_all_dim), on a
+/// partial rotation.
+fn ropes() -> [(Rope, usize); 5] {
+    let yarn = moeflux::rope::Yarn {
+        factor: 32.0,
+        original_max_position_embeddings: 4096,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: None,
+        mscale_all_dim: None,
+        attention_factor: None,
+        truncate: false,
+    };
+    let deepseek = moeflux::rope::Yarn {
+        factor: 40.0,
+        mscale: Some(1.0),
+        mscale_all_dim: Some(1.0),
+        truncate: true,
+        ..yarn
+    };
+    [
+        (Rope::plain(40, 24, 10_000.0), 0),
+        (Rope::plain(40, 40, 1_000_000.0), 1000),
+        (Rope::plain(64, 16, 10_000_000.0), 123_457),
+        (
+            Rope {
+                yarn: Some(yarn),
+                ..Rope::plain(64, 64, 150_000.0)
+            },
+            70_001,
+        ),
+        (
+            Rope {
+                yarn: Some(deepseek),
+                ..Rope::plain(48, 32, 10_000.0)
+            },
+            5,
+        ),
+    ]
+}
 
 pub fn rope<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
-    for (head_dim, rotary_dim, theta, start) in ROPES {
-        let rope = Rope {
-            head_dim,
-            rotary_dim,
-            theta,
-        };
+    for (rope, start) in ropes() {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         let (rows, cols) = (5, 3 * head_dim);
         let (mut x_r, mut x_b) = both(b, rows, cols, values(rows * cols, head_dim as u64));
         r.rope(&mut x_r, rope, start).unwrap();
@@ -827,7 +869,8 @@ pub fn rope<B: Conformance>(b: &B, _: Activations) {
 /// one token and several, with and without the unit offset.
 pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
-    for (head_dim, rotary_dim, theta, start) in ROPES {
+    for (rope, start) in ropes() {
+        let (head_dim, rotary_dim) = (rope.head_dim, rope.rotary_dim);
         let (qw, kw) = (
             format!("test.q_norm.{head_dim}"),
             format!("test.k_norm.{head_dim}"),
@@ -836,11 +879,6 @@ pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
             (&qw, DType::F32, vec![head_dim], values(head_dim, 8)),
             (&kw, DType::F32, vec![head_dim], values(head_dim, 9)),
         ]);
-        let rope = Rope {
-            head_dim,
-            rotary_dim,
-            theta,
-        };
         for (n, unit_offset) in [(1, false), (1, true), (7, true)] {
             let norm = RmsNorm {
                 eps: 1e-6,
@@ -889,6 +927,7 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         num_heads: 6,
         num_kv_heads: 2,
         head_dim: 40,
+        window: None,
     };
     let (q_width, kv_width) = (6 * 40, 2 * 40);
     let mut cache_r = r.new_kv_cache(shape).unwrap();
@@ -897,8 +936,14 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
         let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
         let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
-        let want = r.attention(cache_r, &q_r, &k_r, &v_r, shape).unwrap().data;
-        let got = host(b, &b.attention(cache_b, &q_b, &k_b, &v_b, shape).unwrap());
+        let want = r
+            .attention(cache_r, &q_r, &k_r, &v_r, shape, None)
+            .unwrap()
+            .data;
+        let got = host(
+            b,
+            &b.attention(cache_b, &q_b, &k_b, &v_b, shape, None).unwrap(),
+        );
         assert_close(
             &format!("attention chunk of {n} (seed {seed})"),
             &got,
@@ -937,6 +982,7 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
             num_heads: heads,
             num_kv_heads: kv_heads,
             head_dim,
+            window: None,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let mut cache_r = r.new_kv_cache(shape).unwrap();
@@ -947,12 +993,13 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
             let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
             let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
             let want = r
-                .attention(&mut cache_r, &q_r, &k_r, &v_r, shape)
+                .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
                 .unwrap()
                 .data;
             let got = host(
                 b,
-                &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape).unwrap(),
+                &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
+                    .unwrap(),
             );
             assert_close(
                 &format!("attention, head_dim {head_dim}, chunk of {n}"),
@@ -975,6 +1022,7 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             num_heads: heads,
             num_kv_heads: kv_heads,
             head_dim,
+            window: None,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let weights = TestWeights::new(&[
@@ -1003,16 +1051,13 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             eps: 1e-6,
             unit_offset: true,
         };
-        let rope = Rope {
-            head_dim,
-            rotary_dim: head_dim / 2,
-            theta: 1_000_000.0,
-        };
+        let rope = Rope::plain(head_dim, head_dim / 2, 1_000_000.0);
         let history = [0, 1, 37, 300, 5];
         let mut caches_r = Vec::new();
         let mut caches_b = Vec::new();
         for (s, &len) in history.iter().enumerate() {
             let host_kv = || moeflux::backend::HostKv {
+                first: 0,
                 keys: values(len * kv_width, 100 + s as u64),
                 values: values(len * kv_width, 200 + s as u64),
             };
@@ -1080,9 +1125,11 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             num_heads: heads,
             num_kv_heads: kv_heads,
             head_dim,
+            window: None,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let host_kv = |len: usize, seed: u64| moeflux::backend::HostKv {
+            first: 0,
             keys: values(len * kv_width, seed),
             values: values(len * kv_width, seed + 1),
         };
@@ -1096,12 +1143,13 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
                 let (k_r, k_b) = both(b, 1, kv_width, values(kv_width, seed + 3));
                 let (v_r, v_b) = both(b, 1, kv_width, values(kv_width, seed + 4));
                 let want = r
-                    .attention(&mut cache_r, &q_r, &k_r, &v_r, shape)
+                    .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
                     .unwrap()
                     .data;
                 let got = host(
                     b,
-                    &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape).unwrap(),
+                    &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
+                        .unwrap(),
                 );
                 assert_close(
                     &format!(
@@ -1153,11 +1201,7 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             eps: 1e-6,
             unit_offset: true,
         };
-        let rope = Rope {
-            head_dim,
-            rotary_dim: head_dim,
-            theta: 1_000_000.0,
-        };
+        let rope = Rope::plain(head_dim, head_dim, 1_000_000.0);
         let history = [1500, 3, 4100];
         let mut caches_r = Vec::new();
         let mut caches_b = Vec::new();
@@ -1199,6 +1243,66 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
                     1e-4,
                 );
             }
+        }
+    }
+    long_context_decode_with_sinks_and_windows(b);
+}
+
+/// Decode steps after long contexts with sink logits, with and without a
+/// sliding window (one short of a GPU's grouped kernels and one past), for
+/// gpt-oss's head shape and an odd one, against the reference.
+fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
+    let r = reference();
+    for (heads, kv_heads, head_dim, window) in [
+        (64, 8, 64, Some(3000)),
+        (64, 8, 64, None),
+        (6, 2, 40, Some(700)),
+        (64, 8, 64, Some(1500)),
+    ] {
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: kv_heads,
+            head_dim,
+            window,
+        };
+        let kv_width = kv_heads * head_dim;
+        let q_width = heads * head_dim;
+        let sink_values: Vec<f32> = values(heads, 7).iter().map(|v| 2.0 * v).collect();
+        let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], sink_values)]);
+        let (sinks_r, sinks_b) = (
+            weights.load(&r, "test.sinks", &[heads]),
+            weights.load(b, "test.sinks", &[heads]),
+        );
+        let len = 4700;
+        let held = shape.retained(len);
+        let host_kv = || moeflux::backend::HostKv {
+            first: len - held,
+            keys: values(held * kv_width, 41),
+            values: values(held * kv_width, 42),
+        };
+        let mut cache_r = r.kv_import(shape, host_kv()).unwrap();
+        let mut cache_b = b.kv_import(shape, host_kv()).unwrap();
+        for step in 0..3u64 {
+            let seed = 60 + 10 * step;
+            let (q_r, q_b) = both(b, 1, q_width, values(q_width, seed));
+            let (k_r, k_b) = both(b, 1, kv_width, values(kv_width, seed + 1));
+            let (v_r, v_b) = both(b, 1, kv_width, values(kv_width, seed + 2));
+            let want = r
+                .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, Some(&sinks_r))
+                .unwrap()
+                .data;
+            let got = b
+                .attention(&mut cache_b, &q_b, &k_b, &v_b, shape, Some(&sinks_b))
+                .unwrap();
+            assert_close(
+                &format!(
+                    "decode with sinks after {} positions, window {window:?}, head_dim {head_dim}",
+                    len + step as usize
+                ),
+                &host(b, &got),
+                &want,
+                1e-5,
+            );
         }
     }
 }
@@ -1386,10 +1490,13 @@ pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
             let (l_r, l_b) = both(b, n, experts, values(n * experts, 7 + n as u64));
             let routing_r = r.route(&l_r, &spec, None).unwrap();
             let routing_b = b.route(&l_b, &spec, None).unwrap();
-            let want = r.routed_experts(&x_r, &routing_r, &store, layer).unwrap();
+            let want = r
+                .routed_experts(&x_r, &routing_r, &store, layer, swiglu())
+                .unwrap();
             let got = host(
                 b,
-                &b.routed_experts(&x_b, &routing_b, &store, layer).unwrap(),
+                &b.routed_experts(&x_b, &routing_b, &store, layer, swiglu())
+                    .unwrap(),
             );
             let what = format!("routed experts {} n={n}", quant.name());
             if activations == Activations::F32 {
@@ -1401,9 +1508,9 @@ pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
 
             let out = values(n * hidden, 40 + n as u64);
             let (mut out_r, mut out_b) = both(b, n, hidden, out.clone());
-            r.routed_experts_add(&mut out_r, &x_r, &routing_r, &store, layer)
+            r.routed_experts_add(&mut out_r, &x_r, &routing_r, &store, layer, swiglu())
                 .unwrap();
-            b.routed_experts_add(&mut out_b, &x_b, &routing_b, &store, layer)
+            b.routed_experts_add(&mut out_b, &x_b, &routing_b, &store, layer, swiglu())
                 .unwrap();
             let bounds: Vec<f64> = bounds
                 .iter()
@@ -1549,7 +1656,7 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
                 };
                 let want = cached(&what, || {
                     let x_r = CpuTensor::new(n, hidden, x.clone());
-                    r.routed_experts(&x_r, &routing_r(), &store, layer)
+                    r.routed_experts(&x_r, &routing_r(), &store, layer, swiglu())
                         .unwrap()
                         .data
                 });
@@ -1561,7 +1668,7 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
                     .unwrap();
                 let got = host(
                     b,
-                    &b.routed_experts(&b.upload(n, hidden, &x), &routing, &store, layer)
+                    &b.routed_experts(&b.upload(n, hidden, &x), &routing, &store, layer, swiglu())
                         .unwrap(),
                 );
                 let worst = assert_within(&what, &got, &want, &bounds);

@@ -14,7 +14,8 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 use super::{
-    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
+    Rope,
 };
 use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::Result;
@@ -206,13 +207,12 @@ impl Backend for CpuBackend {
     }
 
     fn kv_truncate(&self, cache: &mut KvCache, len: usize) {
-        let width = cache.shape.num_kv_heads * cache.shape.head_dim;
-        cache.keys.truncate(len * width);
-        cache.values.truncate(len * width);
+        cache.truncate(len);
     }
 
     fn kv_export(&self, cache: &KvCache) -> Result<HostKv> {
         Ok(HostKv {
+            first: cache.first,
             keys: cache.keys.clone(),
             values: cache.values.clone(),
         })
@@ -221,6 +221,7 @@ impl Backend for CpuBackend {
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
         Ok(KvCache {
             shape,
+            first: host.first,
             keys: host.keys,
             values: host.values,
         })
@@ -359,6 +360,15 @@ impl Backend for CpuBackend {
         Ok(())
     }
 
+    fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        let bias = bias.f32s();
+        assert_eq!(bias.len(), x.cols, "add_bias: bias width");
+        for row in x.data.chunks_exact_mut(x.cols) {
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+        Ok(())
+    }
+
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let data = gate
             .data
@@ -387,14 +397,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
-        attention::rope(
-            &mut x.data,
-            x.cols,
-            rope.head_dim,
-            rope.rotary_dim,
-            rope.theta,
-            start_pos,
-        );
+        attention::rope(&mut x.data, x.cols, rope, start_pos);
         Ok(())
     }
 
@@ -405,8 +408,10 @@ impl Backend for CpuBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
-        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows);
+        let sinks = sinks.map(Weight::f32s);
+        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows, sinks);
         Ok(Tensor::new(q.rows, shape.num_heads * shape.head_dim, out))
     }
 
@@ -466,7 +471,12 @@ impl Backend for CpuBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<Tensor> {
+        let ffn = moe::Ffn {
+            activation: ffn.activation,
+            biases: ffn.biases.map(|b| b.map(Weight::f32s)),
+        };
         let out = moe::routed_experts(
             self.isa(),
             &x.data,
@@ -475,6 +485,7 @@ impl Backend for CpuBackend {
             store,
             layer,
             self.options.activations,
+            ffn,
         )?;
         Ok(Tensor::new(x.rows, x.cols, out))
     }

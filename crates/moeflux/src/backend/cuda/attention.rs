@@ -130,6 +130,7 @@ impl CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
         let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let n = q.rows;
@@ -142,14 +143,23 @@ impl CudaBackend {
             k.cols == kv_heads * head_dim && v.cols == k.cols && k.rows == n && v.rows == n,
             "attention: key/value shapes"
         );
+        if let Some(sinks) = sinks {
+            assert_eq!(
+                sinks.vector_len("attention"),
+                heads,
+                "attention: one sink per head"
+            );
+        }
         // One token: the attention kernel stores its key and value itself.
+        // `start` is the cache row of the first new position.
         let (start, position) = if n == 1 {
             self.kv_claim_one(cache)?
         } else {
-            let start = cache.len();
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (start, self.recorded_position(None))
+            (cache.held() - n, self.recorded_position(None))
         };
+        let window = int(shape.window.unwrap_or(0), "window");
+        let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);
         let mut out = self.tensor("attention", n, heads * head_dim)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
@@ -188,7 +198,9 @@ impl CudaBackend {
                 &kv_heads_i,
                 &head_dim_i,
                 &start_l,
-                &scale
+                &scale,
+                &window,
+                &sinks
             );
             return Ok(out);
         }
@@ -208,13 +220,16 @@ impl CudaBackend {
                 &head_dim_i,
                 &start_l,
                 &position,
-                &scale
+                &scale,
+                &window,
+                &sinks
             );
             return Ok(out);
         }
         // One token: the kernel reads the token's key and value from k and
         // v and writes them into the cache.
-        let kernels = DecodeKernels::choose(shape, start + 1, self.grouped_decode_min);
+        let attended = shape.window.map_or(start + 1, |w| w.min(start + 1));
+        let kernels = DecodeKernels::choose(shape, attended, self.grouped_decode_min);
         let kernel = self.decode_kernel(kernels, head_dim, false);
         let (new_k, new_v) = (
             k.data.device_ptr(&self.stream).0,
@@ -250,6 +265,8 @@ impl CudaBackend {
             &scale,
             &new_k,
             &new_v,
+            &window,
+            &sinks,
             &splits_i,
             cache.partials(),
             cache.tickets()

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
 
-use super::{CudaBackend, RopeFrequencies, Tensor, grid_stride, int, long, ok};
+use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
 use crate::backend::Rope;
 use crate::error::Result;
 
@@ -151,6 +151,22 @@ impl CudaBackend {
         Ok(out)
     }
 
+    pub(super) fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        assert_eq!(bias.vector_len("add_bias"), x.cols, "add_bias: bias width");
+        let (rows, cols) = (long(x.rows), int(x.cols, "columns"));
+        launch!(
+            self,
+            "add_bias",
+            &self.kernels.add_bias,
+            grid_stride(x.rows * x.cols),
+            &mut x.data,
+            &bias.data,
+            &rows,
+            &cols
+        );
+        Ok(())
+    }
+
     pub(super) fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
         let len = x.rows * x.cols;
         if gate.cols == 1 {
@@ -197,15 +213,18 @@ impl CudaBackend {
         if half == 0 {
             return Ok(());
         }
-        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta)?;
+        let frequencies = self.rope_frequencies(rope)?;
         let total = x.rows * (x.cols / rope.head_dim) * half;
-        let (rows, cols, head_dim, half, start) = (
+        let (rows, cols, head_dim, half, start, scale) = (
             long(x.rows),
             int(x.cols, "columns"),
             int(rope.head_dim, "head_dim"),
             int(half, "rotary half"),
             long(start_pos),
+            rope.attention_factor(),
         );
+        // A recorded step reads its position from the device.
+        let position = self.recorded_position(None);
         launch!(
             self,
             "rope",
@@ -217,26 +236,32 @@ impl CudaBackend {
             &cols,
             &head_dim,
             &half,
-            &start
+            &start,
+            &scale,
+            &position
         );
         Ok(())
     }
 
     /// Rotary frequencies, computed in f32 exactly as the CPU backend does
-    /// (transformers' RotaryEmbedding), uploaded once per shape.
-    pub(super) fn rope_frequencies(
-        &self,
-        rotary_dim: usize,
-        theta: f64,
-    ) -> Result<RopeFrequencies> {
+    /// ([`Rope::inv_frequencies`], transformers' RotaryEmbedding), uploaded
+    /// once per rope.
+    pub(super) fn rope_frequencies(&self, rope: Rope) -> Result<RopeFrequencies> {
         let mut cache = self.rope_frequencies.lock().unwrap();
-        let key = (rotary_dim, theta.to_bits());
+        let yarn = rope.yarn.map(|y| {
+            [
+                y.factor.to_bits(),
+                y.original_max_position_embeddings as u64,
+                y.beta_fast.to_bits(),
+                y.beta_slow.to_bits(),
+                u64::from(y.truncate),
+            ]
+        });
+        let key = (rope.rotary_dim, rope.theta.to_bits(), yarn);
         if let Some(frequencies) = cache.get(&key) {
             return Ok(frequencies.clone());
         }
-        let inv_freq: Vec<f32> = (0..rotary_dim / 2)
-            .map(|i| 1.0 / (theta as f32).powf((2 * i) as f32 / rotary_dim as f32))
-            .collect();
+        let inv_freq = rope.inv_frequencies();
         let frequencies = Arc::new(self.upload("rope", &inv_freq)?);
         cache.insert(key, frequencies.clone());
         Ok(frequencies)

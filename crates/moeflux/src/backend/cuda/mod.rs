@@ -85,7 +85,8 @@ pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
 
 use super::{
-    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
+    Rope,
 };
 use crate::config::{LinearAttentionConfig, RouterSpec};
 use crate::error::{Error, Result};
@@ -129,6 +130,9 @@ pub fn device_count() -> Result<usize> {
 /// Rotary inverse frequencies on the device, shared by the layers.
 type RopeFrequencies = Arc<CudaSlice<f32>>;
 
+/// What rotary frequencies are cached by (see `rope_frequencies`).
+type RopeKey = (usize, u64, Option<[u64; 5]>);
+
 /// Options of a [`CudaBackend`].
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CudaOptions {
@@ -148,8 +152,9 @@ pub struct CudaBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: Kernels,
-    /// Rotary frequencies by (rotary_dim, theta bits).
-    rope_frequencies: Mutex<HashMap<(usize, u64), RopeFrequencies>>,
+    /// Rotary frequencies by rotary_dim, theta bits and the YaRN settings
+    /// that change them.
+    rope_frequencies: Mutex<HashMap<RopeKey, RopeFrequencies>>,
     experts: Mutex<VramCache>,
     /// Device time per operation, when `MOEFLUX_CUDA_PROFILE` is set.
     profiler: Option<profile::Profiler>,
@@ -640,6 +645,10 @@ impl Backend for CudaBackend {
         CudaBackend::add_assign(self, x, y)
     }
 
+    fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        CudaBackend::add_bias(self, x, bias)
+    }
+
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         CudaBackend::silu_mul(self, gate, up)
     }
@@ -659,8 +668,9 @@ impl Backend for CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
-        CudaBackend::attention(self, cache, q, k, v, shape)
+        CudaBackend::attention(self, cache, q, k, v, shape, sinks)
     }
 
     fn gated_delta_net(
@@ -704,8 +714,9 @@ impl Backend for CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<Tensor> {
-        self.compute_routed_experts(x, routing, store, layer)
+        self.compute_routed_experts(x, routing, store, layer, ffn)
     }
 
     fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Result<Vec<Tensor>> {
@@ -762,8 +773,9 @@ impl Backend for CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<()> {
-        self.add_routed_experts(out, x, routing, store, layer)
+        self.add_routed_experts(out, x, routing, store, layer, ffn)
     }
 
     fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Result<Option<u64>> {

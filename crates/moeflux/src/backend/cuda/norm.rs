@@ -72,7 +72,8 @@ impl CudaBackend {
         );
         let op = "qk_norm_rope";
         let position = self.recorded_position(None);
-        let frequencies = self.rope_frequencies(rope.rotary_dim, rope.theta)?;
+        let frequencies = self.rope_frequencies(rope)?;
+        let scale = rope.attention_factor();
         let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);
         let offset = if norm.unit_offset { 1.0f32 } else { 0.0 };
         let (rows, q_heads_i, k_heads_i, head_dim_i, half, start) = (
@@ -106,7 +107,8 @@ impl CudaBackend {
             &offset,
             &start,
             &position,
-            &positions
+            &positions,
+            &scale
         );
         Ok((q, k))
     }

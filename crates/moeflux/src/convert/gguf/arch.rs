@@ -343,8 +343,16 @@ pub(super) fn map(store: &GgufStore) -> Result<Mapped> {
     if let Some(kind) = meta.string(&key("rope.scaling.type"))?
         && kind != "none"
     {
-        // Kept so that configuration parsing names what is not implemented.
-        c.insert("rope_scaling".into(), json!({ "rope_type": kind }));
+        // Kept so that configuration parsing reads YaRN's settings and names
+        // the types that are not implemented.
+        let mut scaling = json!({ "rope_type": kind });
+        if let Some(factor) = meta.float(&key("rope.scaling.factor"))? {
+            scaling["factor"] = json!(factor);
+        }
+        if let Some(n) = opt("rope.scaling.original_context_length")? {
+            scaling["original_max_position_embeddings"] = json!(n);
+        }
+        c.insert("rope_scaling".into(), scaling);
     }
     match family {
         Family::Qwen3Moe => {

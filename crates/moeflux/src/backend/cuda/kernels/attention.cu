@@ -19,12 +19,15 @@
 // ATTN_WARPS warps per block; head dimensions up to ATTN_MAX_PER_LANE · 32
 // (checked on the host).
 
-// `start` is the position of the first query, read from `position` on the
-// device instead when that is given (a recorded step).
+// `start` is the cache row of the first query, read from `position` on the
+// device instead when that is given (a recorded step). Every kernel here
+// also takes `window` (a query sees that many rows, its own included; 0:
+// every row before it) and `sinks` (a logit per query head that joins the
+// softmax's denominator with no value; null: none).
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
     attention(const float* q, const float* keys, const float* values, float* out, int n,
               int heads, int kv_heads, int head_dim, i64 start, const u32* position,
-              float scale) {
+              float scale, int window, const float* sinks) {
     await_inputs();
     const int W = ATTN_WARPS;
     if (position) start = *position;
@@ -44,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         const float* k_head = keys + (i64)(h / group) * head_dim;
         const float* v_head = values + (i64)(h / group) * head_dim;
         i64 visible = start + t + 1;
+        i64 oldest = window > 0 ? max((i64)0, visible - window) : 0;
 
         float qv[ATTN_MAX_PER_LANE];
         float acc[ATTN_MAX_PER_LANE];
@@ -55,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         }
         float max_score = NEG_INF;
         float total = 0.0f;
-        for (i64 j = warp; j < visible; j += W) {
+        for (i64 j = oldest + warp; j < visible; j += W) {
             const float* key = k_head + j * kv_width;
             float s = 0.0f;
 #pragma unroll
@@ -86,12 +90,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
             if (d < head_dim) warp_acc[warp][d] = acc[k];
         }
         __syncthreads();
-        // A warp that saw no position has maximum -inf and weighs 0; at
-        // least one warp saw position 0, so the overall maximum is finite.
+        // A warp that saw no position has maximum -inf and weighs 0; warp 0
+        // saw the oldest visible row, so the overall maximum is finite.
         float overall = warp_max_score[0];
         for (int w = 1; w < W; ++w) overall = fmaxf(overall, warp_max_score[w]);
         float weights[W];
-        float denominator = 0.0f;
+        float denominator = sinks ? expf(sinks[h] - overall) : 0.0f;
         for (int w = 0; w < W; ++w) {
             weights[w] = expf(warp_max_score[w] - overall);
             denominator += warp_total[w] * weights[w];
@@ -139,16 +143,22 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
 // 16-byte pieces of a key a thread loads before using them.
 #define DECODE_KEY_QUADS 16
 
-// The positions [first, end) of split `split` when `visible` positions are
-// split over at most `splits` blocks in whole chunks; returns the number
-// of splits in use (a split at or past it has no positions).
-__device__ __forceinline__ int decode_split_range(i64 visible, int splits, int split, int chunk,
-                                                  i64* first, i64* end) {
-    const i64 chunks = (visible + chunk - 1) / chunk;
+// The rows [first, end) of split `split` when the rows [oldest, visible)
+// are split over at most `splits` blocks in whole chunks; returns the
+// number of splits in use (a split at or past it has no rows).
+__device__ __forceinline__ int decode_split_range(i64 oldest, i64 visible, int splits, int split,
+                                                  int chunk, i64* first, i64* end) {
+    const i64 chunks = (visible - oldest + chunk - 1) / chunk;
     const i64 split_chunks = (chunks + splits - 1) / splits;
-    *first = split * split_chunks * chunk;
+    *first = oldest + split * split_chunks * chunk;
     *end = min(visible, *first + split_chunks * chunk);
     return (int)((chunks + split_chunks - 1) / split_chunks);
+}
+
+// The oldest row a query at row `visible - 1` sees with a window of
+// `window` rows (0: every row).
+__device__ __forceinline__ i64 oldest_visible(i64 visible, int window) {
+    return window > 0 ? max((i64)0, visible - window) : 0;
 }
 
 // Whether this block is the last of the `used` splits of a head (or of a
@@ -168,14 +178,16 @@ __device__ bool last_of_splits(u32* ticket, int used) {
 }
 
 // One head's output from the partials of its `used` splits (`[splits]
-// [head_dim + 2]`: weighted values, maximum, sum). Read through L2
-// (`__ldcg`): L1 is not coherent across blocks.
-__device__ void merge_split_partials(const float* partials, int used, int head_dim, float* out) {
+// [head_dim + 2]`: weighted values, maximum, sum) and its sink logit
+// (-inf: none), which joins the denominator. Read through L2 (`__ldcg`):
+// L1 is not coherent across blocks.
+__device__ void merge_split_partials(const float* partials, int used, int head_dim, float sink,
+                                     float* out) {
     // Every split saw at least one position, so every maximum is finite.
     float overall = NEG_INF;
     for (int s = 0; s < used; ++s)
         overall = fmaxf(overall, __ldcg(partials + (i64)s * (head_dim + 2) + head_dim));
-    float denominator = 0.0f;
+    float denominator = expf(sink - overall);
     for (int s = 0; s < used; ++s) {
         const float* part = partials + (i64)s * (head_dim + 2);
         denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
@@ -193,7 +205,7 @@ __device__ void merge_split_partials(const float* partials, int used, int head_d
 // merge_split_partials by one warp (lanes over the splits, then over the
 // dimensions).
 __device__ void merge_split_partials_warp(const float* partials, int used, int head_dim,
-                                          float* out) {
+                                          float sink, float* out) {
     const int lane = threadIdx.x % WARP_SIZE;
     float overall = NEG_INF;
     for (int s = lane; s < used; s += WARP_SIZE)
@@ -204,7 +216,7 @@ __device__ void merge_split_partials_warp(const float* partials, int used, int h
         const float* part = partials + (i64)s * (head_dim + 2);
         denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
     }
-    denominator = warp_sum(denominator);
+    denominator = warp_sum(denominator) + expf(sink - overall);
     for (int d = lane; d < head_dim; d += WARP_SIZE) {
         float sum = 0.0f;
         for (int s = 0; s < used; ++s) {
@@ -221,7 +233,7 @@ __device__ void merge_split_partials_warp(const float* partials, int used, int h
 // the last of the `used` blocks to arrive merges them into `out`.
 __device__ void merge_decode_splits(const float* warp_acc, int stride, int head_dim,
                                     float running_max, float total, int split, int used,
-                                    float* partials, u32* ticket, float* out) {
+                                    float* partials, u32* ticket, float sink, float* out) {
     float* mine = partials + (i64)split * (head_dim + 2);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.0f;
@@ -232,7 +244,7 @@ __device__ void merge_decode_splits(const float* warp_acc, int stride, int head_
         mine[head_dim] = running_max;
         mine[head_dim + 1] = total;
     }
-    if (last_of_splits(ticket, used)) merge_split_partials(partials, used, head_dim, out);
+    if (last_of_splits(ticket, used)) merge_split_partials(partials, used, head_dim, sink, out);
 }
 
 // Head dimensions up to PER_LANE · 32.
@@ -241,7 +253,8 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
                                               float* out, int heads, int kv_heads,
                                               int head_dim, i64 start, const u32* position,
                                               float scale, const float* new_k,
-                                              const float* new_v, int splits,
+                                              const float* new_v, int window,
+                                              const float* sinks, int splits,
                                               float* partials, u32* tickets) {
     if (position) start = *position;
     __shared__ float4 query4[PER_LANE * WARP_SIZE / 4];
@@ -262,7 +275,8 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     const i64 visible = start + 1;
     const int split = blockIdx.z;
     i64 first, end;
-    const int used = decode_split_range(visible, splits, split, DECODE_ATTN_CHUNK, &first, &end);
+    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
+                                        DECODE_ATTN_CHUNK, &first, &end);
     if (split >= used) return;
     const int quads = head_dim % 4 == 0 ? head_dim / 4 : 0;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
@@ -345,16 +359,19 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     }
     __syncthreads();
     float* o = out + (i64)h * head_dim;
+    const float sink = sinks ? sinks[h] : NEG_INF;
     if (used == 1) {
+        // The sink's share, relative to the running maximum like `total`.
+        const float denominator = total + expf(sink - running_max);
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
             float sum = 0.0f;
             for (int w = 0; w < DECODE_ATTN_WARPS; ++w) sum += warp_acc[w][d];
-            o[d] = sum / total;
+            o[d] = sum / denominator;
         }
     } else {
         merge_decode_splits(warp_acc[0], PER_LANE * WARP_SIZE, head_dim, running_max, total,
                             split, used, partials + (i64)h * splits * (head_dim + 2),
-                            tickets + h, o);
+                            tickets + h, sink, o);
     }
     if (h % group == 0 && split == 0) {
         float* stored_k = keys + start * kv_width + (i64)(h / group) * head_dim;
@@ -374,13 +391,13 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
 __device__ __forceinline__ void prefetch_kv_history(const float* keys, const float* values,
                                                     int heads, int kv_heads, int head_dim,
                                                     i64 start, const u32* position,
-                                                    int splits) {
+                                                    int window, int splits) {
     if (position) start = *position;
     const int group = heads / kv_heads;
     if (blockIdx.x % group != 0) return;
     i64 first, end;
-    if ((int)blockIdx.z >=
-        decode_split_range(start + 1, splits, blockIdx.z, DECODE_ATTN_CHUNK, &first, &end))
+    if ((int)blockIdx.z >= decode_split_range(oldest_visible(start + 1, window), start + 1, splits,
+                                              blockIdx.z, DECODE_ATTN_CHUNK, &first, &end))
         return;
     // The newest position is not in the cache yet.
     const i64 rows = min(min(end, start) - first, (i64)DECODE_ATTN_CHUNK);
@@ -403,13 +420,14 @@ __device__ __forceinline__ void prefetch_kv_history(const float* keys, const flo
     extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)              \
         name(const float* q, float* keys, float* values, float* out, int n, int heads,       \
              int kv_heads, int head_dim, i64 start, const u32* position, float scale,        \
-             const float* new_k, const float* new_v, int splits, float* partials,            \
-             u32* tickets) {                                                                 \
+             const float* new_k, const float* new_v, int window, const float* sinks,         \
+             int splits, float* partials, u32* tickets) {                                    \
         prefetch_kv_history(keys, values, heads, kv_heads, head_dim, start, position,        \
-                            splits);                                                         \
+                            window, splits);                                                 \
         await_inputs();                                                                      \
         attend_decode<PER_LANE>(q, keys, values, out, heads, kv_heads, head_dim, start,      \
-                                position, scale, new_k, new_v, splits, partials, tickets);   \
+                                position, scale, new_k, new_v, window, sinks, splits,        \
+                                partials, tickets);                                          \
     }
 
 ATTENTION_DECODE_KERNEL(attention_decode_128, 4)
@@ -436,8 +454,8 @@ ATTENTION_DECODE_KERNEL(attention_decode_512, 16)
         const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;      \
         attend_decode<PER_LANE>(q + s * q_width, k, v, out + s * q_width, heads, kv_heads,   \
                                 head_dim, start, nullptr, scale, new_k + s * kv_width,       \
-                                new_v + s * kv_width, splits, (float*)partials[s],           \
-                                (u32*)tickets[s]);                                           \
+                                new_v + s * kv_width, 0, nullptr, splits,                    \
+                                (float*)partials[s], (u32*)tickets[s]);                      \
     }
 
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128, 4)
@@ -471,6 +489,7 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
                                                       float* out, int heads, int kv_heads,
                                                       int head_dim, i64 start, float scale,
                                                       const float* new_k, const float* new_v,
+                                                      int window, const float* sinks,
                                                       int splits, float* partials,
                                                       u32* tickets) {
     __shared__ float4 query4[GROUP][PER_LANE * WARP_SIZE / 4];
@@ -489,7 +508,8 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
     const i64 visible = start + 1;
     const int split = blockIdx.z;
     i64 first, end;
-    const int used = decode_split_range(visible, splits, split, GD_CHUNK, &first, &end);
+    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
+                                        GD_CHUNK, &first, &end);
     if (split >= used) return;
     const int quads = head_dim / 4;  // head_dim % 4 == 0 (checked on the host)
     const float* group_q = q + (i64)kv_head * group * head_dim;
@@ -618,7 +638,10 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
         __syncthreads();
         float* o = used == 1 ? out + (i64)(h0 + g) * head_dim
                              : partials + ((i64)(h0 + g) * splits + split) * (head_dim + 2);
-        const float scale_out = used == 1 ? 1.0f / head_total[g] : 1.0f;
+        // The sink's share, relative to the running maximum like the total.
+        const float sink = sinks ? sinks[h0 + g] : NEG_INF;
+        const float scale_out =
+            used == 1 ? 1.0f / (head_total[g] + expf(sink - head_max[g])) : 1.0f;
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
             float sum = 0.0f;
             for (int w = 0; w < GD_WARPS; ++w) sum += reduce[w][d];
@@ -634,7 +657,8 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
         // A warp per head.
         for (int g = warp; g < group; g += GD_WARPS)
             merge_split_partials_warp(partials + (i64)(h0 + g) * splits * (head_dim + 2), used,
-                                      head_dim, out + (i64)(h0 + g) * head_dim);
+                                      head_dim, sinks ? sinks[h0 + g] : NEG_INF,
+                                      out + (i64)(h0 + g) * head_dim);
     }
     if (split == 0) {
         float* stored_k = keys + start * kv_width + (i64)kv_head * head_dim;
@@ -651,13 +675,13 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
     extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
         name(const float* q, float* keys, float* values, float* out, int n, int heads,        \
              int kv_heads, int head_dim, i64 start, const u32* position, float scale,         \
-             const float* new_k, const float* new_v, int splits, float* partials,             \
-             u32* tickets) {                                                                  \
+             const float* new_k, const float* new_v, int window, const float* sinks,          \
+             int splits, float* partials, u32* tickets) {                                     \
         if (position) start = *position;                                                      \
         await_inputs();                                                                       \
         attend_decode_grouped<PER_LANE, GROUP>(q, keys, values, out, heads, kv_heads,         \
-                                               head_dim, start, scale, new_k, new_v, splits,  \
-                                               partials, tickets);                            \
+                                               head_dim, start, scale, new_k, new_v, window,  \
+                                               sinks, splits, partials, tickets);             \
     }
 
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8, 4, 8)
@@ -678,7 +702,7 @@ ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8, 8, 8)
         attend_decode_grouped<PER_LANE, GROUP>(                                               \
             q + s * q_width, (float*)keys[s], (float*)values[s], out + s * q_width, heads,    \
             kv_heads, head_dim, starts[s], scale, new_k + s * kv_width, new_v + s * kv_width, \
-            splits, (float*)partials[s], (u32*)tickets[s]);                                   \
+            0, nullptr, splits, (float*)partials[s], (u32*)tickets[s]);                       \
     }
 
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8, 4, 8)
@@ -707,7 +731,7 @@ template <int PER_LANE>
 __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
                                              const float* values, float* out, int n,
                                              int heads, int kv_heads, int head_dim, i64 start,
-                                             float scale) {
+                                             float scale, int window, const float* sinks) {
     extern __shared__ float4 fa_shared[];
     const int group = heads / kv_heads;
     const int key_stride = head_dim + FA_KEY_PAD;
@@ -734,13 +758,18 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     }
     // Keys visible to this warp's rows and to the block (rows are
     // token-major, so the block's last row sees the most).
+    // With a window, each row sees only the last `window` of them, and the
+    // block starts at its first row's oldest.
     i64 visible[FA_ROWS_PER_WARP];
+    i64 oldest[FA_ROWS_PER_WARP];
 #pragma unroll
     for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
         i64 row = min(row0 + warp * FA_ROWS_PER_WARP + r, rows - 1);
         visible[r] = start + row / group + 1;
+        oldest[r] = window > 0 ? max((i64)0, visible[r] - window) : 0;
     }
     const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
+    const i64 block_oldest = window > 0 ? max((i64)0, start + row0 / group + 1 - window) : 0;
 
     float running_max[FA_ROWS_PER_WARP];
     float lane_total[FA_ROWS_PER_WARP];
@@ -755,7 +784,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * head_dim;
     float* warp_p = p_tile + warp * FA_KEYS * FA_ROWS_PER_WARP;
 
-    for (i64 j0 = 0; j0 < block_visible; j0 += FA_KEYS) {
+    for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
         int tile = (int)min((i64)FA_KEYS, block_visible - j0);
         __syncthreads();  // the previous tile is no longer read
         for (int i = threadIdx.x; i < FA_KEYS * quads; i += blockDim.x) {
@@ -791,12 +820,14 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         }
 #pragma unroll
         for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-            float s = j0 + lane < visible[r] ? score[r] * scale : NEG_INF;
-            // Every row sees key 0, so after the first tile its maximum
-            // is finite; a tile a row cannot see leaves it unchanged.
+            bool seen = j0 + lane < visible[r] && j0 + lane >= oldest[r];
+            float s = seen ? score[r] * scale : NEG_INF;
+            // A tile a row cannot see leaves it unchanged (before its
+            // window's first key, its maximum is still -inf).
             float new_max = fmaxf(running_max[r], warp_max(s));
-            float rescale = expf(running_max[r] - new_max);
-            float p = expf(s - new_max);
+            bool none = new_max == NEG_INF;
+            float rescale = none ? 1.0f : expf(running_max[r] - new_max);
+            float p = none ? 0.0f : expf(s - new_max);
             lane_total[r] = lane_total[r] * rescale + p;
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) acc[r][k] *= rescale;
@@ -828,6 +859,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         if (row >= rows) continue;
         i64 t = row / group;
         int h = kv_head * group + (int)(row % group);
+        if (sinks) total += expf(sinks[h] - running_max[r]);
         float* o = out + t * q_width + (i64)h * head_dim;
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
@@ -842,10 +874,11 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
 #define FLASH_ATTENTION_KERNEL(name, PER_LANE)                                            \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
         name(const float* q, const float* keys, const float* values, float* out, int n,   \
-             int heads, int kv_heads, int head_dim, i64 start, float scale) {             \
+             int heads, int kv_heads, int head_dim, i64 start, float scale, int window,   \
+             const float* sinks) {                                                        \
         await_inputs();                                                                   \
         flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
-                               scale);                                                    \
+                               scale, window, sinks);                                     \
     }
 
 FLASH_ATTENTION_KERNEL(flash_attention_128, 4)

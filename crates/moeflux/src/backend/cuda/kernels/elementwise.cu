@@ -10,6 +10,12 @@ extern "C" __global__ void add_assign(float* x, const float* y, i64 n) {
     GRID_STRIDE(i, n) { x[i] += y[i]; }
 }
 
+// x[r, c] += bias[c]: a projection's bias on every row.
+extern "C" __global__ void add_bias(float* x, const float* bias, i64 rows, int cols) {
+    await_inputs();
+    GRID_STRIDE(i, rows * cols) { x[i] += bias[i % cols]; }
+}
+
 // out = silu(gate) · up
 extern "C" __global__ void silu_mul(const float* gate, const float* up, float* out, i64 n) {
     await_inputs();
@@ -42,10 +48,14 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int
 // Rotates the first 2·half features of each head_dim group of every row,
 // row t at position start_pos + t, the halves against each other (NeoX);
 // inv_freq holds the half frequencies, computed in f32 on the host exactly
-// as the CPU backend computes them.
+// as the CPU backend computes them; cos and sin are multiplied by `scale`
+// (YaRN's attention factor, else 1). `start_pos` from `position` on the
+// device when given (a recorded step).
 extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int cols,
-                                int head_dim, int half, i64 start_pos) {
+                                int head_dim, int half, i64 start_pos, float scale,
+                                const u32* position) {
     await_inputs();
+    if (position) start_pos = *position;
     int heads = cols / head_dim;
     GRID_STRIDE(i, rows * heads * half) {
         i64 t = i / ((i64)heads * half);
@@ -53,8 +63,8 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int c
         int h = rest / half;
         int k = rest % half;
         float angle = (float)(start_pos + t) * inv_freq[k];
-        float c = cosf(angle);
-        float s = sinf(angle);
+        float c = cosf(angle) * scale;
+        float s = sinf(angle) * scale;
         float* head = x + t * cols + (i64)h * head_dim;
         float x1 = head[k];
         float x2 = head[k + half];

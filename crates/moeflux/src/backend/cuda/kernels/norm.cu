@@ -55,13 +55,14 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // q is [rows, q_heads · head_dim], k [rows, k_heads · head_dim], both in
 // place; row t sits at position start_pos + t, start_pos read from
 // `position` on the device when given (a recorded decode step), or at
-// positions[t] when given (rows of several sequences). Dynamic shared
+// positions[t] when given (rows of several sequences); cos and sin are
+// multiplied by `scale` (YaRN's attention factor, else 1). Dynamic shared
 // memory: head_dim floats.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
                  const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
                  int half, float eps, float offset, i64 start_pos, const u32* position,
-                 const i64* positions) {
+                 const i64* positions, float scale) {
     prefetch_span(q_weight, 4 * (i64)head_dim);
     prefetch_span(k_weight, 4 * (i64)head_dim);
     prefetch_span(inv_freq, 4 * (i64)half);
@@ -91,8 +92,8 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
             if (i < 2 * half) {
                 int kf = i < half ? i : i - half;
                 float angle = position * inv_freq[kf];
-                float c = cosf(angle);
-                float s = sinf(angle);
+                float c = cosf(angle) * scale;
+                float s = sinf(angle) * scale;
                 v = i < half ? normed[i] * c - normed[i + half] * s
                              : normed[i] * c + normed[i - half] * s;
             }
