@@ -456,7 +456,7 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
         elif name.endswith(("bias", "_bias")):
             # gpt-oss's projection, router and expert biases.
             new = normal(p.shape, 0.3)
-        elif p.dim() == 3 and name.endswith(GPT_OSS_EXPERTS):
+        elif p.dim() == 3 and model.config.model_type == "gpt_oss" and name.endswith(FUSED_EXPERTS):
             # gpt-oss's experts are input-major: [E, H, 2I] and [E, I, H].
             new = matrix(p.shape, p.shape[-2] ** -0.5)
         elif p.dim() == 3 and ".experts." in name:
@@ -726,9 +726,6 @@ QUANT_DESCRIPTION = (
 
 ALWAYS_8_BITS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "mlp.router.weight")
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# gpt-oss stores its fused experts input-major ([E, in, out]): quantized as
-# their transposes, the [out, in] matrices the converter writes.
-GPT_OSS_EXPERTS = FUSED_EXPERTS
 
 
 def quantize_dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
@@ -772,6 +769,9 @@ def quantize_model(model: torch.nn.Module, bits: int) -> tuple[torch.nn.Module, 
         if nb is None:
             continue
         if p.dim() == 3 and qmodel.config.model_type == "gpt_oss":
+            # gpt-oss stores its fused experts input-major ([E, in, out]):
+            # quantized as their transposes, the [out, in] matrices the
+            # converter writes.
             p.copy_(torch.stack([quantize_dequantize(p[e].T.contiguous(), nb).T for e in range(p.shape[0])]))
         elif p.dim() == 3:
             p.copy_(torch.stack([quantize_dequantize(p[e], nb) for e in range(p.shape[0])]))
