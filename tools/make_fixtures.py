@@ -29,7 +29,8 @@ Fixtures, one folder each under --out:
                            full attention), all MoE, mrope.
     gpt_oss                GptOssForCausalLM: 4 layers, sliding-window (8
                            positions, shorter than tokens_long) and full
-                           attention alternating, sinks, q/k/v/o biases,
+                           attention alternating, YaRN as gpt-oss has it
+                           (original context 64), sinks, q/k/v/o biases,
                            router bias, biased experts with the clamped
                            SwiGLU (limit 1.5, so the clamps act), experts as
                            transformers stores them (gate_up_proj [E, H, 2I],
@@ -350,7 +351,17 @@ def gpt_oss_config() -> GptOssConfig:
 # Shorter than tokens_long, so the window drops positions in both prefill
 # and decode.
 GPT_OSS_WINDOW = 8
-GPT_OSS_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+# gpt-oss's YaRN (factor 32, beta 32/1, truncate off, theta 150000), with
+# the original context cut to 64 so the test sequences run past it.
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+}
 
 FIXTURES = {
     # seed: the first seed tried (see make_fixture); later tries add 1.
@@ -445,7 +456,7 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
         elif name.endswith(("bias", "_bias")):
             # gpt-oss's projection, router and expert biases.
             new = normal(p.shape, 0.3)
-        elif p.dim() == 3 and name.endswith(GPT_OSS_EXPERTS):
+        elif p.dim() == 3 and model.config.model_type == "gpt_oss" and name.endswith(FUSED_EXPERTS):
             # gpt-oss's experts are input-major: [E, H, 2I] and [E, I, H].
             new = matrix(p.shape, p.shape[-2] ** -0.5)
         elif p.dim() == 3 and ".experts." in name:
@@ -715,9 +726,6 @@ QUANT_DESCRIPTION = (
 
 ALWAYS_8_BITS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "mlp.router.weight")
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-# gpt-oss stores its fused experts input-major ([E, in, out]): quantized as
-# their transposes, the [out, in] matrices the converter writes.
-GPT_OSS_EXPERTS = FUSED_EXPERTS
 
 
 def quantize_dequantize(w: torch.Tensor, bits: int) -> torch.Tensor:
@@ -761,6 +769,9 @@ def quantize_model(model: torch.nn.Module, bits: int) -> tuple[torch.nn.Module, 
         if nb is None:
             continue
         if p.dim() == 3 and qmodel.config.model_type == "gpt_oss":
+            # gpt-oss stores its fused experts input-major ([E, in, out]):
+            # quantized as their transposes, the [out, in] matrices the
+            # converter writes.
             p.copy_(torch.stack([quantize_dequantize(p[e].T.contiguous(), nb).T for e in range(p.shape[0])]))
         elif p.dim() == 3:
             p.copy_(torch.stack([quantize_dequantize(p[e], nb) for e in range(p.shape[0])]))
@@ -1001,14 +1012,15 @@ def check_sensitivities(model, seqs: list[torch.Tensor]) -> dict:
 
 @torch.no_grad()
 def check_rope(model) -> dict:
-    """Compare the model's rotary tables with plain (1-D) RoPE on the text positions."""
+    """Compare the model's rotary tables with plain (1-D) RoPE on the text positions (YaRN differs)."""
     cfg = model.config
     rp = cfg.rope_parameters
     head_dim = cfg.head_dim
     rot_dim = int(head_dim * rp.get("partial_rotary_factor", 1.0))
     inv_freq = 1.0 / (rp["rope_theta"] ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     rotary = model.model.rotary_emb
-    info = {"rotary_dim": rot_dim, "num_frequencies": rot_dim // 2}
+    info = {"rotary_dim": rot_dim, "num_frequencies": rot_dim // 2, "rope_type": rp.get("rope_type", "default"),
+            "attention_scaling": float(model.model.rotary_emb.attention_scaling)}
     info["inv_freq_matches_formula"] = bool(torch.equal(rotary.inv_freq, inv_freq))
     pos = torch.arange(SEQ_LONG)
     x = torch.zeros(1, SEQ_LONG, head_dim)

@@ -313,3 +313,33 @@ impl TensorSource for RandomWeights {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every preset parses, whole and cut (a cut keeps its per-layer lists
+    /// as long as its layers), and plans on a synthetic index.
+    #[test]
+    fn presets_parse_whole_and_cut() {
+        for p in PRESETS {
+            for layers in [None, Some(3)] {
+                let config = preset_config(p, layers).unwrap();
+                let cfg = ModelConfig::from_hf_json(&config, Path::new(p.name))
+                    .unwrap_or_else(|e| panic!("{}: {e}", p.name));
+                if let Some(n) = layers {
+                    assert_eq!(cfg.num_layers(), n, "{}", p.name);
+                }
+                let index = CheckpointIndex::synthetic(Path::new(p.name));
+                cfg.architecture.conversion_plan(&cfg, &index).unwrap();
+            }
+        }
+        let oss = ModelConfig::from_hf_json(
+            &preset_config(preset("gpt-oss-120b").unwrap(), None).unwrap(),
+            Path::new("gpt-oss-120b"),
+        )
+        .unwrap();
+        assert_eq!((oss.num_layers(), oss.moe.num_experts), (36, 128));
+        assert!(oss.attention.rope_yarn.is_some(), "gpt-oss uses YaRN");
+    }
+}
