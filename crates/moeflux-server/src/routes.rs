@@ -1,0 +1,369 @@
+//! The HTTP endpoints.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{StatusCode, header};
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use futures_util::stream;
+use moeflux::text::ChatOptions;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::AppState;
+use crate::engine::Job;
+use crate::error::{ApiError, from_library};
+use crate::request::{self, ChatRequest, CompletionRequest, parse};
+use crate::response::{Builder, Header, Kind};
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// The body, or the reason it could not be read (413 beyond the limit).
+fn body(body: Result<Bytes, BytesRejection>) -> ApiResult<Bytes> {
+    body.map_err(|rejection| ApiError {
+        status: rejection.status(),
+        ..ApiError::bad_body(match rejection.status() {
+            StatusCode::PAYLOAD_TOO_LARGE => {
+                "the body is larger than this server's limit (--max-body-mb)".to_string()
+            }
+            _ => format!("the body could not be read: {rejection}"),
+        })
+    })
+}
+
+/// Checks the API key (all endpoints but /health) and counts 4xx answers.
+pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.options.api_key
+        && request.uri().path() != "/health"
+    {
+        let given = request
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if !given.is_some_and(|g| same(g.as_bytes(), key.as_bytes())) {
+            state.engine.metrics.client_errors.inc();
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    let response = next.run(request).await;
+    if response.status().is_client_error() {
+        state.engine.metrics.client_errors.inc();
+    }
+    response
+}
+
+/// Compares in time independent of where the texts differ.
+fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub async fn not_found(request: Request) -> ApiError {
+    ApiError::not_found(request.uri().path())
+}
+
+pub async fn method_not_allowed() -> ApiError {
+    ApiError::method_not_allowed()
+}
+
+pub async fn health() -> Json<Value> {
+    Json(json!({ "status": "ok" }))
+}
+
+pub async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.options.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "moeflux",
+            "max_model_len": state.options.limits.context,
+        }],
+    }))
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.engine.metrics.render(),
+    )
+        .into_response()
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    model: Option<String>,
+    prompt: Option<String>,
+    messages: Option<Vec<request::Message>>,
+    add_special_tokens: Option<bool>,
+}
+
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let req: TokenizeRequest = parse(&body(raw)?)?;
+    state.check_model(req.model.as_deref())?;
+    let tokens = match (req.prompt, req.messages) {
+        (Some(prompt), None) => state
+            .tokenizer
+            .encode(&prompt, req.add_special_tokens.unwrap_or(true))
+            .map_err(|e| from_library("prompt", e))?,
+        (None, Some(messages)) => state.chat_prompt(&messages, None, &Default::default())?.0,
+        _ => {
+            return Err(ApiError::bad_body(
+                "give either \"prompt\" (a text) or \"messages\" (a conversation)",
+            ));
+        }
+    };
+    Ok(Json(json!({
+        "count": tokens.len(),
+        "max_model_len": state.options.limits.context,
+        "tokens": tokens,
+    })))
+}
+
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    model: Option<String>,
+    tokens: Vec<i64>,
+}
+
+pub async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let req: DetokenizeRequest = parse(&body(raw)?)?;
+    state.check_model(req.model.as_deref())?;
+    let ids = state.token_ids("tokens", &req.tokens)?;
+    let text = state
+        .tokenizer
+        .decode(&ids, false)
+        .map_err(|e| from_library("tokens", e))?;
+    Ok(Json(json!({ "prompt": text })))
+}
+
+pub async fn chat(
+    State(state): State<Arc<AppState>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
+    let req: ChatRequest = parse(&body(raw)?)?;
+    state.check_model(req.common.model.as_deref())?;
+    if let Some(format) = &req.response_format
+        && format.get("type").and_then(Value::as_str) != Some("text")
+    {
+        return Err(ApiError::invalid(
+            "response_format",
+            "only {\"type\": \"text\"} is supported: this server does not constrain output to JSON",
+        ));
+    }
+    let tool_choice = req
+        .tool_choice
+        .as_ref()
+        .map(|c| c.as_str().unwrap_or("named"));
+    let tools = match (&req.tools, tool_choice) {
+        (Some(tools), None | Some("auto")) if !tools.is_empty() => Some(tools.as_slice()),
+        (_, None | Some("none") | Some("auto")) => None,
+        (_, Some(other)) => {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("{other:?} is not supported: use \"auto\" or \"none\""),
+            ));
+        }
+    };
+    let mut options = ChatOptions {
+        add_generation_prompt: true,
+        ..ChatOptions::default()
+    };
+    options
+        .extra
+        .extend(req.chat_template_kwargs.clone().unwrap_or_default());
+    let (prompt, thinking) = state.chat_prompt(&req.messages, tools, &options)?;
+    let top = request::top_logprobs("top_logprobs", req.top_logprobs)?;
+    if req.top_logprobs.is_some() && req.logprobs != Some(true) {
+        return Err(ApiError::invalid(
+            "top_logprobs",
+            "needs \"logprobs\": true",
+        ));
+    }
+    let logprobs = (req.logprobs == Some(true)).then_some(top);
+    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
+    let settings = req.common.settings(
+        &state.defaults,
+        max_tokens,
+        logprobs,
+        prompt.len(),
+        &state.bounds(),
+    )?;
+    let header = Header {
+        id: format!("chatcmpl-{:024x}", rand::random::<u128>() >> 32),
+        created: now(),
+        model: state.options.model_name.clone(),
+        kind: Kind::Chat,
+        logprobs: logprobs.is_some(),
+        thinking,
+        tools: tools.is_some(),
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    };
+    run(
+        state,
+        prompt,
+        settings,
+        header,
+        req.common.stream.unwrap_or(false),
+    )
+    .await
+}
+
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    raw: Result<Bytes, BytesRejection>,
+) -> ApiResult<Response> {
+    let req: CompletionRequest = parse(&body(raw)?)?;
+    state.check_model(req.common.model.as_deref())?;
+    if req.echo == Some(true) {
+        return Err(ApiError::invalid(
+            "echo",
+            "is not supported: the answer holds the new text only",
+        ));
+    }
+    if req.suffix.is_some() {
+        return Err(ApiError::invalid(
+            "suffix",
+            "is not supported: this model does not fill in the middle",
+        ));
+    }
+    if let Some(best_of) = req.best_of
+        && best_of != req.common.n.unwrap_or(1)
+    {
+        return Err(ApiError::invalid("best_of", "is supported only equal to n"));
+    }
+    let prompt = state.completion_prompt(&req.prompt)?;
+    let top = request::top_logprobs("logprobs", req.logprobs)?;
+    let logprobs = req.logprobs.map(|_| top);
+    let settings = req.common.settings(
+        &state.defaults,
+        req.common.max_tokens,
+        logprobs,
+        prompt.len(),
+        &state.bounds(),
+    )?;
+    let header = Header {
+        id: format!("cmpl-{:024x}", rand::random::<u128>() >> 32),
+        created: now(),
+        model: state.options.model_name.clone(),
+        kind: Kind::Completion,
+        logprobs: logprobs.is_some(),
+        thinking: false,
+        tools: false,
+        include_usage: req
+            .common
+            .stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false),
+    };
+    run(
+        state,
+        prompt,
+        settings,
+        header,
+        req.common.stream.unwrap_or(false),
+    )
+    .await
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Queues the job and answers with the whole response or a stream.
+async fn run(
+    state: Arc<AppState>,
+    prompt: Vec<u32>,
+    settings: crate::engine::Settings,
+    header: Header,
+    stream: bool,
+) -> ApiResult<Response> {
+    let (events, mut inbox) = mpsc::unbounded_channel();
+    let n = settings.n;
+    state.engine.submit(Job {
+        prompt,
+        settings,
+        events,
+        received: Instant::now(),
+    })?;
+    state.engine.metrics.requests.inc();
+    if !stream {
+        let mut builder = Builder::new(header, n, state.tokenizer.clone());
+        while let Some(event) = inbox.recv().await {
+            builder.event(event)?;
+            if builder.done() {
+                return Ok(Json(builder.response()).into_response());
+            }
+        }
+        return Err(ApiError::unavailable(
+            "the engine stopped during the request",
+        ));
+    }
+    let builder = Builder::new(header, n, state.tokenizer.clone());
+    let first = match builder.kind() {
+        Kind::Chat => builder.role_chunks(),
+        Kind::Completion => Vec::new(),
+    };
+    // Dropping the stream (the client went away) drops `inbox`, which the
+    // engine sees at its next step.
+    let rest = stream::unfold(
+        (inbox, builder, false),
+        |(mut inbox, mut builder, ended)| async move {
+            if ended {
+                return None;
+            }
+            let chunks = match inbox.recv().await {
+                None => vec![ApiError::unavailable("the engine stopped during the request").body()],
+                Some(event) => match builder.event(event) {
+                    Ok(chunks) => {
+                        let ended = builder.done();
+                        return Some((chunks, (inbox, builder, ended)));
+                    }
+                    Err(err) => vec![err.body()],
+                },
+            };
+            Some((chunks, (inbox, builder, true)))
+        },
+    )
+    .flat_map(stream::iter);
+    Ok(sse(stream::iter(first).chain(rest)))
+}
+
+/// Server-sent events from JSON chunks, ending with `[DONE]`.
+fn sse(chunks: impl futures_util::Stream<Item = Value> + Send + 'static) -> Response {
+    let events = chunks
+        .map(|chunk| Ok::<_, Infallible>(SseEvent::default().data(chunk.to_string())))
+        .chain(stream::once(async {
+            Ok(SseEvent::default().data("[DONE]"))
+        }));
+    Sse::new(events)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
