@@ -471,6 +471,7 @@ impl<'t, B: Backend> Engine<'t, B> {
         });
         if sent.is_err() {
             running.gone = true;
+            self.metrics.cancelled.inc();
             return;
         }
         let Some(reason) = finish else {

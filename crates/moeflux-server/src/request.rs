@@ -16,20 +16,28 @@ const MAX_STOP: usize = 16;
 /// Most alternatives per token (OpenAI's bound).
 const MAX_TOP_LOGPROBS: u64 = 20;
 
-/// Parses a body, naming the field at fault on error.
-pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|err| {
+/// Parses a body as JSON.
+pub fn json(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body)
+        .map_err(|err| ApiError::bad_body(format!("the body is not valid JSON: {err}")))
+}
+
+/// Reads a request from its JSON, naming the field at fault on error.
+pub fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body.clone()).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
-        if inner.is_syntax() || inner.is_eof() {
-            ApiError::bad_body(format!("the body is not valid JSON: {inner}"))
-        } else if path == "." {
+        if path == "." {
             ApiError::bad_body(format!("the body does not fit this endpoint: {inner}"))
         } else {
             ApiError::invalid(path, inner.to_string())
         }
     })
+}
+
+/// Parses a body, naming the field at fault on error.
+pub fn parse<T: DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    fields(&json(body)?)
 }
 
 /// One string or several.
@@ -45,7 +53,9 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
-/// The sampling and stopping fields both endpoints take.
+/// The sampling and stopping fields both endpoints take (read from the
+/// same body as the endpoint's own fields, not flattened into them, so
+/// that errors name the field).
 #[derive(Deserialize, Debug, Default)]
 pub struct Common {
     pub model: Option<String>,
@@ -69,8 +79,6 @@ pub struct Common {
 #[derive(Deserialize, Debug)]
 pub struct ChatRequest {
     pub messages: Vec<Message>,
-    #[serde(flatten)]
-    pub common: Common,
     pub max_completion_tokens: Option<i64>,
     pub logprobs: Option<bool>,
     pub top_logprobs: Option<i64>,
@@ -112,8 +120,6 @@ pub struct Part {
 #[derive(Deserialize, Debug)]
 pub struct CompletionRequest {
     pub prompt: Value,
-    #[serde(flatten)]
-    pub common: Common,
     /// The legacy form: how many alternatives per token.
     pub logprobs: Option<i64>,
     pub echo: Option<bool>,

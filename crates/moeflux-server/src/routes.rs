@@ -22,7 +22,7 @@ use tokio::sync::mpsc;
 use crate::AppState;
 use crate::engine::Job;
 use crate::error::{ApiError, from_library};
-use crate::request::{self, ChatRequest, CompletionRequest, parse};
+use crate::request::{self, ChatRequest, Common, CompletionRequest, parse};
 use crate::response::{Builder, Header, Kind};
 
 type ApiResult<T> = Result<T, ApiError>;
@@ -160,8 +160,10 @@ pub async fn chat(
     State(state): State<Arc<AppState>>,
     raw: Result<Bytes, BytesRejection>,
 ) -> ApiResult<Response> {
-    let req: ChatRequest = parse(&body(raw)?)?;
-    state.check_model(req.common.model.as_deref())?;
+    let value = request::json(&body(raw)?)?;
+    let common: Common = request::fields(&value)?;
+    let req: ChatRequest = request::fields(&value)?;
+    state.check_model(common.model.as_deref())?;
     if let Some(format) = &req.response_format
         && format.get("type").and_then(Value::as_str) != Some("text")
     {
@@ -200,8 +202,8 @@ pub async fn chat(
         ));
     }
     let logprobs = (req.logprobs == Some(true)).then_some(top);
-    let max_tokens = req.max_completion_tokens.or(req.common.max_tokens);
-    let settings = req.common.settings(
+    let max_tokens = req.max_completion_tokens.or(common.max_tokens);
+    let settings = common.settings(
         &state.defaults,
         max_tokens,
         logprobs,
@@ -216,8 +218,7 @@ pub async fn chat(
         logprobs: logprobs.is_some(),
         thinking,
         tools: tools.is_some(),
-        include_usage: req
-            .common
+        include_usage: common
             .stream_options
             .as_ref()
             .and_then(|o| o.include_usage)
@@ -228,7 +229,7 @@ pub async fn chat(
         prompt,
         settings,
         header,
-        req.common.stream.unwrap_or(false),
+        common.stream.unwrap_or(false),
     )
     .await
 }
@@ -237,8 +238,10 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     raw: Result<Bytes, BytesRejection>,
 ) -> ApiResult<Response> {
-    let req: CompletionRequest = parse(&body(raw)?)?;
-    state.check_model(req.common.model.as_deref())?;
+    let value = request::json(&body(raw)?)?;
+    let common: Common = request::fields(&value)?;
+    let req: CompletionRequest = request::fields(&value)?;
+    state.check_model(common.model.as_deref())?;
     if req.echo == Some(true) {
         return Err(ApiError::invalid(
             "echo",
@@ -252,16 +255,16 @@ pub async fn completions(
         ));
     }
     if let Some(best_of) = req.best_of
-        && best_of != req.common.n.unwrap_or(1)
+        && best_of != common.n.unwrap_or(1)
     {
         return Err(ApiError::invalid("best_of", "is supported only equal to n"));
     }
     let prompt = state.completion_prompt(&req.prompt)?;
     let top = request::top_logprobs("logprobs", req.logprobs)?;
     let logprobs = req.logprobs.map(|_| top);
-    let settings = req.common.settings(
+    let settings = common.settings(
         &state.defaults,
-        req.common.max_tokens,
+        common.max_tokens,
         logprobs,
         prompt.len(),
         &state.bounds(),
@@ -274,8 +277,7 @@ pub async fn completions(
         logprobs: logprobs.is_some(),
         thinking: false,
         tools: false,
-        include_usage: req
-            .common
+        include_usage: common
             .stream_options
             .as_ref()
             .and_then(|o| o.include_usage)
@@ -286,7 +288,7 @@ pub async fn completions(
         prompt,
         settings,
         header,
-        req.common.stream.unwrap_or(false),
+        common.stream.unwrap_or(false),
     )
     .await
 }
