@@ -428,3 +428,47 @@ where
     }
     out
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_requests_tokens_latencies_and_expert_reads() {
+    let server = start(|_| {}).await;
+    let body =
+        json!({"prompt": "Emma", "max_tokens": 6, "n": 3, "logit_bias": {"0": -100, "2": -100}});
+    for _ in 0..2 {
+        let (status, answer) = server.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{answer}");
+    }
+    let (status, text) = server.get_text("/metrics").await;
+    assert_eq!(status, 200);
+    // Prometheus text: comments, then `name{labels} value` lines.
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let (name, value) = line.rsplit_once(' ').unwrap();
+        assert!(name.starts_with("moeflux_"), "{line}");
+        assert!(value.parse::<f64>().is_ok(), "{line}");
+    }
+    assert_eq!(server.metric("moeflux_requests_total").await, 2.0);
+    assert_eq!(server.metric("moeflux_requests_finished_total").await, 2.0);
+    assert_eq!(server.metric("moeflux_generation_tokens_total").await, 36.0);
+    assert!(server.metric("moeflux_prompt_tokens_total").await >= 6.0);
+    assert_eq!(
+        server
+            .metric("moeflux_time_to_first_token_seconds_count")
+            .await,
+        2.0
+    );
+    // Three choices of six tokens: five gaps each.
+    assert_eq!(
+        server.metric("moeflux_inter_token_seconds_count").await,
+        30.0
+    );
+    // The three choices ran in one batch.
+    let steps = server.metric("moeflux_batch_sequences_count").await;
+    let sequences = server.metric("moeflux_batch_sequences_sum").await;
+    assert_eq!(sequences, 3.0 * steps);
+    assert_eq!(server.metric("moeflux_queue_depth").await, 0.0);
+    server.wait_metric("moeflux_running_requests", 0.0).await;
+    let hits = server.metric("moeflux_expert_cache_hits_total").await;
+    let rate = server.metric("moeflux_expert_cache_hit_rate").await;
+    assert!(hits > 0.0 && rate > 0.0 && rate <= 1.0, "{hits} {rate}");
+    assert!(text.contains("moeflux_expert_bytes_read_total "));
+}
