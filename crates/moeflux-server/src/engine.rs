@@ -22,6 +22,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
+use crate::prefix::PrefixCache;
 
 /// How a request's tokens are chosen and when its choices end.
 #[derive(Clone, Debug)]
@@ -88,6 +89,10 @@ pub struct Limits {
     /// Prompt tokens read in one step (at least one prefill chunk's piece
     /// always goes in).
     pub prefill_per_step: usize,
+    /// KV cache bytes of finished requests' sessions kept for prefix reuse
+    /// (within `kv_budget`, given back when running requests need it); 0
+    /// turns prefix reuse off.
+    pub prefix_cache: u64,
 }
 
 /// The HTTP side's end of the engine.
@@ -136,11 +141,12 @@ where
             let mut engine = Engine {
                 model,
                 tokenizer: &tokenizer,
-                limits,
                 metrics: engine_metrics,
                 running: Vec::new(),
                 held: None,
                 reserved: 0,
+                prefix: PrefixCache::new(limits.prefix_cache),
+                limits,
             };
             engine.run(inbox);
         })?;
@@ -180,7 +186,9 @@ struct Engine<'t, B: Backend> {
     running: Vec<Running<'t, B>>,
     /// A job taken from the queue that waits for room in the batch.
     held: Option<Job>,
+    /// KV bytes reserved by running requests.
     reserved: u64,
+    prefix: PrefixCache<B>,
 }
 
 impl<'t, B: Backend> Engine<'t, B> {
@@ -193,19 +201,38 @@ impl<'t, B: Backend> Engine<'t, B> {
                 continue;
             }
             self.step();
-            self.running.retain(|r| {
-                let keep = !r.gone && r.choices.iter().any(|c| !c.done);
-                if !keep {
-                    self.reserved -= r.reserved;
-                }
-                keep
-            });
+            self.retire();
             self.metrics.running.set(self.running.len() as i64);
             self.metrics.kv_reserved.set(self.reserved as i64);
+            self.metrics
+                .prefix_cache_bytes
+                .set(self.prefix.bytes() as i64);
             self.metrics
                 .kv_in_use
                 .set(self.model.kv_bytes_in_use() as i64);
             self.metrics.record_experts(&self.model.expert_stats());
+        }
+    }
+
+    /// Removes the finished and cancelled requests, keeping a finished
+    /// request's first session for prefix reuse.
+    fn retire(&mut self) {
+        let per = self.model.kv_bytes_per_position();
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = &self.running[i];
+            if !r.gone && r.choices.iter().any(|c| !c.done) {
+                i += 1;
+                continue;
+            }
+            let running = self.running.remove(i);
+            self.reserved -= running.reserved;
+            if !running.gone
+                && let Some(first) = running.choices.into_iter().next()
+            {
+                let bytes = first.session.position() as u64 * per;
+                self.prefix.keep(first.session, bytes);
+            }
         }
     }
 
@@ -236,10 +263,14 @@ impl<'t, B: Backend> Engine<'t, B> {
             }
             let sequences: usize = self.running.iter().map(|r| r.choices.len()).sum();
             let need = self.reservation(&job);
-            let fits_budget = self.reserved + need <= self.limits.kv_budget;
-            if self.running.is_empty()
-                || (sequences + job.settings.n <= self.limits.max_sequences && fits_budget)
-            {
+            let room = sequences + job.settings.n <= self.limits.max_sequences;
+            // Kept sessions give way to requests.
+            while room
+                && self.reserved + self.prefix.bytes() + need > self.limits.kv_budget
+                && self.prefix.evict()
+            {}
+            let fits_budget = self.reserved + self.prefix.bytes() + need <= self.limits.kv_budget;
+            if self.running.is_empty() || (room && fits_budget) {
                 self.start(job, need);
             } else {
                 self.held = Some(job);
@@ -275,11 +306,23 @@ impl<'t, B: Backend> Engine<'t, B> {
                     return;
                 }
             };
-            choices.push(Choice {
-                session: self.model.session_with(SessionOptions {
+            let reused = match i {
+                0 => self.prefix.take(&job.prompt),
+                _ => None,
+            };
+            let session = match reused {
+                Some(reused) => {
+                    self.metrics.prefix_hits.inc();
+                    self.metrics.prefix_tokens.add(reused.tokens as u64);
+                    reused.session
+                }
+                None => self.model.session_with(SessionOptions {
                     context: Some(self.limits.context),
                     ..SessionOptions::default()
                 }),
+            };
+            choices.push(Choice {
+                session,
                 sampler,
                 stop,
                 decoder: self.tokenizer.stream_decoder(true),
@@ -305,12 +348,39 @@ impl<'t, B: Backend> Engine<'t, B> {
     /// One forward pass over every running sequence, then a token for each
     /// that has its logits.
     fn step(&mut self) {
+        // Sessions that hold the whole prompt (a kept one restored) have
+        // the logits of the first token already.
+        let mut instant = Vec::new();
+        for (r, running) in self.running.iter().enumerate() {
+            for (c, choice) in running.choices.iter().enumerate() {
+                if !choice.done
+                    && choice.next.is_none()
+                    && choice.session.position() == running.job.prompt.len()
+                {
+                    instant.push((r, c));
+                }
+            }
+        }
+        for (r, c) in instant {
+            let logits = self.running[r].choices[c]
+                .session
+                .last_logits()
+                .map(<[f32]>::to_vec);
+            match logits {
+                Some(logits) => self.next_token(r, c, &logits),
+                None => self.fail(r, ApiError::engine("a restored session has no logits")),
+            }
+        }
         let chunk = self.model.prefill_chunk();
         let mut budget = self.limits.prefill_per_step;
         let mut prefilled_any = false;
         let mut owners = Vec::new();
         let mut items = Vec::new();
+
         for (r, running) in self.running.iter_mut().enumerate() {
+            if running.gone {
+                continue;
+            }
             if running.job.events.is_closed() {
                 running.gone = true;
                 self.metrics.cancelled.inc();
@@ -374,19 +444,30 @@ impl<'t, B: Backend> Engine<'t, B> {
             Err(err) => {
                 let error = ApiError::engine(format!("the forward pass failed: {err}"));
                 for &(r, _, _) in &owners {
-                    let running = &mut self.running[r];
-                    if !running.gone {
-                        running.gone = true;
-                        let _ = running.job.events.send(Event::Failed(error.clone()));
-                    }
+                    self.fail(r, error.clone());
                 }
                 return;
             }
         };
         for ((r, c, ready), logits) in owners.into_iter().zip(logits) {
             if ready && !self.running[r].gone {
+                let choice = &mut self.running[r].choices[c];
+                if c == 0 && choice.next.is_none() && self.limits.prefix_cache > 0 {
+                    // The prompt's end, for a later request with the same
+                    // prompt; a failed copy only loses that reuse.
+                    let _ = choice.session.checkpoint();
+                }
                 self.next_token(r, c, logits.last());
             }
+        }
+    }
+
+    /// Ends request `r` with an error.
+    fn fail(&mut self, r: usize, error: ApiError) {
+        let running = &mut self.running[r];
+        if !running.gone {
+            running.gone = true;
+            let _ = running.job.events.send(Event::Failed(error));
         }
     }
 
@@ -479,6 +560,10 @@ impl<'t, B: Backend> Engine<'t, B> {
             return;
         };
         choice.done = true;
+        if c == 0 && self.limits.prefix_cache > 0 {
+            // The conversation so far, for its next turn.
+            let _ = choice.session.checkpoint();
+        }
         // Text held back (a possible stop string, a split character) that
         // turned out to be neither.
         let rest = match reason {

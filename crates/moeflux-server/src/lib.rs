@@ -27,6 +27,7 @@ mod engine;
 mod error;
 mod metrics;
 mod output;
+mod prefix;
 mod request;
 mod response;
 mod routes;
@@ -70,7 +71,7 @@ impl ServerOptions {
     /// Defaults for `model`: 16 sequences per batch, a queue of 64, the
     /// context bounded by memory ([`Model::default_context`]), half the
     /// backend's free memory (and at least one full context) for KV caches,
-    /// 8 MiB bodies.
+    /// a quarter of it for prefix reuse, 8 MiB bodies.
     pub fn for_model<B: Backend>(model: &Model<B>, name: &str) -> ServerOptions {
         let context = model.default_context();
         let per = model.kv_bytes_per_position();
@@ -87,6 +88,7 @@ impl ServerOptions {
                 context,
                 kv_budget: free.max(full),
                 prefill_per_step: model.prefill_chunk(),
+                prefix_cache: free.max(full) / 4,
             },
         }
     }

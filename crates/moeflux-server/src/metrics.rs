@@ -111,6 +111,9 @@ pub struct Metrics {
     pub client_errors: Counter,
     pub prompt_tokens: Counter,
     pub generated_tokens: Counter,
+    pub prefix_hits: Counter,
+    pub prefix_tokens: Counter,
+    pub prefix_cache_bytes: Gauge,
     pub queued: Gauge,
     pub running: Gauge,
     pub kv_reserved: Gauge,
@@ -135,6 +138,9 @@ impl Default for Metrics {
             client_errors: Counter::default(),
             prompt_tokens: Counter::default(),
             generated_tokens: Counter::default(),
+            prefix_hits: Counter::default(),
+            prefix_tokens: Counter::default(),
+            prefix_cache_bytes: Gauge::default(),
             queued: Gauge::default(),
             running: Gauge::default(),
             kv_reserved: Gauge::default(),
@@ -199,6 +205,16 @@ impl Metrics {
                 &self.generated_tokens,
             ),
             (
+                "moeflux_prefix_cache_hits_total",
+                "Requests that resumed from a kept session's checkpoint.",
+                &self.prefix_hits,
+            ),
+            (
+                "moeflux_prefix_cache_tokens_total",
+                "Prompt tokens not read again thanks to prefix reuse.",
+                &self.prefix_tokens,
+            ),
+            (
                 "moeflux_expert_cache_hits_total",
                 "Expert lookups found in the cache (or a read ahead).",
                 &self.expert_hits,
@@ -241,6 +257,11 @@ impl Metrics {
                 "moeflux_kv_reserved_bytes",
                 "KV cache bytes reserved by running requests.",
                 self.kv_reserved.get() as f64,
+            ),
+            (
+                "moeflux_prefix_cache_bytes",
+                "KV cache bytes of sessions kept for prefix reuse.",
+                self.prefix_cache_bytes.get() as f64,
             ),
             (
                 "moeflux_kv_in_use_bytes",

@@ -144,9 +144,62 @@ async fn greedy_tokens_and_logprobs_equal_the_library_alone_and_in_a_full_batch(
     // Clients that go away free their sequences at the next step.
     drop(others);
     server.wait_metric("moeflux_running_requests", 0.0).await;
-    assert_eq!(server.model.kv_bytes_in_use(), 0);
+    // What stays is the finished request's session, kept for prefix reuse.
+    let kept = server.metric("moeflux_prefix_cache_bytes").await;
+    assert!(kept > 0.0);
+    assert_eq!(server.model.kv_bytes_in_use() as f64, kept);
     assert_eq!(
         server.metric("moeflux_requests_cancelled_total").await,
         15.0
     );
+}
+
+/// A chat's turns and a prompt continued: with prefix reuse the answers
+/// equal those without it (and the library's), and the metrics show the
+/// prefix was not read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_reuse_resumes_from_checkpoints_with_the_same_answers() {
+    let mut answers = Vec::new();
+    for prefix_cache in [0, 64 << 20] {
+        let server = start(|o| o.limits.prefix_cache = prefix_cache).await;
+        let mut got = Vec::new();
+        // The same prompt twice, then continued by its own answer.
+        let first = over_http(&server).await;
+        assert_eq!(first.0, library(&server).text);
+        got.push(first.0.clone());
+        got.push(over_http(&server).await.0);
+        let longer = format!("{PROMPT}{} said Emma", first.0);
+        let body = json!({"prompt": longer, "max_tokens": 16, "temperature": 0, "logprobs": 2});
+        let (status, answer) = server.post("/v1/completions", &body).await;
+        assert_eq!(status, 200, "{answer}");
+        got.push(answer["choices"][0]["text"].to_string());
+        got.push(answer["choices"][0]["logprobs"]["token_logprobs"].to_string());
+        // Three chat turns, each with the answers before.
+        let mut messages = vec![json!({"role": "system", "content": "You are Mr. Knightley."})];
+        for question in ["Who is Emma?", "And Harriet?", "Why?"] {
+            messages.push(json!({"role": "user", "content": question}));
+            let body =
+                json!({"messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": true});
+            let (status, answer) = server.post("/v1/chat/completions", &body).await;
+            assert_eq!(status, 200, "{answer}");
+            let message = &answer["choices"][0]["message"];
+            got.push(message.to_string());
+            got.push(answer["choices"][0]["logprobs"].to_string());
+            messages.push(json!({"role": "assistant", "content": message["content"]}));
+        }
+        let hits = server.metric("moeflux_prefix_cache_hits_total").await;
+        let saved = server.metric("moeflux_prefix_cache_tokens_total").await;
+        println!(
+            "prefix cache of {prefix_cache} bytes: {hits} hits, {saved} prompt tokens not read again"
+        );
+        if prefix_cache == 0 {
+            assert_eq!((hits, saved), (0.0, 0.0));
+        } else {
+            // The repeated prompt, the continued one, two later turns.
+            assert!(hits >= 4.0, "{hits} hits");
+            assert!(saved >= 60.0, "{saved} tokens saved");
+        }
+        answers.push(got);
+    }
+    assert_eq!(answers[0], answers[1], "prefix reuse changed an answer");
 }

@@ -449,7 +449,18 @@ async fn metrics_count_requests_tokens_latencies_and_expert_reads() {
     assert_eq!(server.metric("moeflux_requests_total").await, 2.0);
     assert_eq!(server.metric("moeflux_requests_finished_total").await, 2.0);
     assert_eq!(server.metric("moeflux_generation_tokens_total").await, 36.0);
-    assert!(server.metric("moeflux_prompt_tokens_total").await >= 6.0);
+    // Three choices read the prompt, then two: the third resumed from the
+    // first request's kept session.
+    let (_, ids) = server.post("/tokenize", &json!({"prompt": "Emma"})).await;
+    let prompt = ids["count"].as_f64().unwrap();
+    assert_eq!(
+        server.metric("moeflux_prompt_tokens_total").await,
+        5.0 * prompt
+    );
+    assert_eq!(
+        server.metric("moeflux_prefix_cache_tokens_total").await,
+        prompt
+    );
     assert_eq!(
         server
             .metric("moeflux_time_to_first_token_seconds_count")
@@ -461,10 +472,12 @@ async fn metrics_count_requests_tokens_latencies_and_expert_reads() {
         server.metric("moeflux_inter_token_seconds_count").await,
         30.0
     );
-    // The three choices ran in one batch.
+    // The three choices ran in one batch: six passes each time (the
+    // prompt, five tokens; the sixth needs none). The second time the
+    // resumed choice had its first token at once and ended a pass early.
     let steps = server.metric("moeflux_batch_sequences_count").await;
     let sequences = server.metric("moeflux_batch_sequences_sum").await;
-    assert_eq!(sequences, 3.0 * steps);
+    assert_eq!((steps, sequences), (12.0, 18.0 + 17.0));
     assert_eq!(server.metric("moeflux_queue_depth").await, 0.0);
     server.wait_metric("moeflux_running_requests", 0.0).await;
     let hits = server.metric("moeflux_expert_cache_hits_total").await;

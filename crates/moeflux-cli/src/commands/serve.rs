@@ -48,6 +48,12 @@ pub struct Args {
     /// when its prompt and max_tokens fit.
     #[arg(long)]
     kv_cache_mb: Option<u64>,
+    /// KV cache memory for sessions of finished requests kept for prefix
+    /// reuse, in MiB, within --kv-cache-mb (default: a quarter of it; 0:
+    /// off). A request whose prompt starts with a kept session's prompt or
+    /// conversation resumes from its checkpoint.
+    #[arg(long)]
+    prefix_cache_mb: Option<u64>,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 8)]
     max_body_mb: usize,
@@ -110,6 +116,13 @@ where
         }
         None => options.limits.kv_budget = options.limits.kv_budget.max(per_context),
     }
+    options.limits.prefix_cache = match args.prefix_cache_mb {
+        Some(mb) => mb
+            .checked_mul(1 << 20)
+            .filter(|&bytes| bytes <= options.limits.kv_budget)
+            .context("--prefix-cache-mb: must be within --kv-cache-mb")?,
+        None => options.limits.kv_budget / 4,
+    };
     let addr = SocketAddr::new(args.host, args.port);
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
     runtime.block_on(async move {
@@ -119,10 +132,11 @@ where
         let local = listener.local_addr()?;
         eprintln!(
             "moeflux: serving {name} at http://{local}/v1 (context {} tokens, {} sequences per batch, \
-             KV budget {}{})",
+             KV budget {}, prefix cache {}{})",
             options.limits.context,
             options.limits.max_sequences,
             human_bytes(options.limits.kv_budget),
+            human_bytes(options.limits.prefix_cache),
             if options.api_key.is_some() { ", API key required" } else { "" },
         );
         if options.api_key.is_none() && !args.host.is_loopback() {
