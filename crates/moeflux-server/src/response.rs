@@ -372,3 +372,118 @@ impl Split {
         self.tool_calls.extend(other.tool_calls);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use moeflux::text::Tokenizer;
+
+    use super::*;
+
+    fn builder(tools: bool, include_usage: bool) -> Builder {
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bundled/qwen35-tiny");
+        let header = Header {
+            id: "chatcmpl-1".into(),
+            created: 0,
+            model: "m".into(),
+            kind: Kind::Chat,
+            logprobs: false,
+            thinking: false,
+            tools,
+            include_usage,
+        };
+        Builder::new(header, 1, Arc::new(Tokenizer::from_dir(&dir).unwrap()))
+    }
+
+    fn token(text: &str) -> Event {
+        Event::Token {
+            choice: 0,
+            token: 5,
+            text: text.into(),
+            logprob: None,
+        }
+    }
+
+    /// The model's text in pieces cut inside the tags.
+    const PIECES: [&str; 6] = [
+        "<think>Rain.</th",
+        "ink>\n\nLet me see.<tool",
+        "_call>\n{\"name\": \"weather\", ",
+        "\"arguments\": {\"town\": \"Bath\"}}\n</tool_call>",
+        "\n<tool_call>\n{\"name\": \"time\", \"arguments\": {}}\n",
+        "</tool_call>",
+    ];
+
+    #[test]
+    fn tool_calls_stream_as_deltas_and_end_with_their_finish_reason() {
+        let mut b = builder(true, true);
+        let mut chunks = Vec::new();
+        for piece in PIECES {
+            chunks.extend(b.event(token(piece)).unwrap());
+        }
+        let finish = Event::Finish {
+            choice: 0,
+            reason: FinishReason::EndOfText,
+            text: String::new(),
+        };
+        chunks.extend(b.event(finish).unwrap());
+        let done = Event::Done {
+            prompt_tokens: 3,
+            completion_tokens: 6,
+        };
+        chunks.extend(b.event(done).unwrap());
+        let deltas: Vec<&Value> = chunks[..chunks.len() - 1]
+            .iter()
+            .map(|c| &c["choices"][0]["delta"])
+            .collect();
+        let text =
+            |key: &str| -> String { deltas.iter().filter_map(|d| d[key].as_str()).collect() };
+        assert_eq!(text("reasoning_content"), "Rain.");
+        assert_eq!(text("content"), "Let me see.");
+        let calls: Vec<&Value> = deltas
+            .iter()
+            .filter_map(|d| d["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(calls.len(), 2);
+        for (i, (call, (name, args))) in calls
+            .iter()
+            .zip([("weather", "{\"town\":\"Bath\"}"), ("time", "{}")])
+            .enumerate()
+        {
+            assert_eq!(call["index"], i);
+            assert_eq!(call["type"], "function");
+            assert!(call["id"].as_str().unwrap().starts_with("call_"));
+            assert_eq!(call["function"]["name"], name);
+            assert_eq!(call["function"]["arguments"], args);
+        }
+        let last_choice = &chunks[chunks.len() - 2]["choices"][0];
+        assert_eq!(last_choice["finish_reason"], "tool_calls");
+        assert_eq!(chunks.last().unwrap()["usage"]["total_tokens"], 9);
+
+        // The whole answer: the same parts in the message.
+        let mut b = builder(true, false);
+        for piece in PIECES {
+            b.event(token(piece)).unwrap();
+        }
+        for event in [
+            Event::Finish {
+                choice: 0,
+                reason: FinishReason::StopString,
+                text: String::new(),
+            },
+            Event::Done {
+                prompt_tokens: 3,
+                completion_tokens: 6,
+            },
+        ] {
+            b.event(event).unwrap();
+        }
+        let answer = b.response();
+        let message = &answer["choices"][0]["message"];
+        assert_eq!(message["reasoning_content"], "Rain.");
+        assert_eq!(message["content"], "Let me see.");
+        assert_eq!(message["tool_calls"][1]["function"]["name"], "time");
+        assert_eq!(answer["choices"][0]["finish_reason"], "tool_calls");
+    }
+}

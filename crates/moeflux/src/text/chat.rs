@@ -241,6 +241,27 @@ impl ChatTemplate {
     /// carries them: an assistant's `tool_calls`, a tool's `tool_call_id`)
     /// and the function definitions the template lists for the model
     /// (`tools`, `None` when there are none).
+    ///
+    /// ```
+    /// use moeflux::text::{ChatOptions, ChatTemplate, SpecialTokens};
+    /// use serde_json::json;
+    ///
+    /// let source = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}\
+    ///     {% for m in messages %}{{ m.role }}:{{ m.content }}\
+    ///     {% for c in m.tool_calls %}<{{ c.function.name }}>{% endfor %};{% endfor %}";
+    /// let template =
+    ///     ChatTemplate::new(source, "t.jinja".as_ref(), "t", &SpecialTokens::default())?;
+    /// let tools = [json!({"type": "function", "function": {"name": "weather"}})];
+    /// let messages = [
+    ///     json!({"role": "user", "content": "Rain in Bath?"}),
+    ///     json!({"role": "assistant", "content": "",
+    ///            "tool_calls": [{"function": {"name": "weather", "arguments": "{}"}}]}),
+    ///     json!({"role": "tool", "content": "rain", "tool_call_id": "call_1"}),
+    /// ];
+    /// let text = template.render_json(&messages, Some(&tools), &ChatOptions::default())?;
+    /// assert_eq!(text, "[weather]user:Rain in Bath?;assistant:<weather>;tool:rain;");
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
     pub fn render_json(
         &self,
         messages: &[serde_json::Value],
