@@ -10,19 +10,26 @@
 //! tokens, the next piece of prompts being read, cut at multiples of the
 //! model's prefill chunk so each sequence runs the same passes as alone.
 
+use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
 use std::time::Instant;
 
+use llguidance::Matcher;
 use moeflux::backend::Backend;
 use moeflux::sampling::{Sampler, SamplerConfig, StopCondition};
 use moeflux::text::{FinishReason, StreamDecoder, TokenLogprob, Tokenizer};
 use moeflux::{BatchItem, LogitsWanted, Model, Phase, Session, SessionOptions, forward_batch};
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
+
+/// The error a panic in the grammar library becomes.
+fn anyhow_panic() -> anyhow::Error {
+    anyhow::anyhow!("the grammar library panicked")
+}
 
 /// How a request's tokens are chosen and when its choices end.
 #[derive(Clone, Debug)]
@@ -44,8 +51,29 @@ pub struct Settings {
 pub struct Job {
     pub prompt: Vec<u32>,
     pub settings: Settings,
+    /// One grammar matcher per choice for a constrained answer, or none.
+    pub constraints: Vec<Matcher>,
     pub events: UnboundedSender<Event>,
     pub received: Instant,
+}
+
+impl Job {
+    /// A job received now, and the receiving end of its events.
+    pub fn new(
+        prompt: Vec<u32>,
+        settings: Settings,
+        constraints: Vec<Matcher>,
+    ) -> (Job, UnboundedReceiver<Event>) {
+        let (events, inbox) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job {
+            prompt,
+            settings,
+            constraints,
+            events,
+            received: Instant::now(),
+        };
+        (job, inbox)
+    }
 }
 
 /// What the engine reports about a request, in order.
@@ -160,6 +188,8 @@ struct Choice<'t, B: Backend> {
     stop: StopCondition,
     decoder: StreamDecoder<'t>,
     generated: Vec<u32>,
+    /// The grammar a constrained answer follows.
+    matcher: Option<Matcher>,
     /// The token to run next step, once the prompt is read.
     next: Option<u32>,
     done: bool,
@@ -285,8 +315,9 @@ impl<'t, B: Backend> Engine<'t, B> {
         positions as u64 * self.model.kv_bytes_per_position() * job.settings.n as u64
     }
 
-    fn start(&mut self, job: Job, reserved: u64) {
+    fn start(&mut self, mut job: Job, reserved: u64) {
         let stop_ids = self.tokenizer.special_tokens().stop_ids.clone();
+        let mut matchers = std::mem::take(&mut job.constraints).into_iter();
         let mut choices = Vec::with_capacity(job.settings.n);
         for i in 0..job.settings.n {
             let mut sampling = job.settings.sampling.clone();
@@ -327,6 +358,7 @@ impl<'t, B: Backend> Engine<'t, B> {
                 stop,
                 decoder: self.tokenizer.stream_decoder(true),
                 generated: Vec::new(),
+                matcher: matchers.next(),
                 next: None,
                 done: false,
                 last_token: None,
@@ -478,29 +510,52 @@ impl<'t, B: Backend> Engine<'t, B> {
         let running = &mut self.running[r];
         let settings = &running.job.settings;
         let choice = &mut running.choices[c];
-        let biased;
-        let scores = if settings.logit_bias.is_empty() {
-            logits
-        } else {
-            let mut b = logits.to_vec();
+        let mut masked = None;
+        if !settings.logit_bias.is_empty() || choice.matcher.is_some() {
+            let mut scores = logits.to_vec();
             for &(id, bias) in &settings.logit_bias {
-                b[id as usize] += bias;
+                scores[id as usize] += bias;
             }
-            biased = b;
-            &biased
-        };
+            if let Some(matcher) = &mut choice.matcher {
+                // The grammar library must not end the engine thread.
+                let mask = catch_unwind(AssertUnwindSafe(|| matcher.compute_mask()));
+                let allowed = match mask.unwrap_or_else(|_| Err(anyhow_panic())) {
+                    Ok(mask) => mask,
+                    Err(err) => {
+                        let error = ApiError::engine(format!("the answer's grammar failed: {err}"));
+                        return self.fail(r, error);
+                    }
+                };
+                for (id, score) in scores.iter_mut().enumerate() {
+                    if !allowed.is_allowed(id as u32) {
+                        *score = f32::NEG_INFINITY;
+                    }
+                }
+                if scores.iter().all(|s| *s == f32::NEG_INFINITY) {
+                    let error =
+                        ApiError::engine("the answer's grammar allows no token of the model");
+                    return self.fail(r, error);
+                }
+            }
+            masked = Some(scores);
+        }
+        let scores = masked.as_deref().unwrap_or(logits);
         let token = match choice
             .sampler
             .sample(scores, &running.job.prompt, &choice.generated)
         {
             Ok(token) => token,
-            Err(err) => {
-                running.gone = true;
-                let error = ApiError::engine(format!("sampling failed: {err}"));
-                let _ = running.job.events.send(Event::Failed(error));
-                return;
-            }
+            Err(err) => return self.fail(r, ApiError::engine(format!("sampling failed: {err}"))),
         };
+        if let Some(matcher) = &mut choice.matcher
+            && let Err(err) = catch_unwind(AssertUnwindSafe(|| matcher.consume_token(token)))
+                .unwrap_or_else(|_| Err(anyhow_panic()))
+        {
+            return self.fail(
+                r,
+                ApiError::engine(format!("the answer's grammar failed: {err}")),
+            );
+        }
         let logprob = settings
             .logprobs
             .map(|top| TokenLogprob::of(logits, token, top));
@@ -538,6 +593,10 @@ impl<'t, B: Backend> Engine<'t, B> {
                 }
             }
         };
+        // A grammar that is complete ends the answer.
+        if finish.is_none() && choice.matcher.as_ref().is_some_and(Matcher::is_stopped) {
+            finish = Some(FinishReason::EndOfText);
+        }
         if finish.is_none() && choice.generated.len() >= settings.max_tokens {
             finish = Some(FinishReason::MaxTokens);
         }

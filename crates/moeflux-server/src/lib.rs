@@ -23,6 +23,7 @@
 //! # }
 //! ```
 
+mod constrain;
 mod engine;
 mod error;
 mod metrics;
@@ -99,6 +100,9 @@ pub(crate) struct AppState {
     engine: EngineHandle,
     tokenizer: Arc<Tokenizer>,
     template: Option<ChatTemplate>,
+    /// Constrained decoding, or why this model's vocabulary does not allow
+    /// it.
+    grammars: Result<constrain::Grammars, String>,
     defaults: SamplerConfig,
     options: ServerOptions,
     vocab: usize,
@@ -239,6 +243,8 @@ where
     };
     let defaults = SamplerConfig::from_generation_config(&dir)?;
     let vocab = model.config().vocab_size.min(tokenizer.vocab_size().max(1));
+    let grammars = constrain::Grammars::new(&dir, tokenizer.clone(), model.config().vocab_size)
+        .map_err(|e| e.to_string());
     let metrics = Arc::new(Metrics::default());
     let engine = engine::spawn(model, tokenizer.clone(), options.limits.clone(), metrics)
         .map_err(|e| moeflux::Error::io(&dir, "starting the engine thread", e))?;
@@ -246,6 +252,7 @@ where
         engine,
         tokenizer,
         template,
+        grammars,
         defaults,
         vocab,
         created: std::time::SystemTime::now()

@@ -2,7 +2,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::Bytes;
@@ -14,13 +14,15 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use futures_util::stream;
+use llguidance::api::TopLevelGrammar;
 use moeflux::text::ChatOptions;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::AppState;
-use crate::engine::Job;
+use crate::constrain;
+use crate::engine::{Event, Job};
 use crate::error::{ApiError, from_library};
 use crate::request::{self, ChatRequest, Common, CompletionRequest, parse};
 use crate::response::{Builder, Header, Kind};
@@ -164,28 +166,7 @@ pub async fn chat(
     let common: Common = request::fields(&value)?;
     let req: ChatRequest = request::fields(&value)?;
     state.check_model(common.model.as_deref())?;
-    if let Some(format) = &req.response_format
-        && format.get("type").and_then(Value::as_str) != Some("text")
-    {
-        return Err(ApiError::invalid(
-            "response_format",
-            "only {\"type\": \"text\"} is supported: this server does not constrain output to JSON",
-        ));
-    }
-    let tool_choice = req
-        .tool_choice
-        .as_ref()
-        .map(|c| c.as_str().unwrap_or("named"));
-    let tools = match (&req.tools, tool_choice) {
-        (Some(tools), None | Some("auto")) if !tools.is_empty() => Some(tools.as_slice()),
-        (_, None | Some("none") | Some("auto")) => None,
-        (_, Some(other)) => {
-            return Err(ApiError::invalid(
-                "tool_choice",
-                format!("{other:?} is not supported: use \"auto\" or \"none\""),
-            ));
-        }
-    };
+    let (tools, grammar) = constraints(&req)?;
     let mut options = ChatOptions {
         add_generation_prompt: true,
         ..ChatOptions::default()
@@ -194,6 +175,18 @@ pub async fn chat(
         .extra
         .extend(req.chat_template_kwargs.clone().unwrap_or_default());
     let (prompt, thinking) = state.chat_prompt(&req.messages, tools, &options)?;
+    let constraints = match grammar {
+        Some((param, grammar)) => {
+            let grammars = state.grammars.as_ref().map_err(|why| {
+                ApiError::invalid(param, format!("cannot be enforced with this model: {why}"))
+            })?;
+            let n = common.n.unwrap_or(1).clamp(1, state.bounds().max_n as i64) as usize;
+            (0..n)
+                .map(|_| grammars.matcher(param, grammar.clone()))
+                .collect::<Result<_, _>>()?
+        }
+        None => Vec::new(),
+    };
     let top = request::top_logprobs("top_logprobs", req.top_logprobs)?;
     if req.top_logprobs.is_some() && req.logprobs != Some(true) {
         return Err(ApiError::invalid(
@@ -226,12 +219,75 @@ pub async fn chat(
     };
     run(
         state,
-        prompt,
-        settings,
+        Job::new(prompt, settings, constraints),
         header,
         common.stream.unwrap_or(false),
     )
     .await
+}
+
+/// The tools the template lists, and the grammar the answer must follow
+/// (with the field that asked for it).
+#[allow(clippy::type_complexity)]
+fn constraints(
+    req: &ChatRequest,
+) -> ApiResult<(Option<&[Value]>, Option<(&'static str, TopLevelGrammar)>)> {
+    let tools = req.tools.as_deref().filter(|t| !t.is_empty());
+    let format = match &req.response_format {
+        Some(format) => constrain::response_format(format)?,
+        None => None,
+    };
+    let choice = match &req.tool_choice {
+        None => None,
+        Some(Value::String(s)) if s == "auto" => None,
+        Some(Value::String(s)) if s == "none" => {
+            return Ok((None, format.map(|g| ("response_format", g))));
+        }
+        Some(Value::String(s)) if s == "required" => {
+            let tools = tools
+                .ok_or_else(|| ApiError::invalid("tool_choice", "\"required\" needs tools"))?;
+            Some(constrain::tool_call(tools)?)
+        }
+        Some(named) => {
+            let name = named
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    ApiError::invalid(
+                        "tool_choice",
+                        "must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    )
+                })?;
+            let named: Vec<Value> = tools
+                .unwrap_or_default()
+                .iter()
+                .filter(|t| {
+                    t.get("function")
+                        .and_then(|f| f.get("name"))
+                        .and_then(Value::as_str)
+                        == Some(name)
+                })
+                .cloned()
+                .collect();
+            if named.is_empty() {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("names {name:?}, which is not among the tools"),
+                ));
+            }
+            Some(constrain::tool_call(&named)?)
+        }
+    };
+    match (format, choice) {
+        (Some(_), Some(_)) => Err(ApiError::invalid(
+            "response_format",
+            "cannot be combined with a tool_choice that forces a call",
+        )),
+        (Some(g), None) => Ok((tools, Some(("response_format", g)))),
+        (None, Some(g)) => Ok((tools, Some(("tool_choice", g)))),
+        (None, None) => Ok((tools, None)),
+    }
 }
 
 pub async fn completions(
@@ -285,8 +341,7 @@ pub async fn completions(
     };
     run(
         state,
-        prompt,
-        settings,
+        Job::new(prompt, settings, Vec::new()),
         header,
         common.stream.unwrap_or(false),
     )
@@ -302,19 +357,12 @@ fn now() -> u64 {
 /// Queues the job and answers with the whole response or a stream.
 async fn run(
     state: Arc<AppState>,
-    prompt: Vec<u32>,
-    settings: crate::engine::Settings,
+    (job, mut inbox): (Job, mpsc::UnboundedReceiver<Event>),
     header: Header,
     stream: bool,
 ) -> ApiResult<Response> {
-    let (events, mut inbox) = mpsc::unbounded_channel();
-    let n = settings.n;
-    state.engine.submit(Job {
-        prompt,
-        settings,
-        events,
-        received: Instant::now(),
-    })?;
+    let n = job.settings.n;
+    state.engine.submit(job)?;
     state.engine.metrics.requests.inc();
     if !stream {
         let mut builder = Builder::new(header, n, state.tokenizer.clone());

@@ -252,9 +252,9 @@ async fn bad_requests_are_openai_errors_with_4xx_codes() {
         ),
         (
             "/v1/chat/completions",
-            chat("hi", json!({"response_format": {"type": "json_object"}})),
+            chat("hi", json!({"response_format": {"type": "xml"}})),
             400,
-            Some("response_format"),
+            Some("response_format.type"),
         ),
         (
             "/v1/completions",
