@@ -284,10 +284,10 @@ impl<'t, B: Backend> Engine<'t, B> {
                     }
                 },
             };
-            if self.held.is_none() {
-                self.metrics.queued.dec();
-            }
+            // A held job still waits: it leaves the queue's count when it
+            // starts or is dropped.
             if job.events.is_closed() {
+                self.metrics.queued.dec();
                 self.metrics.cancelled.inc();
                 continue;
             }
@@ -301,6 +301,7 @@ impl<'t, B: Backend> Engine<'t, B> {
             {}
             let fits_budget = self.reserved + self.prefix.bytes() + need <= self.limits.kv_budget;
             if self.running.is_empty() || (room && fits_budget) {
+                self.metrics.queued.dec();
                 self.start(job, need);
             } else {
                 self.held = Some(job);
