@@ -4,7 +4,8 @@
 //! every running request in one [`moeflux::forward_batch`] per step; see
 //! `engine.rs`) and returns the axum router of the endpoints:
 //! `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
-//! `GET /health`, `GET /metrics`, `POST /tokenize` and `POST /detokenize`.
+//! `GET /health`, `GET /metrics`, `POST /tokenize` and `POST /detokenize`;
+//! and a chat page at `/`.
 //! [`serve`] runs it on a listener until a shutdown signal.
 //!
 //! ```no_run
@@ -58,8 +59,8 @@ use request::{Bounds, Message};
 pub struct ServerOptions {
     /// The name `/v1/models` lists and requests may give as `model`.
     pub model_name: String,
-    /// When set, every endpoint but `/health` wants
-    /// `Authorization: Bearer KEY`.
+    /// When set, every endpoint but `/health` (and the static chat page,
+    /// whose requests send the key) wants `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
     /// Largest request body.
     pub max_body_bytes: usize,
@@ -261,6 +262,7 @@ where
         options,
     });
     Ok(Router::new()
+        .route("/", get(routes::page))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
         .route("/v1/models", get(routes::models))

@@ -11,7 +11,7 @@ use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
-use axum::response::{IntoResponse, Response};
+use axum::response::{Html, IntoResponse, Response};
 use futures_util::StreamExt;
 use futures_util::stream;
 use llguidance::api::TopLevelGrammar;
@@ -42,10 +42,12 @@ fn body(body: Result<Bytes, BytesRejection>) -> ApiResult<Bytes> {
     })
 }
 
-/// Checks the API key (all endpoints but /health) and counts 4xx answers.
+/// Checks the API key (all endpoints but /health and the page) and counts
+/// 4xx answers.
 pub async fn guard(State(state): State<Arc<AppState>>, request: Request, next: Next) -> Response {
+    // The page holds nothing secret; its requests carry the key.
     if let Some(key) = &state.options.api_key
-        && request.uri().path() != "/health"
+        && !matches!(request.uri().path(), "/health" | "/")
     {
         let given = request
             .headers()
@@ -75,6 +77,11 @@ pub async fn not_found(request: Request) -> ApiError {
 
 pub async fn method_not_allowed() -> ApiError {
     ApiError::method_not_allowed()
+}
+
+/// The chat page: one static file, no build step.
+pub async fn page() -> Html<&'static str> {
+    Html(include_str!("chat.html"))
 }
 
 pub async fn health() -> Json<Value> {

@@ -363,6 +363,10 @@ async fn an_api_key_guards_every_endpoint_but_health() {
     }
     assert_eq!(server.get_text("/metrics").await.0, 401);
     assert_eq!(server.get_text("/health").await.0, 200);
+    // The page loads without the key; its requests send it.
+    let (status, page) = server.get_text("/").await;
+    assert_eq!(status, 200);
+    assert!(page.contains("v1/chat/completions") && page.contains("Bearer "));
     let response = server
         .client
         .post(server.url("/v1/completions"))
