@@ -10,6 +10,7 @@ environment tools/openai-venv.sh makes.
 """
 
 import argparse
+import json
 import sys
 
 import openai
@@ -85,6 +86,43 @@ def main():
     )
     check(streamed == completion.choices[0].text, f"streamed completion {streamed!r}")
 
+    # Structured output: the answer parses and fits the schema.
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "daughters": {"type": "integer", "maximum": 9}},
+        "required": ["name", "daughters"],
+        "additionalProperties": False,
+    }
+    structured = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Describe Mr. Bennet."}], max_tokens=100, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    person = json.loads(structured.choices[0].message.content)
+    check(set(person) == {"name", "daughters"} and isinstance(person["daughters"], int), f"json_schema: {person}")
+
+    # A forced tool call, whole and streamed: the client's tool_calls objects.
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "weather",
+            "parameters": {"type": "object", "properties": {"town": {"type": "string", "maxLength": 10}},
+                           "required": ["town"], "additionalProperties": False},
+        },
+    }]
+    request = {"model": model, "messages": [{"role": "user", "content": "Rain in Bath?"}], "tools": tools,
+               "tool_choice": "required", "max_tokens": 60, "seed": 2}
+    called = client.chat.completions.create(**request)
+    call = called.choices[0].message.tool_calls[0]
+    check(called.choices[0].finish_reason == "tool_calls", f"finish: {called.choices[0]}")
+    check(call.type == "function" and call.function.name == "weather", f"call: {call}")
+    check(isinstance(json.loads(call.function.arguments)["town"], str), f"arguments: {call.function.arguments}")
+    streamed_calls = [
+        t for chunk in client.chat.completions.create(**request, stream=True)
+        for c in chunk.choices for t in (c.delta.tool_calls or [])
+    ]
+    check(len(streamed_calls) == 1 and streamed_calls[0].function.arguments == call.function.arguments,
+          f"streamed calls: {streamed_calls}")
+
     # Errors come back as the client's exception types.
     for kwargs, error in [
         ({"temperature": 5}, openai.BadRequestError),
@@ -106,7 +144,8 @@ def main():
         pass
     else:
         raise AssertionError("a wrong API key was accepted")
-    print("openai client: models, chat, streaming, usage, logprobs, n, seed, stop, completions, errors: ok")
+    print("openai client: models, chat, streaming, usage, logprobs, n, seed, stop, completions, "
+          "json_schema, tool calls (whole and streamed), errors: ok")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
 
 /// The error a panic in the grammar library becomes.
-fn anyhow_panic() -> anyhow::Error {
+fn grammar_panicked() -> anyhow::Error {
     anyhow::anyhow!("the grammar library panicked")
 }
 
@@ -520,7 +520,7 @@ impl<'t, B: Backend> Engine<'t, B> {
             if let Some(matcher) = &mut choice.matcher {
                 // The grammar library must not end the engine thread.
                 let mask = catch_unwind(AssertUnwindSafe(|| matcher.compute_mask()));
-                let allowed = match mask.unwrap_or_else(|_| Err(anyhow_panic())) {
+                let allowed = match mask.unwrap_or_else(|_| Err(grammar_panicked())) {
                     Ok(mask) => mask,
                     Err(err) => {
                         let error = ApiError::engine(format!("the answer's grammar failed: {err}"));
@@ -550,7 +550,7 @@ impl<'t, B: Backend> Engine<'t, B> {
         };
         if let Some(matcher) = &mut choice.matcher
             && let Err(err) = catch_unwind(AssertUnwindSafe(|| matcher.consume_token(token)))
-                .unwrap_or_else(|_| Err(anyhow_panic()))
+                .unwrap_or_else(|_| Err(grammar_panicked()))
         {
             return self.fail(
                 r,

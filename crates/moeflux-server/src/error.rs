@@ -53,10 +53,11 @@ impl ApiError {
         )
     }
 
-    /// 400: the prompt and the tokens asked for exceed the context.
-    pub fn context_length(message: impl Into<String>) -> ApiError {
+    /// 400: the prompt (`param`) and the tokens asked for exceed the
+    /// context.
+    pub fn context_length(param: &str, message: impl Into<String>) -> ApiError {
         ApiError {
-            param: Some("messages".into()),
+            param: Some(param.into()),
             code: Some("context_length_exceeded"),
             ..ApiError::new(
                 StatusCode::BAD_REQUEST,

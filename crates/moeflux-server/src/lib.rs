@@ -120,8 +120,10 @@ impl AppState {
         }
     }
 
-    fn bounds(&self) -> Bounds {
+    /// The limits of a request whose prompt is in the field `prompt`.
+    fn bounds(&self, prompt: &'static str) -> Bounds {
         Bounds {
+            prompt,
             vocab: self.vocab,
             context: self.options.limits.context,
             max_n: self.options.max_n.min(self.options.limits.max_sequences),

@@ -206,6 +206,8 @@ fn ranged(name: &str, v: Option<f64>, lo: f64, hi: f64) -> Result<Option<f32>, A
 
 /// The limits a request's settings are checked against.
 pub struct Bounds {
+    /// The field holding the prompt (`messages` or `prompt`).
+    pub prompt: &'static str,
     pub vocab: usize,
     pub context: usize,
     pub max_n: usize,
@@ -317,15 +319,18 @@ impl Common {
         }
         if prompt_len == 0 {
             return Err(ApiError::invalid(
-                "prompt",
+                bounds.prompt,
                 "is empty after tokenization: give some text",
             ));
         }
         if prompt_len >= bounds.context {
-            return Err(ApiError::context_length(format!(
-                "the prompt is {prompt_len} tokens, and this server's context is {} tokens: shorten it",
-                bounds.context
-            )));
+            return Err(ApiError::context_length(
+                bounds.prompt,
+                format!(
+                    "the prompt is {prompt_len} tokens, and this server's context is {} tokens: shorten it",
+                    bounds.context
+                ),
+            ));
         }
         let room = bounds.context - prompt_len;
         let max_tokens = match max_tokens {
@@ -337,11 +342,14 @@ impl Common {
                 ));
             }
             Some(m) if m as u64 > room as u64 => {
-                return Err(ApiError::context_length(format!(
-                    "the prompt ({prompt_len} tokens) and max_tokens ({m}) exceed this server's \
+                return Err(ApiError::context_length(
+                    bounds.prompt,
+                    format!(
+                        "the prompt ({prompt_len} tokens) and max_tokens ({m}) exceed this server's \
                      context of {} tokens: ask for at most {room}",
-                    bounds.context
-                )));
+                        bounds.context
+                    ),
+                ));
             }
             Some(m) => m as usize,
         };

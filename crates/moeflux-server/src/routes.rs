@@ -187,7 +187,10 @@ pub async fn chat(
             let grammars = state.grammars.as_ref().map_err(|why| {
                 ApiError::invalid(param, format!("cannot be enforced with this model: {why}"))
             })?;
-            let n = common.n.unwrap_or(1).clamp(1, state.bounds().max_n as i64) as usize;
+            let n = common
+                .n
+                .unwrap_or(1)
+                .clamp(1, state.bounds("messages").max_n as i64) as usize;
             (0..n)
                 .map(|_| grammars.matcher(param, grammar.clone()))
                 .collect::<Result<_, _>>()?
@@ -208,7 +211,7 @@ pub async fn chat(
         max_tokens,
         logprobs,
         prompt.len(),
-        &state.bounds(),
+        &state.bounds("messages"),
     )?;
     let header = Header {
         id: format!("chatcmpl-{:024x}", rand::random::<u128>() >> 32),
@@ -330,7 +333,7 @@ pub async fn completions(
         common.max_tokens,
         logprobs,
         prompt.len(),
-        &state.bounds(),
+        &state.bounds("prompt"),
     )?;
     let header = Header {
         id: format!("cmpl-{:024x}", rand::random::<u128>() >> 32),
