@@ -182,21 +182,6 @@ pub async fn chat(
         .extra
         .extend(req.chat_template_kwargs.clone().unwrap_or_default());
     let (prompt, thinking) = state.chat_prompt(&req.messages, tools, &options)?;
-    let constraints = match grammar {
-        Some((param, grammar)) => {
-            let grammars = state.grammars.as_ref().map_err(|why| {
-                ApiError::invalid(param, format!("cannot be enforced with this model: {why}"))
-            })?;
-            let n = common
-                .n
-                .unwrap_or(1)
-                .clamp(1, state.bounds("messages").max_n as i64) as usize;
-            (0..n)
-                .map(|_| grammars.matcher(param, grammar.clone()))
-                .collect::<Result<_, _>>()?
-        }
-        None => Vec::new(),
-    };
     let top = request::top_logprobs("top_logprobs", req.top_logprobs)?;
     if req.top_logprobs.is_some() && req.logprobs != Some(true) {
         return Err(ApiError::invalid(
@@ -213,6 +198,19 @@ pub async fn chat(
         prompt.len(),
         &state.bounds("messages"),
     )?;
+    // A grammar starts the answer at once: no thinking before it.
+    let thinking = thinking && grammar.is_none();
+    let constraints = match grammar {
+        Some((param, grammar)) => {
+            let grammars = state.grammars.as_ref().map_err(|why| {
+                ApiError::invalid(param, format!("cannot be enforced with this model: {why}"))
+            })?;
+            (0..settings.n)
+                .map(|_| grammars.matcher(param, grammar.clone()))
+                .collect::<Result<_, _>>()?
+        }
+        None => Vec::new(),
+    };
     let header = Header {
         id: format!("chatcmpl-{:024x}", rand::random::<u128>() >> 32),
         created: now(),
@@ -236,12 +234,11 @@ pub async fn chat(
     .await
 }
 
-/// The tools the template lists, and the grammar the answer must follow
-/// (with the field that asked for it).
-#[allow(clippy::type_complexity)]
-fn constraints(
-    req: &ChatRequest,
-) -> ApiResult<(Option<&[Value]>, Option<(&'static str, TopLevelGrammar)>)> {
+/// A grammar the answer must follow, with the field that asked for it.
+type Grammar = (&'static str, TopLevelGrammar);
+
+/// The tools the template lists, and the grammar the answer must follow.
+fn constraints(req: &ChatRequest) -> ApiResult<(Option<&[Value]>, Option<Grammar>)> {
     let tools = req.tools.as_deref().filter(|t| !t.is_empty());
     let format = match &req.response_format {
         Some(format) => constrain::response_format(format)?,
