@@ -17,6 +17,7 @@ fn bad_options_are_refused_naming_the_option() {
         (&["--api-key", ""][..], "--api-key"),
         (&["--ctx", "0"][..], "--ctx"),
         (&["--prefix-cache-mb", "99999999"][..], "--prefix-cache-mb"),
+        (&["--request-timeout", "0"][..], "--request-timeout"),
     ] {
         let out = moeflux().arg("serve").args(args).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -13,7 +13,7 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use llguidance::Matcher;
 use moeflux::backend::Backend;
@@ -117,6 +117,9 @@ pub struct Limits {
     /// Prompt tokens read in one step (at least one prefill chunk's piece
     /// always goes in).
     pub prefill_per_step: usize,
+    /// A request still running this long after it arrived ends as at its
+    /// token limit; one still waiting is answered 503.
+    pub request_timeout: Option<Duration>,
     /// KV cache bytes of finished requests' sessions kept for prefix reuse
     /// (within `kv_budget`, given back when running requests need it); 0
     /// turns prefix reuse off.
@@ -291,6 +294,14 @@ impl<'t, B: Backend> Engine<'t, B> {
                 self.metrics.cancelled.inc();
                 continue;
             }
+            if self.timed_out(&job) {
+                self.metrics.queued.dec();
+                let error = ApiError::unavailable(
+                    "the request waited in the queue past the server's --request-timeout",
+                );
+                let _ = job.events.send(Event::Failed(error));
+                continue;
+            }
             let sequences: usize = self.running.iter().map(|r| r.choices.len()).sum();
             let need = self.reservation(&job);
             let room = sequences + job.settings.n <= self.limits.max_sequences;
@@ -380,7 +391,22 @@ impl<'t, B: Backend> Engine<'t, B> {
 
     /// One forward pass over every running sequence, then a token for each
     /// that has its logits.
+    fn timed_out(&self, job: &Job) -> bool {
+        self.limits
+            .request_timeout
+            .is_some_and(|limit| job.received.elapsed() > limit)
+    }
+
     fn step(&mut self) {
+        for r in 0..self.running.len() {
+            if !self.running[r].gone && self.timed_out(&self.running[r].job) {
+                for c in 0..self.running[r].choices.len() {
+                    if !self.running[r].choices[c].done {
+                        self.end_choice(r, c, FinishReason::MaxTokens);
+                    }
+                }
+            }
+        }
         // Sessions that hold the whole prompt (a kept one restored) have
         // the logits of the first token already.
         let mut instant = Vec::new();
@@ -619,6 +645,14 @@ impl<'t, B: Backend> Engine<'t, B> {
             choice.next = Some(token);
             return;
         };
+        self.end_choice(r, c, reason);
+    }
+
+    /// Ends choice `c` of request `r` for `reason`, and the request with
+    /// its usage once every choice has ended.
+    fn end_choice(&mut self, r: usize, c: usize, reason: FinishReason) {
+        let running = &mut self.running[r];
+        let choice = &mut running.choices[c];
         choice.done = true;
         if c == 0 && self.limits.prefix_cache > 0 {
             // The conversation so far, for its next turn.

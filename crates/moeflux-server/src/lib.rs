@@ -73,7 +73,7 @@ impl ServerOptions {
     /// Defaults for `model`: 16 sequences per batch, a queue of 64, the
     /// context bounded by memory ([`Model::default_context`]), half the
     /// backend's free memory (and at least one full context) for KV caches,
-    /// a quarter of it for prefix reuse, 8 MiB bodies.
+    /// a quarter of it for prefix reuse, 8 MiB bodies, no timeout.
     pub fn for_model<B: Backend>(model: &Model<B>, name: &str) -> ServerOptions {
         let context = model.default_context();
         let per = model.kv_bytes_per_position();
@@ -91,6 +91,7 @@ impl ServerOptions {
                 kv_budget: free.max(full),
                 prefill_per_step: model.prefill_chunk(),
                 prefix_cache: free.max(full) / 4,
+                request_timeout: None,
             },
         }
     }

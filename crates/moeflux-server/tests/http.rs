@@ -489,3 +489,20 @@ async fn metrics_count_requests_tokens_latencies_and_expert_reads() {
     assert!(hits > 0.0 && rate > 0.0 && rate <= 1.0, "{hits} {rate}");
     assert!(text.contains("moeflux_expert_bytes_read_total "));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_timeout_ends_as_at_its_token_limit() {
+    let server =
+        start(|o| o.limits.request_timeout = Some(std::time::Duration::from_millis(100))).await;
+    let body = json!({"prompt": "Emma", "max_tokens": 1000, "logit_bias": {"0": -100, "2": -100}});
+    let started = std::time::Instant::now();
+    let (status, answer) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
+    assert_eq!(answer["choices"][0]["finish_reason"], "length");
+    let generated = answer["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(
+        generated < 1000,
+        "{generated} tokens: the timeout did not stop it"
+    );
+    assert!(started.elapsed().as_secs_f64() < 10.0);
+}

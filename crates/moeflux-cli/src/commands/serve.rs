@@ -4,6 +4,7 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use moeflux::Model;
@@ -54,6 +55,11 @@ pub struct Args {
     /// conversation resumes from its checkpoint.
     #[arg(long)]
     prefix_cache_mb: Option<u64>,
+    /// Seconds a request may take from arrival: past it, a running request
+    /// ends as at its token limit (finish_reason "length") and a waiting
+    /// one is answered 503 (default: no limit).
+    #[arg(long)]
+    request_timeout: Option<f64>,
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 8)]
     max_body_mb: usize,
@@ -123,6 +129,13 @@ where
             .context("--prefix-cache-mb: must be within --kv-cache-mb")?,
         None => options.limits.kv_budget / 4,
     };
+    if let Some(seconds) = args.request_timeout {
+        let limit = Duration::try_from_secs_f64(seconds)
+            .ok()
+            .filter(|d| !d.is_zero())
+            .context("--request-timeout: must be a positive number of seconds")?;
+        options.limits.request_timeout = Some(limit);
+    }
     let addr = SocketAddr::new(args.host, args.port);
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
     runtime.block_on(async move {
