@@ -286,6 +286,13 @@ impl<B: Backend> Model<B> {
         &self.options
     }
 
+    /// Prompt tokens run in one forward pass: a scheduler that cuts
+    /// prompts at multiples of it runs the same passes as
+    /// [`Session::prefill`], so its results equal the session's alone.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
     /// The opened model directory (manifest, files).
     pub fn dir(&self) -> &ModelDir {
         &self.dir
