@@ -43,7 +43,11 @@ const E2M1: [f32; 16] = [
 /// first) with exponent bytes `scales` (biased by 127).
 pub(crate) fn mxfp4_at(blocks: &[u8], scales: &[u8], i: usize) -> f32 {
     let byte = blocks[i / 2];
-    let code = if i.is_multiple_of(2) { byte & 0xf } else { byte >> 4 };
+    let code = if i.is_multiple_of(2) {
+        byte & 0xf
+    } else {
+        byte >> 4
+    };
     E2M1[code as usize] * (2f32).powi(scales[i / 32] as i32 - 127)
 }
 
