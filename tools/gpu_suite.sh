@@ -23,6 +23,12 @@
 #                             interleaved) and many sequences decoded
 #                             together (--sequences 16 and 64, resident and
 #                             with a quarter of the experts' bytes in VRAM)
+#   tools/gpu_suite.sh longctx
+#                             on the GPU machine: the CUDA tests, then the
+#                             synthetic qwen3-30b-a3b's decode after 128 to
+#                             16384 positions of context, with the grouped
+#                             decode kernels and without, against a baseline
+#                             binary when carried, interleaved
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
@@ -222,6 +228,40 @@ batch() {
     grep -E '^decode|^PCIe|^VRAM|expert bytes per token|rror' "$OUT/batch-16-quarter.log"
 }
 
+# Decode after long contexts, split (flash-decoding) against one block per
+# head, interleaved.
+longctx() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" base="$SUITE/moeflux-base" synthetic=/tmp/moeflux-synth-q30
+    local context round variant binary settings
+    if [[ "${LONGCTX_TESTS:-1}" == 1 ]]; then
+        timeout 300 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|long decode|decode after' "$OUT/cuda-tests.log" | head -n 40
+        grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
+    fi
+    [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
+    # Variants (binary, then environment): this build as it is, and with a
+    # block per query head at every length; the baseline
+    # ($SUITE/moeflux-base, when carried) as it is.
+    local variants=("$moeflux" "$moeflux MOEFLUX_CUDA_GROUPED_DECODE_MIN=1000000000")
+    [[ -x "$base" ]] && variants=("$base" "${variants[@]}")
+    for context in ${LONGCTX_CONTEXTS:-128 1024 2048 8192 16384}; do
+        for round in 1 2; do
+            for variant in "${variants[@]}"; do
+                read -r binary settings <<<"$variant"
+                echo "--- decode after $context positions, $(basename "$binary") ${settings:-}, round $round"
+                env ${settings:-} "$binary" bench -m "$synthetic" --device cuda \
+                    -n 64 --warmup 8 --prefill 0 --no-ceilings --prompt-len "$context" 2>&1 |
+                    grep -E '^decode|rror' || true
+            done
+        done
+    done
+}
+
 # The other preset shapes of the CUDA acceptance list, resident and with a
 # VRAM expert budget of a quarter of the expert bytes: one synthetic model at
 # a time (they do not all fit the GPU machine's disk), then removed.
@@ -249,12 +289,13 @@ build) build ;;
 run) run ;;
 perf) perf ;;
 batch) batch ;;
+longctx) longctx ;;
 presets)
     shift
     presets "$@"
     ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|presets PRESET...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|presets PRESET...]" >&2
     exit 2
     ;;
 esac

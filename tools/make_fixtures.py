@@ -27,6 +27,30 @@ Fixtures, one folder each under --out:
     qwen3_5_moe            Qwen3_5MoeForCausalLM (text config; separate
                            in_proj_qkv / z / b / a), 4 layers (3 linear + 1
                            full attention), all MoE, mrope.
+    gpt_oss                GptOssForCausalLM: 4 layers, sliding-window (8
+                           positions, shorter than tokens_long) and full
+                           attention alternating, YaRN as gpt-oss has it
+                           (original context 64), sinks, q/k/v/o biases,
+                           router bias, biased experts with the clamped
+                           SwiGLU (limit 1.5, so the clamps act), experts as
+                           transformers stores them (gate_up_proj [E, H, 2I],
+                           gate and up in alternating columns; down_proj
+                           [E, I, H]).
+    glm4_moe               Glm4MoeForCausalLM: q/k/v biases, half-rotary heads,
+                           no q/k norm, grouped sigmoid router with the
+                           correction bias (4 groups keep 2, renormalised,
+                           scaling 2.5), a shared expert, layer 0 dense.
+    glm4_moe_qk_norm       Glm4MoeForCausalLM with q/k norm, 2 groups keep 1,
+                           raw weights, scaling 1.8, layers 0-1 dense, a
+                           300-token long sequence.  FUSED experts.
+    deepseek_v3            DeepseekV3ForCausalLM: multi-head latent attention
+                           (q rank 64, latent 64, interleaved rotary pairs),
+                           YaRN (factor 4 over 32 positions, mscale 1,
+                           mscale_all_dim 0.707), glm4_moe's router, a
+                           shared expert, layer 0 dense.
+    deepseek_v3_no_q_lora  DeepseekV3ForCausalLM with one q_proj, plain RoPE,
+                           2 groups keep 1, raw weights, layers 0-1 dense.
+                           FUSED experts.
 
 Each folder holds:
 
@@ -134,6 +158,8 @@ from transformers import (  # noqa: E402
     GenerationConfig,
     Glm4MoeConfig,
     Glm4MoeForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     Qwen3_5MoeConfig,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeForConditionalGeneration,
@@ -425,6 +451,43 @@ TINY_VISION_CONFIG = dict(
     num_position_embeddings=16,  # a 4 x 4 learned grid
 )
 
+def gpt_oss_config() -> GptOssConfig:
+    return GptOssConfig(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        sliding_window=GPT_OSS_WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        # A limit the gate and up values reach, so the clamps are exercised.
+        swiglu_limit=1.5,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        rope_parameters=GPT_OSS_ROPE,
+    )
+
+
+# Shorter than tokens_long, so the window drops positions in both prefill
+# and decode.
+GPT_OSS_WINDOW = 8
+# gpt-oss's YaRN (factor 32, beta 32/1, truncate off, theta 150000), with
+# the original context cut to 64 so the test sequences run past it.
+GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 64,
+}
+
 FIXTURES = {
     # seed: the first seed tried (see make_fixture); later tries add 1.
     # fused_experts: save with save_original_format=False (fused expert tensors).
@@ -443,6 +506,8 @@ FIXTURES = {
     "glm4_moe_qk_norm": dict(
         cls=Glm4MoeForCausalLM, config=glm4_moe_qk_norm_config, seed=6000, fused_experts=True, seq_long=300
     ),
+    # gpt-oss's experts are always fused (and stored input-major).
+    "gpt_oss": dict(cls=GptOssForCausalLM, config=gpt_oss_config, seed=5000, fused_experts=True),
 }
 
 # =============================================================================
@@ -516,9 +581,18 @@ def randomize_parameters(model: torch.nn.Module, seed: int) -> None:
         elif name.endswith("embed_tokens.weight") or name == "lm_head.weight":
             # Logits = final_norm(h) @ W^T, so std(logits) ~= sqrt(H) * std(W) = 2.
             new = matrix(p.shape, 2.0 / hidden**0.5)
-        elif name.endswith("mlp.gate.weight"):
+        elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
             # Router: logits with std ~2 give clearly separated experts.
             new = matrix(p.shape, ROUTER_STD.get(model.config.model_type, 2.0) / hidden**0.5)
+        elif name.endswith("self_attn.sinks"):
+            # gpt-oss's sink logits, on the scale of the attention logits.
+            new = normal(p.shape, 1.0)
+        elif model.config.model_type == "gpt_oss" and name.endswith(("bias", "_bias")):
+            # gpt-oss's projection, router and expert biases.
+            new = normal(p.shape, 0.3)
+        elif p.dim() == 3 and model.config.model_type == "gpt_oss" and name.endswith(FUSED_EXPERTS):
+            # gpt-oss's experts are input-major: [E, H, 2I] and [E, I, H].
+            new = matrix(p.shape, p.shape[-2] ** -0.5)
         elif p.dim() == 3 and ".experts." in name:
             # Fused experts: gate_up_proj [E, 2I, H], down_proj [E, H, I];
             # the last dim is the input dim.
@@ -599,8 +673,9 @@ def residual_branches(model: torch.nn.Module) -> list[dict]:
     for i, layer in enumerate(model.model.layers):
         if hasattr(layer, "self_attn"):
             attn = layer.self_attn
+            params = [attn.o_proj.weight] + ([attn.o_proj.bias] if attn.o_proj.bias is not None else [])
             out.append(dict(layer=i, part="mixer", kind=FULL, module=attn, norm=layer.input_layernorm,
-                            out_params=[attn.o_proj.weight]))
+                            out_params=params))
         else:
             lin = layer.linear_attn
             out.append(dict(layer=i, part="mixer", kind=LIN, module=lin, norm=layer.input_layernorm,
@@ -609,6 +684,8 @@ def residual_branches(model: torch.nn.Module) -> list[dict]:
         if hasattr(mlp, "experts"):
             # Routed and shared experts are scaled together, keeping their ratio.
             params = [mlp.experts.down_proj]
+            if hasattr(mlp.experts, "down_proj_bias"):
+                params.append(mlp.experts.down_proj_bias)
             if hasattr(mlp, "shared_expert"):
                 params.append(mlp.shared_expert.down_proj.weight)
             if hasattr(mlp, "shared_experts"):  # DeepSeek-V3, GLM-4.5
@@ -696,6 +773,8 @@ def checkpoint_layout(hf_dir: Path, config, fused_experts: bool) -> dict:
     """Check and describe how the routed experts are stored in model.safetensors."""
     with safe_open(hf_dir / "model.safetensors", "pt") as sf:
         shapes = {k: list(sf.get_slice(k).get_shape()) for k in sf.keys()}
+    if config.model_type == "gpt_oss":
+        return gpt_oss_layout(shapes, config)
     fused = sorted(k for k in shapes if k.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")))
     per_expert = sorted(k for k in shapes if ".mlp.experts." in k and k not in fused)
     e = getattr(config, "num_experts", None) or config.num_local_experts
@@ -732,6 +811,27 @@ def checkpoint_layout(hf_dir: Path, config, fused_experts: bool) -> dict:
     if other:
         info["linear_attn_fused_projections"] = {k: shapes[k] for k in other[:2]}
     return info
+
+
+def gpt_oss_layout(shapes: dict, config) -> dict:
+    """gpt-oss's fused, input-major experts with their biases."""
+    e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+    want = {"gate_up_proj": [e, h, 2 * i], "gate_up_proj_bias": [e, 2 * i], "down_proj": [e, i, h],
+            "down_proj_bias": [e, h]}
+    for layer in range(config.num_hidden_layers):
+        for t, shape in want.items():
+            k = f"model.layers.{layer}.mlp.experts.{t}"
+            if shapes.get(k) != shape:
+                raise AssertionError(f"{k}: shape {shapes.get(k)}, expected {shape}")
+    return {
+        "experts": "fused",
+        "saved_with": "save_pretrained()",
+        "expert_tensors": "model.layers.{L}.mlp.experts.gate_up_proj [E, H, 2I] (input-major; column 2j is "
+        "gate row j, column 2j+1 up row j), gate_up_proj_bias [E, 2I] (same interleaving), down_proj [E, I, H] "
+        "(input-major), down_proj_bias [E, H]",
+        "example_expert_tensors": {k: v for k, v in shapes.items() if "layers.0.mlp.experts." in k},
+        "config_num_experts_key": "num_local_experts",
+    }
 
 
 def load_reference_model(cls, hf_dir: Path):
@@ -774,7 +874,7 @@ QUANT_DESCRIPTION = (
     "dequant = q*s + b in f32 (a multiply then an add, two roundings, no FMA)."
 )
 
-ALWAYS_8_BITS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
+ALWAYS_8_BITS = ("mlp.gate.weight", "mlp.shared_expert_gate.weight", "mlp.router.weight")
 FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
@@ -803,7 +903,7 @@ def quantized_bits(name: str, p: torch.Tensor, bits: int) -> int | None:
     """Bits to use for parameter `name`, or None if it stays unquantized."""
     if any(name.endswith(s) for s in FUSED_EXPERTS) and p.dim() == 3:
         return bits
-    if p.dim() == 2 and p.shape[-1] % GROUP_SIZE == 0 and "norm" not in name:
+    if p.dim() == 2 and p.shape[-1] % GROUP_SIZE == 0 and "norm" not in name and not name.endswith("bias"):
         return 8 if any(name.endswith(s) for s in ALWAYS_8_BITS) else bits
     return None
 
@@ -818,7 +918,12 @@ def quantize_model(model: torch.nn.Module, bits: int) -> tuple[torch.nn.Module, 
         nb = quantized_bits(name, p, bits)
         if nb is None:
             continue
-        if p.dim() == 3:
+        if p.dim() == 3 and qmodel.config.model_type == "gpt_oss":
+            # gpt-oss stores its fused experts input-major ([E, in, out]):
+            # quantized as their transposes, the [out, in] matrices the
+            # converter writes.
+            p.copy_(torch.stack([quantize_dequantize(p[e].T.contiguous(), nb).T for e in range(p.shape[0])]))
+        elif p.dim() == 3:
             p.copy_(torch.stack([quantize_dequantize(p[e], nb) for e in range(p.shape[0])]))
         else:
             p.copy_(quantize_dequantize(p, nb))
@@ -942,7 +1047,8 @@ def forward_logits(model, tokens: torch.Tensor, router: RouterLog | None = None)
     handles = []
     if router is not None:
         hook = router.hook(model.config.num_experts_per_tok)
-        handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        handles = [m.register_forward_hook(hook) for n, m in model.named_modules()
+                   if n.endswith(("mlp.gate", "mlp.router"))]
     try:
         out = model(input_ids=tokens[None].long(), use_cache=False)
     finally:
@@ -1088,14 +1194,15 @@ def check_sensitivities(model, seqs: list[torch.Tensor]) -> dict:
 
 @torch.no_grad()
 def check_rope(model) -> dict:
-    """Compare the model's rotary tables with plain (1-D) RoPE on the text positions."""
+    """Compare the model's rotary tables with plain (1-D) RoPE on the text positions (YaRN differs)."""
     cfg = model.config
     rp = cfg.rope_parameters
     head_dim = cfg.head_dim
     rot_dim = int(head_dim * rp.get("partial_rotary_factor", 1.0))
     inv_freq = 1.0 / (rp["rope_theta"] ** (torch.arange(0, rot_dim, 2, dtype=torch.int64).float() / rot_dim))
     rotary = model.model.rotary_emb
-    info = {"rotary_dim": rot_dim, "num_frequencies": rot_dim // 2}
+    info = {"rotary_dim": rot_dim, "num_frequencies": rot_dim // 2, "rope_type": rp.get("rope_type", "default"),
+            "attention_scaling": float(model.model.rotary_emb.attention_scaling)}
     info["inv_freq_matches_formula"] = bool(torch.equal(rotary.inv_freq, inv_freq))
     pos = torch.arange(SEQ_LONG)
     x = torch.zeros(1, SEQ_LONG, head_dim)
@@ -1105,7 +1212,8 @@ def check_rope(model) -> dict:
     else:
         cos, sin = rotary(x, pos[None])
     freqs = pos[:, None].float() * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
+    # gpt-oss's tables hold each frequency once, the others twice.
+    emb = freqs if cos.shape[-1] == rot_dim // 2 else torch.cat((freqs, freqs), dim=-1)
     info["cos_sin_max_abs_diff_vs_plain_rope"] = float(
         max((cos[0] - emb.cos()).abs().max(), (sin[0] - emb.sin()).abs().max())
     )

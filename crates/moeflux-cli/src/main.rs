@@ -46,6 +46,8 @@ enum Command {
     Synth(commands::synth::Args),
     /// Measure decode and prefill speed beside the machine's ceilings.
     Bench(commands::bench::Args),
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(commands::serve::Args),
     /// Print the token ids of a text.
     Tokenize(commands::tokens::TokenizeArgs),
     /// Print the text of token ids.
@@ -63,6 +65,7 @@ fn main() -> ExitCode {
         Command::Inspect(args) => commands::inspect::run(args),
         Command::Synth(args) => commands::synth::run(args),
         Command::Bench(args) => commands::bench::run_command(args),
+        Command::Serve(args) => commands::serve::run(args),
         Command::Tokenize(args) => commands::tokens::tokenize(args),
         Command::Detokenize(args) => commands::tokens::detokenize(args),
     });

@@ -30,6 +30,9 @@ pub enum Architecture {
     /// DeepSeek-V3, DeepSeek-R1, Kimi K2: multi-head latent attention,
     /// the grouped sigmoid router, shared experts, leading dense layers.
     DeepseekV3,
+    /// gpt-oss-20b, gpt-oss-120b: sinks, sliding-window and full attention
+    /// alternating, biased projections and experts, clamped SwiGLU.
+    GptOss,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -77,11 +80,20 @@ pub struct AttentionConfig {
     /// Gated attention: `q_proj` also yields a per-head sigmoid gate applied
     /// to the attention output.
     pub output_gate: bool,
-    /// Per-head RMSNorm of q and k before RoPE (Qwen3; GLM-4.5's
+    /// Per-head RMSNorm of queries and keys before RoPE (Qwen3; GLM-4.5's
     /// `use_qk_norm`).
     pub qk_norm: bool,
-    /// Biases of the q, k and v projections (GLM-4.5's `attention_bias`).
+    /// Biases on the q, k and v projections (GLM-4.5's and gpt-oss'
+    /// `attention_bias`).
     pub qkv_bias: bool,
+    /// A bias on the output projection.
+    pub o_bias: bool,
+    /// A learned logit per query head that joins each softmax's
+    /// denominator without a value (gpt-oss's attention sinks).
+    pub sinks: bool,
+    /// Positions a query of a [`LayerKind::SlidingAttention`] layer sees,
+    /// its own included.
+    pub sliding_window: Option<usize>,
 }
 
 /// DeepSeek-V3's multi-head latent attention. Queries come from `q_proj`,
@@ -152,6 +164,23 @@ pub struct MoeConfig {
     pub router: RouterSpec,
     /// The always-active shared expert, if any.
     pub shared_expert: Option<SharedExpert>,
+    /// A bias on the router's logits (gpt-oss).
+    pub router_bias: bool,
+    /// Biases on each routed expert's gate, up and down products.
+    pub expert_bias: bool,
+    /// What the routed experts compute between their products.
+    pub expert_activation: ExpertActivation,
+}
+
+/// The activation of a routed expert between its gate/up and down
+/// products.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum ExpertActivation {
+    /// `silu(gate) · up`.
+    SwiGlu,
+    /// gpt-oss's clamped form: `g = min(gate, limit)`, `u = clamp(up,
+    /// -limit, limit)`, then `g · sigmoid(alpha · g) · (u + 1)`.
+    ClampedSwiGlu { limit: f32, alpha: f32 },
 }
 
 /// A MoE router, as data: scores from the router's logits, the experts a
@@ -227,6 +256,9 @@ pub struct SharedExpert {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum LayerKind {
     FullAttention,
+    /// Attention over the last [`AttentionConfig::sliding_window`]
+    /// positions only; its KV cache keeps no more.
+    SlidingAttention,
     LinearAttention,
 }
 
@@ -256,8 +288,8 @@ impl ModelConfig {
     }
 
     /// Bytes of KV cache one position of a sequence takes: keys and values
-    /// of every full-attention layer, in f32 (Gated DeltaNet layers hold a
-    /// fixed-size state instead).
+    /// of every full-attention layer, in f32 (Gated DeltaNet and
+    /// sliding-window layers hold a bounded state instead).
     pub fn kv_bytes_per_position(&self) -> u64 {
         let attention_layers = self
             .layers
@@ -274,6 +306,19 @@ impl ModelConfig {
             Some(m) => m.latent_width() as u64 * 4,
             None => 2 * (self.attention.num_kv_heads * self.attention.head_dim) as u64 * 4,
         }
+    }
+
+    /// Bytes of KV cache a sequence's sliding-window layers hold at most,
+    /// whatever its length (the window's newest positions, in f32).
+    pub fn kv_bytes_of_windows(&self) -> u64 {
+        let sliding = self
+            .layers
+            .iter()
+            .filter(|l| l.kind == LayerKind::SlidingAttention)
+            .count() as u64;
+        let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
+        let window = self.attention.sliding_window.unwrap_or(0) as u64;
+        sliding * 2 * width * 4 * window.saturating_sub(1)
     }
 
     /// Checks relations between fields that the forward pass relies on.
@@ -294,6 +339,14 @@ impl ModelConfig {
                 "rotary dimension {} must be even and at most head_dim {}",
                 a.rotary_dim, a.head_dim
             ));
+        }
+        if self
+            .layers
+            .iter()
+            .any(|l| l.kind == LayerKind::SlidingAttention)
+            && a.sliding_window.unwrap_or(0) == 0
+        {
+            return fail("sliding-attention layers need a positive sliding_window".into());
         }
         if let Some(l) = &self.linear_attention {
             if l.num_key_heads == 0 || l.num_value_heads % l.num_key_heads != 0 {

@@ -110,6 +110,16 @@ pub const PRESETS: &[Preset] = &[
         description: "Kimi K2 (1T-A32B): 61 layers (1 dense), MLA with 64 heads, 384 experts top-8 + shared",
         config: || deepseek_v3(61, 64, 384, 1, 1, 1, 2.827, "kimi_k2", 131072, 32.0),
     },
+    Preset {
+        name: "gpt-oss-120b",
+        description: "gpt-oss-120b: 36 layers (sliding window and full alternating), 128 experts top-4",
+        config: || gpt_oss(36, 128),
+    },
+    Preset {
+        name: "gpt-oss-20b",
+        description: "gpt-oss-20b: 24 layers (sliding window and full alternating), 32 experts top-4",
+        config: || gpt_oss(24, 32),
+    },
 ];
 
 /// DeepSeek-V3's `config.json` (Kimi K2 is the same architecture): MLA with
@@ -172,6 +182,29 @@ fn glm45(
     })
 }
 
+/// openai/gpt-oss-120b's and gpt-oss-20b's `config.json`, which differ in
+/// depth and expert count.
+fn gpt_oss(layers: usize, experts: usize) -> Value {
+    let layer_types: Vec<&str> = (0..layers)
+        .map(|i| match i % 2 {
+            0 => "sliding_attention",
+            _ => "full_attention",
+        })
+        .collect();
+    json!({
+        "model_type": "gpt_oss", "vocab_size": 201088, "hidden_size": 2880,
+        "num_hidden_layers": layers, "layer_types": layer_types, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+        "num_local_experts": experts, "num_experts_per_tok": 4, "experts_per_token": 4,
+        "sliding_window": 128, "attention_bias": true, "swiglu_limit": 7.0,
+        "rms_norm_eps": 1e-5, "rope_theta": 150000, "initial_context_length": 4096,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": false,
+                         "original_max_position_embeddings": 4096},
+        "max_position_embeddings": 131072, "tie_word_embeddings": false, "hidden_act": "silu"
+    })
+}
+
 fn qwen35(
     hidden: usize,
     layers: usize,
@@ -223,6 +256,9 @@ pub fn preset_config(preset: &Preset, layers: Option<usize>) -> Result<Value> {
             ));
         }
         config["num_hidden_layers"] = n.into();
+        if let Some(Value::Array(types)) = config.get_mut("layer_types") {
+            types.truncate(n);
+        }
     }
     Ok(config)
 }
@@ -362,16 +398,19 @@ impl TensorSource for RandomWeights {
 mod tests {
     use super::*;
 
-    /// Every preset is a configuration its family parses and a plan it
-    /// builds on a synthetic checkpoint, whole and cut to two layers.
+    /// Every preset parses, whole and cut (a cut keeps its per-layer lists
+    /// as long as its layers), and plans on a synthetic index with an
+    /// expert tensor set per MoE layer.
     #[test]
-    fn every_preset_parses_and_plans() {
+    fn presets_parse_whole_and_cut() {
         for p in PRESETS {
-            for layers in [None, Some(2)] {
+            for layers in [None, Some(3)] {
                 let config = preset_config(p, layers).unwrap();
-                let path = Path::new(p.name).join("config.json");
-                let cfg = ModelConfig::from_hf_json(&config, &path)
+                let cfg = ModelConfig::from_hf_json(&config, Path::new(p.name))
                     .unwrap_or_else(|e| panic!("{}: {e}", p.name));
+                if let Some(n) = layers {
+                    assert_eq!(cfg.num_layers(), n, "{}", p.name);
+                }
                 let index = CheckpointIndex::synthetic(Path::new(p.name));
                 let plan = cfg
                     .architecture
@@ -380,6 +419,13 @@ mod tests {
                 assert_eq!(plan.experts.len(), cfg.moe_layers().count(), "{}", p.name);
             }
         }
+        let oss = ModelConfig::from_hf_json(
+            &preset_config(preset("gpt-oss-120b").unwrap(), None).unwrap(),
+            Path::new("gpt-oss-120b"),
+        )
+        .unwrap();
+        assert_eq!((oss.num_layers(), oss.moe.num_experts), (36, 128));
+        assert!(oss.attention.rope_yarn.is_some(), "gpt-oss uses YaRN");
     }
 
     /// DeepSeek-V3's and Kimi K2's KV cache keeps 512 latent and 64 rotary

@@ -11,6 +11,8 @@
 //! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
 //! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
+//! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which a decode step's attention takes a block per KV head's group of query heads | 2048 |
+//! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 8 | 8 |
 //!
 //! The `MOEFLUX_CUDA_*` variables other than `GRAPHS` are for measuring
 //! the kernels (docs/PERFORMANCE.md); a user's settings are the command's
@@ -92,4 +94,15 @@ pub fn cuda_whole_rows_min(default: usize) -> usize {
 /// `MOEFLUX_CUDA_GDN_CHUNKED_MIN`, else `default`.
 pub fn cuda_gdn_chunked_min(default: usize) -> usize {
     number("MOEFLUX_CUDA_GDN_CHUNKED_MIN", default)
+}
+
+/// `MOEFLUX_CUDA_DECODE_SPLITS`, else `default`; at least 1 and at most
+/// `default` (what the decode kernels' buffers are sized for).
+pub fn cuda_decode_splits(default: usize) -> usize {
+    number("MOEFLUX_CUDA_DECODE_SPLITS", default).clamp(1, default)
+}
+
+/// `MOEFLUX_CUDA_GROUPED_DECODE_MIN`, else `default`.
+pub fn cuda_grouped_decode_min(default: usize) -> usize {
+    number("MOEFLUX_CUDA_GROUPED_DECODE_MIN", default)
 }

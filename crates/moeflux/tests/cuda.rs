@@ -36,7 +36,7 @@ use common::ops::{
 use common::*;
 use moeflux::backend::cpu::CpuBackend;
 use moeflux::backend::cuda::{CudaBackend, CudaOptions};
-use moeflux::backend::{Backend, RmsNorm};
+use moeflux::backend::{Backend, ExpertFfn, RmsNorm};
 use moeflux::config::RouterSpec;
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::quant::DType;
@@ -424,7 +424,7 @@ fn sessions_save_truncate_and_restore_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    for name in ["qwen3_5_moe", "qwen3_moe"] {
+    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss"] {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -643,8 +643,11 @@ fn grouped_prefill_experts_agree_however_cached() {
                     let routing = gpu
                         .route(&l, &RouterSpec::softmax(top_k, true), None)
                         .unwrap();
-                    gpu.to_host(&gpu.routed_experts(&x, &routing, &store, layer).unwrap())
-                        .unwrap()
+                    gpu.to_host(
+                        &gpu.routed_experts(&x, &routing, &store, layer, ExpertFfn::swiglu())
+                            .unwrap(),
+                    )
+                    .unwrap()
                 };
                 let got = on(&resident_gpu);
                 let what = format!("grouped experts {model} {} n={n}", quant.name());

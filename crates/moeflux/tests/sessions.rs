@@ -1,7 +1,9 @@
 //! Sessions on the fixture models: state save/load, checkpoints, truncation,
 //! concurrent sessions, and the errors around them. Each property is
-//! checked on a hybrid model (Gated DeltaNet + attention) and on a
-//! full-attention one, since their states rewind differently.
+//! checked on a hybrid model (Gated DeltaNet + attention), a full-attention
+//! one, one with sliding-window layers (whose caches have let go of the
+//! oldest positions) and one of multi-head latent attention (a latent cache
+//! without values), since their states rewind differently.
 
 mod common;
 
@@ -13,9 +15,9 @@ use common::*;
 use moeflux::quant::DType;
 use moeflux::{LogitsWanted, Model, ModelOptions, Session, SessionOptions};
 
-/// A hybrid model, a plain one, and one of multi-head latent attention
-/// (whose cache holds latents and no values).
-const MODELS: [&str; 3] = ["qwen3_5_moe", "qwen3_moe", "deepseek_v3"];
+/// A hybrid model, a plain one, one with sliding-window layers, and one of
+/// multi-head latent attention (whose cache holds latents and no values).
+const MODELS: [&str; 4] = ["qwen3_5_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"];
 
 fn model(name: &str) -> (Converted, Arc<Model>, Vec<u32>) {
     let converted = convert_fixture(name, DType::Q4);
@@ -103,6 +105,27 @@ fn restore_to_checkpoint_then_continue_equals_fresh_prefill() {
         assert_eq!(session.position(), 0);
         assert!(session.checkpoints().is_empty());
     }
+}
+
+/// A sliding window's cache has let go of what earlier positions saw:
+/// only a checkpoint (or the empty state) can be restored; the error says
+/// that truncate rebuilds instead.
+#[test]
+fn sliding_window_models_restore_only_checkpoints() {
+    let (_c, model, tokens) = model("gpt_oss");
+    let mut session = model.session();
+    session.prefill(&tokens[..30]).unwrap();
+    expect_error(
+        session.restore_to(20),
+        &["no checkpoint at position 20", "truncate(20)"],
+    );
+    assert_eq!(
+        session.position(),
+        30,
+        "a refused restore leaves the session"
+    );
+    session.truncate(20).unwrap();
+    assert_eq!(session.position(), 20);
 }
 
 #[test]

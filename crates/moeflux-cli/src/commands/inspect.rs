@@ -1,7 +1,7 @@
 //! `moeflux inspect -m DIR`
 
 use anyhow::Result;
-use moeflux::config::{FeedForwardKind, LayerKind, ScoreFunction};
+use moeflux::config::{ExpertActivation, FeedForwardKind, LayerKind, ScoreFunction};
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::util::human_bytes;
 
@@ -44,6 +44,25 @@ pub fn run(args: Args) -> Result<()> {
         m.group_size
     );
     println!("vocab / hidden {} / {}", c.vocab_size, c.hidden_size);
+    let mut extras = Vec::new();
+    if a.output_gate {
+        extras.push("output gate".to_string());
+    }
+    if a.qk_norm {
+        extras.push("q/k norm".to_string());
+    }
+    match (a.qkv_bias, a.o_bias) {
+        (true, true) => extras.push("q/k/v/o biases".to_string()),
+        (true, false) => extras.push("q/k/v biases".to_string()),
+        (false, true) => extras.push("o bias".to_string()),
+        (false, false) => {}
+    }
+    if a.sinks {
+        extras.push("sinks".to_string());
+    }
+    if let Some(w) = a.sliding_window {
+        extras.push(format!("sliding window {w}"));
+    }
     println!(
         "attention      {} heads, {} kv heads, head_dim {}, rotary {} (theta {}{}){}",
         a.num_heads,
@@ -59,15 +78,7 @@ pub fn run(args: Args) -> Result<()> {
                 y.attention_factor()
             ))
             .unwrap_or_default(),
-        [
-            (a.output_gate, ", output gate"),
-            (a.qkv_bias, ", q/k/v bias"),
-            (!a.qk_norm, ", no q/k norm"),
-        ]
-        .iter()
-        .filter(|(on, _)| *on)
-        .map(|(_, s)| *s)
-        .collect::<String>()
+        extras.iter().map(|e| format!(", {e}")).collect::<String>()
     );
     if let Some(l) = &c.linear_attention {
         println!(
@@ -78,10 +89,17 @@ pub fn run(args: Args) -> Result<()> {
     let moe = &c.moe;
     let r = &moe.router;
     println!(
-        "experts        {} per MoE layer, top-{}, intermediate {}{}",
+        "experts        {} per MoE layer, top-{}, intermediate {}{}{}{}",
         moe.num_experts,
         r.top_k,
         moe.expert_intermediate_size,
+        match moe.expert_activation {
+            ExpertActivation::SwiGlu => String::new(),
+            ExpertActivation::ClampedSwiGlu { limit, alpha } => {
+                format!(", clamped SwiGLU (limit {limit}, alpha {alpha})")
+            }
+        },
+        if moe.expert_bias { ", biases" } else { "" },
         moe.shared_expert
             .map(|s| format!(
                 ", shared expert {}{}",
@@ -91,7 +109,7 @@ pub fn run(args: Args) -> Result<()> {
             .unwrap_or_default()
     );
     println!(
-        "router         {}{}{}{}{}",
+        "router         {}{}{}{}{}{}",
         match r.score {
             ScoreFunction::Softmax => "softmax",
             ScoreFunction::Sigmoid => "sigmoid",
@@ -106,14 +124,19 @@ pub fn run(args: Args) -> Result<()> {
             ""
         },
         if r.renormalize { ", renormalised" } else { "" },
+        if moe.router_bias { ", logit bias" } else { "" },
         if r.scaling != 1.0 {
             format!(", scaled by {}", r.scaling)
         } else {
             String::new()
         },
     );
+    let windows = match c.kv_bytes_of_windows() {
+        0 => String::new(),
+        bytes => format!(" + {} for the sliding windows", human_bytes(bytes)),
+    };
     println!(
-        "context        {} positions; KV cache {} per position",
+        "context        {} positions; KV cache {} per position{windows}",
         c.max_position_embeddings,
         human_bytes(c.kv_bytes_per_position())
     );
@@ -145,6 +168,7 @@ pub fn run(args: Args) -> Result<()> {
         let mixer = match l.kind {
             LayerKind::FullAttention if c.mla.is_some() => "latent attention (MLA)",
             LayerKind::FullAttention => "full attention",
+            LayerKind::SlidingAttention => "sliding-window attention",
             LayerKind::LinearAttention => "linear attention (Gated DeltaNet)",
         };
         let ffn = match l.ffn {

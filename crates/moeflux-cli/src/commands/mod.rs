@@ -19,6 +19,7 @@ pub mod generate;
 pub mod inspect;
 pub mod logits;
 pub mod perplexity;
+pub mod serve;
 pub mod synth;
 pub mod tokens;
 

@@ -87,6 +87,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             output_gate: false,
             qk_norm: false,
             qkv_bias: false,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         mla: Some(MlaConfig {
             softmax_scale,

@@ -8,8 +8,8 @@
 
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, ExpertGroups, FeedForwardKind, LayerKind, LayerSpec,
-    ModelConfig, MoeConfig, NormStyle, RouterSpec, ScoreFunction, SharedExpert,
+    AttentionConfig, ConfigReader, ExpertActivation, ExpertGroups, FeedForwardKind, LayerKind,
+    LayerSpec, ModelConfig, MoeConfig, NormStyle, RouterSpec, ScoreFunction, SharedExpert,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
 use crate::error::Result;
@@ -40,6 +40,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             output_gate: false,
             qk_norm: c.bool_or("use_qk_norm", false)?,
             qkv_bias: c.bool_or("attention_bias", false)?,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         mla: None,
         linear_attention: None,
@@ -92,6 +95,9 @@ pub(super) fn deepseek_moe(c: &ConfigReader<'_>) -> Result<MoeConfig> {
             intermediate_size: shared * expert_intermediate_size,
             gated: false,
         }),
+        router_bias: false,
+        expert_bias: false,
+        expert_activation: ExpertActivation::SwiGlu,
     })
 }
 

@@ -5,6 +5,7 @@
 
 mod deepseek_v3;
 mod glm4_moe;
+mod gpt_oss;
 mod qwen3_moe;
 mod qwen3_next;
 
@@ -18,7 +19,7 @@ use crate::convert::plan::{CheckpointIndex, ConversionPlan};
 use crate::error::{Error, Result};
 
 impl Architecture {
-    const ALL: [(&'static str, Architecture); 7] = [
+    const ALL: [(&'static str, Architecture); 8] = [
         ("qwen3_moe", Architecture::Qwen3Moe),
         ("qwen3_next", Architecture::Qwen3Next),
         ("qwen3_5_moe", Architecture::Qwen35Moe),
@@ -26,6 +27,7 @@ impl Architecture {
         ("glm4_moe", Architecture::Glm4Moe),
         ("deepseek_v3", Architecture::DeepseekV3),
         ("kimi_k2", Architecture::DeepseekV3),
+        ("gpt_oss", Architecture::GptOss),
     ];
 
     pub fn from_model_type(model_type: &str) -> Option<Architecture> {
@@ -50,6 +52,7 @@ impl Architecture {
             Architecture::Qwen35Moe => "qwen3_5_moe",
             Architecture::Glm4Moe => "glm4_moe",
             Architecture::DeepseekV3 => "deepseek_v3",
+            Architecture::GptOss => "gpt_oss",
         }
     }
 
@@ -61,6 +64,7 @@ impl Architecture {
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::parse_config(self, reader)
             }
+            Architecture::GptOss => gpt_oss::parse_config(reader),
         }
     }
 
@@ -78,6 +82,7 @@ impl Architecture {
             Architecture::Qwen3Next | Architecture::Qwen35Moe => {
                 qwen3_next::conversion_plan(cfg, checkpoint)
             }
+            Architecture::GptOss => gpt_oss::conversion_plan(cfg, checkpoint),
         }
     }
 }
@@ -103,9 +108,12 @@ pub mod names {
     pub const ATTN_O: &str = "attn.o_proj";
     pub const ATTN_Q_NORM: &str = "attn.q_norm";
     pub const ATTN_K_NORM: &str = "attn.k_norm";
-    pub const ATTN_Q_BIAS: &str = "attn.q_proj.bias";
-    pub const ATTN_K_BIAS: &str = "attn.k_proj.bias";
-    pub const ATTN_V_BIAS: &str = "attn.v_proj.bias";
+    pub const ATTN_Q_BIAS: &str = "attn.q_bias";
+    pub const ATTN_K_BIAS: &str = "attn.k_bias";
+    pub const ATTN_V_BIAS: &str = "attn.v_bias";
+    pub const ATTN_O_BIAS: &str = "attn.o_bias";
+    /// One sink logit per query head.
+    pub const ATTN_SINKS: &str = "attn.sinks";
 
     /// Multi-head latent attention (DeepSeek-V3): the query's low-rank
     /// projection and its norm, then its expansion (rows per head: rotary
@@ -135,6 +143,13 @@ pub mod names {
     pub const MOE_ROUTER: &str = "moe.router";
     /// The per-expert bias a router adds to its scores for the choice.
     pub const MOE_ROUTER_CORRECTION: &str = "moe.router_correction_bias";
+    /// A bias added to the router's logits.
+    pub const MOE_ROUTER_BIAS: &str = "moe.router_bias";
+    /// Routed experts' biases, `[experts, width]`, kept with the dense
+    /// weights (a few KiB per expert) so expert blobs stay three matrices.
+    pub const EXPERTS_GATE_BIAS: &str = "moe.experts_gate_bias";
+    pub const EXPERTS_UP_BIAS: &str = "moe.experts_up_bias";
+    pub const EXPERTS_DOWN_BIAS: &str = "moe.experts_down_bias";
     pub const SHARED_GATE: &str = "moe.shared_expert.gate_proj";
     pub const SHARED_UP: &str = "moe.shared_expert.up_proj";
     pub const SHARED_DOWN: &str = "moe.shared_expert.down_proj";

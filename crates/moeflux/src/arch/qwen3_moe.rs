@@ -4,8 +4,8 @@
 
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, FeedForwardKind, LayerKind, LayerSpec, ModelConfig, MoeConfig,
-    NormStyle, RouterSpec,
+    AttentionConfig, ConfigReader, ExpertActivation, FeedForwardKind, LayerKind, LayerSpec,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
 use crate::error::Result;
@@ -56,6 +56,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             output_gate: false,
             qk_norm: true,
             qkv_bias: false,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         mla: None,
         linear_attention: None,
@@ -67,6 +70,9 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
                 c.bool_or("norm_topk_prob", false)?,
             ),
             shared_expert: None,
+            router_bias: false,
+            expert_bias: false,
+            expert_activation: ExpertActivation::SwiGlu,
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,

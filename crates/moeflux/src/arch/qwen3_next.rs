@@ -12,8 +12,8 @@
 use crate::arch::qwen3_moe::{common_tensors, feed_forward};
 use crate::arch::{Architecture, names};
 use crate::config::{
-    AttentionConfig, ConfigReader, LayerKind, LayerSpec, LinearAttentionConfig, ModelConfig,
-    MoeConfig, NormStyle, RouterSpec, SharedExpert,
+    AttentionConfig, ConfigReader, ExpertActivation, LayerKind, LayerSpec, LinearAttentionConfig,
+    ModelConfig, MoeConfig, NormStyle, RouterSpec, SharedExpert,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, RowSource, TensorRole};
 use crate::error::Result;
@@ -89,6 +89,9 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             output_gate: true,
             qk_norm: true,
             qkv_bias: false,
+            o_bias: false,
+            sinks: false,
+            sliding_window: None,
         },
         mla: None,
         linear_attention: Some(LinearAttentionConfig {
@@ -112,6 +115,9 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
                     gated: true,
                 },
             ),
+            router_bias: false,
+            expert_bias: false,
+            expert_activation: ExpertActivation::SwiGlu,
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,
@@ -124,7 +130,9 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
     common_tensors(&mut b, cfg, p)?;
     for (i, spec) in cfg.layers.iter().enumerate() {
         match spec.kind {
-            LayerKind::FullAttention => gated_attention(&mut b, cfg, p, i)?,
+            LayerKind::FullAttention | LayerKind::SlidingAttention => {
+                gated_attention(&mut b, cfg, p, i)?
+            }
             LayerKind::LinearAttention => gated_delta_net(&mut b, cfg, p, i)?,
         }
         feed_forward(&mut b, cfg, p, i, spec.ffn)?;

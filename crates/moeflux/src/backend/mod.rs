@@ -25,7 +25,7 @@ pub const DEFAULT_PREFILL_CHUNK: usize = 64;
 
 use std::ops::Range;
 
-use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
+use crate::config::{ExpertActivation, LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
@@ -38,6 +38,21 @@ pub struct AttentionShape {
     pub num_heads: usize,
     pub num_kv_heads: usize,
     pub head_dim: usize,
+    /// Sliding-window attention: a query sees this many positions, its own
+    /// included, and the KV cache keeps only what later queries can see.
+    pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    /// Positions a cache holding `len` positions keeps after an attention
+    /// call: all of them, or the `window - 1` newest that the next query
+    /// sees beside itself.
+    pub fn retained(&self, len: usize) -> usize {
+        match self.window {
+            Some(w) => len.min(w.saturating_sub(1)),
+            None => len,
+        }
+    }
 }
 
 /// RMSNorm applied to each consecutive group of `weight.len()` features.
@@ -102,9 +117,39 @@ impl<B: Backend> Copy for GatedDeltaNetParams<'_, B> {}
 
 /// A KV cache in host memory (for saving and loading session state).
 pub struct HostKv {
+    /// The position of the first row (nonzero once a sliding window has
+    /// dropped older positions).
+    pub first: usize,
     pub keys: Vec<f32>,
     pub values: Vec<f32>,
 }
+
+/// What a layer's routed experts compute around their three products.
+pub struct ExpertFfn<'a, B: Backend> {
+    pub activation: ExpertActivation,
+    /// Per-expert biases of the gate, up and down products, f32
+    /// `[experts, intermediate]`, `[experts, intermediate]` and
+    /// `[experts, hidden]` (gpt-oss).
+    pub biases: Option<[&'a B::Weight; 3]>,
+}
+
+impl<B: Backend> ExpertFfn<'_, B> {
+    /// SwiGLU without biases (the Qwen and DeepSeek experts).
+    pub fn swiglu() -> Self {
+        ExpertFfn {
+            activation: ExpertActivation::SwiGlu,
+            biases: None,
+        }
+    }
+}
+
+impl<B: Backend> Clone for ExpertFfn<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for ExpertFfn<'_, B> {}
 
 /// A Gated DeltaNet state in host memory: the convolution history
 /// `[kernel - 1, conv_dim]` and the recurrent state
@@ -139,11 +184,19 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     fn new_kv_cache(&self, shape: AttentionShape) -> Result<Self::KvCache>;
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
-    /// Drops every position at or after `len`.
+    /// Drops every position at or after `len`, which must not be before
+    /// the first position the cache holds (a sliding window's cache is
+    /// rewound through copies instead, [`Backend::kv_copy`]).
     fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
-    /// Keys and values in host memory, each `[len, kv_heads·head_dim]`.
+    /// Keys and values in host memory, each `[positions held,
+    /// kv_heads·head_dim]`.
     fn kv_export(&self, cache: &Self::KvCache) -> Result<HostKv>;
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<Self::KvCache>;
+    /// An independent copy of a cache (a sliding window's, for a
+    /// checkpoint).
+    fn kv_copy(&self, shape: AttentionShape, cache: &Self::KvCache) -> Result<Self::KvCache> {
+        self.kv_import(shape, self.kv_export(cache)?)
+    }
 
     fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Result<Self::DeltaNetState>;
     fn delta_net_copy(&self, state: &Self::DeltaNetState) -> Result<Self::DeltaNetState>;
@@ -177,8 +230,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// Splits columns into consecutive parts of the given widths.
     fn split_cols(&self, x: &Self::Tensor, widths: &[usize]) -> Result<Vec<Self::Tensor>>;
     fn add_assign(&self, x: &mut Self::Tensor, y: &Self::Tensor) -> Result<()>;
-    /// `x[r, c] += bias[c]` for every row: a projection's bias (an f32
-    /// vector of `x`'s width).
+    /// Adds the f32 vector `bias` to every row of `x` (projection biases).
     fn add_bias(&self, x: &mut Self::Tensor, bias: &Self::Weight) -> Result<()>;
     /// `silu(gate) * up`.
     fn silu_mul(&self, gate: &Self::Tensor, up: &Self::Tensor) -> Result<Self::Tensor>;
@@ -189,7 +241,10 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn rope(&self, x: &mut Self::Tensor, rope: Rope, start_pos: usize) -> Result<()>;
 
     /// Appends `k` and `v` to the cache and returns causal attention of `q`
-    /// over everything cached (queries sit at the newest positions).
+    /// over everything cached (queries sit at the newest positions), or
+    /// over the last `shape.window` positions of each query. `sinks`: a
+    /// logit per query head that joins the softmax's denominator with no
+    /// value (gpt-oss).
     fn attention(
         &self,
         cache: &mut Self::KvCache,
@@ -197,6 +252,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         k: &Self::Tensor,
         v: &Self::Tensor,
         shape: AttentionShape,
+        sinks: Option<&Self::Weight>,
     ) -> Result<Self::Tensor>;
 
     /// Multi-head latent attention (DeepSeek-V3) with `kv_b` absorbed into
@@ -262,13 +318,15 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn selected_experts(&self, routing: &Self::Routing) -> Result<Vec<u32>>;
 
     /// Sum over each token's routed experts of `weight · expert(x)`, with
-    /// the experts of `layer` fetched from the store.
+    /// the experts of `layer` fetched from the store and computed as `ffn`
+    /// says.
     fn routed_experts(
         &self,
         x: &Self::Tensor,
         routing: &Self::Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<Self::Tensor>;
 
     /// `x · wᵀ` for several weights that share the input (a GPU computes
@@ -351,7 +409,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
                 let start = self.kv_len(cache);
                 let (q, k) =
                     self.qk_norm_rope(row(&q)?, row(&k)?, q_norm, k_norm, norm, rope, start)?;
-                self.attention(cache, &q, &k, &row(v)?, shape)
+                self.attention(cache, &q, &k, &row(v)?, shape, None)
             })
             .collect::<Result<_>>()?;
         self.concat_rows(&outs)
@@ -365,8 +423,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
         routing: &Self::Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<()> {
-        let y = self.routed_experts(x, routing, store, layer)?;
+        let y = self.routed_experts(x, routing, store, layer, ffn)?;
         self.add_assign(out, &y)
     }
 

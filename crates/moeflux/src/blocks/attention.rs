@@ -1,14 +1,15 @@
-//! Full (softmax) attention with grouped-query heads, optional q/k/v
-//! biases (GLM-4.5), optional per-head RMSNorm of q and k, RoPE, and — in
-//! the Qwen3-Next family — a sigmoid output gate per head computed by
-//! `q_proj` alongside the queries.
+//! Softmax attention with grouped-query heads and RoPE, and what families
+//! add to it: per-head RMSNorm of q and k (Qwen3, optional in GLM-4.5), a
+//! sigmoid output gate per head computed by `q_proj` alongside the queries
+//! (Qwen3-Next), projection biases (GLM-4.5, gpt-oss), sink logits and a
+//! sliding window (gpt-oss).
 
 use std::ops::Range;
 
 use super::{Weights, per_sequence};
 use crate::arch::names;
 use crate::backend::{AttentionShape, Backend, RmsNorm, Rope};
-use crate::config::{ModelConfig, NormStyle};
+use crate::config::{LayerKind, ModelConfig, NormStyle};
 use crate::error::Result;
 
 pub struct Attention<B: Backend> {
@@ -17,31 +18,38 @@ pub struct Attention<B: Backend> {
     k_proj: B::Weight,
     v_proj: B::Weight,
     o_proj: B::Weight,
-    /// Biases of q (the queries' columns), k and v.
-    biases: Option<[B::Weight; 3]>,
-    /// Per-head RMSNorm weights of q and k.
+    /// Per-head q and k norms, where the family has them.
     qk_norm: Option<(B::Weight, B::Weight)>,
+    /// Biases of q, k and v, and of o.
+    qkv_bias: Option<[B::Weight; 3]>,
+    o_bias: Option<B::Weight>,
+    sinks: Option<B::Weight>,
     shape: AttentionShape,
     rope: Rope,
     norm: RmsNorm,
     output_gate: bool,
 }
 
-/// The KV cache's geometry of an attention layer: the heads', or for MLA
-/// one head of the latent width (the latent and the rotary key; no
-/// values).
-pub fn shape(cfg: &ModelConfig) -> AttentionShape {
+/// The KV cache's geometry of attention layer `layer`: the heads' (a
+/// sliding-attention layer's with the window), or for MLA one head of the
+/// latent width (the latent and the rotary key; no values).
+pub fn shape(cfg: &ModelConfig, layer: usize) -> AttentionShape {
     if let Some(m) = &cfg.mla {
         return AttentionShape {
             num_heads: cfg.attention.num_heads,
             num_kv_heads: 1,
             head_dim: m.latent_width(),
+            window: None,
         };
     }
     AttentionShape {
         num_heads: cfg.attention.num_heads,
         num_kv_heads: cfg.attention.num_kv_heads,
         head_dim: cfg.attention.head_dim,
+        window: match cfg.layers[layer].kind {
+            LayerKind::SlidingAttention => cfg.attention.sliding_window,
+            _ => None,
+        },
     }
 }
 
@@ -60,27 +68,37 @@ impl<B: Backend> Attention<B> {
         let (q_dim, kv_dim) = (a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim);
         let q_rows = if a.output_gate { 2 * q_dim } else { q_dim };
         let name = |t| names::layer(layer, t);
+        let qk_norm = match a.qk_norm {
+            true => Some((
+                w.f32_tensor(&name(names::ATTN_Q_NORM), &[a.head_dim])?,
+                w.f32_tensor(&name(names::ATTN_K_NORM), &[a.head_dim])?,
+            )),
+            false => None,
+        };
+        let qkv_bias = match a.qkv_bias {
+            true => Some([
+                w.f32_tensor(&name(names::ATTN_Q_BIAS), &[q_rows])?,
+                w.f32_tensor(&name(names::ATTN_K_BIAS), &[kv_dim])?,
+                w.f32_tensor(&name(names::ATTN_V_BIAS), &[kv_dim])?,
+            ]),
+            false => None,
+        };
         Ok(Attention {
             q_proj: w.matrix(&name(names::ATTN_Q), q_rows, h)?,
             k_proj: w.matrix(&name(names::ATTN_K), kv_dim, h)?,
             v_proj: w.matrix(&name(names::ATTN_V), kv_dim, h)?,
             o_proj: w.matrix(&name(names::ATTN_O), h, q_dim)?,
-            biases: match a.qkv_bias {
-                true => Some([
-                    w.f32_tensor(&name(names::ATTN_Q_BIAS), &[q_dim])?,
-                    w.f32_tensor(&name(names::ATTN_K_BIAS), &[kv_dim])?,
-                    w.f32_tensor(&name(names::ATTN_V_BIAS), &[kv_dim])?,
-                ]),
+            qk_norm,
+            qkv_bias,
+            o_bias: match a.o_bias {
+                true => Some(w.f32_tensor(&name(names::ATTN_O_BIAS), &[h])?),
                 false => None,
             },
-            qk_norm: match a.qk_norm {
-                true => Some((
-                    w.f32_tensor(&name(names::ATTN_Q_NORM), &[a.head_dim])?,
-                    w.f32_tensor(&name(names::ATTN_K_NORM), &[a.head_dim])?,
-                )),
+            sinks: match a.sinks {
+                true => Some(w.f32_tensor(&name(names::ATTN_SINKS), &[a.num_heads])?),
                 false => None,
             },
-            shape: shape(cfg),
+            shape: shape(cfg, layer),
             rope: Rope {
                 head_dim: a.head_dim,
                 rotary_dim: a.rotary_dim,
@@ -109,32 +127,42 @@ impl<B: Backend> Attention<B> {
         let q_dim = self.shape.num_heads * self.shape.head_dim;
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let (_, projected) = b.rms_norm_linear_many(residual, input_norm, norm, &projections)?;
-        let [projected, mut k, mut v]: [B::Tensor; 3] = projected
+        let [mut projected, mut k, mut v]: [B::Tensor; 3] = projected
             .try_into()
             .unwrap_or_else(|_| unreachable!("three projections"));
-        let (mut q, gate) = if self.output_gate {
+        if let Some([q_bias, k_bias, v_bias]) = &self.qkv_bias {
+            b.add_bias(&mut projected, q_bias)?;
+            b.add_bias(&mut k, k_bias)?;
+            b.add_bias(&mut v, v_bias)?;
+        }
+        let (q, gate) = if self.output_gate {
             let mut parts = b.split_cols(&projected, &[q_dim, q_dim])?.into_iter();
             (parts.next().unwrap(), parts.next())
         } else {
             (projected, None)
         };
-        if let Some([q_bias, k_bias, v_bias]) = &self.biases {
-            b.add_bias(&mut q, q_bias)?;
-            b.add_bias(&mut k, k_bias)?;
-            b.add_bias(&mut v, v_bias)?;
-        }
         let decode_many = ranges.len() > 1 && ranges.iter().all(|r| r.len() == 1);
-        let mut out = if let (true, Some((q_norm, k_norm))) = (decode_many, &self.qk_norm) {
-            b.attention_decode_many(
-                caches, q, k, &v, q_norm, k_norm, self.norm, self.rope, self.shape,
-            )?
-        } else {
-            self.attend_per_sequence(b, caches, ranges, q, k, v)?
+        let mut out = match &self.qk_norm {
+            Some((q_norm, k_norm))
+                if decode_many && self.sinks.is_none() && self.shape.window.is_none() =>
+            {
+                b.attention_decode_many(
+                    caches, q, k, &v, q_norm, k_norm, self.norm, self.rope, self.shape,
+                )?
+            }
+            _ => self.attend_per_sequence(b, caches, ranges, q, k, v)?,
         };
         if let Some(gate) = gate {
             b.mul_sigmoid(&mut out, &gate)?;
         }
-        b.linear_add(residual, &out, &self.o_proj)
+        match &self.o_bias {
+            None => b.linear_add(residual, &out, &self.o_proj),
+            Some(bias) => {
+                let mut y = b.linear(&out, &self.o_proj)?;
+                b.add_bias(&mut y, bias)?;
+                b.add_assign(residual, &y)
+            }
+        }
     }
 
     /// Each sequence's queries and keys prepared and attended over its own
@@ -163,7 +191,7 @@ impl<B: Backend> Attention<B> {
                     (q, k)
                 }
             };
-            b.attention(cache, &q, &k, &v, self.shape)
+            b.attention(cache, &q, &k, &v, self.shape, self.sinks.as_ref())
         })
     }
 }

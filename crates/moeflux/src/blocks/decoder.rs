@@ -61,7 +61,9 @@ impl<B: Backend> Decoder<B> {
                 LayerKind::FullAttention if cfg.mla.is_some() => {
                     Mixer::Latent(LatentAttention::load(w, i)?)
                 }
-                LayerKind::FullAttention => Mixer::Attention(Attention::load(w, i)?),
+                LayerKind::FullAttention | LayerKind::SlidingAttention => {
+                    Mixer::Attention(Attention::load(w, i)?)
+                }
                 LayerKind::LinearAttention => Mixer::DeltaNet(GatedDeltaNet::load(w, i)?),
             };
             let ffn = match spec.ffn {
@@ -127,10 +129,11 @@ impl<B: Backend> Decoder<B> {
     pub fn new_state(&self, b: &B, cfg: &crate::config::ModelConfig) -> Result<Vec<LayerState<B>>> {
         self.layers
             .iter()
-            .map(|layer| {
+            .enumerate()
+            .map(|(i, layer)| {
                 Ok(match layer.mixer {
                     Mixer::Attention(_) | Mixer::Latent(_) => {
-                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg))?)
+                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i))?)
                     }
                     Mixer::DeltaNet(_) => LayerState::DeltaNet(
                         b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated"))?,

@@ -1,12 +1,13 @@
 //! Feed-forward blocks: the dense SwiGLU MLP and the sparse MoE block
-//! (a router described by a [`RouterSpec`], routed experts read from the
-//! expert store, and an optional shared expert, optionally scaled by a
-//! sigmoid gate).
+//! (a router described by a [`RouterSpec`], optionally with a bias on its
+//! logits; routed experts read from the expert store, computed as the
+//! configuration's [`ExpertFfn`] says; and an optional shared expert,
+//! optionally scaled by a sigmoid gate).
 
 use super::Weights;
 use crate::arch::names;
-use crate::backend::{Backend, RmsNorm};
-use crate::config::RouterSpec;
+use crate::backend::{Backend, ExpertFfn, RmsNorm};
+use crate::config::{ExpertActivation, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 
@@ -56,7 +57,11 @@ impl<B: Backend> Mlp<B> {
 pub struct SparseMoe<B: Backend> {
     layer: usize,
     router: B::Weight,
+    router_bias: Option<B::Weight>,
     spec: RouterSpec,
+    activation: ExpertActivation,
+    /// The routed experts' gate, up and down biases.
+    expert_biases: Option<[B::Weight; 3]>,
     /// The per-expert bias of a router that corrects its choice with one.
     correction_bias: Option<B::Weight>,
     /// The shared expert and, when it has one, its `[1, hidden]` gate.
@@ -88,10 +93,25 @@ impl<B: Backend> SparseMoe<B> {
             true => Some(w.f32_tensor(&name(names::MOE_ROUTER_CORRECTION), &[moe.num_experts])?),
             false => None,
         };
+        let (e, inter) = (moe.num_experts, moe.expert_intermediate_size);
+        let expert_biases = match moe.expert_bias {
+            true => Some([
+                w.f32_tensor(&name(names::EXPERTS_GATE_BIAS), &[e, inter])?,
+                w.f32_tensor(&name(names::EXPERTS_UP_BIAS), &[e, inter])?,
+                w.f32_tensor(&name(names::EXPERTS_DOWN_BIAS), &[e, h])?,
+            ]),
+            false => None,
+        };
         Ok(SparseMoe {
             layer,
             router: w.router(&name(names::MOE_ROUTER), moe.num_experts, h)?,
+            router_bias: match moe.router_bias {
+                true => Some(w.f32_tensor(&name(names::MOE_ROUTER_BIAS), &[e])?),
+                false => None,
+            },
             spec: moe.router.clone(),
+            activation: moe.expert_activation,
+            expert_biases,
             correction_bias,
             shared,
         })
@@ -101,7 +121,10 @@ impl<B: Backend> SparseMoe<B> {
     /// computing them (prefetch prediction for this layer from an earlier
     /// layer's input).
     pub fn predict(&self, b: &B, x: &B::Tensor) -> Result<Vec<u32>> {
-        let logits = b.linear(x, &self.router)?;
+        let mut logits = b.linear(x, &self.router)?;
+        if let Some(bias) = &self.router_bias {
+            b.add_bias(&mut logits, bias)?;
+        }
         b.selected_experts(&b.route(&logits, &self.spec, self.correction_bias.as_ref())?)
     }
 
@@ -118,11 +141,22 @@ impl<B: Backend> SparseMoe<B> {
     ) -> Result<(B::Tensor, B::Routing)> {
         let (x, logits) =
             b.rms_norm_linear_many(residual, post_attention_norm, norm, &[&self.router])?;
-        let [logits] = logits.as_slice() else {
-            unreachable!("one product")
-        };
-        let routing = b.route(logits, &self.spec, self.correction_bias.as_ref())?;
+        let [mut logits]: [B::Tensor; 1] = logits
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one product"));
+        if let Some(bias) = &self.router_bias {
+            b.add_bias(&mut logits, bias)?;
+        }
+        let routing = b.route(&logits, &self.spec, self.correction_bias.as_ref())?;
         Ok((x, routing))
+    }
+
+    /// How this layer's experts compute.
+    fn ffn(&self) -> ExpertFfn<'_, B> {
+        ExpertFfn {
+            activation: self.activation,
+            biases: self.expert_biases.as_ref().map(|[g, u, d]| [g, u, d]),
+        }
     }
 
     /// `residual += moe(x)` for the `routing` [`SparseMoe::route`] gave
@@ -142,9 +176,9 @@ impl<B: Backend> SparseMoe<B> {
             store.note_decode_routing(self.layer, &b.selected_experts(routing)?);
         }
         match &self.shared {
-            None => b.routed_experts_add(residual, x, routing, store, self.layer),
+            None => b.routed_experts_add(residual, x, routing, store, self.layer, self.ffn()),
             Some((mlp, gate)) => {
-                let mut out = b.routed_experts(x, routing, store, self.layer)?;
+                let mut out = b.routed_experts(x, routing, store, self.layer, self.ffn())?;
                 let mut shared = mlp.forward(b, x)?;
                 if let Some(gate) = gate {
                     b.mul_sigmoid(&mut shared, &b.linear(x, gate)?)?;

@@ -81,6 +81,24 @@ pub struct RowSource {
     pub rows: usize,
 }
 
+/// Every `step`-th column from `start` of a source row: one half of an
+/// interleaved pair (gpt-oss's gate and up columns alternate).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ColumnPick {
+    pub start: usize,
+    pub step: usize,
+}
+
+impl ColumnPick {
+    /// The picked columns of each row of `rows` (rows `width` wide),
+    /// appended to `out`.
+    pub fn apply(&self, rows: &[f32], width: usize, out: &mut Vec<f32>) {
+        for row in rows.chunks_exact(width) {
+            out.extend(row.iter().skip(self.start).step_by(self.step));
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct DenseTensorPlan {
     pub name: String,
@@ -90,6 +108,8 @@ pub struct DenseTensorPlan {
     pub is_vector: bool,
     pub role: TensorRole,
     pub sources: Vec<RowSource>,
+    /// Columns taken from each source row, when not all of them.
+    pub columns: Option<(ColumnPick, usize)>,
 }
 
 /// One expert matrix (gate, up or down) of every expert of a layer.
@@ -103,6 +123,23 @@ pub enum ExpertMatrix {
         tensor: String,
         rows_per_expert: usize,
         row_start: usize,
+    },
+    /// A fused `[E, C, R]` tensor stored input-major (gpt-oss's
+    /// `gate_up_proj` `[E, hidden, 2·intermediate]`): row `r` of this
+    /// matrix is column `pick.start + r·pick.step` of each expert's `C`
+    /// rows.
+    Transposed {
+        tensor: String,
+        rows_per_expert: usize,
+        pick: ColumnPick,
+    },
+    /// A fused `[E, R, C]` tensor whose rows alternate between matrices
+    /// (gpt-oss's MXFP4 `gate_up_proj_blocks`): row `r` of this matrix is
+    /// row `pick.start + r·pick.step` of each expert's `R` rows.
+    InterleavedRows {
+        tensor: String,
+        rows_per_expert: usize,
+        pick: ColumnPick,
     },
 }
 
@@ -122,6 +159,22 @@ impl ExpertMatrix {
                 tensor: tensor.clone(),
                 row_start: expert * rows_per_expert + row_start,
                 rows,
+            },
+            // The expert's whole slice, which the matrix is read across or
+            // picked from.
+            ExpertMatrix::Transposed {
+                tensor,
+                rows_per_expert,
+                ..
+            }
+            | ExpertMatrix::InterleavedRows {
+                tensor,
+                rows_per_expert,
+                ..
+            } => RowSource {
+                tensor: tensor.clone(),
+                row_start: expert * rows_per_expert,
+                rows: *rows_per_expert,
             },
         }
     }
@@ -225,6 +278,7 @@ impl<'a> PlanBuilder<'a> {
                 row_start: 0,
                 rows,
             }],
+            columns: None,
         });
         Ok(())
     }
@@ -246,6 +300,7 @@ impl<'a> PlanBuilder<'a> {
             is_vector: false,
             role,
             sources,
+            columns: None,
         });
     }
 
@@ -268,6 +323,66 @@ impl<'a> PlanBuilder<'a> {
                 row_start: 0,
                 rows,
             }],
+            columns: None,
+        });
+        Ok(())
+    }
+
+    /// A `[rows, cols]` table kept in f32 from columns `pick` of the
+    /// checkpoint's `[rows, width]` tensor (de-interleaving fused biases).
+    pub fn vector_columns(
+        &mut self,
+        canonical: String,
+        source: &str,
+        [rows, width]: [usize; 2],
+        pick: ColumnPick,
+    ) -> Result<()> {
+        self.expect(source, &[rows, width])?;
+        self.plan.dense.push(DenseTensorPlan {
+            name: canonical,
+            rows,
+            cols: (width.saturating_sub(pick.start)).div_ceil(pick.step),
+            is_vector: true,
+            role: TensorRole::Vector,
+            sources: vec![RowSource {
+                tensor: source.to_string(),
+                row_start: 0,
+                rows,
+            }],
+            columns: Some((pick, width)),
+        });
+        Ok(())
+    }
+
+    /// The routed experts of one layer from gpt-oss's fused tensors:
+    /// `{prefix}gate_up_proj` `[E, hidden, 2·inter]` with gate and up in
+    /// alternating columns, and `{prefix}down_proj` `[E, inter, hidden]`,
+    /// both stored input-major.
+    pub fn experts_transposed_interleaved(
+        &mut self,
+        layer: usize,
+        prefix: &str,
+        num_experts: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<()> {
+        let gate_up = format!("{prefix}gate_up_proj");
+        let down = format!("{prefix}down_proj");
+        self.expect(&gate_up, &[num_experts, hidden, 2 * intermediate])?;
+        self.expect(&down, &[num_experts, intermediate, hidden])?;
+        let transposed = |tensor: &str, rows_per_expert, start, step| ExpertMatrix::Transposed {
+            tensor: tensor.to_string(),
+            rows_per_expert,
+            pick: ColumnPick { start, step },
+        };
+        self.plan.experts.push(ExpertLayerPlan {
+            layer,
+            num_experts,
+            hidden,
+            intermediate,
+            gate: transposed(&gate_up, hidden, 0, 2),
+            up: transposed(&gate_up, hidden, 1, 2),
+            down: transposed(&down, intermediate, 0, 1),
         });
         Ok(())
     }
@@ -321,6 +436,43 @@ impl<'a> PlanBuilder<'a> {
             gate,
             up,
             down,
+        });
+        Ok(())
+    }
+
+    /// The routed experts of one layer from gpt-oss's MXFP4 tensors, as the
+    /// checkpoint reader presents them: `{prefix}gate_up_proj_blocks`
+    /// `[E, 2·inter, hidden]` with gate and up in alternating rows, and
+    /// `{prefix}down_proj_blocks` `[E, hidden, inter]`.
+    pub fn experts_interleaved_rows(
+        &mut self,
+        layer: usize,
+        prefix: &str,
+        num_experts: usize,
+        hidden: usize,
+        intermediate: usize,
+    ) -> Result<()> {
+        let gate_up = format!("{prefix}gate_up_proj_blocks");
+        let down = format!("{prefix}down_proj_blocks");
+        self.expect(&gate_up, &[num_experts, 2 * intermediate, hidden])?;
+        self.expect(&down, &[num_experts, hidden, intermediate])?;
+        let rows = |start| ExpertMatrix::InterleavedRows {
+            tensor: gate_up.clone(),
+            rows_per_expert: 2 * intermediate,
+            pick: ColumnPick { start, step: 2 },
+        };
+        self.plan.experts.push(ExpertLayerPlan {
+            layer,
+            num_experts,
+            hidden,
+            intermediate,
+            gate: rows(0),
+            up: rows(1),
+            down: ExpertMatrix::Fused {
+                tensor: down,
+                rows_per_expert: hidden,
+                row_start: 0,
+            },
         });
         Ok(())
     }

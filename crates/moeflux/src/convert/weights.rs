@@ -8,7 +8,9 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use super::plan::{DenseTensorPlan, ExpertLayerPlan, RowSource, TensorRole};
+use super::plan::{
+    ColumnPick, DenseTensorPlan, ExpertLayerPlan, ExpertMatrix, RowSource, TensorRole,
+};
 use super::precision::storage_dtype;
 use super::{ConvertOptions, TensorSource};
 use crate::error::{Error, Result};
@@ -101,12 +103,18 @@ pub(super) fn write_dense(
                     if let Some(enc) = ckpt.encoded_rows(&t.name, &layout, lo..hi) {
                         return Ok((lo, enc));
                     }
+                    let mut values = Vec::with_capacity((hi - lo) * t.cols);
+                    if let Some((pick, width)) = t.columns {
+                        let mut rows = Vec::with_capacity((hi - lo) * width);
+                        gather_rows(ckpt, &t.sources, lo, hi, &mut rows)?;
+                        pick.apply(&rows, width, &mut values);
+                        return Ok((lo, encoder.encode(&values)));
+                    }
                     if let Some(enc) =
                         ckpt.encoded_source_rows(&slice_sources(&t.sources, lo, hi), &layout)
                     {
                         return Ok((lo, enc?));
                     }
-                    let mut values = Vec::with_capacity((hi - lo) * t.cols);
                     gather_rows(ckpt, &t.sources, lo, hi, &mut values)?;
                     Ok((lo, encoder.encode(&values)))
                 })
@@ -172,6 +180,17 @@ fn blob_layout(layer: &ExpertLayerPlan, quant: [DType; 3]) -> ExpertBlobLayout {
     }
 }
 
+/// The `rows × cols` matrix whose row `r` is column `pick.start +
+/// r·pick.step` of `slice` (`cols` rows), appended to `out`.
+fn read_across(slice: &[f32], cols: usize, pick: ColumnPick, rows: usize, out: &mut Vec<f32>) {
+    let width = slice.len() / cols.max(1);
+    out.reserve(rows * cols);
+    for r in 0..rows {
+        let column = pick.start + r * pick.step;
+        out.extend((0..cols).map(|c| slice[c * width + column]));
+    }
+}
+
 /// Experts encoded in parallel between sequential writes.
 const EXPERT_BATCH: usize = 16;
 
@@ -204,9 +223,26 @@ pub(super) fn write_expert_layer(
             let layout = m.layout().expect("dtype chosen to fit");
             let stored = format!("layers.{}.experts.{e}.{name}", layer.layer);
             let rows = source.source(e, m.rows);
-            let encoded = match ckpt.encoded_rows(&stored, &layout, 0..m.rows) {
-                Some(enc) => layout.assemble(&enc),
-                None => match ckpt.encoded_source_rows(std::slice::from_ref(&rows), &layout) {
+            let encoded = match (ckpt.encoded_rows(&stored, &layout, 0..m.rows), source) {
+                (Some(enc), _) => layout.assemble(&enc),
+                (None, ExpertMatrix::Transposed { pick, .. }) => {
+                    let mut slice = Vec::new();
+                    ckpt.read_rows(&rows, &mut slice)?;
+                    values.clear();
+                    read_across(&slice, m.cols, *pick, m.rows, &mut values);
+                    RowEncoder::new(layout).encode_matrix(&values)
+                }
+                (None, ExpertMatrix::InterleavedRows { pick, .. }) => {
+                    let mut slice = Vec::new();
+                    ckpt.read_rows(&rows, &mut slice)?;
+                    values.clear();
+                    for r in 0..m.rows {
+                        let row = pick.start + r * pick.step;
+                        values.extend_from_slice(&slice[row * m.cols..][..m.cols]);
+                    }
+                    RowEncoder::new(layout).encode_matrix(&values)
+                }
+                (None, _) => match ckpt.encoded_source_rows(std::slice::from_ref(&rows), &layout) {
                     Some(enc) => layout.assemble(&enc?),
                     None => {
                         values.clear();

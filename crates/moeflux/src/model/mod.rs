@@ -286,6 +286,13 @@ impl<B: Backend> Model<B> {
         &self.options
     }
 
+    /// Prompt tokens run in one forward pass: a scheduler that cuts
+    /// prompts at multiples of it runs the same passes as
+    /// [`Session::prefill`], so its results equal the session's alone.
+    pub fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk
+    }
+
     /// The opened model directory (manifest, files).
     pub fn dir(&self) -> &ModelDir {
         &self.dir
@@ -363,11 +370,35 @@ impl<B: Backend> Model<B> {
         Session::new(self.clone(), options)
     }
 
-    fn has_delta_net_layers(&self) -> bool {
+    /// Whether cutting the KV caches brings a session back to any earlier
+    /// position: not with Gated DeltaNet states or sliding windows, which
+    /// have let go of what earlier positions had.
+    fn rewinds_by_truncation(&self) -> bool {
         self.config()
             .layers
             .iter()
-            .any(|l| l.kind == LayerKind::LinearAttention)
+            .all(|l| l.kind == LayerKind::FullAttention)
+    }
+
+    /// A copy of layer `layer`'s state if truncation cannot restore it (a
+    /// Gated DeltaNet state, a sliding window's KV cache), for a
+    /// checkpoint; `None` for a full-attention KV cache.
+    fn copy_unrewindable(
+        &self,
+        layer: usize,
+        state: &LayerState<B>,
+    ) -> Result<Option<LayerState<B>>> {
+        let b = &self.backend;
+        Ok(match state {
+            LayerState::DeltaNet(s) => Some(LayerState::DeltaNet(b.delta_net_copy(s)?)),
+            LayerState::Attention(cache) => {
+                let shape = crate::blocks::attention::shape(self.config(), layer);
+                match shape.window {
+                    Some(_) => Some(LayerState::Attention(b.kv_copy(shape, cache)?)),
+                    None => None,
+                }
+            }
+        })
     }
 
     fn new_layer_states(&self) -> Result<Vec<LayerState<B>>> {

@@ -59,9 +59,10 @@ impl Default for SessionOptions {
 
 struct Checkpoint<B: Backend> {
     position: usize,
-    /// Per layer, the Gated DeltaNet state (`None` for attention layers,
-    /// whose KV cache is truncated instead).
-    delta_net: Vec<Option<B::DeltaNetState>>,
+    /// Per layer, a copy of the state that truncation cannot bring back:
+    /// a Gated DeltaNet state or a sliding window's KV cache (`None` for
+    /// full attention, whose KV cache is truncated instead).
+    saved: Vec<Option<LayerState<B>>>,
     logits: Option<Vec<f32>>,
     created: u64,
     used: u64,
@@ -381,21 +382,16 @@ impl<B: Backend> Session<B> {
         if position == 0 {
             return Ok(0);
         }
-        let b = self.model.backend();
-        let delta_net = self
+        let saved = self
             .layers
             .iter()
-            .map(|l| {
-                Ok(match l {
-                    LayerState::DeltaNet(s) => Some(b.delta_net_copy(s)?),
-                    LayerState::Attention(_) => None,
-                })
-            })
+            .enumerate()
+            .map(|(i, l)| self.model.copy_unrewindable(i, l))
             .collect::<Result<_>>()?;
         self.clock += 1;
         let checkpoint = Checkpoint {
             position,
-            delta_net,
+            saved,
             logits: self.logits.clone(),
             created: self.clock,
             used: self.clock,
@@ -429,7 +425,8 @@ impl<B: Backend> Session<B> {
     }
 
     /// Returns to a checkpointed position (0 always works; a model without
-    /// linear attention can return to any earlier position). Checkpoints
+    /// linear or sliding-window attention can return to any earlier
+    /// position). Checkpoints
     /// after it are dropped. Elsewhere it fails and leaves the session as
     /// it was; [`Session::truncate`] goes to any position.
     ///
@@ -457,7 +454,7 @@ impl<B: Backend> Session<B> {
         let exact = position == 0 || self.checkpoints.iter().any(|c| c.position == position);
         if exact {
             self.apply_checkpoint(position)?;
-        } else if !self.model.has_delta_net_layers() {
+        } else if self.model.rewinds_by_truncation() {
             self.rebuild(position)?;
         } else {
             return Err(Error::invalid(
@@ -559,14 +556,18 @@ impl<B: Backend> Session<B> {
         ckpt.used = clock;
         // Copies first, so that a failed one leaves the state as it was.
         let copies = ckpt
-            .delta_net
+            .saved
             .iter()
-            .map(|saved| saved.as_ref().map(|s| b.delta_net_copy(s)).transpose())
+            .enumerate()
+            .map(|(i, saved)| match saved {
+                Some(state) => self.model.copy_unrewindable(i, state),
+                None => Ok(None),
+            })
             .collect::<Result<Vec<_>>>()?;
         for (layer, copy) in self.layers.iter_mut().zip(copies) {
             match (layer, copy) {
-                (LayerState::Attention(cache), _) => b.kv_truncate(cache, position),
-                (LayerState::DeltaNet(state), Some(copy)) => *state = copy,
+                (layer, Some(copy)) => *layer = copy,
+                (LayerState::Attention(cache), None) => b.kv_truncate(cache, position),
                 (LayerState::DeltaNet(_), None) => {
                     unreachable!("checkpoints store every Gated DeltaNet layer")
                 }
@@ -578,11 +579,11 @@ impl<B: Backend> Session<B> {
     }
 
     /// Brings the state to exactly the first `target` tokens of the
-    /// history: KV caches are cut; Gated DeltaNet states come from the
-    /// nearest checkpoint at or before `target`, then the tokens in between
-    /// are prefilled again.
+    /// history: KV caches are cut; Gated DeltaNet states and sliding
+    /// windows come from the nearest checkpoint at or before `target`, then
+    /// the tokens in between are prefilled again.
     pub(super) fn rebuild(&mut self, target: usize) -> Result<()> {
-        if !self.model.has_delta_net_layers() {
+        if self.model.rewinds_by_truncation() {
             let b = self.model.backend();
             for layer in &mut self.layers {
                 if let LayerState::Attention(cache) = layer {

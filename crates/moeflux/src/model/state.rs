@@ -137,10 +137,6 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
     }
     let b = model.backend();
     let positions = header.tokens.len();
-    let shape = attention::shape(cfg);
-    let kv_width = shape.num_kv_heads * shape.head_dim;
-    // MLA caches its latent as keys and no values.
-    let value_width = if cfg.mla.is_some() { 0 } else { kv_width };
     let mut layers = Vec::with_capacity(cfg.num_layers());
     for (i, (kind, fresh)) in header
         .layers
@@ -149,13 +145,24 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
         .enumerate()
     {
         let state = match (kind.as_str(), fresh) {
-            ("attention", LayerState::Attention(_)) => LayerState::Attention(b.kv_import(
-                shape,
-                HostKv {
-                    keys: payload.take(positions * kv_width)?,
-                    values: payload.take(positions * value_width)?,
-                },
-            )?),
+            ("attention", LayerState::Attention(_)) => {
+                // A sliding window's cache holds only its newest positions;
+                // MLA's holds its latent as keys and no values.
+                let shape = attention::shape(cfg, i);
+                let (held, width) = (
+                    shape.retained(positions),
+                    shape.num_kv_heads * shape.head_dim,
+                );
+                let value_width = if cfg.mla.is_some() { 0 } else { width };
+                LayerState::Attention(b.kv_import(
+                    shape,
+                    HostKv {
+                        first: positions - held,
+                        keys: payload.take(held * width)?,
+                        values: payload.take(held * value_width)?,
+                    },
+                )?)
+            }
             ("linear", LayerState::DeltaNet(_)) => {
                 let l = cfg
                     .linear_attention

@@ -6,7 +6,8 @@
 //! `lstrip_blocks` on, a single trailing newline of the template dropped,
 //! no auto-escaping, loop controls, Python string methods (`.strip()`,
 //! `.split()`, ...), `raise_exception`, and as variables `messages`,
-//! `add_generation_prompt`, `tools` and `documents` (both none), the
+//! `add_generation_prompt`, `tools` (none unless given to
+//! [`ChatTemplate::render_json`]) and `documents` (none), the
 //! tokenizer's named special tokens (`bos_token`, `eos_token`, ...) and any
 //! extra options (e.g. Qwen3's `enable_thinking`).
 
@@ -233,6 +234,53 @@ impl ChatTemplate {
 
     /// The prompt text for `messages`.
     pub fn render(&self, messages: &[ChatMessage], options: &ChatOptions) -> Result<String> {
+        self.render_values(Value::from(Serde(messages)), Value::from(()), options)
+    }
+
+    /// The prompt text for messages given as JSON (as an OpenAI request
+    /// carries them: an assistant's `tool_calls`, a tool's `tool_call_id`)
+    /// and the function definitions the template lists for the model
+    /// (`tools`, `None` when there are none).
+    ///
+    /// ```
+    /// use moeflux::text::{ChatOptions, ChatTemplate, SpecialTokens};
+    /// use serde_json::json;
+    ///
+    /// let source = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}\
+    ///     {% for m in messages %}{{ m.role }}:{{ m.content }}\
+    ///     {% for c in m.tool_calls %}<{{ c.function.name }}>{% endfor %};{% endfor %}";
+    /// let template =
+    ///     ChatTemplate::new(source, "t.jinja".as_ref(), "t", &SpecialTokens::default())?;
+    /// let tools = [json!({"type": "function", "function": {"name": "weather"}})];
+    /// let messages = [
+    ///     json!({"role": "user", "content": "Rain in Bath?"}),
+    ///     json!({"role": "assistant", "content": "",
+    ///            "tool_calls": [{"function": {"name": "weather", "arguments": "{}"}}]}),
+    ///     json!({"role": "tool", "content": "rain", "tool_call_id": "call_1"}),
+    /// ];
+    /// let text = template.render_json(&messages, Some(&tools), &ChatOptions::default())?;
+    /// assert_eq!(text, "[weather]user:Rain in Bath?;assistant:<weather>;tool:rain;");
+    /// # Ok::<(), moeflux::Error>(())
+    /// ```
+    pub fn render_json(
+        &self,
+        messages: &[serde_json::Value],
+        tools: Option<&[serde_json::Value]>,
+        options: &ChatOptions,
+    ) -> Result<String> {
+        let tools = match tools {
+            Some(tools) => Value::from(Serde(tools)),
+            None => Value::from(()),
+        };
+        self.render_values(Value::from(Serde(messages)), tools, options)
+    }
+
+    fn render_values(
+        &self,
+        messages: Value,
+        tools: Value,
+        options: &ChatOptions,
+    ) -> Result<String> {
         if let Some(key) = options
             .extra
             .keys()
@@ -251,12 +299,12 @@ impl ChatTemplate {
         for (key, value) in &options.extra {
             vars.insert(key.clone(), Value::from(Serde(value)));
         }
-        vars.insert("messages".into(), Value::from(Serde(messages)));
+        vars.insert("messages".into(), messages);
         vars.insert(
             "add_generation_prompt".into(),
             Value::from(options.add_generation_prompt),
         );
-        vars.insert("tools".into(), Value::from(()));
+        vars.insert("tools".into(), tools);
         vars.insert("documents".into(), Value::from(()));
 
         let template = self

@@ -170,7 +170,7 @@ impl<'a> TextGeneration<'a> {
                 |logits, prompt, generated| {
                     let token = sampler.sample(logits, prompt, generated)?;
                     if let Some(top) = top {
-                        logprobs.push(token_logprob(logits, token, top));
+                        logprobs.push(TokenLogprob::of(logits, token, top));
                     }
                     Ok(token)
                 },
@@ -212,26 +212,28 @@ impl<'a> TextGeneration<'a> {
     }
 }
 
-/// `token`'s log-probability under `logits` and the `top` most likely
-/// tokens'.
-fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
-    let top = top.min(logits.len());
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let log_sum = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
-    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
-    if top > 0 {
-        for (i, &l) in logits.iter().enumerate() {
-            if best.len() < top || l > best[best.len() - 1].1 {
-                let at = best.partition_point(|&(_, b)| b >= l);
-                best.insert(at, (i as u32, l));
-                best.truncate(top);
+impl TokenLogprob {
+    /// `token`'s log-probability under `logits` (a softmax of them as
+    /// they are) and the `top` most likely tokens'.
+    pub fn of(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+        let top = top.min(logits.len());
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let log_sum = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+        let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+        if top > 0 {
+            for (i, &l) in logits.iter().enumerate() {
+                if best.len() < top || l > best[best.len() - 1].1 {
+                    let at = best.partition_point(|&(_, b)| b >= l);
+                    best.insert(at, (i as u32, l));
+                    best.truncate(top);
+                }
             }
         }
-    }
-    TokenLogprob {
-        token,
-        logprob: logits[token as usize] - log_sum,
-        top: best.into_iter().map(|(i, l)| (i, l - log_sum)).collect(),
+        TokenLogprob {
+            token,
+            logprob: logits[token as usize] - log_sum,
+            top: best.into_iter().map(|(i, l)| (i, l - log_sum)).collect(),
+        }
     }
 }
 

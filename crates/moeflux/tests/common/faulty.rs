@@ -8,8 +8,8 @@ use std::ops::Range;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 use moeflux::backend::{
-    AttentionShape, Backend, DeviceExpertStats, GatedDeltaNetParams, HostDeltaNetState, HostKv,
-    RmsNorm, Rope,
+    AttentionShape, Backend, DeviceExpertStats, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState,
+    HostKv, RmsNorm, Rope,
 };
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::ExpertStore;
@@ -162,13 +162,13 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner
             .mla_attention(cache, q, latent, k_rot, kv_b, mla, heads)
     }
-    fn add_bias(&self, x: &mut B::Tensor, bias: &B::Weight) -> Result<()> {
-        self.check("add_bias")?;
-        self.inner.add_bias(x, bias)
-    }
     fn silu_mul(&self, gate: &B::Tensor, up: &B::Tensor) -> Result<B::Tensor> {
         self.check("silu_mul")?;
         self.inner.silu_mul(gate, up)
+    }
+    fn add_bias(&self, x: &mut B::Tensor, bias: &B::Weight) -> Result<()> {
+        self.check("add_bias")?;
+        self.inner.add_bias(x, bias)
     }
     fn mul_sigmoid(&self, x: &mut B::Tensor, gate: &B::Tensor) -> Result<()> {
         self.check("mul_sigmoid")?;
@@ -185,9 +185,10 @@ impl<B: Backend> Backend for Faulty<B> {
         k: &B::Tensor,
         v: &B::Tensor,
         shape: AttentionShape,
+        sinks: Option<&B::Weight>,
     ) -> Result<B::Tensor> {
         self.check("attention")?;
-        self.inner.attention(cache, q, k, v, shape)
+        self.inner.attention(cache, q, k, v, shape, sinks)
     }
     fn gated_delta_net(
         &self,
@@ -235,9 +236,14 @@ impl<B: Backend> Backend for Faulty<B> {
         routing: &B::Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<B::Tensor> {
         self.check("routed_experts")?;
-        self.inner.routed_experts(x, routing, store, layer)
+        let ffn = ExpertFfn {
+            activation: ffn.activation,
+            biases: ffn.biases,
+        };
+        self.inner.routed_experts(x, routing, store, layer, ffn)
     }
     fn experts_resident(&self, store: &ExpertStore, layer: usize) -> bool {
         self.inner.experts_resident(store, layer)

@@ -7,6 +7,7 @@ pub mod backends;
 pub mod batch;
 pub mod faulty;
 pub mod ops;
+pub mod ops_extended;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,6 +28,7 @@ pub const FIXTURES: &[&str] = &[
     "glm4_moe_qk_norm",
     "deepseek_v3",
     "deepseek_v3_no_q_lora",
+    "gpt_oss",
 ];
 
 /// Fixtures of multi-head latent attention (DeepSeek-V3), which has no

@@ -6,9 +6,14 @@ use super::simd::{Isa, dot};
 use crate::backend::{AttentionShape, Rope};
 use crate::config::MlaConfig;
 
-/// Keys and values of every position seen so far, `[len, kv_heads·head_dim]`.
+/// Keys and values of the positions a sequence's next queries can see,
+/// `[held, kv_heads·head_dim]`: every position so far, or a sliding
+/// window's newest.
 pub struct KvCache {
     pub shape: AttentionShape,
+    /// The position of the first row held (positions before it were
+    /// dropped by a sliding window).
+    pub first: usize,
     pub keys: Vec<f32>,
     pub values: Vec<f32>,
 }
@@ -17,22 +22,57 @@ impl KvCache {
     pub fn new(shape: AttentionShape) -> Self {
         KvCache {
             shape,
+            first: 0,
             keys: Vec::new(),
             values: Vec::new(),
         }
     }
 
+    /// Positions seen so far, held or dropped.
     pub fn len(&self) -> usize {
-        self.keys.len() / (self.shape.num_kv_heads * self.shape.head_dim)
+        self.first + self.held()
+    }
+
+    /// Positions held.
+    pub fn held(&self) -> usize {
+        self.keys.len() / self.width()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.keys.is_empty()
+        self.len() == 0
+    }
+
+    fn width(&self) -> usize {
+        self.shape.num_kv_heads * self.shape.head_dim
+    }
+
+    /// Drops positions at or after `len` (not before [`KvCache::first`]).
+    pub fn truncate(&mut self, len: usize) {
+        assert!(
+            len >= self.first,
+            "a sliding-window cache cannot be cut back before its first held position"
+        );
+        let rows = (len - self.first) * self.width();
+        self.keys.truncate(rows);
+        self.values.truncate(rows);
+    }
+
+    /// Keeps only what the shape's window lets the next query see.
+    fn drop_outside_window(&mut self) {
+        let (len, held) = (self.len(), self.held());
+        let keep = self.shape.retained(len);
+        if keep < held {
+            let drop = (held - keep) * self.width();
+            self.keys.drain(..drop);
+            self.values.drain(..drop);
+            self.first = len - keep;
+        }
     }
 }
 
 /// Appends `k`, `v` (`n` rows) and attends each of the `n` queries to every
-/// cached position up to and including its own.
+/// cached position up to and including its own (within the window, if the
+/// shape has one), with a sink logit per query head when `sinks` is given.
 pub fn attend(
     isa: Isa,
     cache: &mut KvCache,
@@ -40,6 +80,7 @@ pub fn attend(
     k: &[f32],
     v: &[f32],
     n: usize,
+    sinks: Option<&[f32]>,
 ) -> Vec<f32> {
     let s = cache.shape;
     let start = cache.len();
@@ -49,7 +90,7 @@ pub fn attend(
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let mut out = vec![0f32; n * q_width];
-    let cache = &*cache;
+    let held = &*cache;
     // One task per (position, KV head): the query heads that share a KV
     // head read each cached key and value once between them. Each head's
     // arithmetic is the same as attending it alone.
@@ -57,18 +98,25 @@ pub fn attend(
         Vec::new,
         |scores: &mut Vec<f32>, (i, out)| {
             let (t, kv_head) = (i / s.num_kv_heads, i % s.num_kv_heads);
+            let position = start + t;
+            let oldest = match s.window {
+                Some(w) => (position + 1).saturating_sub(w).max(held.first),
+                None => held.first,
+            };
             let heads = HeadGroup {
                 queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
                 offset: kv_head * hd,
-                visible: start + t + 1,
+                visible: oldest - held.first..position + 1 - held.first,
+                sinks: sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]),
                 scale,
             };
             isa.vectorize(
                 #[inline(always)]
-                || heads.attend(cache, scores, out),
+                || heads.attend(held, scores, out),
             );
         },
     );
+    cache.drop_outside_window();
     out
 }
 
@@ -78,8 +126,10 @@ struct HeadGroup<'a> {
     queries: &'a [f32],
     /// Column of the KV head in a cache row.
     offset: usize,
-    /// Cached positions they see.
-    visible: usize,
+    /// Rows of the cache they see.
+    visible: std::ops::Range<usize>,
+    /// Each head's sink logit.
+    sinks: Option<&'a [f32]>,
     scale: f32,
 }
 
@@ -92,8 +142,8 @@ impl HeadGroup<'_> {
         let hd = cache.shape.head_dim;
         let heads = self.queries.len() / hd;
         let width = cache.shape.num_kv_heads * hd;
-        let at = |j: usize| j * width + self.offset;
-        let n = self.visible;
+        let at = |j: usize| (self.visible.start + j) * width + self.offset;
+        let n = self.visible.len();
         // scores[h * n + j]
         scores.clear();
         scores.resize(heads * n, 0.0);
@@ -105,8 +155,13 @@ impl HeadGroup<'_> {
         }
         let mut inv = vec![0f32; heads];
         for (h, row) in scores.chunks_exact_mut(n).enumerate() {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut total = 0f32;
+            let sink = self.sinks.map(|s| s[h]);
+            let max = row
+                .iter()
+                .copied()
+                .chain(sink)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let mut total = sink.map_or(0.0, |s| (s - max).exp());
             for x in row.iter_mut() {
                 *x = (*x - max).exp();
                 total += *x;
@@ -264,6 +319,7 @@ mod tests {
             num_heads: heads,
             num_kv_heads: 1,
             head_dim: lora + rope,
+            window: None,
         });
         let (mut latents, mut k_rots) = (Vec::new(), Vec::new());
         for (step, n) in [(0u64, 3usize), (1, 2)] {

@@ -14,7 +14,8 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 use super::{
-    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
+    Rope,
 };
 use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::Result;
@@ -206,13 +207,12 @@ impl Backend for CpuBackend {
     }
 
     fn kv_truncate(&self, cache: &mut KvCache, len: usize) {
-        let width = cache.shape.num_kv_heads * cache.shape.head_dim;
-        cache.keys.truncate(len * width);
-        cache.values.truncate(len * width);
+        cache.truncate(len);
     }
 
     fn kv_export(&self, cache: &KvCache) -> Result<HostKv> {
         Ok(HostKv {
+            first: cache.first,
             keys: cache.keys.clone(),
             values: cache.values.clone(),
         })
@@ -221,6 +221,7 @@ impl Backend for CpuBackend {
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
         Ok(KvCache {
             shape,
+            first: host.first,
             keys: host.keys,
             values: host.values,
         })
@@ -360,16 +361,10 @@ impl Backend for CpuBackend {
     }
 
     fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
-        let b = bias.f32s();
-        assert_eq!(
-            b.len(),
-            x.cols,
-            "add_bias: a bias of {} for {} columns",
-            b.len(),
-            x.cols
-        );
+        let bias = bias.f32s();
+        assert_eq!(bias.len(), x.cols, "add_bias: bias width");
         for row in x.data.chunks_exact_mut(x.cols) {
-            row.iter_mut().zip(b).for_each(|(v, b)| *v += b);
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
         }
         Ok(())
     }
@@ -438,8 +433,10 @@ impl Backend for CpuBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
-        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows);
+        let sinks = sinks.map(Weight::f32s);
+        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows, sinks);
         Ok(Tensor::new(q.rows, shape.num_heads * shape.head_dim, out))
     }
 
@@ -499,7 +496,12 @@ impl Backend for CpuBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<Tensor> {
+        let ffn = moe::Ffn {
+            activation: ffn.activation,
+            biases: ffn.biases.map(|b| b.map(Weight::f32s)),
+        };
         let out = moe::routed_experts(
             self.isa(),
             &x.data,
@@ -508,6 +510,7 @@ impl Backend for CpuBackend {
             store,
             layer,
             self.options.activations,
+            ffn,
         )?;
         Ok(Tensor::new(x.rows, x.cols, out))
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::linear::{Activations, Product, matmul_many_with};
 use super::simd::Isa;
-use crate::config::{ExpertGroups, RouterSpec, ScoreFunction};
+use crate::config::{ExpertActivation, ExpertGroups, RouterSpec, ScoreFunction};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, Fetch};
 
@@ -125,12 +125,67 @@ fn keep_best_groups(choice: &mut [f32], groups: ExpertGroups) {
     }
 }
 
+/// What the experts compute around their products: the activation and
+/// the per-expert gate, up and down biases (`[experts, width]` each).
+#[derive(Clone, Copy)]
+pub struct Ffn<'a> {
+    pub activation: ExpertActivation,
+    pub biases: Option<[&'a [f32]; 3]>,
+}
+
+impl Ffn<'_> {
+    /// The activation of one expert's gate and up rows (`inter` wide,
+    /// biases added first), into `gate`.
+    fn activate(&self, expert: usize, inter: usize, gate: &mut [f32], up: &[f32]) {
+        match self.biases {
+            Some([gate_bias, up_bias, _]) => {
+                let gb = &gate_bias[expert * inter..][..inter];
+                let ub = &up_bias[expert * inter..][..inter];
+                for (g, u) in gate.chunks_exact_mut(inter).zip(up.chunks_exact(inter)) {
+                    for i in 0..inter {
+                        g[i] = activation(self.activation, g[i] + gb[i], u[i] + ub[i]);
+                    }
+                }
+            }
+            None => {
+                for (g, &u) in gate.iter_mut().zip(up) {
+                    *g = activation(self.activation, *g, u);
+                }
+            }
+        }
+    }
+
+    /// Adds the expert's down bias to each of its output rows.
+    fn add_down_bias(&self, expert: usize, out: &mut [f32], hidden: usize) {
+        if let Some([_, _, down_bias]) = self.biases {
+            let b = &down_bias[expert * hidden..][..hidden];
+            for row in out.chunks_exact_mut(hidden) {
+                row.iter_mut().zip(b).for_each(|(o, b)| *o += b);
+            }
+        }
+    }
+}
+
+/// One value of an expert's activation from its gate and up values.
+#[inline]
+pub fn activation(kind: ExpertActivation, gate: f32, up: f32) -> f32 {
+    match kind {
+        ExpertActivation::SwiGlu => gate / (1.0 + (-gate).exp()) * up,
+        ExpertActivation::ClampedSwiGlu { limit, alpha } => {
+            let g = gate.min(limit);
+            let u = up.clamp(-limit, limit);
+            g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
+        }
+    }
+}
+
 /// Experts fetched and computed together; the in-flight bound.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
 /// expert -> [(token, weight)]
 type Assigned = std::collections::BTreeMap<usize, Vec<(usize, f32)>>;
 
+#[allow(clippy::too_many_arguments)]
 pub fn routed_experts(
     isa: Isa,
     x: &[f32],
@@ -139,6 +194,7 @@ pub fn routed_experts(
     store: &ExpertStore,
     layer: usize,
     activations: Activations,
+    ffn: Ffn<'_>,
 ) -> Result<Vec<f32>> {
     let n = x.len() / hidden;
     let mut assigned = Assigned::new();
@@ -168,10 +224,18 @@ pub fn routed_experts(
             .into_iter()
             .map(|f| store.wait(f))
             .collect::<Result<_>>()?;
-        let mut results = experts(isa, &ready, x, hidden, &assigned, activations);
+        let mut results = experts(isa, &ready, x, hidden, &assigned, activations, ffn);
         for fetch in reading {
             let expert = store.wait(fetch)?;
-            results.extend(experts(isa, &[expert], x, hidden, &assigned, activations));
+            results.extend(experts(
+                isa,
+                &[expert],
+                x,
+                hidden,
+                &assigned,
+                activations,
+                ffn,
+            ));
         }
         // Summed in ascending expert order whatever finished first, so the
         // result does not depend on read timing.
@@ -187,8 +251,8 @@ pub fn routed_experts(
     Ok(out)
 }
 
-/// Each expert's `down(silu(gate(x)) * up(x))` for its tokens, with its
-/// index. The gate and up products of all of them form one parallel
+/// Each expert's `down(act(gate(x), up(x)))` for its tokens (biases added
+/// where `ffn` has them), with its index. The gate and up products of all of them form one parallel
 /// region, their down products another: two forks and joins for the lot
 /// instead of three per expert, and tasks of equal work across the
 /// experts, so both threads stream weights until the region's end. When
@@ -201,6 +265,7 @@ fn experts(
     hidden: usize,
     assigned: &Assigned,
     activations: Activations,
+    ffn: Ffn<'_>,
 ) -> Vec<(usize, Vec<f32>)> {
     let n = x.len() / hidden;
     let inputs: Vec<(Cow<'_, [f32]>, usize)> = experts
@@ -232,15 +297,16 @@ fn experts(
             })
         })
         .collect();
-    let gate_up = matmul_many_with(isa, &gate_up);
+    let mut gate_up = matmul_many_with(isa, &gate_up);
     let act: Vec<Vec<f32>> = gate_up
-        .chunks_exact(2)
-        .map(|pair| {
-            let (gate, up) = (&pair[0], &pair[1]);
-            gate.iter()
-                .zip(up)
-                .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
-                .collect()
+        .chunks_exact_mut(2)
+        .zip(experts)
+        .map(|(pair, e)| {
+            let [gate, up] = pair else {
+                unreachable!("gate and up")
+            };
+            ffn.activate(e.index, e.gate().rows(), gate, up);
+            std::mem::take(gate)
         })
         .collect();
     let down: Vec<Product<'_>> = experts
@@ -254,7 +320,10 @@ fn experts(
             activations,
         })
         .collect();
-    let down = matmul_many_with(isa, &down);
+    let mut down = matmul_many_with(isa, &down);
+    for (e, out) in experts.iter().zip(&mut down) {
+        ffn.add_down_bias(e.index, out, hidden);
+    }
     experts.iter().map(|e| e.index).zip(down).collect()
 }
 

@@ -1,14 +1,16 @@
 //! Attention over the KV caches (kernels/attention.cu): a block per
 //! (token, head) for a few tokens; one token's decode kernels, which store
-//! its key and value into the cache themselves; the decode step of several
-//! sequences, each over its own cache; and flash-style tiles from
-//! [`FLASH_MIN_TOKENS`] tokens.
+//! its key and value into the cache themselves, take a KV head's group of
+//! query heads per block where they can (each key and value read once),
+//! and split long contexts over several blocks per head (flash-decoding);
+//! the decode step of several sequences, each over its own cache; and
+//! flash-style tiles from [`FLASH_MIN_TOKENS`] tokens.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 
 use super::geometry::{
     ATTN_MAX_PER_LANE, ATTN_WARPS, DECODE_ATTN_WARPS, FA_KEY_PAD, FA_KEYS, FA_ROWS_PER_WARP,
-    FA_WARPS,
+    FA_WARPS, GD_WARPS,
 };
 use super::{CudaBackend, KvCache, Tensor, Weight, block_per_item, int, long};
 use crate::backend::{AttentionShape, RmsNorm, Rope};
@@ -38,7 +40,89 @@ pub(super) fn flash_attention_shared_bytes(head_dim: usize) -> usize {
         + FA_WARPS * FA_KEYS * FA_ROWS_PER_WARP)
 }
 
+/// Positions from which a decode step takes the grouped kernels, unless
+/// `MOEFLUX_CUDA_GROUPED_DECODE_MIN` says otherwise (a tuning knob): with
+/// fewer, a block per query head spreads the work over more blocks.
+pub(super) const GROUPED_DECODE_MIN: usize = 2048;
+
+/// A decode step's attention kernels: after long contexts, a block per KV
+/// head and its group of query heads, which reads each key and value once,
+/// where a kernel exists for the head size and group; else a block per
+/// query head.
+#[derive(Clone, Copy)]
+enum DecodeKernels {
+    /// `attention_decode_grouped_*`: the group's size bound.
+    Grouped {
+        max_group: usize,
+    },
+    PerHead,
+}
+
+impl DecodeKernels {
+    /// The kernels for a step whose longest sequence attends to `positions`.
+    fn choose(shape: AttentionShape, positions: usize, grouped_min: usize) -> DecodeKernels {
+        let group = shape.num_heads / shape.num_kv_heads;
+        let hd = shape.head_dim;
+        if positions < grouped_min || group < 2 || !hd.is_multiple_of(4) {
+            return DecodeKernels::PerHead;
+        }
+        match (hd, group) {
+            (..=128, ..=8) => DecodeKernels::Grouped { max_group: 8 },
+            (..=128, ..=16) => DecodeKernels::Grouped { max_group: 16 },
+            (129..=256, ..=8) => DecodeKernels::Grouped { max_group: 8 },
+            _ => DecodeKernels::PerHead,
+        }
+    }
+
+    /// Blocks per sequence and split, and threads per block.
+    fn blocks(self, shape: AttentionShape) -> (usize, u32) {
+        match self {
+            DecodeKernels::Grouped { .. } => (shape.num_kv_heads, (GD_WARPS * 32) as u32),
+            DecodeKernels::PerHead => (shape.num_heads, ATTENTION_DECODE_THREADS),
+        }
+    }
+}
+
 impl CudaBackend {
+    /// Blocks a head's positions are split over in a decode step with
+    /// `blocks` (head, sequence) blocks: enough for about two per
+    /// multiprocessor. The kernels use fewer while the context is short.
+    fn decode_splits(&self, blocks: usize) -> usize {
+        (2 * self.sm_count)
+            .div_ceil(blocks.max(1))
+            .clamp(1, self.decode_splits_max)
+    }
+
+    /// Whether a decode step attending to `positions` takes the grouped
+    /// kernels when its shape has them (so recorded steps are told apart).
+    pub(super) fn grouped_decode(&self, positions: usize) -> bool {
+        positions >= self.grouped_decode_min
+    }
+
+    fn decode_kernel(&self, kernels: DecodeKernels, head_dim: usize, many: bool) -> &CudaFunction {
+        let k = &self.kernels;
+        match (kernels, head_dim, many) {
+            (DecodeKernels::Grouped { max_group: 8 }, ..=128, false) => {
+                &k.attention_decode_grouped_128_g8
+            }
+            (DecodeKernels::Grouped { max_group: 8 }, ..=128, true) => {
+                &k.attention_decode_batch_grouped_128_g8
+            }
+            (DecodeKernels::Grouped { .. }, ..=128, false) => &k.attention_decode_grouped_128_g16,
+            (DecodeKernels::Grouped { .. }, ..=128, true) => {
+                &k.attention_decode_batch_grouped_128_g16
+            }
+            (DecodeKernels::Grouped { .. }, _, false) => &k.attention_decode_grouped_256_g8,
+            (DecodeKernels::Grouped { .. }, _, true) => &k.attention_decode_batch_grouped_256_g8,
+            (DecodeKernels::PerHead, ..=128, false) => &k.attention_decode_128,
+            (DecodeKernels::PerHead, 129..=256, false) => &k.attention_decode_256,
+            (DecodeKernels::PerHead, _, false) => &k.attention_decode_512,
+            (DecodeKernels::PerHead, ..=128, true) => &k.attention_decode_batch_128,
+            (DecodeKernels::PerHead, 129..=256, true) => &k.attention_decode_batch_256,
+            (DecodeKernels::PerHead, _, true) => &k.attention_decode_batch_512,
+        }
+    }
+
     pub(super) fn attention(
         &self,
         cache: &mut KvCache,
@@ -46,6 +130,7 @@ impl CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
         let (heads, kv_heads, head_dim) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
         let n = q.rows;
@@ -58,14 +143,23 @@ impl CudaBackend {
             k.cols == kv_heads * head_dim && v.cols == k.cols && k.rows == n && v.rows == n,
             "attention: key/value shapes"
         );
+        if let Some(sinks) = sinks {
+            assert_eq!(
+                sinks.vector_len("attention"),
+                heads,
+                "attention: one sink per head"
+            );
+        }
         // One token: the attention kernel stores its key and value itself.
+        // `start` is the cache row of the first new position.
         let (start, position) = if n == 1 {
             self.kv_claim_one(cache)?
         } else {
-            let start = cache.len();
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (start, self.recorded_position(None))
+            (cache.held() - n, self.recorded_position(None))
         };
+        let window = int(shape.window.unwrap_or(0), "window");
+        let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);
         let mut out = self.tensor("attention", n, heads * head_dim)?;
         let scale = 1.0 / (head_dim as f32).sqrt();
         let (n_i, heads_i, kv_heads_i, head_dim_i, start_l) = (
@@ -104,7 +198,9 @@ impl CudaBackend {
                 &kv_heads_i,
                 &head_dim_i,
                 &start_l,
-                &scale
+                &scale,
+                &window,
+                &sinks
             );
             return Ok(out);
         }
@@ -124,26 +220,38 @@ impl CudaBackend {
                 &head_dim_i,
                 &start_l,
                 &position,
-                &scale
+                &scale,
+                &window,
+                &sinks
             );
             return Ok(out);
         }
         // One token: the kernel reads the token's key and value from k and
         // v and writes them into the cache.
-        let kernel = match head_dim {
-            ..=128 => &self.kernels.attention_decode_128,
-            129..=256 => &self.kernels.attention_decode_256,
-            _ => &self.kernels.attention_decode_512,
-        };
+        let attended = shape.window.map_or(start + 1, |w| w.min(start + 1));
+        let kernels = DecodeKernels::choose(shape, attended, self.grouped_decode_min);
+        let kernel = self.decode_kernel(kernels, head_dim, false);
         let (new_k, new_v) = (
             k.data.device_ptr(&self.stream).0,
             v.data.device_ptr(&self.stream).0,
         );
+        let (blocks, threads) = kernels.blocks(shape);
+        let splits = self.decode_splits(blocks);
+        let config = LaunchConfig {
+            grid_dim: (
+                u32::try_from(blocks).expect("attention: too many heads"),
+                1,
+                splits as u32,
+            ),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let splits_i = int(splits, "splits");
         launch!(
             self,
             "attention",
             kernel,
-            block_per_item(heads, ATTENTION_DECODE_THREADS, 0),
+            config,
             &q.data,
             cache.keys(),
             cache.values(),
@@ -156,7 +264,12 @@ impl CudaBackend {
             &position,
             &scale,
             &new_k,
-            &new_v
+            &new_v,
+            &window,
+            &sinks,
+            &splits_i,
+            cache.partials(),
+            cache.tickets()
         );
         Ok(out)
     }
@@ -201,19 +314,26 @@ impl CudaBackend {
         };
         let keys = self.upload(op, &pointers(KvCache::keys))?;
         let values = self.upload(op, &pointers(KvCache::values))?;
+        let partials = self.upload(op, &pointers(KvCache::partials))?;
+        let tickets: Vec<u64> = caches
+            .iter()
+            .map(|c| c.tickets().device_ptr(&self.stream).0)
+            .collect();
+        let tickets = self.upload(op, &tickets)?;
+        let longest = starts.iter().max().map_or(0, |&s| s as usize + 1);
+        let kernels = DecodeKernels::choose(shape, longest, self.grouped_decode_min);
+        let (blocks, threads) = kernels.blocks(shape);
+        let splits = self.decode_splits(blocks * n);
+        let splits_i = int(splits, "splits");
         let mut out = self.tensor(op, n, heads * head_dim)?;
-        let kernel = match head_dim {
-            ..=128 => &self.kernels.attention_decode_batch_128,
-            129..=256 => &self.kernels.attention_decode_batch_256,
-            _ => &self.kernels.attention_decode_batch_512,
-        };
+        let kernel = self.decode_kernel(kernels, head_dim, true);
         let config = LaunchConfig {
             grid_dim: (
-                u32::try_from(heads).expect("attention: too many heads"),
+                u32::try_from(blocks).expect("attention: too many heads"),
                 u32::try_from(n).expect("attention: too many sequences"),
-                1,
+                splits as u32,
             ),
-            block_dim: (ATTENTION_DECODE_THREADS, 1, 1),
+            block_dim: (threads, 1, 1),
             shared_mem_bytes: 0,
         };
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -237,7 +357,10 @@ impl CudaBackend {
             &positions,
             &scale,
             &k.data,
-            &v.data
+            &v.data,
+            &splits_i,
+            &partials,
+            &tickets
         );
         Ok(out)
     }

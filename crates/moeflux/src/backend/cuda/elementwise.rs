@@ -120,28 +120,6 @@ impl CudaBackend {
         Ok(())
     }
 
-    pub(super) fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
-        let width = bias.vector_len("add_bias");
-        assert_eq!(
-            width, x.cols,
-            "add_bias: a bias of {width} for {} columns",
-            x.cols
-        );
-        let len = x.rows * x.cols;
-        let (n, cols) = (long(len), int(x.cols, "columns"));
-        launch!(
-            self,
-            "add_bias",
-            &self.kernels.add_bias,
-            grid_stride(len),
-            &mut x.data,
-            &bias.data,
-            &n,
-            &cols
-        );
-        Ok(())
-    }
-
     pub(super) fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let len = gate.rows * gate.cols;
         assert_eq!(len, up.rows * up.cols, "silu_mul: shapes differ");
@@ -171,6 +149,22 @@ impl CudaBackend {
             &n
         );
         Ok(out)
+    }
+
+    pub(super) fn add_bias(&self, x: &mut Tensor, bias: &Weight) -> Result<()> {
+        assert_eq!(bias.vector_len("add_bias"), x.cols, "add_bias: bias width");
+        let (rows, cols) = (long(x.rows), int(x.cols, "columns"));
+        launch!(
+            self,
+            "add_bias",
+            &self.kernels.add_bias,
+            grid_stride(x.rows * x.cols),
+            &mut x.data,
+            &bias.data,
+            &rows,
+            &cols
+        );
+        Ok(())
     }
 
     pub(super) fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
@@ -220,7 +214,6 @@ impl CudaBackend {
             return Ok(());
         }
         let frequencies = self.rope_frequencies(rope)?;
-        let position = self.recorded_position(None);
         let total = x.rows * (x.cols / rope.head_dim) * half;
         let (rows, cols, head_dim, half, start, scale) = (
             long(x.rows),
@@ -230,6 +223,8 @@ impl CudaBackend {
             long(start_pos),
             rope.attention_factor(),
         );
+        // A recorded step reads its position from the device.
+        let position = self.recorded_position(None);
         launch!(
             self,
             "rope",

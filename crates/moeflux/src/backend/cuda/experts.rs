@@ -24,7 +24,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_inter};
 use super::geometry::{
@@ -32,6 +32,8 @@ use super::geometry::{
 };
 use super::vram_cache::VramCache;
 use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int};
+use crate::backend::ExpertFfn;
+use crate::config::ExpertActivation;
 use crate::error::Result;
 use crate::experts::{ExpertStore, Fetch};
 use crate::quant::DType;
@@ -130,7 +132,9 @@ impl CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<Tensor> {
+        let ffn = ffn_args(self, ffn);
         let (n, hidden) = (x.rows, x.cols);
         assert_eq!(
             routing.rows, n,
@@ -138,7 +142,7 @@ impl CudaBackend {
         );
         if n == 1 {
             let mut out = self.alloc::<f32>("routed experts", hidden)?;
-            self.decode_routed_experts(x, routing, store, layer, &mut out, false)?;
+            self.decode_routed_experts(x, routing, store, layer, ffn, &mut out, false)?;
             return Ok(Tensor {
                 rows: 1,
                 cols: hidden,
@@ -152,7 +156,9 @@ impl CudaBackend {
         }
         let order: Vec<(u32, Vec<u32>)> = assigned.into_iter().collect();
         let flat: Vec<u32> = order.iter().flat_map(|(_, s)| s.iter().copied()).collect();
-        if let Some(out) = self.prefill_routed_experts(x, routing, store, layer, &order, &flat)? {
+        if let Some(out) =
+            self.prefill_routed_experts(x, routing, store, layer, ffn, &order, &flat)?
+        {
             return Ok(out);
         }
         let slots = self.upload("routed experts", &flat)?;
@@ -166,7 +172,7 @@ impl CudaBackend {
             next = batches
                 .get(i + 1)
                 .map(|b| self.start_batch(layer, b, store));
-            for ((_, expert_slots), source) in batches[i].iter().zip(current) {
+            for ((e, expert_slots), source) in batches[i].iter().zip(current) {
                 let expert = match source {
                     Source::Resident(expert) => expert,
                     Source::Fetching(fetch) => {
@@ -175,7 +181,7 @@ impl CudaBackend {
                 };
                 let m = expert_slots.len();
                 let rows = slots.slice(offset..offset + m);
-                self.run_expert(x, &expert, &rows, m, routing, &mut out)?;
+                self.run_expert(x, (*e, &expert), ffn, &rows, m, routing, &mut out)?;
                 offset += m;
             }
         }
@@ -194,6 +200,7 @@ impl CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<()> {
         assert!(
             out.rows == x.rows && out.cols == x.cols,
@@ -204,21 +211,24 @@ impl CudaBackend {
             x.cols
         );
         if x.rows == 1 {
-            return self.decode_routed_experts(x, routing, store, layer, &mut out.data, true);
+            let args = ffn_args(self, ffn);
+            return self.decode_routed_experts(x, routing, store, layer, args, &mut out.data, true);
         }
-        let y = self.compute_routed_experts(x, routing, store, layer)?;
+        let y = self.compute_routed_experts(x, routing, store, layer, ffn)?;
         crate::backend::Backend::add_assign(self, out, &y)
     }
 
     /// One token, into `out` (added to it with `accumulate`): the fused
     /// kernels over the layer's address table when the layer is complete,
     /// else over a table of the selected experts made resident by the host.
+    #[allow(clippy::too_many_arguments)]
     fn decode_routed_experts(
         &self,
         x: &Tensor,
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: FfnArgs,
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
@@ -245,6 +255,7 @@ impl CudaBackend {
                     &routing.experts,
                     routing,
                     complete.parts,
+                    ffn,
                     &mut act,
                     out,
                     accumulate,
@@ -262,15 +273,17 @@ impl CudaBackend {
         let table = self.upload("routed experts", &addresses)?;
         let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>())?;
         let parts = PartsLayout(experts[0].parts);
-        self.launch_decode_experts(x, &table, &ranks, routing, parts, &mut act, out, accumulate)?;
+        self.launch_decode_experts(
+            x, &table, &ranks, routing, parts, ffn, &mut act, out, accumulate,
+        )?;
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
         self.decode_layer_done(store, layer, Some((ids, &experts)))
     }
 
-    /// `act = silu(gate · x) · (up · x)` for each selected expert, then
-    /// `out (+)= Σ weight · down · act`, the experts found through
-    /// `table[ids[k]]`.
+    /// `act = act(gate · x, up · x)` for each selected expert, then
+    /// `out (+)= Σ weight · (down · act + bias)`, the experts found through
+    /// `table[ids[k]]` (their biases by `routing.experts`).
     #[allow(clippy::too_many_arguments)]
     fn launch_decode_experts(
         &self,
@@ -279,6 +292,7 @@ impl CudaBackend {
         ids: &CudaSlice<u32>,
         routing: &Routing,
         parts: PartsLayout,
+        ffn: FfnArgs,
         act: &mut CudaSlice<f32>,
         out: &mut CudaSlice<f32>,
         accumulate: bool,
@@ -326,7 +340,9 @@ impl CudaBackend {
             &hidden_i,
             &gate_part,
             &up_part,
-            &experts_i
+            &experts_i,
+            &ffn,
+            &routing.experts
         );
         // q4 downs run on the tensor cores where the device has them and
         // the experts' B tables fit in shared memory (matvec_tc.cu).
@@ -371,7 +387,9 @@ impl CudaBackend {
             &inter_i,
             &top_k_i,
             &down_part,
-            &accumulate_i
+            &accumulate_i,
+            &ffn,
+            &routing.experts
         );
         Ok(())
     }
@@ -409,10 +427,12 @@ impl CudaBackend {
 
     /// `out[token] += weight · down(silu(gate(x)) · up(x))` for the `m`
     /// tokens whose slots are `slots`.
+    #[allow(clippy::too_many_arguments)]
     fn run_expert(
         &self,
         x: &Tensor,
-        expert: &DeviceExpert,
+        (id, expert): (u32, &DeviceExpert),
+        ffn: FfnArgs,
         slots: &CudaView<'_, u32>,
         m: usize,
         routing: &Routing,
@@ -440,8 +460,33 @@ impl CudaBackend {
         let gate = self.matmul(&xs, m, hidden, &expert.matrix(0, "expert gate"))?;
         let up = self.matmul(&xs, m, hidden, &expert.matrix(1, "expert up"))?;
         let inter = expert.parts[0].1.rows;
-        let act = self.silu_mul_raw(&gate, &up, m * inter)?;
-        let y = self.matmul(&act, m, inter, &expert.matrix(2, "expert down"))?;
+        let (m_l, inter_i) = (m as i64, int(inter, "expert intermediate size"));
+        let mut act = self.alloc::<f32>("routed expert activation", m * inter)?;
+        launch!(
+            self,
+            "expert_act_rows",
+            &self.kernels.expert_act_rows,
+            grid_stride(m * inter),
+            &gate,
+            &up,
+            &mut act,
+            &m_l,
+            &inter_i,
+            &id,
+            &ffn
+        );
+        let mut y = self.matmul(&act, m, inter, &expert.matrix(2, "expert down"))?;
+        launch!(
+            self,
+            "expert_down_bias_rows",
+            &self.kernels.expert_down_bias_rows,
+            grid_stride(m * hidden),
+            &mut y,
+            &m_l,
+            &hidden_i,
+            &id,
+            &ffn
+        );
         launch!(
             self,
             "scatter_add_rows",
@@ -468,12 +513,14 @@ impl CudaBackend {
     /// otherwise the resident experts run first, in one launch pair, while
     /// the host reads the first missing ones, then the missing experts a
     /// batch at a time. Outputs are per slot, so both give the same result.
+    #[allow(clippy::too_many_arguments)]
     fn prefill_routed_experts(
         &self,
         x: &Tensor,
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: FfnArgs,
         order: &[(u32, Vec<u32>)],
         flat: &[u32],
     ) -> Result<Option<Tensor>> {
@@ -509,6 +556,7 @@ impl CudaBackend {
                     tile_count,
                     &slots,
                     &complete.parts.0,
+                    ffn,
                     &mut act,
                     &mut y,
                 )?;
@@ -541,6 +589,7 @@ impl CudaBackend {
                 all_tiles: &all_tiles,
                 slots: &slots,
                 experts: store.expert_count(layer),
+                ffn,
             };
             // The first reads start before the resident experts compute.
             let mut next = batches.first().map(|b| request(b));
@@ -604,6 +653,7 @@ impl CudaBackend {
             count,
             call.slots,
             &first.parts,
+            call.ffn,
             act,
             y,
         )?;
@@ -620,6 +670,40 @@ struct PrefillCall<'a> {
     tiles: &'a super::prefill::Tiles,
     all_tiles: &'a CudaSlice<u32>,
     slots: &'a CudaSlice<u32>,
+    ffn: FfnArgs,
     /// Experts of the layer (the table's length).
     experts: usize,
+}
+
+/// [`ExpertFfn`] as the kernels take it (`ExpertFfn` in moe.cu): the
+/// biases' device addresses (0: none) and the clamp (`limit` 0: plain
+/// SwiGLU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FfnArgs {
+    gate_bias: u64,
+    up_bias: u64,
+    down_bias: u64,
+    limit: f32,
+    alpha: f32,
+}
+
+// SAFETY: plain data laid out as the kernels' struct (C layout, device
+// addresses as 64-bit integers).
+unsafe impl DeviceRepr for FfnArgs {}
+
+fn ffn_args(b: &CudaBackend, ffn: ExpertFfn<'_, CudaBackend>) -> FfnArgs {
+    let address = |w: &super::Weight| w.data.device_ptr(&b.stream).0;
+    let [gate_bias, up_bias, down_bias] = ffn.biases.map_or([0; 3], |ws| ws.map(address));
+    let (limit, alpha) = match ffn.activation {
+        ExpertActivation::SwiGlu => (0.0, 0.0),
+        ExpertActivation::ClampedSwiGlu { limit, alpha } => (limit, alpha),
+    };
+    FfnArgs {
+        gate_bias,
+        up_bias,
+        down_bias,
+        limit,
+        alpha,
+    }
 }

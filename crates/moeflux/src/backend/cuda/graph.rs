@@ -396,16 +396,18 @@ impl CudaBackend {
         kv: &mut [&mut KvCache],
         linear: &[&DeltaNetState],
     ) -> Result<Option<u64>> {
-        if !self.graphs_enabled {
+        // A sliding window's rows move as it lets go of old positions.
+        if !self.graphs_enabled || kv.iter().any(|c| c.windowed()) {
             return Ok(None);
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();
         for cache in kv.iter_mut() {
-            let len = cache.len();
-            self.kv_reserve(cache, len + 1)?;
+            self.kv_reserve(cache, 1)?;
             for word in cache.identity(self) {
                 key.update(&word.to_le_bytes());
             }
+            // The step's attention kernels depend on the context's length.
+            key.update(&[u8::from(self.grouped_decode(cache.held() + 1))]);
         }
         for state in linear {
             key.update(&state.conv.device_ptr(&self.stream).0.to_le_bytes());

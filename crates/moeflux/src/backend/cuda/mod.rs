@@ -85,7 +85,8 @@ pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
 
 use super::{
-    AttentionShape, Backend, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm, Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
+    Rope,
 };
 use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::{Error, Result};
@@ -166,6 +167,10 @@ pub struct CudaBackend {
     whole_rows_min: usize,
     /// See [`delta_net::GDN_CHUNKED_MIN`].
     gdn_chunked_min: usize,
+    /// Most blocks a head's positions are split over in a decode step.
+    decode_splits_max: usize,
+    /// See [`attention::GROUPED_DECODE_MIN`].
+    grouped_decode_min: usize,
     /// Streaming multiprocessors of the device.
     sm_count: usize,
     /// Page-locked memory that large downloads (a decode step's logits)
@@ -399,6 +404,10 @@ impl CudaBackend {
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
+            decode_splits_max: crate::tuning::cuda_decode_splits(geometry::DECODE_ATTN_MAX_SPLITS),
+            grouped_decode_min: crate::tuning::cuda_grouped_decode_min(
+                attention::GROUPED_DECODE_MIN,
+            ),
             sm_count,
             download_staging: Mutex::new(None),
             tc_shared_limit,
@@ -676,8 +685,9 @@ impl Backend for CudaBackend {
         k: &Tensor,
         v: &Tensor,
         shape: AttentionShape,
+        sinks: Option<&Weight>,
     ) -> Result<Tensor> {
-        CudaBackend::attention(self, cache, q, k, v, shape)
+        CudaBackend::attention(self, cache, q, k, v, shape, sinks)
     }
 
     fn gated_delta_net(
@@ -721,8 +731,9 @@ impl Backend for CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<Tensor> {
-        self.compute_routed_experts(x, routing, store, layer)
+        self.compute_routed_experts(x, routing, store, layer, ffn)
     }
 
     fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Result<Vec<Tensor>> {
@@ -779,8 +790,9 @@ impl Backend for CudaBackend {
         routing: &Routing,
         store: &ExpertStore,
         layer: usize,
+        ffn: ExpertFfn<'_, Self>,
     ) -> Result<()> {
-        self.add_routed_experts(out, x, routing, store, layer)
+        self.add_routed_experts(out, x, routing, store, layer, ffn)
     }
 
     fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Result<Option<u64>> {

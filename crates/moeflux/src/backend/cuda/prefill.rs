@@ -21,6 +21,7 @@ use std::ops::Range;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::device_expert::expert_inter;
+use super::experts::FfnArgs;
 use super::geometry::{MP_BM, MP_BN, MP_THREADS};
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::error::Result;
@@ -111,7 +112,7 @@ impl CudaBackend {
     }
 
     /// `act` and `y` for the tiles `tiles` (`count` of them) of a call:
-    /// `act[i] = silu(gate · x) · (up · x)` and `y[slots[i]] = down · act[i]`
+    /// `act[i] = act(gate · x, up · x)` and `y[slots[i]] = down · act[i] + bias`
     /// for each sorted slot `i` of the tiles, the experts found through
     /// `table` at offsets `parts` (gate, up, down).
     #[allow(clippy::too_many_arguments)]
@@ -124,6 +125,7 @@ impl CudaBackend {
         count: usize,
         slots: &CudaSlice<u32>,
         parts: &[(usize, MatrixLayout); 3],
+        ffn: FfnArgs,
         act: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
@@ -178,7 +180,8 @@ impl CudaBackend {
             &hidden_i,
             &top_k_i,
             &gate_part,
-            &up_part
+            &up_part,
+            &ffn
         );
         launch!(
             self,
@@ -194,7 +197,8 @@ impl CudaBackend {
             &inter_i,
             &top_k_i,
             &down_part,
-            &down_part
+            &down_part,
+            &ffn
         );
         Ok(())
     }

@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::geometry::DECODE_ATTN_MAX_SPLITS;
 use super::{CudaBackend, grid_stride, int, long, ok};
 use crate::backend::{AttentionShape, HostDeltaNetState, HostKv};
 use crate::config::LinearAttentionConfig;
@@ -16,7 +17,12 @@ use crate::error::Result;
 const MIN_KV_POSITIONS: usize = 256;
 
 /// Keys and values of every position seen so far, each `[capacity,
-/// kv_heads·head_dim]` of which the first `len` rows are valid.
+/// kv_heads·head_dim]` of which the first `len - first` rows are valid:
+/// row `r` holds position `first + r`. `first` is 0 unless the shape has a
+/// sliding window, whose cache lets go of the positions no later query
+/// sees when it next makes room, so it stays within a few windows and
+/// chunks; such a cache is never recorded in a decode graph (its rows
+/// move).
 ///
 /// Growth: when an append does not fit, the capacity at least doubles (to
 /// at least `MIN_KV_POSITIONS`) and the valid rows move to the new
@@ -26,12 +32,21 @@ const MIN_KV_POSITIONS: usize = 256;
 ///
 /// The length is shared with recorded decode steps (graph.rs), which
 /// advance it when they are replayed without this code running.
+///
+/// A decode step that splits a head's positions over several blocks
+/// merges their results through `partials` (`[heads][splits][head_dim +
+/// 2]`) and `tickets` (a zeroed word per head, back to zero after each
+/// step): the cache's own, so sequences decoded together and layers never
+/// share them.
 pub struct KvCache {
     shape: AttentionShape,
     len: Arc<AtomicUsize>,
+    first: usize,
     capacity: usize,
     keys: CudaSlice<f32>,
     values: CudaSlice<f32>,
+    partials: CudaSlice<f32>,
+    tickets: CudaSlice<u32>,
 }
 
 impl KvCache {
@@ -39,8 +54,19 @@ impl KvCache {
         self.shape.num_kv_heads * self.shape.head_dim
     }
 
+    /// Positions seen so far.
     pub fn len(&self) -> usize {
         self.len.load(Ordering::Relaxed)
+    }
+
+    /// Rows held: the positions from `first` on.
+    pub(super) fn held(&self) -> usize {
+        self.len() - self.first
+    }
+
+    /// Whether the cache has a sliding window (and so is not recorded).
+    pub(super) fn windowed(&self) -> bool {
+        self.shape.window.is_some()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -75,6 +101,14 @@ impl KvCache {
     pub(super) fn values(&self) -> &CudaSlice<f32> {
         &self.values
     }
+
+    pub(super) fn partials(&self) -> &CudaSlice<f32> {
+        &self.partials
+    }
+
+    pub(super) fn tickets(&self) -> &CudaSlice<u32> {
+        &self.tickets
+    }
 }
 
 /// Convolution history `[kernel - 1, conv_dim]` and recurrent state
@@ -95,30 +129,43 @@ fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
 
 impl CudaBackend {
     pub(super) fn kv_new(&self, shape: AttentionShape) -> Result<KvCache> {
+        let op = "new KV cache";
+        let partials = shape.num_heads * DECODE_ATTN_MAX_SPLITS * (shape.head_dim + 2);
         Ok(KvCache {
             shape,
             len: Arc::new(AtomicUsize::new(0)),
+            first: 0,
             capacity: 0,
-            keys: self.alloc("new KV cache", 0)?,
-            values: self.alloc("new KV cache", 0)?,
+            keys: self.alloc(op, 0)?,
+            values: self.alloc(op, 0)?,
+            partials: self.alloc(op, partials)?,
+            tickets: self.zeros(op, shape.num_heads)?,
         })
     }
 
-    /// Makes room for `positions` in total (see [`KvCache`] on growth).
-    pub(super) fn kv_reserve(&self, cache: &mut KvCache, positions: usize) -> Result<()> {
-        if positions <= cache.capacity {
+    /// Makes room for `extra` more positions (see [`KvCache`] on growth;
+    /// a sliding window's cache first lets go of what no later query sees).
+    pub(super) fn kv_reserve(&self, cache: &mut KvCache, extra: usize) -> Result<()> {
+        if cache.held() + extra <= cache.capacity {
             return Ok(());
         }
-        let capacity = positions.max(2 * cache.capacity).max(MIN_KV_POSITIONS);
+        let len = cache.len();
+        let first = len - cache.shape.retained(len).min(cache.held());
+        let dropped = first - cache.first;
+        let needed = cache.held() - dropped + extra;
+        let capacity = match cache.windowed() {
+            true => (2 * needed).max(MIN_KV_POSITIONS),
+            false => needed.max(2 * cache.capacity).max(MIN_KV_POSITIONS),
+        };
         let width = cache.width();
-        let valid = cache.len() * width;
+        let (from, valid) = (dropped * width, (cache.held() - dropped) * width);
         let grow = |old: &CudaSlice<f32>| {
             let mut new = self.alloc::<f32>("growing a KV cache", capacity * width)?;
             if valid > 0 {
                 ok(
                     "growing a KV cache",
                     self.stream
-                        .memcpy_dtod(&old.slice(..valid), &mut new.slice_mut(..valid)),
+                        .memcpy_dtod(&old.slice(from..from + valid), &mut new.slice_mut(..valid)),
                 )?;
             }
             Ok(new)
@@ -128,6 +175,7 @@ impl CudaBackend {
         cache.keys = keys;
         cache.values = values;
         cache.capacity = capacity;
+        cache.first = first;
         Ok(())
     }
 
@@ -142,10 +190,10 @@ impl CudaBackend {
         n: usize,
     ) -> Result<()> {
         let len = cache.len();
-        self.kv_reserve(cache, len + n)?;
+        self.kv_reserve(cache, n)?;
         let width = cache.width();
         let position = self.recorded_position(Some(cache.len_counter()));
-        let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(len));
+        let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(cache.held()));
         launch!(
             self,
             "kv_store",
@@ -170,10 +218,11 @@ impl CudaBackend {
     /// recorded step's position as [`CudaBackend::kv_append`] registers it.
     pub(super) fn kv_claim_one(&self, cache: &mut KvCache) -> Result<(usize, u64)> {
         let len = cache.len();
-        self.kv_reserve(cache, len + 1)?;
+        self.kv_reserve(cache, 1)?;
         let position = self.recorded_position(Some(cache.len_counter()));
+        let row = cache.held();
         cache.set_len(len + 1);
-        Ok((len, position))
+        Ok((row, position))
     }
 
     /// Makes room for one more position in each cache and counts it;
@@ -185,22 +234,42 @@ impl CudaBackend {
             .iter_mut()
             .map(|cache| {
                 let len = cache.len();
-                self.kv_reserve(cache, len + 1)?;
+                self.kv_reserve(cache, 1)?;
+                let row = cache.held();
                 cache.set_len(len + 1);
-                Ok(len as i64)
+                Ok(row as i64)
             })
             .collect()
     }
 
     pub(super) fn kv_truncate_to(&self, cache: &mut KvCache, len: usize) {
+        assert!(
+            len >= cache.first,
+            "a sliding-window cache cannot be cut back before its first held position"
+        );
         cache.set_len(cache.len().min(len));
     }
 
+    /// The positions a later query can see (a sliding window's newest, as
+    /// the CPU holds them).
     pub(super) fn kv_to_host(&self, cache: &KvCache) -> Result<HostKv> {
-        let valid = cache.len() * cache.width();
+        let len = cache.len();
+        let first = len - cache.shape.retained(len).min(cache.held());
+        let width = cache.width();
+        let (from, valid) = ((first - cache.first) * width, (len - first) * width);
+        let op = "saving a KV cache";
+        let download = |data: &CudaSlice<f32>| -> Result<Vec<f32>> {
+            if valid == 0 {
+                return Ok(Vec::new());
+            }
+            let host = ok(op, self.stream.clone_dtoh(&data.slice(from..from + valid)))?;
+            ok(op, self.stream.synchronize())?;
+            Ok(host)
+        };
         Ok(HostKv {
-            keys: self.download("saving a KV cache", &cache.keys, valid)?,
-            values: self.download("saving a KV cache", &cache.values, valid)?,
+            first,
+            keys: download(&cache.keys)?,
+            values: download(&cache.values)?,
         })
     }
 
@@ -215,6 +284,7 @@ impl CudaBackend {
         let len = host.keys.len() / width;
         let mut cache = self.kv_new(shape)?;
         self.kv_reserve(&mut cache, len)?;
+        cache.first = host.first;
         let n = len * width;
         if n > 0 {
             ok(
@@ -228,7 +298,7 @@ impl CudaBackend {
                     .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
             )?;
         }
-        cache.set_len(len);
+        cache.set_len(host.first + len);
         Ok(cache)
     }
 

@@ -1,6 +1,7 @@
 //! Reading a checkpoint's values: bf16, f16 and f32 as they are, FP8 times
-//! its block scales, MLX codes times their scales plus their biases; MLX
-//! rows in moeflux's own encoding copied as they are.
+//! its block scales, MLX codes times their scales plus their biases, MXFP4
+//! values times their power-of-two scales; MLX rows in moeflux's own
+//! encoding copied as they are.
 
 use std::path::Path;
 use std::sync::LazyLock;
@@ -31,6 +32,23 @@ pub(crate) fn e4m3_to_f32(byte: u8) -> f32 {
         })
     });
     TABLE[byte as usize]
+}
+
+/// The e2m1 values of MXFP4 (OCP Microscaling), by 4-bit code.
+const E2M1: [f32; 16] = [
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+];
+
+/// Value `i` of MXFP4 `blocks` (16 bytes per group of 32, low nibble
+/// first) with exponent bytes `scales` (biased by 127).
+pub(crate) fn mxfp4_at(blocks: &[u8], scales: &[u8], i: usize) -> f32 {
+    let byte = blocks[i / 2];
+    let code = if i.is_multiple_of(2) {
+        byte & 0xf
+    } else {
+        byte >> 4
+    };
+    E2M1[code as usize] * (2f32).powi(scales[i / 32] as i32 - 127)
 }
 
 fn float_at(dtype: Dtype, bytes: &[u8], i: usize) -> f32 {
@@ -170,6 +188,10 @@ impl Store for Checkpoint {
                     q as f32 * float_at(sd, s, g) + float_at(sd, b, g)
                 }));
             }
+            Encoding::Mxfp4 { scales } => {
+                let (_, _, s) = self.raw(t, scales);
+                out.extend(range.map(|i| mxfp4_at(bytes, s, i)));
+            }
         }
         Ok(())
     }
@@ -184,6 +206,7 @@ impl Store for Checkpoint {
         Some(match &t.encoding {
             Encoding::Plain => dtype.bitsize() as f64,
             Encoding::Fp8 { .. } => 8.0,
+            Encoding::Mxfp4 { .. } => 4.25,
             Encoding::Mlx {
                 scales,
                 bits,
@@ -254,6 +277,7 @@ impl Store for Checkpoint {
         match &t.encoding {
             Encoding::Plain => None,
             Encoding::Fp8 { .. } => Some("FP8 (e4m3, block scales)".into()),
+            Encoding::Mxfp4 { .. } => Some("MXFP4 (e2m1, a power-of-two scale per 32)".into()),
             Encoding::Mlx { bits, group, .. } => Some(format!("MLX {bits}-bit groups of {group}")),
         }
     }

@@ -16,6 +16,13 @@
 //!   `q × scale + bias`, moeflux's own q4/q8 scheme: 4- and 8-bit groups of
 //!   64 with bf16 scales are copied without re-quantization.
 //!
+//! - **MXFP4** (gpt-oss's experts): a `uint8` `{name}_blocks`
+//!   `[..., groups, 16]` of e2m1 values, two per byte (low nibble first),
+//!   with a `uint8` `{name}_scales` `[..., groups]` of power-of-two
+//!   exponents biased by 127, one per group of 32. Presented as the tensor
+//!   `{name}_blocks` of shape `[..., groups · 32]`; a weight is
+//!   `e2m1 × 2^(scale − 127)`, exact in f32.
+//!
 //! MLX checkpoints also name tensors their own way (routed experts stacked
 //! in `switch_mlp`, Qwen3.5's `language_model.model.` prefix, the
 //! convolution as `[channels, kernel, 1]`, `1 + w` norms for the Qwen3-Next
@@ -65,6 +72,8 @@ enum Encoding {
         bits: usize,
         group: usize,
     },
+    /// MXFP4: e2m1 pairs per byte, an exponent byte per 32 values.
+    Mxfp4 { scales: String },
 }
 
 /// A weight as the checkpoint stores it, its companion tensors (FP8 scales,

@@ -193,6 +193,21 @@ pub(super) fn attach_companions(
                 );
                 continue;
             }
+            Dtype::U8 if mxfp4_scales(name, raw).is_some() => {
+                let scales = mxfp4_scales(name, raw).expect("checked");
+                let (_, s) = info(&scales).expect("listed");
+                let shape = mxfp4_shape(shard, name, t, s)?;
+                companions.insert(scales.clone());
+                stored.insert(
+                    name.clone(),
+                    Stored {
+                        shard: shard_index,
+                        shape,
+                        encoding: Encoding::Mxfp4 { scales },
+                    },
+                );
+                continue;
+            }
             _ => Encoding::Plain,
         };
         stored.insert(
@@ -206,6 +221,38 @@ pub(super) fn attach_companions(
     }
     stored.retain(|name, _| !companions.contains(name));
     Ok(stored)
+}
+
+/// The scales of an MXFP4 `{name}_blocks` tensor, `{name}_scales`, if
+/// the checkpoint has them.
+fn mxfp4_scales(name: &str, raw: &BTreeMap<String, usize>) -> Option<String> {
+    let scales = format!("{}_scales", name.strip_suffix("_blocks")?);
+    raw.contains_key(&scales).then_some(scales)
+}
+
+/// The values' shape of MXFP4 blocks `[..., groups, 16]`, checked against
+/// their scales `[..., groups]` (both u8).
+fn mxfp4_shape(shard: &Shard, name: &str, t: &TensorInfo, s: &TensorInfo) -> Result<Vec<usize>> {
+    let n = t.shape.len();
+    let fits = n >= 2
+        && t.shape[n - 1] == 16
+        && s.dtype == Dtype::U8
+        && s.shape.as_slice() == &t.shape[..n - 1];
+    if !fits {
+        return Err(Error::tensor(
+            &shard.path,
+            name,
+            format!(
+                "MXFP4 blocks of shape {:?} with scales {:?} {:?}: expected u8 blocks                  [..., groups, 16] and u8 scales [..., groups]",
+                t.shape, s.dtype, s.shape
+            ),
+        ));
+    }
+    Ok(t.shape[..n - 2]
+        .iter()
+        .copied()
+        .chain([t.shape[n - 2] * 32])
+        .collect())
 }
 
 fn is_float(dtype: Dtype) -> bool {

@@ -19,12 +19,15 @@
 // ATTN_WARPS warps per block; head dimensions up to ATTN_MAX_PER_LANE · 32
 // (checked on the host).
 
-// `start` is the position of the first query, read from `position` on the
-// device instead when that is given (a recorded step).
+// `start` is the cache row of the first query, read from `position` on the
+// device instead when that is given (a recorded step). Every kernel here
+// also takes `window` (a query sees that many rows, its own included; 0:
+// every row before it) and `sinks` (a logit per query head that joins the
+// softmax's denominator with no value; null: none).
 extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
     attention(const float* q, const float* keys, const float* values, float* out, int n,
               int heads, int kv_heads, int head_dim, i64 start, const u32* position,
-              float scale) {
+              float scale, int window, const float* sinks) {
     await_inputs();
     const int W = ATTN_WARPS;
     if (position) start = *position;
@@ -44,6 +47,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         const float* k_head = keys + (i64)(h / group) * head_dim;
         const float* v_head = values + (i64)(h / group) * head_dim;
         i64 visible = start + t + 1;
+        i64 oldest = window > 0 ? max((i64)0, visible - window) : 0;
 
         float qv[ATTN_MAX_PER_LANE];
         float acc[ATTN_MAX_PER_LANE];
@@ -55,7 +59,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         }
         float max_score = NEG_INF;
         float total = 0.0f;
-        for (i64 j = warp; j < visible; j += W) {
+        for (i64 j = oldest + warp; j < visible; j += W) {
             const float* key = k_head + j * kv_width;
             float s = 0.0f;
 #pragma unroll
@@ -86,12 +90,12 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
             if (d < head_dim) warp_acc[warp][d] = acc[k];
         }
         __syncthreads();
-        // A warp that saw no position has maximum -inf and weighs 0; at
-        // least one warp saw position 0, so the overall maximum is finite.
+        // A warp that saw no position has maximum -inf and weighs 0; warp 0
+        // saw the oldest visible row, so the overall maximum is finite.
         float overall = warp_max_score[0];
         for (int w = 1; w < W; ++w) overall = fmaxf(overall, warp_max_score[w]);
         float weights[W];
-        float denominator = 0.0f;
+        float denominator = sinks ? expf(sinks[h] - overall) : 0.0f;
         for (int w = 0; w < W; ++w) {
             weights[w] = expf(warp_max_score[w] - overall);
             denominator += warp_total[w] * weights[w];
@@ -121,6 +125,15 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
 // and the first block of each KV head's group stores them into the cache
 // (no other block reads that position of the cache), saving a launch per
 // layer.
+//
+// Long contexts (flash-decoding): a head alone is too little work for the
+// device, so the positions are split over up to `splits` blocks per head
+// (grid z), whole chunks each. The number in use follows the context on
+// the device, so a recorded step launches the same grid at every length;
+// blocks past it return at once. With one in use the block writes the
+// output; otherwise each writes its maximum, sum and weighted values to
+// the cache's partials, and the block that finishes last (a ticket per
+// head) merges them and resets the ticket for the next step.
 
 // DECODE_ATTN_WARPS (geometry.rs) warps per block.
 #define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
@@ -130,13 +143,119 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
 // 16-byte pieces of a key a thread loads before using them.
 #define DECODE_KEY_QUADS 16
 
+// The rows [first, end) of split `split` when the rows [oldest, visible)
+// are split over at most `splits` blocks in whole chunks; returns the
+// number of splits in use (a split at or past it has no rows).
+__device__ __forceinline__ int decode_split_range(i64 oldest, i64 visible, int splits, int split,
+                                                  int chunk, i64* first, i64* end) {
+    const i64 chunks = (visible - oldest + chunk - 1) / chunk;
+    const i64 split_chunks = (chunks + splits - 1) / splits;
+    *first = oldest + split * split_chunks * chunk;
+    *end = min(visible, *first + split_chunks * chunk);
+    return (int)((chunks + split_chunks - 1) / split_chunks);
+}
+
+// The oldest row a query at row `visible - 1` sees with a window of
+// `window` rows (0: every row).
+__device__ __forceinline__ i64 oldest_visible(i64 visible, int window) {
+    return window > 0 ? max((i64)0, visible - window) : 0;
+}
+
+// Whether this block is the last of the `used` splits of a head (or of a
+// KV head's group) to finish, after its partials are written: then it
+// merges them, and the ticket is reset for the next step.
+__device__ bool last_of_splits(u32* ticket, int used) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        is_last = atomicAdd(ticket, 1u) == (u32)(used - 1);
+        if (is_last) *ticket = 0;
+    }
+    __syncthreads();
+    if (is_last) __threadfence();
+    return is_last;
+}
+
+// One head's output from the partials of its `used` splits (`[splits]
+// [head_dim + 2]`: weighted values, maximum, sum) and its sink logit
+// (-inf: none), which joins the denominator. Read through L2 (`__ldcg`):
+// L1 is not coherent across blocks.
+__device__ void merge_split_partials(const float* partials, int used, int head_dim, float sink,
+                                     float* out) {
+    // Every split saw at least one position, so every maximum is finite.
+    float overall = NEG_INF;
+    for (int s = 0; s < used; ++s)
+        overall = fmaxf(overall, __ldcg(partials + (i64)s * (head_dim + 2) + head_dim));
+    float denominator = expf(sink - overall);
+    for (int s = 0; s < used; ++s) {
+        const float* part = partials + (i64)s * (head_dim + 2);
+        denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
+    }
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int s = 0; s < used; ++s) {
+            const float* part = partials + (i64)s * (head_dim + 2);
+            sum += __ldcg(part + d) * expf(__ldcg(part + head_dim) - overall);
+        }
+        out[d] = sum / denominator;
+    }
+}
+
+// merge_split_partials by one warp (lanes over the splits, then over the
+// dimensions).
+__device__ void merge_split_partials_warp(const float* partials, int used, int head_dim,
+                                          float sink, float* out) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    float overall = NEG_INF;
+    for (int s = lane; s < used; s += WARP_SIZE)
+        overall = fmaxf(overall, __ldcg(partials + (i64)s * (head_dim + 2) + head_dim));
+    overall = warp_max(overall);
+    float denominator = 0.0f;
+    for (int s = lane; s < used; s += WARP_SIZE) {
+        const float* part = partials + (i64)s * (head_dim + 2);
+        denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
+    }
+    denominator = warp_sum(denominator) + expf(sink - overall);
+    for (int d = lane; d < head_dim; d += WARP_SIZE) {
+        float sum = 0.0f;
+        for (int s = 0; s < used; ++s) {
+            const float* part = partials + (i64)s * (head_dim + 2);
+            sum += __ldcg(part + d) * expf(__ldcg(part + head_dim) - overall);
+        }
+        out[d] = sum / denominator;
+    }
+}
+
+// One split's result of a head (its warps' weighted sums `warp_acc`, rows
+// `stride` apart, and the block's maximum and sum) into `partials`
+// ([splits][head_dim + 2]: the weighted values, then maximum and sum);
+// the last of the `used` blocks to arrive merges them into `out`.
+__device__ void merge_decode_splits(const float* warp_acc, int stride, int head_dim,
+                                    float running_max, float total, int split, int used,
+                                    float* partials, u32* ticket, float sink, float* out) {
+    float* mine = partials + (i64)split * (head_dim + 2);
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float sum = 0.0f;
+        for (int w = 0; w < DECODE_ATTN_WARPS; ++w) sum += warp_acc[w * stride + d];
+        mine[d] = sum;
+    }
+    if (threadIdx.x == 0) {
+        mine[head_dim] = running_max;
+        mine[head_dim + 1] = total;
+    }
+    if (last_of_splits(ticket, used)) merge_split_partials(partials, used, head_dim, sink, out);
+}
+
 // Head dimensions up to PER_LANE · 32.
 template <int PER_LANE>
 __device__ __forceinline__ void attend_decode(const float* q, float* keys, float* values,
                                               float* out, int heads, int kv_heads,
                                               int head_dim, i64 start, const u32* position,
                                               float scale, const float* new_k,
-                                              const float* new_v) {
+                                              const float* new_v, int window,
+                                              const float* sinks, int splits,
+                                              float* partials, u32* tickets) {
     if (position) start = *position;
     __shared__ float4 query4[PER_LANE * WARP_SIZE / 4];
     __shared__ float weight[DECODE_ATTN_CHUNK];
@@ -154,6 +273,11 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     const float* fresh_k = new_k + (i64)(h / group) * head_dim;
     const float* fresh_v = new_v + (i64)(h / group) * head_dim;
     const i64 visible = start + 1;
+    const int split = blockIdx.z;
+    i64 first, end;
+    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
+                                        DECODE_ATTN_CHUNK, &first, &end);
+    if (split >= used) return;
     const int quads = head_dim % 4 == 0 ? head_dim / 4 : 0;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
     __syncthreads();
@@ -163,8 +287,8 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     float acc[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) acc[k] = 0.0f;
-    for (i64 c0 = 0; c0 < visible; c0 += DECODE_ATTN_CHUNK) {
-        const int chunk = (int)min((i64)DECODE_ATTN_CHUNK, visible - c0);
+    for (i64 c0 = first; c0 < end; c0 += DECODE_ATTN_CHUNK) {
+        const int chunk = (int)min((i64)DECODE_ATTN_CHUNK, end - c0);
         // This thread's position: its score, the key read in batches of
         // DECODE_KEY_QUADS loads in flight.
         float s = NEG_INF;
@@ -235,12 +359,21 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
     }
     __syncthreads();
     float* o = out + (i64)h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.0f;
-        for (int w = 0; w < DECODE_ATTN_WARPS; ++w) sum += warp_acc[w][d];
-        o[d] = sum / total;
+    const float sink = sinks ? sinks[h] : NEG_INF;
+    if (used == 1) {
+        // The sink's share, relative to the running maximum like `total`.
+        const float denominator = total + expf(sink - running_max);
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            float sum = 0.0f;
+            for (int w = 0; w < DECODE_ATTN_WARPS; ++w) sum += warp_acc[w][d];
+            o[d] = sum / denominator;
+        }
+    } else {
+        merge_decode_splits(warp_acc[0], PER_LANE * WARP_SIZE, head_dim, running_max, total,
+                            split, used, partials + (i64)h * splits * (head_dim + 2),
+                            tickets + h, sink, o);
     }
-    if (h % group == 0) {
+    if (h % group == 0 && split == 0) {
         float* stored_k = keys + start * kv_width + (i64)(h / group) * head_dim;
         float* stored_v = values + start * kv_width + (i64)(h / group) * head_dim;
         for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -251,22 +384,28 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
 }
 
 // Asks L2 for the keys and values of the first chunk of positions the
-// blocks of one KV head read, before waiting for the step's inputs: they
-// were stored by earlier steps, which no kernel of this one changes (the
-// recorded position is written before the step starts). The first block of
-// each KV head's group asks.
+// blocks of one KV head and split read, before waiting for the step's
+// inputs: they were stored by earlier steps, which no kernel of this one
+// changes (the recorded position is written before the step starts). The
+// first block of each KV head's group asks.
 __device__ __forceinline__ void prefetch_kv_history(const float* keys, const float* values,
                                                     int heads, int kv_heads, int head_dim,
-                                                    i64 start, const u32* position) {
+                                                    i64 start, const u32* position,
+                                                    int window, int splits) {
     if (position) start = *position;
     const int group = heads / kv_heads;
     if (blockIdx.x % group != 0) return;
+    i64 first, end;
+    if ((int)blockIdx.z >= decode_split_range(oldest_visible(start + 1, window), start + 1, splits,
+                                              blockIdx.z, DECODE_ATTN_CHUNK, &first, &end))
+        return;
+    // The newest position is not in the cache yet.
+    const i64 rows = min(min(end, start) - first, (i64)DECODE_ATTN_CHUNK);
     const i64 kv_width = (i64)kv_heads * head_dim;
-    const i64 rows = min(start, (i64)DECODE_ATTN_CHUNK);
     const int lines = (4 * head_dim + 127) / 128;
     const i64 head = (i64)(blockIdx.x / group) * head_dim;
     for (i64 i = threadIdx.x; i < rows * lines; i += blockDim.x) {
-        i64 at = (i / lines) * kv_width + head;
+        i64 at = (first + i / lines) * kv_width + head;
         int line = (int)(i % lines);
         prefetch_l2((const u8*)(keys + at) + 128 * line);
         prefetch_l2((const u8*)(values + at) + 128 * line);
@@ -275,46 +414,300 @@ __device__ __forceinline__ void prefetch_kv_history(const float* keys, const flo
 
 // One kernel per bound on the head dimension (128, 256, 512), so a lane
 // keeps only the dimensions that exist. Same parameters as `attention`
-// (n is 1).
-#define ATTENTION_DECODE_KERNEL(name, PER_LANE)                                            \
-    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)            \
-        name(const float* q, float* keys, float* values, float* out, int n, int heads,     \
-             int kv_heads, int head_dim, i64 start, const u32* position, float scale,      \
-             const float* new_k, const float* new_v) {                                     \
-        prefetch_kv_history(keys, values, heads, kv_heads, head_dim, start, position);     \
-        await_inputs();                                                                    \
-        attend_decode<PER_LANE>(q, keys, values, out, heads, kv_heads, head_dim, start,    \
-                                position, scale, new_k, new_v);                            \
+// (n is 1), then the splits: grid (heads, 1, splits); `partials` holds
+// [heads][splits][head_dim + 2] values and `tickets` a zeroed word per head.
+#define ATTENTION_DECODE_KERNEL(name, PER_LANE)                                              \
+    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)              \
+        name(const float* q, float* keys, float* values, float* out, int n, int heads,       \
+             int kv_heads, int head_dim, i64 start, const u32* position, float scale,        \
+             const float* new_k, const float* new_v, int window, const float* sinks,         \
+             int splits, float* partials, u32* tickets) {                                    \
+        prefetch_kv_history(keys, values, heads, kv_heads, head_dim, start, position,        \
+                            window, splits);                                                 \
+        await_inputs();                                                                      \
+        attend_decode<PER_LANE>(q, keys, values, out, heads, kv_heads, head_dim, start,      \
+                                position, scale, new_k, new_v, window, sinks, splits,        \
+                                partials, tickets);                                          \
     }
 
 ATTENTION_DECODE_KERNEL(attention_decode_128, 4)
 ATTENTION_DECODE_KERNEL(attention_decode_256, 8)
 ATTENTION_DECODE_KERNEL(attention_decode_512, 16)
 
-// A decode step of several sequences at once: grid (heads, sequences);
-// sequence s's query, key and value are row s of q, new_k and new_v, its
-// cache at keys[s] / values[s] with starts[s] positions before this one.
-// Each block does what attention_decode's does for its head and sequence
+// A decode step of several sequences at once: grid (heads, sequences,
+// splits); sequence s's query, key and value are row s of q, new_k and
+// new_v, its cache at keys[s] / values[s] with starts[s] positions before
+// this one, its partials and tickets at partials[s] / tickets[s]. Each
+// block does what attention_decode's does for its head, sequence and split
 // (without reading the history ahead: the caches' addresses are inputs).
-#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE)                                      \
-    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)            \
-        name(const float* q, const u64* keys, const u64* values, float* out, int heads,    \
-             int kv_heads, int head_dim, const i64* starts, float scale,                   \
-             const float* new_k, const float* new_v) {                                     \
-        await_inputs();                                                                    \
-        const int s = blockIdx.y;                                                          \
-        float* k = (float*)keys[s];                                                        \
-        float* v = (float*)values[s];                                                      \
-        const i64 start = starts[s];                                                       \
-        const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;    \
-        attend_decode<PER_LANE>(q + s * q_width, k, v, out + s * q_width, heads, kv_heads, \
-                                head_dim, start, nullptr, scale, new_k + s * kv_width,     \
-                                new_v + s * kv_width);                                     \
+#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE)                                        \
+    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)              \
+        name(const float* q, const u64* keys, const u64* values, float* out, int heads,      \
+             int kv_heads, int head_dim, const i64* starts, float scale,                     \
+             const float* new_k, const float* new_v, int splits, const u64* partials,        \
+             const u64* tickets) {                                                           \
+        await_inputs();                                                                      \
+        const int s = blockIdx.y;                                                            \
+        float* k = (float*)keys[s];                                                          \
+        float* v = (float*)values[s];                                                        \
+        const i64 start = starts[s];                                                         \
+        const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;      \
+        attend_decode<PER_LANE>(q + s * q_width, k, v, out + s * q_width, heads, kv_heads,   \
+                                head_dim, start, nullptr, scale, new_k + s * kv_width,       \
+                                new_v + s * kv_width, 0, nullptr, splits,                    \
+                                (float*)partials[s], (u32*)tickets[s]);                      \
     }
 
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128, 4)
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256, 8)
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512, 16)
+
+// ---- One token, a block per KV head: each key and value read once ----
+//
+// With grouped-query attention the `group` query heads of a KV head read
+// the same keys and values; a block per query head reads them `group`
+// times (from L2, whose bandwidth then bounds a long context). Here a
+// block takes a KV head's whole group, and a split of its positions as
+// above (grid (kv_heads, sequences, splits)), in chunks of one position
+// per thread:
+//   1. each thread scores its position's key against every query of the
+//      group (the queries in shared memory, the key read once);
+//   2. a warp per query head takes the chunk's maximum and sum for it and
+//      turns its scores into weights;
+//   3. the warps take the chunk's positions in turn, lanes over dimensions,
+//      each value read once and added to every head's sum.
+// The heads' results are merged across splits as in attend_decode.
+
+// GD_WARPS (geometry.rs) warps per block, one position per thread per chunk.
+#define GD_CHUNK (GD_WARPS * WARP_SIZE)
+// Positions a warp loads the values of before using them.
+#define GD_VALUES_IN_FLIGHT 8
+
+// Head dimensions up to PER_LANE · 32, groups up to GROUP query heads.
+template <int PER_LANE, int GROUP>
+__device__ __forceinline__ void attend_decode_grouped(const float* q, float* keys, float* values,
+                                                      float* out, int heads, int kv_heads,
+                                                      int head_dim, i64 start, float scale,
+                                                      const float* new_k, const float* new_v,
+                                                      int window, const float* sinks,
+                                                      int splits, float* partials,
+                                                      u32* tickets) {
+    __shared__ float4 query4[GROUP][PER_LANE * WARP_SIZE / 4];
+    __shared__ float weight[GROUP][GD_CHUNK];
+    __shared__ float head_max[GROUP], head_total[GROUP], head_rescale[GROUP];
+    __shared__ float reduce[GD_WARPS][PER_LANE * WARP_SIZE];
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int kv_head = blockIdx.x;
+    const int group = heads / kv_heads;
+    const i64 kv_width = (i64)kv_heads * head_dim;
+    const float* k_head = keys + (i64)kv_head * head_dim;
+    const float* v_head = values + (i64)kv_head * head_dim;
+    const float* fresh_k = new_k + (i64)kv_head * head_dim;
+    const float* fresh_v = new_v + (i64)kv_head * head_dim;
+    const i64 visible = start + 1;
+    const int split = blockIdx.z;
+    i64 first, end;
+    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
+                                        GD_CHUNK, &first, &end);
+    if (split >= used) return;
+    const int quads = head_dim / 4;  // head_dim % 4 == 0 (checked on the host)
+    const float* group_q = q + (i64)kv_head * group * head_dim;
+    for (int i = threadIdx.x; i < GROUP * PER_LANE * WARP_SIZE / 4; i += blockDim.x) {
+        int g = i / (PER_LANE * WARP_SIZE / 4), quad = i % (PER_LANE * WARP_SIZE / 4);
+        query4[g][quad] = g < group && quad < quads
+                              ? ((const float4*)(group_q + (i64)g * head_dim))[quad]
+                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    if (threadIdx.x < GROUP) {
+        head_max[threadIdx.x] = NEG_INF;
+        head_total[threadIdx.x] = 0.0f;
+    }
+    float acc[GROUP][PER_LANE];
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g)
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) acc[g][k] = 0.0f;
+    __syncthreads();
+
+    for (i64 c0 = first; c0 < end; c0 += GD_CHUNK) {
+        const int chunk = (int)min((i64)GD_CHUNK, end - c0);
+        // 1. This thread's position against every query of the group.
+        float dot[GROUP];
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) dot[g] = 0.0f;
+        if (threadIdx.x < chunk) {
+            const i64 j = c0 + threadIdx.x;
+            // Its value is read in step 3, by another warp: ask L2 for it now.
+            if (j < visible - 1) {
+                const u8* value = (const u8*)(v_head + j * kv_width);
+                for (int line = 0; line < 4 * head_dim; line += 128) prefetch_l2(value + line);
+            }
+            const float4* key = (const float4*)(j == visible - 1 ? fresh_k : k_head + j * kv_width);
+            for (int b = 0; b < quads; b += DECODE_KEY_QUADS) {
+                float4 kq[DECODE_KEY_QUADS];
+#pragma unroll
+                for (int u = 0; u < DECODE_KEY_QUADS; ++u)
+                    kq[u] = b + u < quads ? key[b + u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
+                    if (b + u < quads) {
+#pragma unroll
+                        for (int g = 0; g < GROUP; ++g) {
+                            float4 qq = query4[g][b + u];
+                            dot[g] = fmaf(qq.x, kq[u].x, dot[g]);
+                            dot[g] = fmaf(qq.y, kq[u].y, dot[g]);
+                            dot[g] = fmaf(qq.z, kq[u].z, dot[g]);
+                            dot[g] = fmaf(qq.w, kq[u].w, dot[g]);
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g)
+            weight[g][threadIdx.x] = threadIdx.x < chunk ? dot[g] * scale : NEG_INF;
+        __syncthreads();
+        // 2. Each head's running maximum and sum, its scores made weights.
+        for (int g = warp; g < group; g += GD_WARPS) {
+            float m = NEG_INF;
+            for (int i = lane; i < chunk; i += WARP_SIZE) m = fmaxf(m, weight[g][i]);
+            const float new_max = fmaxf(head_max[g], warp_max(m));
+            float sum = 0.0f;
+            for (int i = lane; i < chunk; i += WARP_SIZE) {
+                float p = expf(weight[g][i] - new_max);
+                weight[g][i] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float rescale = expf(head_max[g] - new_max);  // 0 for the first chunk
+                head_rescale[g] = rescale;
+                head_total[g] = head_total[g] * rescale + sum;
+                head_max[g] = new_max;
+            }
+        }
+        __syncthreads();
+        // 3. Values, each read once for every head.
+#pragma unroll
+        for (int g = 0; g < GROUP; ++g) {
+            const float rescale = g < group ? head_rescale[g] : 0.0f;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) acc[g][k] *= rescale;
+        }
+        for (int i0 = warp; i0 < chunk; i0 += GD_WARPS * GD_VALUES_IN_FLIGHT) {
+            float v[GD_VALUES_IN_FLIGHT][PER_LANE];
+#pragma unroll
+            for (int u = 0; u < GD_VALUES_IN_FLIGHT; ++u) {
+                const int i = i0 + u * GD_WARPS;
+                const i64 j = c0 + i;
+                const float* value = j == visible - 1 ? fresh_v : v_head + j * kv_width;
+#pragma unroll
+                for (int k = 0; k < PER_LANE; ++k) {
+                    const int d = lane + k * WARP_SIZE;
+                    v[u][k] = i < chunk && d < head_dim ? value[d] : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < GD_VALUES_IN_FLIGHT; ++u) {
+                const int i = i0 + u * GD_WARPS;
+                if (i < chunk) {
+#pragma unroll
+                    for (int g = 0; g < GROUP; ++g) {
+                        const float w = weight[g][i];
+#pragma unroll
+                        for (int k = 0; k < PER_LANE; ++k) acc[g][k] = fmaf(w, v[u][k], acc[g][k]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // weight[] is rewritten by the next chunk
+    }
+
+    // Each head: the warps' sums added, then the output (one split) or this
+    // split's partial.
+    const int h0 = kv_head * group;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+        if (g >= group) break;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const int d = lane + k * WARP_SIZE;
+            if (d < head_dim) reduce[warp][d] = acc[g][k];
+        }
+        __syncthreads();
+        float* o = used == 1 ? out + (i64)(h0 + g) * head_dim
+                             : partials + ((i64)(h0 + g) * splits + split) * (head_dim + 2);
+        // The sink's share, relative to the running maximum like the total.
+        const float sink = sinks ? sinks[h0 + g] : NEG_INF;
+        const float scale_out =
+            used == 1 ? 1.0f / (head_total[g] + expf(sink - head_max[g])) : 1.0f;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            float sum = 0.0f;
+            for (int w = 0; w < GD_WARPS; ++w) sum += reduce[w][d];
+            o[d] = sum * scale_out;
+        }
+        if (used > 1 && threadIdx.x == 0) {
+            o[head_dim] = head_max[g];
+            o[head_dim + 1] = head_total[g];
+        }
+        __syncthreads();  // reduce[] is rewritten for the next head
+    }
+    if (used > 1 && last_of_splits(tickets + kv_head, used)) {
+        // A warp per head.
+        for (int g = warp; g < group; g += GD_WARPS)
+            merge_split_partials_warp(partials + (i64)(h0 + g) * splits * (head_dim + 2), used,
+                                      head_dim, sinks ? sinks[h0 + g] : NEG_INF,
+                                      out + (i64)(h0 + g) * head_dim);
+    }
+    if (split == 0) {
+        float* stored_k = keys + start * kv_width + (i64)kv_head * head_dim;
+        float* stored_v = values + start * kv_width + (i64)kv_head * head_dim;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            stored_k[d] = fresh_k[d];
+            stored_v[d] = fresh_v[d];
+        }
+    }
+}
+
+// Same parameters as attention_decode_*; grid (kv_heads, 1, splits).
+#define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP)                                \
+    extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
+        name(const float* q, float* keys, float* values, float* out, int n, int heads,        \
+             int kv_heads, int head_dim, i64 start, const u32* position, float scale,         \
+             const float* new_k, const float* new_v, int window, const float* sinks,          \
+             int splits, float* partials, u32* tickets) {                                     \
+        if (position) start = *position;                                                      \
+        await_inputs();                                                                       \
+        attend_decode_grouped<PER_LANE, GROUP>(q, keys, values, out, heads, kv_heads,         \
+                                               head_dim, start, scale, new_k, new_v, window,  \
+                                               sinks, splits, partials, tickets);             \
+    }
+
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8, 4, 8)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16, 4, 16)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8, 8, 8)
+
+// Same parameters as attention_decode_batch_*; grid (kv_heads, sequences,
+// splits).
+#define ATTENTION_DECODE_BATCH_GROUPED_KERNEL(name, PER_LANE, GROUP)                          \
+    extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
+        name(const float* q, const u64* keys, const u64* values, float* out, int heads,       \
+             int kv_heads, int head_dim, const i64* starts, float scale,                      \
+             const float* new_k, const float* new_v, int splits, const u64* partials,         \
+             const u64* tickets) {                                                            \
+        await_inputs();                                                                       \
+        const int s = blockIdx.y;                                                             \
+        const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;       \
+        attend_decode_grouped<PER_LANE, GROUP>(                                               \
+            q + s * q_width, (float*)keys[s], (float*)values[s], out + s * q_width, heads,    \
+            kv_heads, head_dim, starts[s], scale, new_k + s * kv_width, new_v + s * kv_width, \
+            0, nullptr, splits, (float*)partials[s], (u32*)tickets[s]);                       \
+    }
+
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8, 4, 8)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16, 4, 16)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8, 8, 8)
 
 // ---- Prefill: a block per tile of query rows, keys and values shared ----
 //
@@ -338,7 +731,7 @@ template <int PER_LANE>
 __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
                                              const float* values, float* out, int n,
                                              int heads, int kv_heads, int head_dim, i64 start,
-                                             float scale) {
+                                             float scale, int window, const float* sinks) {
     extern __shared__ float4 fa_shared[];
     const int group = heads / kv_heads;
     const int key_stride = head_dim + FA_KEY_PAD;
@@ -365,13 +758,18 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     }
     // Keys visible to this warp's rows and to the block (rows are
     // token-major, so the block's last row sees the most).
+    // With a window, each row sees only the last `window` of them, and the
+    // block starts at its first row's oldest.
     i64 visible[FA_ROWS_PER_WARP];
+    i64 oldest[FA_ROWS_PER_WARP];
 #pragma unroll
     for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
         i64 row = min(row0 + warp * FA_ROWS_PER_WARP + r, rows - 1);
         visible[r] = start + row / group + 1;
+        oldest[r] = window > 0 ? max((i64)0, visible[r] - window) : 0;
     }
     const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
+    const i64 block_oldest = window > 0 ? max((i64)0, start + row0 / group + 1 - window) : 0;
 
     float running_max[FA_ROWS_PER_WARP];
     float lane_total[FA_ROWS_PER_WARP];
@@ -386,7 +784,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * head_dim;
     float* warp_p = p_tile + warp * FA_KEYS * FA_ROWS_PER_WARP;
 
-    for (i64 j0 = 0; j0 < block_visible; j0 += FA_KEYS) {
+    for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
         int tile = (int)min((i64)FA_KEYS, block_visible - j0);
         __syncthreads();  // the previous tile is no longer read
         for (int i = threadIdx.x; i < FA_KEYS * quads; i += blockDim.x) {
@@ -422,12 +820,14 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         }
 #pragma unroll
         for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-            float s = j0 + lane < visible[r] ? score[r] * scale : NEG_INF;
-            // Every row sees key 0, so after the first tile its maximum
-            // is finite; a tile a row cannot see leaves it unchanged.
+            bool seen = j0 + lane < visible[r] && j0 + lane >= oldest[r];
+            float s = seen ? score[r] * scale : NEG_INF;
+            // A tile a row cannot see leaves it unchanged (before its
+            // window's first key, its maximum is still -inf).
             float new_max = fmaxf(running_max[r], warp_max(s));
-            float rescale = expf(running_max[r] - new_max);
-            float p = expf(s - new_max);
+            bool none = new_max == NEG_INF;
+            float rescale = none ? 1.0f : expf(running_max[r] - new_max);
+            float p = none ? 0.0f : expf(s - new_max);
             lane_total[r] = lane_total[r] * rescale + p;
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) acc[r][k] *= rescale;
@@ -459,6 +859,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         if (row >= rows) continue;
         i64 t = row / group;
         int h = kv_head * group + (int)(row % group);
+        if (sinks) total += expf(sinks[h] - running_max[r]);
         float* o = out + t * q_width + (i64)h * head_dim;
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) {
@@ -473,10 +874,11 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
 #define FLASH_ATTENTION_KERNEL(name, PER_LANE)                                            \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
         name(const float* q, const float* keys, const float* values, float* out, int n,   \
-             int heads, int kv_heads, int head_dim, i64 start, float scale) {             \
+             int heads, int kv_heads, int head_dim, i64 start, float scale, int window,   \
+             const float* sinks) {                                                        \
         await_inputs();                                                                   \
         flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
-                               scale);                                                    \
+                               scale, window, sinks);                                     \
     }
 
 FLASH_ATTENTION_KERNEL(flash_attention_128, 4)

@@ -10,10 +10,10 @@ extern "C" __global__ void add_assign(float* x, const float* y, i64 n) {
     GRID_STRIDE(i, n) { x[i] += y[i]; }
 }
 
-// x[r, c] += bias[c] for the rows of x ([n / cols, cols]).
-extern "C" __global__ void add_bias(float* x, const float* bias, i64 n, int cols) {
+// x[r, c] += bias[c]: a projection's bias on every row.
+extern "C" __global__ void add_bias(float* x, const float* bias, i64 rows, int cols) {
     await_inputs();
-    GRID_STRIDE(i, n) { x[i] += bias[i % cols]; }
+    GRID_STRIDE(i, rows * cols) { x[i] += bias[i % cols]; }
 }
 
 // out = silu(gate) · up
@@ -46,12 +46,11 @@ extern "C" __global__ void copy_cols(const float* src, float* dst, i64 rows, int
 }
 
 // Rotates the first 2·half features of each head_dim group of every row,
-// row t at position start_pos + t (start_pos read from `position` on the
-// device when given: a recorded decode step), the halves against each
-// other (NeoX);
+// row t at position start_pos + t, the halves against each other (NeoX);
 // inv_freq holds the half frequencies, computed in f32 on the host exactly
 // as the CPU backend computes them; cos and sin are multiplied by `scale`
-// (YaRN's attention factor, else 1).
+// (YaRN's attention factor, else 1). `start_pos` from `position` on the
+// device when given (a recorded step).
 extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int cols,
                                 int head_dim, int half, i64 start_pos, float scale,
                                 const u32* position) {

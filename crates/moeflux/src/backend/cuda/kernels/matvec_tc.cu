@@ -188,7 +188,8 @@ struct TcBatch {
 extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
     moe_down_tc_q4(const unsigned long long* table_of_experts, const u32* ids,
                    const float* weights, const float* act, float* out, int hidden, int inter,
-                   int top_k, ExpertPart down, int accumulate) {
+                   int top_k, ExpertPart down, int accumulate, ExpertFfn ffn,
+                   const u32* expert_ids) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ u32 tc_shared[];
@@ -226,14 +227,15 @@ extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
     __syncthreads();
     if (threadIdx.x < 16 && first + threadIdx.x < hidden) {
         float total = 0.0f;
+        i64 r = first + threadIdx.x;
         for (int k = 0; k < top_k; ++k) {
             float expert = 0.0f;
             for (int part = 0; part < TC_DOWN_SPLIT; ++part) {
                 expert += partial[(k * TC_DOWN_SPLIT + part) * 16 + threadIdx.x];
             }
+            expert += expert_down_bias(ffn, expert_ids[k], r, hidden);
             total = fmaf(weights[k], expert, total);
         }
-        i64 r = first + threadIdx.x;
         out[r] = accumulate ? out[r] + total : total;
     }
 #endif

@@ -248,6 +248,61 @@ struct ExpertPart {
     i64 biases;
 };
 
+// What routed experts compute around their products: per-expert biases
+// (null: none; gate and up [experts, inter], down [experts, hidden]) and,
+// with limit > 0, gpt-oss's clamped SwiGLU g·σ(alpha·g)·(u + 1) of
+// g = min(gate, limit), u = clamp(up, -limit, limit); else silu(gate)·up.
+struct ExpertFfn {
+    const float* gate_bias;
+    const float* up_bias;
+    const float* down_bias;
+    float limit;
+    float alpha;
+};
+
+// The activation of row r of `expert`'s gate and up products.
+__device__ __forceinline__ float expert_act(const ExpertFfn& f, u32 expert, i64 r, int inter,
+                                            float g, float u) {
+    if (f.gate_bias) {
+        g += f.gate_bias[(i64)expert * inter + r];
+        u += f.up_bias[(i64)expert * inter + r];
+    }
+    if (f.limit > 0.0f) {
+        g = fminf(g, f.limit);
+        u = fminf(fmaxf(u, -f.limit), f.limit);
+        return g / (1.0f + expf(-f.alpha * g)) * (u + 1.0f);
+    }
+    return silu(g) * u;
+}
+
+// `expert`'s down bias of output r (0 without biases).
+__device__ __forceinline__ float expert_down_bias(const ExpertFfn& f, u32 expert, i64 r,
+                                                  int hidden) {
+    return f.down_bias ? f.down_bias[(i64)expert * hidden + r] : 0.0f;
+}
+
+// act[i, r] = expert_act(gate[i, r], up[i, r]) for m rows of one expert
+// (the experts run one at a time).
+extern "C" __global__ void expert_act_rows(const float* gate, const float* up, float* act,
+                                           i64 m, int inter, u32 expert, ExpertFfn ffn) {
+    await_inputs();
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < m * inter;
+         i += (i64)gridDim.x * blockDim.x) {
+        act[i] = expert_act(ffn, expert, i % inter, inter, gate[i], up[i]);
+    }
+}
+
+// y[i, r] += expert's down bias of r, for m rows (a no-op without biases).
+extern "C" __global__ void expert_down_bias_rows(float* y, i64 m, int hidden, u32 expert,
+                                                 ExpertFfn ffn) {
+    await_inputs();
+    if (!ffn.down_bias) return;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < m * hidden;
+         i += (i64)gridDim.x * blockDim.x) {
+        y[i] += expert_down_bias(ffn, expert, i % hidden, hidden);
+    }
+}
+
 __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
                                                 ExpertPart part, i64 r, int cols) {
     const u8* codes = (const u8*)base + part.offset;
@@ -270,7 +325,8 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
 #define DOWN_MIN_BLOCKS 1
 #endif
 
-// act[k, r] = silu(gate_k[r] · x) · (up_k[r] · x) for expert k = ids[k].
+// act[k, r] = expert_act(gate_k[r] · x, up_k[r] · x) for expert k = ids[k]
+// (experts[k] its id, for the biases).
 // The kernel asks L2 for the layer's table of `experts` addresses before
 // waiting for the router's ids, which it then looks up.
 // Grid: (ceil(inter / GATE_UP_WARPS), top_k); a warp per row pair, whole
@@ -280,7 +336,8 @@ template <int DT>
 __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
                                                  const u32* ids, const float* x, float* act,
                                                  int inter, int hidden, ExpertPart gate,
-                                                 ExpertPart up) {
+                                                 ExpertPart up, ExpertFfn ffn,
+                                                 const u32* experts) {
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
     i64 r = (i64)blockIdx.x * GATE_UP_WARPS + warp;
@@ -292,20 +349,22 @@ __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
     dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, hidden / WORD_COLS(DT), lane, acc);
     float g = warp_sum(acc[0]);
     float u = warp_sum(acc[1]);
-    if (lane == 0) act[(i64)blockIdx.y * inter + r] = silu(g) * u;
+    if (lane == 0) {
+        act[(i64)blockIdx.y * inter + r] = expert_act(ffn, experts[blockIdx.y], r, inter, g, u);
+    }
 }
 
 // MAX_TOP_K (geometry.rs): most experts a token selects that moe_down takes
 // (top_k); DOWN_WARPS: warps per block of moe_down.
 
-// out[r] (+)= Σ_k weights[k] · (down_k[r] · act[k]), k in order; with
+// out[r] (+)= Σ_k weights[k] · (down_k[r] · act[k] + its bias), k in order; with
 // `accumulate` added to out (the residual stream) instead of stored.
 // Grid: hidden blocks; warp w takes experts w, w + DOWN_WARPS, ...
 template <int DT>
 __device__ __forceinline__ void moe_down(const unsigned long long* table, const u32* ids,
                                          const float* weights, const float* act, float* out,
                                          int hidden, int inter, int top_k, ExpertPart down,
-                                         int accumulate) {
+                                         int accumulate, ExpertFfn ffn, const u32* experts) {
     __shared__ float partial[MAX_TOP_K];
     int warp = threadIdx.x / WARP_SIZE;
     int lane = threadIdx.x % WARP_SIZE;
@@ -317,7 +376,7 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
         float acc = 0.0f;
         dot_rows<DT, 1, true, DOWN_UNROLL>(&row, &x, 0, words, lane, &acc);
         acc = warp_sum(acc);
-        if (lane == 0) partial[k] = acc;
+        if (lane == 0) partial[k] = acc + expert_down_bias(ffn, experts[k], r, hidden);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -332,17 +391,20 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
                                                  GATE_UP_MIN_BLOCKS)                       \
         moe_gate_up_##suffix(const unsigned long long* table, const u32* ids,              \
                              const float* x, float* act, int inter, int hidden,            \
-                             ExpertPart gate, ExpertPart up, int experts) {                \
+                             ExpertPart gate, ExpertPart up, int experts, ExpertFfn ffn,   \
+                             const u32* expert_ids) {                                      \
         prefetch_span(table, 8 * (i64)experts);                                            \
         await_inputs();                                                                    \
-        moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up);                      \
+        moe_gate_up<DT>(table, ids, x, act, inter, hidden, gate, up, ffn, expert_ids);     \
     }                                                                                      \
     extern "C" __global__ void __launch_bounds__(DOWN_WARPS * WARP_SIZE, DOWN_MIN_BLOCKS)  \
         moe_down_##suffix(const unsigned long long* table, const u32* ids,                 \
                           const float* weights, const float* act, float* out, int hidden,  \
-                          int inter, int top_k, ExpertPart down, int accumulate) {         \
+                          int inter, int top_k, ExpertPart down, int accumulate,           \
+                          ExpertFfn ffn, const u32* expert_ids) {                          \
         await_inputs();                                                                    \
-        moe_down<DT>(table, ids, weights, act, out, hidden, inter, top_k, down, accumulate); \
+        moe_down<DT>(table, ids, weights, act, out, hidden, inter, top_k, down, accumulate, \
+                     ffn, expert_ids);                                                     \
     }
 
 MOE_DECODE_KERNELS(f32, DT_F32)

@@ -6,8 +6,8 @@
 // and cuts each expert's run of slots into tiles of at most MP_BN slots.
 // A tile is four u32 {e, start, count, 0}: expert `table[e]`'s slots
 // `slots[start .. start + count)`, which are rows start.. of `act`. Then
-//   moe_prefill_gate_up_*: act[start + j, r] = silu(gate · x[token]) · (up · x[token])
-//   moe_prefill_down_*:    y[slot, r] = down · act[start + j]
+//   moe_prefill_gate_up_*: act[start + j, r] = expert_act(gate · x[token], up · x[token])
+//   moe_prefill_down_*:    y[slot, r] = down · act[start + j] + down bias
 //   moe_prefill_combine:   out[t] = Σ_k weights[t, k] · y[t · top_k + k], k in order
 // Grids: (tiles, ceil(rows / rows per block)); a block reads its weight
 // tile once for up to MP_BN slots of one expert. Nothing is accumulated
@@ -162,7 +162,8 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
                                                const u32* __restrict__ slots,
                                                const float* __restrict__ x,
                                                float* __restrict__ out, int rows, int cols,
-                                               int top_k, ExpertPart pa, ExpertPart pb) {
+                                               int top_k, ExpertPart pa, ExpertPart pb,
+                                               ExpertFfn ffn) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) MoePrefillShared sm;
     const int tid = threadIdx.x;
@@ -228,7 +229,8 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
                 const int r = r0 + 16 * warp + g + 8 * (e / 2);
                 const int t = 8 * nj + 2 * i4 + e % 2;
                 if (r < rows && t < count) {
-                    out[(i64)(start + t) * rows + r] = silu(acc[0][nj][e]) * acc[1][nj][e];
+                    out[(i64)(start + t) * rows + r] =
+                        expert_act(ffn, tile[0], r, rows, acc[0][nj][e], acc[1][nj][e]);
                 }
             }
         }
@@ -243,7 +245,10 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 #pragma unroll
                 for (int mi = 0; mi < 2; ++mi) {
                     const int r = r0 + 32 * warp + 16 * mi + g + 8 * (e / 2);
-                    if (r < rows) out[slot * rows + r] = acc[mi][nj][e];
+                    if (r < rows) {
+                        out[slot * rows + r] =
+                            acc[mi][nj][e] + expert_down_bias(ffn, tile[0], r, rows);
+                    }
                 }
             }
         }
@@ -257,8 +262,8 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 // 64-column groups; bf16 needs widths that are multiples of 8. sm_80+.
 #define MOE_PREFILL_PARAMS                                                                 \
     const unsigned long long *table, const u32 *tiles, const u32 *slots, const float *x,   \
-        float *out, int rows, int cols, int top_k, ExpertPart a, ExpertPart b
-#define MOE_PREFILL_ARGS table, tiles, slots, x, out, rows, cols, top_k, a, b
+        float *out, int rows, int cols, int top_k, ExpertPart a, ExpertPart b, ExpertFfn ffn
+#define MOE_PREFILL_ARGS table, tiles, slots, x, out, rows, cols, top_k, a, b, ffn
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_q4(MOE_PREFILL_PARAMS) {
