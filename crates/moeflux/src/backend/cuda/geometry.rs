@@ -59,9 +59,6 @@ geometry! {
     ATTN_MAX_PER_LANE: usize = 16;
     /// Warps per block of the one-token attention kernels.
     DECODE_ATTN_WARPS: usize = 16;
-    /// Most blocks a head's positions are split over by those kernels
-    /// (flash-decoding; `partials` of a KV cache are sized for it).
-    DECODE_ATTN_MAX_SPLITS: usize = 32;
     /// Warps per block of the one-token attention kernels that take a KV
     /// head's whole group of query heads (`attention_decode_grouped_*`).
     GD_WARPS: usize = 8;
@@ -113,3 +110,9 @@ geometry! {
     MP_BN: usize = 32;
     MP_THREADS: u32 = 128;
 }
+
+/// Most blocks a head's positions are split over by the one-token attention
+/// kernels (flash-decoding; `partials` of a KV cache are sized for it). The
+/// host alone uses it: the kernels take the number of splits as an
+/// argument, so it is no `-D` option.
+pub(super) const DECODE_ATTN_MAX_SPLITS: usize = 32;
