@@ -324,6 +324,8 @@ mod tests {
                 || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_BATCH_KERNEL({name},"))
+                || source.contains(&format!("ATTENTION_DECODE_GROUPED_KERNEL({name},"))
+                || source.contains(&format!("ATTENTION_DECODE_BATCH_GROUPED_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || ["_rows", "_normed", "_rows_normed"].iter().any(|suffix| {
                     name.strip_suffix(suffix).is_some_and(|base| {

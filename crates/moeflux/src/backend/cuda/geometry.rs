@@ -59,9 +59,6 @@ geometry! {
     ATTN_MAX_PER_LANE: usize = 16;
     /// Warps per block of the one-token attention kernels.
     DECODE_ATTN_WARPS: usize = 16;
-    /// Most blocks a head's positions are split over by those kernels
-    /// (flash-decoding; `partials` of a KV cache are sized for it).
-    DECODE_ATTN_MAX_SPLITS: usize = 32;
     /// Warps per block of the one-token attention kernels that take a KV
     /// head's whole group of query heads (`attention_decode_grouped_*`).
     GD_WARPS: usize = 8;

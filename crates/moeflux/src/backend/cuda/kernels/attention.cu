@@ -12,7 +12,7 @@
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ATTN_WARPS) || !defined(ATTN_MAX_PER_LANE) || !defined(DECODE_ATTN_WARPS) || \
     !defined(FA_WARPS) || !defined(FA_ROWS_PER_WARP) || !defined(FA_KEYS) || \
-    !defined(FA_KEY_PAD)
+    !defined(FA_KEY_PAD) || !defined(GD_WARPS)
 #error "attention.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 
@@ -677,8 +677,8 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
              int kv_heads, int head_dim, i64 start, const u32* position, float scale,         \
              const float* new_k, const float* new_v, int window, const float* sinks,          \
              int splits, float* partials, u32* tickets) {                                     \
-        if (position) start = *position;                                                      \
         await_inputs();                                                                       \
+        if (position) start = *position;                                                      \
         attend_decode_grouped<PER_LANE, GROUP>(q, keys, values, out, heads, kv_heads,         \
                                                head_dim, start, scale, new_k, new_v, window,  \
                                                sinks, splits, partials, tickets);             \
