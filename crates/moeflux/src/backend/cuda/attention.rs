@@ -40,6 +40,11 @@ pub(super) fn flash_attention_shared_bytes(head_dim: usize) -> usize {
         + FA_WARPS * FA_KEYS * FA_ROWS_PER_WARP)
 }
 
+/// Most blocks a head's positions are split over by the decode kernels
+/// (flash-decoding; the `partials` of a KV cache are sized for it). The
+/// kernels take the number as an argument.
+pub(super) const DECODE_ATTN_MAX_SPLITS: usize = 32;
+
 /// Positions from which a decode step takes the grouped kernels, unless
 /// `MOEFLUX_CUDA_GROUPED_DECODE_MIN` says otherwise (a tuning knob): with
 /// fewer, a block per query head spreads the work over more blocks.

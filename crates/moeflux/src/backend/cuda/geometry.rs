@@ -110,9 +110,3 @@ geometry! {
     MP_BN: usize = 32;
     MP_THREADS: u32 = 128;
 }
-
-/// Most blocks a head's positions are split over by the one-token attention
-/// kernels (flash-decoding; `partials` of a KV cache are sized for it). The
-/// host alone uses it: the kernels take the number of splits as an
-/// argument, so it is no `-D` option.
-pub(super) const DECODE_ATTN_MAX_SPLITS: usize = 32;

@@ -404,7 +404,7 @@ impl CudaBackend {
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
-            decode_splits_max: crate::tuning::cuda_decode_splits(geometry::DECODE_ATTN_MAX_SPLITS),
+            decode_splits_max: crate::tuning::cuda_decode_splits(attention::DECODE_ATTN_MAX_SPLITS),
             grouped_decode_min: crate::tuning::cuda_grouped_decode_min(
                 attention::GROUPED_DECODE_MIN,
             ),

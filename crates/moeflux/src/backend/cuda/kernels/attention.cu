@@ -11,8 +11,8 @@
 // Launch geometry comes from the host: compile.rs passes the constants of
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ATTN_WARPS) || !defined(ATTN_MAX_PER_LANE) || !defined(DECODE_ATTN_WARPS) || \
-    !defined(GD_WARPS) || !defined(FA_WARPS) || !defined(FA_ROWS_PER_WARP) || \
-    !defined(FA_KEYS) || !defined(FA_KEY_PAD)
+    !defined(FA_WARPS) || !defined(FA_ROWS_PER_WARP) || !defined(FA_KEYS) || \
+    !defined(FA_KEY_PAD) || !defined(GD_WARPS)
 #error "attention.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 
