@@ -48,6 +48,7 @@ use rayon::prelude::*;
 pub use moeflux::backend::cpu::Activations;
 use moeflux::backend::cpu::{
     CpuBackend, DeltaNetState as CpuDeltaNet, KvCache as CpuKv, Tensor as CpuTensor,
+    Weight as CpuWeight,
 };
 use moeflux::backend::{AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, RmsNorm, Rope};
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
@@ -1011,6 +1012,38 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
     }
 }
 
+/// The q and k norm weights of the tests of several sequences' decode
+/// steps (`head_dim` values each, seeds 8 and 9), on the reference and on
+/// `b`.
+fn decode_qk_norms<B: Conformance>(
+    r: &CpuBackend,
+    b: &B,
+    head_dim: usize,
+) -> ((CpuWeight, CpuWeight), (B::Weight, B::Weight)) {
+    let weights = TestWeights::new(&[
+        (
+            "test.q_norm",
+            DType::F32,
+            vec![head_dim],
+            values(head_dim, 8),
+        ),
+        (
+            "test.k_norm",
+            DType::F32,
+            vec![head_dim],
+            values(head_dim, 9),
+        ),
+    ]);
+    let load = |name| {
+        (
+            weights.load(r, name, &[head_dim]),
+            weights.load(b, name, &[head_dim]),
+        )
+    };
+    let ((qn_r, qn_b), (kn_r, kn_b)) = (load("test.q_norm"), load("test.k_norm"));
+    ((qn_r, kn_r), (qn_b, kn_b))
+}
+
 /// Two decode steps of several sequences at once (one launch each on a
 /// GPU), each sequence at its own position (one with an empty cache), for
 /// the head dimensions of the real models and an odd one; afterwards every
@@ -1025,28 +1058,7 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             window: None,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let weights = TestWeights::new(&[
-            (
-                "test.q_norm",
-                DType::F32,
-                vec![head_dim],
-                values(head_dim, 8),
-            ),
-            (
-                "test.k_norm",
-                DType::F32,
-                vec![head_dim],
-                values(head_dim, 9),
-            ),
-        ]);
-        let (qn_r, kn_r) = (
-            weights.load(&r, "test.q_norm", &[head_dim]),
-            weights.load(&r, "test.k_norm", &[head_dim]),
-        );
-        let (qn_b, kn_b) = (
-            weights.load(b, "test.q_norm", &[head_dim]),
-            weights.load(b, "test.k_norm", &[head_dim]),
-        );
+        let ((qn_r, kn_r), (qn_b, kn_b)) = decode_qk_norms(&r, b, head_dim);
         let norm = RmsNorm {
             eps: 1e-6,
             unit_offset: true,
@@ -1175,28 +1187,7 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             );
         }
 
-        let weights = TestWeights::new(&[
-            (
-                "test.q_norm",
-                DType::F32,
-                vec![head_dim],
-                values(head_dim, 8),
-            ),
-            (
-                "test.k_norm",
-                DType::F32,
-                vec![head_dim],
-                values(head_dim, 9),
-            ),
-        ]);
-        let (qn_r, kn_r) = (
-            weights.load(&r, "test.q_norm", &[head_dim]),
-            weights.load(&r, "test.k_norm", &[head_dim]),
-        );
-        let (qn_b, kn_b) = (
-            weights.load(b, "test.q_norm", &[head_dim]),
-            weights.load(b, "test.k_norm", &[head_dim]),
-        );
+        let ((qn_r, kn_r), (qn_b, kn_b)) = decode_qk_norms(&r, b, head_dim);
         let norm = RmsNorm {
             eps: 1e-6,
             unit_offset: true,
