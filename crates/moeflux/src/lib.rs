@@ -72,6 +72,7 @@
 //! - [`experts`]: the expert store (positional reads, cache);
 //! - [`model`]: an opened model and its sessions;
 //! - [`sampling`]: choosing the next token, and when to stop;
+//! - [`speculative`]: drafted tokens checked in one forward pass;
 //! - [`text`]: tokenizer, chat templates, streamed text generation;
 //! - [`perplexity`]: perplexity over a text in fixed windows;
 //! - [`mod@bench`]: speed measured beside the machine's ceilings;
@@ -94,6 +95,7 @@ mod platform;
 pub mod quant;
 pub mod rope;
 pub mod sampling;
+pub mod speculative;
 pub mod synth;
 pub mod text;
 pub mod tuning;
