@@ -272,6 +272,45 @@ impl Sampler {
         Ok(dist[dist.len() - 1].0)
     }
 
+    /// The next token when a drafter guessed `draft` for it: the draft is
+    /// kept exactly when the returned token equals it. Greedy keeps it when
+    /// it is the most likely token; sampling keeps it with its probability
+    /// `p(draft)` and otherwise draws from the distribution without it
+    /// (speculative rejection sampling with a drafter that proposes one
+    /// token for sure), so each token follows exactly the distribution
+    /// [`Sampler::sample`] draws from.
+    pub fn sample_with_draft(
+        &mut self,
+        logits: &[f32],
+        prompt: &[u32],
+        generated: &[u32],
+        draft: u32,
+    ) -> Result<u32> {
+        let scores = self.penalized(logits, prompt, generated)?;
+        if self.config.is_greedy() {
+            return argmax(&scores);
+        }
+        let dist = self.distribution(&scores)?;
+        let kept = dist
+            .iter()
+            .find(|(id, _)| *id == draft)
+            .map_or(0.0, |d| d.1);
+        if self.rng.random::<f64>() < kept {
+            return Ok(draft);
+        }
+        let rest: Vec<(u32, f64)> = dist.into_iter().filter(|(id, _)| *id != draft).collect();
+        let mut u = self.rng.random::<f64>() * (1.0 - kept);
+        for &(id, p) in &rest {
+            if u < p {
+                return Ok(id);
+            }
+            u -= p;
+        }
+        // Rounding left u past the rest's total (or the draft was the only
+        // token left, kept = 1 up to rounding): the least likely other token.
+        Ok(rest.last().map_or(draft, |d| d.0))
+    }
+
     /// The logits with the repetition, presence and frequency penalties.
     fn penalized(&self, logits: &[f32], prompt: &[u32], generated: &[u32]) -> Result<Vec<f32>> {
         if logits.is_empty() {

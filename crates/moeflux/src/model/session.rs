@@ -57,6 +57,15 @@ impl Default for SessionOptions {
     }
 }
 
+/// A position a session can come back to cheaply after tokens are
+/// appended ([`Session::rewind_point`]).
+pub(crate) struct RewindPoint<B: Backend> {
+    position: usize,
+    /// Per layer, as in a checkpoint; `None` when cutting the KV caches
+    /// back is enough.
+    saved: Option<Vec<Option<LayerState<B>>>>,
+}
+
 struct Checkpoint<B: Backend> {
     position: usize,
     /// Per layer, a copy of the state that truncation cannot bring back:
@@ -213,6 +222,12 @@ impl<B: Backend> Session<B> {
         self.forward_as(tokens, wanted, Phase::Prefill)
     }
 
+    /// Appends generated tokens and returns the logits after each of them:
+    /// the check of drafted tokens in speculative decoding.
+    pub(crate) fn forward_drafted(&mut self, tokens: &[u32]) -> Result<Logits> {
+        self.forward_as(tokens, LogitsWanted::All, Phase::Decode)
+    }
+
     fn forward_as(&mut self, tokens: &[u32], wanted: LogitsWanted, phase: Phase) -> Result<Logits> {
         let mut item = [BatchItem {
             session: self,
@@ -321,7 +336,7 @@ impl<B: Backend> Session<B> {
 
     /// The logits after the last token, recomputing them if an exact
     /// truncation dropped them.
-    fn current_logits(&mut self) -> Result<Vec<f32>> {
+    pub(crate) fn current_logits(&mut self) -> Result<Vec<f32>> {
         if let Some(logits) = &self.logits {
             return Ok(logits.clone());
         }
@@ -415,6 +430,73 @@ impl<B: Backend> Session<B> {
             self.checkpoints.remove(victim);
         }
         Ok(position)
+    }
+
+    /// What [`Session::rewind`] needs to come back to the current position
+    /// after tokens are appended: nothing on a model whose KV caches are cut
+    /// back exactly, else a copy of the state truncation cannot restore.
+    pub(crate) fn rewind_point(&self) -> Result<RewindPoint<B>> {
+        let saved = match self.model.rewinds_by_truncation() || self.layers.is_empty() {
+            true => None,
+            false => Some(
+                self.layers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, l)| self.model.copy_unrewindable(i, l))
+                    .collect::<Result<_>>()?,
+            ),
+        };
+        Ok(RewindPoint {
+            position: self.position(),
+            saved,
+        })
+    }
+
+    /// Goes back to `point` and on to the first `keep` tokens appended
+    /// since, whose logits are `logits` (known already, from the forward
+    /// that appended them). KV caches are cut back; other state comes from
+    /// the point's copy with the kept tokens run again.
+    pub(crate) fn rewind(
+        &mut self,
+        point: RewindPoint<B>,
+        keep: usize,
+        logits: Vec<f32>,
+    ) -> Result<()> {
+        let target = point.position + keep;
+        assert!(target <= self.position(), "rewind past the end");
+        let b = self.model.backend();
+        let kept = self.tokens[point.position..target].to_vec();
+        let cut_to = match &point.saved {
+            None => target,
+            Some(_) => point.position,
+        };
+        if let Some(saved) = point.saved {
+            for (layer, copy) in self.layers.iter_mut().zip(saved) {
+                if let Some(copy) = copy {
+                    *layer = copy;
+                }
+            }
+        }
+        for layer in &mut self.layers {
+            if let LayerState::Attention(cache) = layer {
+                b.kv_truncate(cache, cut_to);
+            }
+        }
+        self.tokens.truncate(cut_to);
+        self.checkpoints.retain(|c| c.position <= cut_to);
+        if cut_to < target
+            && let Err(err) = self.run(&kept, LogitsWanted::Last)
+        {
+            // A failed run may leave layers half-updated: rebuild the
+            // position from the checkpoints instead.
+            let rebuilt = self.rebuild(cut_to);
+            self.sync_kv();
+            rebuilt?;
+            return Err(err);
+        }
+        self.logits = Some(logits);
+        self.sync_kv();
+        Ok(())
     }
 
     /// Removes the checkpoint at `position`; false if there was none.

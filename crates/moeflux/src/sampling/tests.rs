@@ -173,6 +173,60 @@ fn draws_follow_the_distribution() {
     }
 }
 
+/// Pearson's chi-square statistic of `counts` against `dist`.
+fn chi_square(counts: &HashMap<u32, usize>, dist: &[(u32, f64)], n: usize) -> f64 {
+    assert!(
+        counts.keys().all(|id| dist.iter().any(|d| d.0 == *id)),
+        "drew a token outside the distribution: {counts:?}"
+    );
+    dist.iter()
+        .map(|&(id, p)| {
+            let expected = p * n as f64;
+            let seen = counts.get(&id).copied().unwrap_or(0) as f64;
+            (seen - expected).powi(2) / expected
+        })
+        .sum()
+}
+
+#[test]
+fn drafted_tokens_are_kept_or_replaced_as_the_distribution_says() {
+    let logits = logits_of(&[0.35, 0.25, 0.2, 0.12, 0.08]);
+    // Critical values of chi-square at p = 0.001 by degrees of freedom.
+    let critical = [0.0, 10.83, 13.82, 16.27, 18.47];
+    for config in [
+        sampling(1.0),
+        SamplerConfig {
+            top_k: 4,
+            top_p: 0.9,
+            ..sampling(0.8)
+        },
+    ] {
+        let dist = sampler(config.clone()).distribution(&logits).unwrap();
+        // Every token of the vocabulary as the draft, those the filters
+        // drop included.
+        for draft in 0..logits.len() as u32 {
+            let n = 20_000;
+            let mut counts = HashMap::new();
+            for seed in 0..n as u64 {
+                let mut s = sampler(SamplerConfig {
+                    seed: Some(seed),
+                    ..config.clone()
+                });
+                let id = s.sample_with_draft(&logits, &[], &[], draft).unwrap();
+                *counts.entry(id).or_insert(0) += 1;
+            }
+            let stat = chi_square(&counts, &dist, n);
+            assert!(
+                stat < critical[dist.len() - 1],
+                "draft {draft}, {config:?}: chi-square {stat:.1} over {counts:?} against {dist:?}"
+            );
+        }
+    }
+    let mut greedy = sampler(SamplerConfig::default());
+    assert_eq!(greedy.sample_with_draft(&logits, &[], &[], 0).unwrap(), 0);
+    assert_eq!(greedy.sample_with_draft(&logits, &[], &[], 3).unwrap(), 0);
+}
+
 #[test]
 fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
     let s = sampler(SamplerConfig {

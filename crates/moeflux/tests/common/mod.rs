@@ -8,6 +8,7 @@ pub mod batch;
 pub mod faulty;
 pub mod ops;
 pub mod ops_extended;
+pub mod speculative;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
