@@ -368,3 +368,40 @@ fn output_directory_is_never_overwritten_by_accident() {
     // The existing model still works.
     generate(&model, "1,2,3").assert().success();
 }
+
+#[test]
+fn draft_options_are_checked_before_the_weights_are_read() {
+    let cache = TempDir::new().unwrap();
+    let run = |args: &[&str]| {
+        moeflux()
+            .env("MOEFLUX_CACHE", cache.path())
+            .args(["generate", "-p", "Emma", "-n", "4"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    // Inconsistent options: status 1, before the bundled model is converted.
+    let out = run(&["--draft-tokens", "3"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_mentions(&stderr, &["--draft-tokens", "--draft lookup"]);
+    assert_eq!(fs::read_dir(cache.path()).unwrap().count(), 0, "{stderr}");
+    // Values out of range: a usage error (status 2) naming the option.
+    for (args, names) in [
+        (
+            &["--draft", "lookup", "--draft-tokens", "0"][..],
+            &["--draft-tokens", "1..=16"][..],
+        ),
+        (
+            &["--draft", "lookup", "--draft-tokens", "17"],
+            &["--draft-tokens", "1..=16"],
+        ),
+        (&["--draft", "sometimes"], &["--draft", "lookup", "mtp"]),
+    ] {
+        let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert_mentions(&stderr, names);
+    }
+}

@@ -67,6 +67,73 @@ fn generated_text_matches_transformers_greedy_samples() {
 }
 
 #[test]
+fn drafted_generation_gives_the_same_text_and_reports_its_drafts() {
+    let cache = tempfile::tempdir().unwrap();
+    for sample in samples(false) {
+        let n = sample["ids"].as_array().unwrap().len().to_string();
+        let prompt = sample["prompt"].as_str().unwrap();
+        for draft in [
+            &["--draft", "lookup"][..],
+            &["--draft", "lookup", "--draft-tokens", "2"],
+        ] {
+            let got = stdout(
+                moeflux(cache.path())
+                    .args(["generate", "--quiet", "-p", prompt, "-n", &n])
+                    .args(GREEDY)
+                    .args(draft),
+            );
+            assert_eq!(
+                got,
+                format!("{}\n", sample["text"].as_str().unwrap()),
+                "{draft:?}"
+            );
+        }
+        let ids = stdout(
+            moeflux(cache.path())
+                .args([
+                    "generate",
+                    "--quiet",
+                    "--print-token-ids",
+                    "-p",
+                    prompt,
+                    "-n",
+                    &n,
+                ])
+                .args(GREEDY)
+                .args(["--draft", "lookup"]),
+        );
+        let want: Vec<String> = sample["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|id| id.to_string())
+            .collect();
+        assert_eq!(ids.trim(), want.join(" "));
+    }
+    // A prompt that repeats itself: its continuation is drafted and kept.
+    let json: Value = serde_json::from_str(&stdout(moeflux(cache.path()).args([
+        "generate",
+        "--json",
+        "-n",
+        "32",
+        "--temp",
+        "0",
+        "--draft",
+        "lookup",
+        "-p",
+        "one two three four. one two three four. one two three four. one two three four. one two",
+    ])))
+    .unwrap();
+    let drafts = &json["drafts"];
+    assert!(drafts["checks"].as_u64().unwrap() > 0, "{json}");
+    assert!(drafts["accepted"].as_u64().unwrap() > 0, "{json}");
+    assert!(
+        drafts["accepted"].as_u64() <= drafts["drafted"].as_u64(),
+        "{json}"
+    );
+}
+
+#[test]
 fn chat_through_stdin_keeps_and_resets_history() {
     let cache = tempfile::tempdir().unwrap();
     let samples = samples(true);

@@ -19,12 +19,13 @@ use std::sync::Arc;
 use anyhow::{Result, bail};
 use moeflux::backend::Backend;
 use moeflux::sampling::Sampler;
+use moeflux::speculative::DraftSettings;
 use moeflux::text::{ChatMessage, ChatTemplate, FinishReason, TextGeneration, Tokenizer};
 use moeflux::{Model, Session};
 use rustyline::error::ReadlineError;
 use rustyline::validate::{ValidationContext, ValidationResult, Validator};
 
-use super::{ModelArgs, SamplingArgs, TemplateArgs, new_session, rate};
+use super::{DraftArgs, ModelArgs, SamplingArgs, TemplateArgs, new_session, rate};
 use crate::interrupt::Interrupt;
 
 #[derive(clap::Args)]
@@ -42,6 +43,8 @@ pub struct Args {
     ctx: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
     /// Print no speeds.
     #[arg(short, long)]
     quiet: bool,
@@ -52,15 +55,18 @@ struct Prepared {
     tokenizer: Tokenizer,
     template: ChatTemplate,
     sampler: Sampler,
+    draft: Option<DraftSettings>,
 }
 
 pub fn run(args: Args) -> Result<()> {
+    let draft = args.draft.settings()?;
     let files = args.model.resolve(args.quiet)?;
     files.check_context(args.ctx)?;
     let tokenizer = Tokenizer::from_dir(&files.dir)?;
     let prepared = Prepared {
         template: ChatTemplate::from_dir(&files.dir, tokenizer.special_tokens(), None)?,
         sampler: args.sampling.sampler(&files.dir)?,
+        draft,
         tokenizer,
     };
     let interrupt = crate::interrupt::install()?;
@@ -259,8 +265,11 @@ fn chat<B: Backend>(
             _ => {}
         }
         if interactive && !args.quiet {
+            let drafts = answer.drafts.map_or(String::new(), |d| {
+                format!("; drafts kept: {:.0}%", 100.0 * d.acceptance())
+            });
             eprintln!(
-                "[prompt: {}; answer: {}]",
+                "[prompt: {}; answer: {}{drafts}]",
                 rate(prompt.0, prompt.1),
                 rate(answer.tokens.len(), answer.seconds)
             );
@@ -283,6 +292,7 @@ fn answer<B: Backend>(
     generation.stop_strings = &args.sampling.stop;
     generation.interrupt = Some(interrupt.flag());
     generation.ignore_eos = args.sampling.ignore_eos;
+    generation.draft = prepared.draft;
     generation.run(session, &mut |piece| {
         out.write_all(piece.as_bytes())
             .and_then(|()| out.flush())

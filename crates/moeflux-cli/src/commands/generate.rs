@@ -16,13 +16,16 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use moeflux::backend::Backend;
 use moeflux::sampling::Sampler;
+use moeflux::speculative::{self, DraftSettings, Speculation};
 use moeflux::text::{
     ChatMessage, ChatTemplate, FinishReason, Generated, TOKENIZER_FILE, TextGeneration, Tokenizer,
 };
 use moeflux::{Model, Session};
 use serde_json::json;
 
-use super::{ModelArgs, SamplingArgs, TemplateArgs, new_session, parse_tokens, rate, read_text};
+use super::{
+    DraftArgs, ModelArgs, SamplingArgs, TemplateArgs, new_session, parse_tokens, rate, read_text,
+};
 use crate::interrupt::Interrupt;
 
 #[derive(clap::Args)]
@@ -52,6 +55,8 @@ pub struct Args {
     ctx: Option<usize>,
     #[command(flatten)]
     sampling: SamplingArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
     /// Print the generated token ids instead of text.
     #[arg(long, conflicts_with = "json")]
     print_token_ids: bool,
@@ -73,7 +78,7 @@ pub struct Args {
     /// Print nothing but the generated text (or ids).
     #[arg(short, long)]
     quiet: bool,
-    /// Print expert-store statistics to stderr at the end.
+    /// Print expert-store (and drafting) statistics to stderr at the end.
     #[arg(long)]
     stats: bool,
 }
@@ -81,6 +86,7 @@ pub struct Args {
 /// The inputs, checked and prepared before the model is loaded.
 struct Prepared {
     sampler: Sampler,
+    draft: Option<DraftSettings>,
     tokenizer: Option<Tokenizer>,
     prompt: Vec<u32>,
     state: Option<(PathBuf, Vec<u8>)>,
@@ -108,6 +114,7 @@ pub fn run(args: Args) -> Result<()> {
         (None, Some(path)) => Some(read_text("-f", path)?),
         (None, None) => None,
     };
+    let draft = args.draft.settings()?;
     let quiet = args.quiet || args.json;
     let files = args.model.resolve(quiet)?;
     files.check_context(args.ctx)?;
@@ -188,6 +195,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let prepared = Prepared {
         sampler,
+        draft,
         tokenizer,
         prompt,
         state,
@@ -269,6 +277,9 @@ fn generate<B: Backend>(
     }
     if args.stats {
         super::print_expert_stats(model);
+        if let Some(drafts) = &outcome.drafts {
+            super::print_draft_stats(drafts);
+        }
     }
     if outcome.finish == FinishReason::Interrupted {
         return Err(moeflux::Error::Interrupted.into());
@@ -291,6 +302,7 @@ impl Outcome {
                 seconds: 0.0,
                 finish: FinishReason::Interrupted,
                 logprobs: Vec::new(),
+                drafts: None,
             },
             prefill_interrupted: true,
         }
@@ -319,6 +331,7 @@ fn run_generation<B: Backend>(
             generation.interrupt = Some(interrupt.flag());
             generation.logprobs = args.logprobs;
             generation.ignore_eos = args.sampling.ignore_eos;
+            generation.draft = prepared.draft;
             let generated = generation.run(session, &mut |piece| {
                 if stream {
                     stdout
@@ -355,20 +368,37 @@ fn generate_ids<B: Backend>(
     };
     let mut finish = FinishReason::MaxTokens;
     let sampler = &mut prepared.sampler;
-    let tokens = session.generate(
-        args.max_tokens,
-        |logits, prompt, generated| sampler.sample(logits, prompt, generated),
-        |id| {
-            if stop_ids.contains(&id) {
-                finish = FinishReason::EndOfText;
-            } else if interrupt.requested() {
-                finish = FinishReason::Interrupted;
-            } else {
-                return Ok(ControlFlow::Continue(()));
-            }
-            Ok(ControlFlow::Break(()))
-        },
-    )?;
+    let mut pick =
+        |logits: &[f32], prompt: &[u32], generated: &[u32], draft: Option<u32>| match draft {
+            Some(draft) => sampler.sample_with_draft(logits, prompt, generated, draft),
+            None => sampler.sample(logits, prompt, generated),
+        };
+    let on_token = |id| {
+        if stop_ids.contains(&id) {
+            finish = FinishReason::EndOfText;
+        } else if interrupt.requested() {
+            finish = FinishReason::Interrupted;
+        } else {
+            return Ok(ControlFlow::Continue(()));
+        }
+        Ok(ControlFlow::Break(()))
+    };
+    let mut drafts = None;
+    let tokens = match prepared.draft {
+        Some(settings) => {
+            let mut drafter = settings.source.drafter(session.model())?;
+            let mut speculation = Speculation::new(&mut *drafter, settings.length);
+            let tokens =
+                speculative::generate(session, &mut speculation, args.max_tokens, pick, on_token)?;
+            drafts = Some(speculation.stats);
+            tokens
+        }
+        None => session.generate(
+            args.max_tokens,
+            |logits, prompt, generated| pick(logits, prompt, generated, None),
+            on_token,
+        )?,
+    };
     if finish == FinishReason::MaxTokens && session.remaining() == 0 {
         finish = FinishReason::ContextFull;
     }
@@ -386,6 +416,7 @@ fn generate_ids<B: Backend>(
         seconds: start.elapsed().as_secs_f64(),
         finish,
         logprobs: Vec::new(),
+        drafts,
     })
 }
 
@@ -480,6 +511,14 @@ fn print_json(
     }
     if !prepared.sampler.config().is_greedy() {
         object["seed"] = prepared.sampler.seed().into();
+    }
+    if let Some(drafts) = &outcome.drafts {
+        object["drafts"] = json!({
+            "checks": drafts.checks,
+            "drafted": drafts.drafted,
+            "accepted": drafts.accepted,
+            "acceptance": drafts.acceptance(),
+        });
     }
     println!("{}", serde_json::to_string_pretty(&object)?);
     Ok(())

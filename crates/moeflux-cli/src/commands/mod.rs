@@ -33,6 +33,7 @@ use moeflux::backend::cuda::{CudaBackend, CudaOptions, device_count};
 use moeflux::experts::{CachePolicy, IoMode, Prefetch};
 use moeflux::format::{MANIFEST_FILE, Manifest};
 use moeflux::sampling::{Sampler, SamplerConfig};
+use moeflux::speculative::{DraftLength, DraftSettings, DraftSource, DraftStats};
 use moeflux::text::ChatOptions;
 use moeflux::util::human_bytes;
 use moeflux::{Model, ModelConfig, ModelOptions, Session, SessionOptions};
@@ -435,6 +436,61 @@ impl SamplingArgs {
         c.seed = self.seed.or(c.seed);
         Ok(Sampler::new(c)?)
     }
+}
+
+/// Speculative decoding: where drafts come from and how many per step.
+#[derive(clap::Args)]
+pub struct DraftArgs {
+    /// Draft tokens and check them in one forward pass (the same output as
+    /// without): `lookup` copies continuations of repeated text from the
+    /// prompt and output, `mtp` uses the model's multi-token-prediction
+    /// head.
+    #[arg(long, value_enum, default_value_t = DraftChoice::Off)]
+    pub draft: DraftChoice,
+    /// Tokens drafted per step (default: adaptive, up to 4, following how
+    /// many are kept).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=16))]
+    pub draft_tokens: Option<u16>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DraftChoice {
+    Off,
+    Lookup,
+    Mtp,
+}
+
+impl DraftArgs {
+    /// The settings, or `None` with drafting off; `--draft-tokens` alone is
+    /// refused, as it would do nothing.
+    pub fn settings(&self) -> Result<Option<DraftSettings>> {
+        let source = match self.draft {
+            DraftChoice::Off if self.draft_tokens.is_some() => {
+                bail!(
+                    "--draft-tokens sets how many tokens --draft drafts: add --draft lookup or --draft mtp"
+                )
+            }
+            DraftChoice::Off => return Ok(None),
+            DraftChoice::Lookup => DraftSource::Lookup,
+            DraftChoice::Mtp => DraftSource::Mtp,
+        };
+        let length = match self.draft_tokens {
+            Some(k) => DraftLength::Fixed(k.into()),
+            None => DraftLength::DEFAULT,
+        };
+        Ok(Some(DraftSettings { source, length }))
+    }
+}
+
+/// Drafting's outcome, to stderr.
+pub fn print_draft_stats(stats: &DraftStats) {
+    eprintln!(
+        "drafts: {} of {} kept ({:.1}%), {} checks",
+        stats.accepted,
+        stats.drafted,
+        100.0 * stats.acceptance(),
+        stats.checks
+    );
 }
 
 /// How a conversation is rendered with the model's chat template.

@@ -95,6 +95,13 @@ impl DraftLength {
     }
 }
 
+/// Where drafts come from and how many per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftSettings {
+    pub source: DraftSource,
+    pub length: DraftLength,
+}
+
 /// What drafting achieved during a generation.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DraftStats {

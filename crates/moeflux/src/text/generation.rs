@@ -14,6 +14,7 @@ use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::model::{Model, Session};
 use crate::sampling::{Sampler, SamplerConfig, StopCondition};
+use crate::speculative::{self, DraftSettings, DraftStats, Speculation};
 
 /// Why a generation ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -70,6 +71,8 @@ pub struct Generated {
     pub finish: FinishReason,
     /// One per token when asked for ([`TextGeneration::logprobs`]).
     pub logprobs: Vec<TokenLogprob>,
+    /// What drafting achieved, when it was on ([`TextGeneration::draft`]).
+    pub drafts: Option<DraftStats>,
 }
 
 /// One streamed generation's settings: [`TextGeneration::run`] continues a
@@ -123,6 +126,9 @@ pub struct TextGeneration<'a> {
     /// Go on past end-of-text tokens (for measurements; the text after one
     /// is rarely meaningful).
     pub ignore_eos: bool,
+    /// Speculative decoding: drafted tokens checked in one forward pass
+    /// (the same output as without).
+    pub draft: Option<DraftSettings>,
 }
 
 impl<'a> TextGeneration<'a> {
@@ -138,6 +144,7 @@ impl<'a> TextGeneration<'a> {
             interrupt: None,
             logprobs: None,
             ignore_eos: false,
+            draft: None,
         }
     }
 
@@ -161,37 +168,55 @@ impl<'a> TextGeneration<'a> {
         let sampler = &mut *self.sampler;
         let (interrupt, top) = (self.interrupt, self.logprobs);
         let interrupted = || interrupt.is_some_and(|flag| flag.load(Ordering::Relaxed));
+        let mut pick = |logits: &[f32], prompt: &[u32], generated: &[u32], draft: Option<u32>| {
+            let token = match draft {
+                Some(draft) => sampler.sample_with_draft(logits, prompt, generated, draft)?,
+                None => sampler.sample(logits, prompt, generated)?,
+            };
+            if let Some(top) = top {
+                logprobs.push(TokenLogprob::of(logits, token, top));
+            }
+            Ok(token)
+        };
+        let mut on_token = |id| {
+            if stop.is_eos(id) {
+                finish = FinishReason::EndOfText;
+                return Ok(ControlFlow::Break(()));
+            }
+            let step = stop.push(&decoder.step(id)?);
+            text.push_str(&step.text);
+            on_text(&step.text)?;
+            if step.stopped_by.is_some() {
+                finish = FinishReason::StopString;
+                return Ok(ControlFlow::Break(()));
+            }
+            if interrupted() {
+                finish = FinishReason::Interrupted;
+                return Ok(ControlFlow::Break(()));
+            }
+            Ok(ControlFlow::Continue(()))
+        };
+        let mut drafts = None;
         let tokens = if interrupted() {
             finish = FinishReason::Interrupted;
             Vec::new()
+        } else if let Some(settings) = self.draft {
+            let mut drafter = settings.source.drafter(session.model())?;
+            let mut speculation = Speculation::new(&mut *drafter, settings.length);
+            let tokens = speculative::generate(
+                session,
+                &mut speculation,
+                self.max_tokens,
+                &mut pick,
+                &mut on_token,
+            )?;
+            drafts = Some(speculation.stats);
+            tokens
         } else {
             session.generate(
                 self.max_tokens,
-                |logits, prompt, generated| {
-                    let token = sampler.sample(logits, prompt, generated)?;
-                    if let Some(top) = top {
-                        logprobs.push(TokenLogprob::of(logits, token, top));
-                    }
-                    Ok(token)
-                },
-                |id| {
-                    if stop.is_eos(id) {
-                        finish = FinishReason::EndOfText;
-                        return Ok(ControlFlow::Break(()));
-                    }
-                    let step = stop.push(&decoder.step(id)?);
-                    text.push_str(&step.text);
-                    on_text(&step.text)?;
-                    if step.stopped_by.is_some() {
-                        finish = FinishReason::StopString;
-                        return Ok(ControlFlow::Break(()));
-                    }
-                    if interrupted() {
-                        finish = FinishReason::Interrupted;
-                        return Ok(ControlFlow::Break(()));
-                    }
-                    Ok(ControlFlow::Continue(()))
-                },
+                |logits, prompt, generated| pick(logits, prompt, generated, None),
+                &mut on_token,
             )?
         };
         if finish == FinishReason::MaxTokens && session.remaining() == 0 {
@@ -208,6 +233,7 @@ impl<'a> TextGeneration<'a> {
             seconds: start.elapsed().as_secs_f64(),
             finish,
             logprobs,
+            drafts,
         })
     }
 }
