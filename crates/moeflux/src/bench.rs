@@ -3,6 +3,7 @@
 //! bandwidth, disk read bandwidth at the expert-blob size), so every figure
 //! says how close to the hardware it is.
 
+use std::ops::ControlFlow;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,6 +15,7 @@ use crate::backend::{Backend, DeviceExpertStats};
 use crate::error::{Error, Result};
 use crate::experts::{CachePolicy, ExpertKey, ExpertStats, Prefetch, simulate};
 use crate::model::{BatchItem, LogitsWanted, Model, Phase, Session, argmax, forward_batch};
+use crate::speculative::{self, DraftSettings, DraftSource, DraftStats, Speculation};
 use crate::util::{AlignedBuf, Progress, SplitMix64};
 
 #[derive(Clone, Debug)]
@@ -41,6 +43,13 @@ pub struct BenchOptions {
     /// Also decode this many sequences together, each step one forward
     /// pass over all of them (1: only the single-sequence decode).
     pub sequences: usize,
+    /// Also time checks of this many drafted tokens (forward passes over
+    /// the token chosen and the drafts, then a rewind to the first), the
+    /// cost of speculative decoding's verification.
+    pub check_tokens: Vec<usize>,
+    /// Also generate greedily with these drafts and without, from the same
+    /// prompt: the speedup and expert bytes read per generated token.
+    pub draft: Option<DraftSettings>,
 }
 
 impl Default for BenchOptions {
@@ -51,6 +60,8 @@ impl Default for BenchOptions {
             warmup_tokens: 8,
             prefill_tokens: 512,
             sequences: 1,
+            check_tokens: Vec::new(),
+            draft: None,
             ceilings: true,
             compare_policies: false,
             text_tokens: None,
@@ -62,6 +73,10 @@ impl Default for BenchOptions {
 pub struct BenchReport {
     /// Decoding many sequences together, when asked for.
     pub batch: Option<BatchDecode>,
+    /// Speculative decoding's checks of drafted tokens, when asked for.
+    pub checks: Vec<DraftCheck>,
+    /// Greedy generation with drafts against without, when asked for.
+    pub drafted: Option<DraftedDecode>,
     pub model: String,
     pub architecture: String,
     pub synthetic: bool,
@@ -209,6 +224,15 @@ pub fn run<B: Backend>(
         n => Some(batch_decode(model, options, n, vocab)?),
     };
     let decode_tok_s = options.decode_tokens as f64 / decode_time.as_secs_f64();
+    let checks = options
+        .check_tokens
+        .iter()
+        .map(|&k| draft_check(model, options, &tokens, k))
+        .collect::<Result<_>>()?;
+    let drafted = match options.draft {
+        Some(settings) => Some(drafted_decode(model, options, &tokens, settings)?),
+        None => None,
+    };
     let weight_bytes_per_token = weight_bytes_per_token(model);
     let (memory_bandwidth_gb_s, disk_read_gb_s, host_to_device_gb_s) = if options.ceilings {
         (
@@ -221,6 +245,8 @@ pub fn run<B: Backend>(
     };
     Ok(BenchReport {
         batch,
+        checks,
+        drafted,
         model: model.dir().root().display().to_string(),
         architecture: cfg.architecture.name().into(),
         synthetic: manifest.synthetic,
@@ -257,6 +283,132 @@ pub fn run<B: Backend>(
         device_experts,
         host_to_device_gb_s,
         policy_comparison,
+    })
+}
+
+/// The cost of checking `drafted` tokens against one decode step.
+#[derive(Clone, Debug, Serialize)]
+pub struct DraftCheck {
+    pub drafted: usize,
+    /// One forward pass over the chosen token and the drafts, then a rewind
+    /// to the chosen token (every draft rejected: the most a check costs).
+    pub check_ms: f64,
+    /// One decode step of the same session, timed in the same loop.
+    pub decode_ms: f64,
+    /// `check_ms / decode_ms`: the drafts kept per check above this, plus
+    /// one, is what speculative decoding gains.
+    pub ratio: f64,
+}
+
+/// Alternates checks of `drafted` random tokens with plain decode steps on
+/// one session after the prompt, `decode_tokens` of each.
+fn draft_check<B: Backend>(
+    model: &Arc<Model<B>>,
+    options: &BenchOptions,
+    tokens: &[u32],
+    drafted: usize,
+) -> Result<DraftCheck> {
+    let vocab = model.config().vocab_size;
+    let mut session = model.session();
+    session.prefill(&tokens[..options.prompt_tokens])?;
+    let mut rng = SplitMix64(29 + drafted as u64);
+    let mut random =
+        |n: usize| -> Vec<u32> { (0..n).map(|_| rng.below(vocab as u64) as u32).collect() };
+    let (mut check, mut decode) = (0.0, 0.0);
+    for step in 0..options.warmup_tokens + options.decode_tokens {
+        let run = random(drafted + 1);
+        let start = Instant::now();
+        let point = session.rewind_point(run.len())?;
+        let rows = session.forward_drafted(&run)?;
+        let first = rows.data[..rows.vocab].to_vec();
+        session.rewind(point, 1, first)?;
+        let checked = start.elapsed().as_secs_f64();
+        let start = Instant::now();
+        session.decode(random(1)[0])?;
+        if step >= options.warmup_tokens {
+            check += checked;
+            decode += start.elapsed().as_secs_f64();
+        }
+    }
+    let n = options.decode_tokens as f64;
+    Ok(DraftCheck {
+        drafted,
+        check_ms: check * 1e3 / n,
+        decode_ms: decode * 1e3 / n,
+        ratio: check / decode,
+    })
+}
+
+/// Greedy generation with drafts against plain greedy generation.
+#[derive(Clone, Debug, Serialize)]
+pub struct DraftedDecode {
+    pub source: DraftSource,
+    pub tokens: usize,
+    pub plain_tok_s: f64,
+    pub drafted_tok_s: f64,
+    pub speedup: f64,
+    pub drafts: DraftStats,
+    pub plain_expert_bytes_per_token: f64,
+    pub drafted_expert_bytes_per_token: f64,
+    /// Whether both generated the same tokens (they must).
+    pub identical: bool,
+}
+
+/// `decode_tokens` greedy tokens after the prompt, plain then drafted
+/// (each after a warm-up generation of its own), from fresh sessions.
+fn drafted_decode<B: Backend>(
+    model: &Arc<Model<B>>,
+    options: &BenchOptions,
+    tokens: &[u32],
+    settings: DraftSettings,
+) -> Result<DraftedDecode> {
+    let prompt = &tokens[..options.prompt_tokens];
+    let n = options.decode_tokens;
+    let greedy = |l: &[f32], _: &[u32], _: &[u32]| Ok(argmax(l));
+    let go_on = |_| Ok(ControlFlow::Continue(()));
+    let plain = |count: usize| -> Result<(Vec<u32>, f64, u64)> {
+        let mut session = model.session();
+        session.prefill(prompt)?;
+        let before = model.expert_stats();
+        let start = Instant::now();
+        let out = session.generate(count, greedy, go_on)?;
+        let bytes = model.expert_stats().since(&before).bytes_read;
+        Ok((out, start.elapsed().as_secs_f64(), bytes))
+    };
+    let mut stats = DraftStats::default();
+    let drafted = |count: usize, stats: &mut DraftStats| -> Result<(Vec<u32>, f64, u64)> {
+        let mut drafter = settings.source.drafter(model)?;
+        let mut speculation = Speculation::new(&mut *drafter, settings.length);
+        let mut session = model.session();
+        session.prefill(prompt)?;
+        let before = model.expert_stats();
+        let start = Instant::now();
+        let out = speculative::generate(
+            &mut session,
+            &mut speculation,
+            count,
+            |l, _, _, _| Ok(argmax(l)),
+            go_on,
+        )?;
+        let bytes = model.expert_stats().since(&before).bytes_read;
+        *stats = speculation.stats;
+        Ok((out, start.elapsed().as_secs_f64(), bytes))
+    };
+    plain(options.warmup_tokens.max(1))?;
+    drafted(options.warmup_tokens.max(1), &mut stats)?;
+    let (want, plain_s, plain_bytes) = plain(n)?;
+    let (got, drafted_s, drafted_bytes) = drafted(n, &mut stats)?;
+    let per_token = |bytes: u64, out: &[u32]| bytes as f64 / out.len().max(1) as f64;
+    Ok(DraftedDecode {
+        source: settings.source,
+        tokens: got.len(),
+        plain_tok_s: want.len() as f64 / plain_s,
+        drafted_tok_s: got.len() as f64 / drafted_s,
+        speedup: (got.len() as f64 / drafted_s) / (want.len() as f64 / plain_s),
+        drafts: stats,
+        plain_expert_bytes_per_token: per_token(plain_bytes, &want),
+        drafted_expert_bytes_per_token: per_token(drafted_bytes, &got),
+        identical: got == want,
     })
 }
 

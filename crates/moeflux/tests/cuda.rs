@@ -162,6 +162,33 @@ fn prefill_logits_equal_token_by_token_decode() {
     }
 }
 
+/// Speculative decoding on CUDA: greedy output with drafts (of 1 to 4
+/// tokens, kept and rejected at every offset, and prompt lookup) equals
+/// plain decoding, and the rewound session's logits stay within the
+/// prefill-against-decode bound.
+#[test]
+fn greedy_with_drafts_equals_plain_decoding() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in fixtures_with(false) {
+        let converted = convert_fixture(name, DType::Q4);
+        let prompt = Reference::load(name).tokens("tokens_long");
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        common::speculative::check_greedy_equal(name, &gpu, &prompt[..20], 1e-4);
+    }
+    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let gpu = open_cuda(&dir, ModelOptions::default(), cuda().unwrap());
+    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
+    let prompt = tokenizer
+        .encode(
+            "It is a truth universally acknowledged, that a single man",
+            true,
+        )
+        .unwrap();
+    common::speculative::check_greedy_equal("bundled", &gpu, &prompt, 1e-4);
+}
+
 #[test]
 fn tiny_expert_caches_give_identical_results() {
     if cuda().is_none() {

@@ -35,4 +35,12 @@ fn greedy_with_drafts_equals_plain_decoding_on_the_bundled_model() {
         )
         .unwrap();
     check_greedy_equal("bundled", &model, &prompt, TOLERANCE);
+    // Checks longer than a prefill chunk run in several passes: rewound
+    // from a copy of the Gated DeltaNet states instead of their steps.
+    let chunked = ModelOptions {
+        prefill_chunk: Some(2),
+        ..ModelOptions::default()
+    };
+    let model = std::sync::Arc::new(Model::open(&dir, &chunked).unwrap());
+    check_greedy_equal("bundled, chunks of 2", &model, &prompt, TOLERANCE);
 }

@@ -11,7 +11,7 @@ use moeflux::text::Tokenizer;
 use moeflux::util::human_bytes;
 
 use super::convert::progress_bar;
-use super::{ModelArgs, read_text};
+use super::{DraftArgs, ModelArgs, read_text};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -47,9 +47,18 @@ pub struct Args {
     /// step over all of them) and report the aggregate speed.
     #[arg(long, visible_alias = "batch", default_value_t = 1)]
     sequences: usize,
+    /// Also time speculative decoding's check of this many drafted tokens
+    /// against a decode step (comma separated, e.g. 1,2,3,4).
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u16).range(1..=16))]
+    check_tokens: Vec<u16>,
+    /// With --draft: also generate -n greedy tokens with drafts and
+    /// without, and report the speedup and expert bytes per token.
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 pub fn run_command(args: Args) -> Result<()> {
+    let draft = args.draft.settings()?;
     let text = args
         .text
         .as_ref()
@@ -74,7 +83,8 @@ pub fn run_command(args: Args) -> Result<()> {
     with_model!(args.model.load(&files, false)?, |model| bench(
         &model,
         &args,
-        text_tokens
+        text_tokens,
+        draft
     ))
 }
 
@@ -82,6 +92,7 @@ fn bench<B: Backend>(
     model: &Arc<Model<B>>,
     args: &Args,
     text_tokens: Option<Vec<u32>>,
+    draft: Option<moeflux::speculative::DraftSettings>,
 ) -> Result<()> {
     let options = BenchOptions {
         prompt_tokens: args.prompt_len,
@@ -92,6 +103,8 @@ fn bench<B: Backend>(
         compare_policies: args.compare_policies,
         text_tokens,
         sequences: args.sequences,
+        check_tokens: args.check_tokens.iter().map(|&k| k.into()).collect(),
+        draft,
     };
     let report = run(model, &options, &progress_bar())?;
     if args.json {
@@ -237,6 +250,37 @@ fn print_table(r: &BenchReport) {
             moved += &format!(", {} uploaded to the device", human_bytes(up as u64));
         }
         row("  expert bytes per token (batched)", moved);
+    }
+    for c in &r.checks {
+        row(
+            &format!("check of {} drafted tokens", c.drafted),
+            format!(
+                "{:.3} ms = {:.2} decode steps of {:.3} ms",
+                c.check_ms, c.ratio, c.decode_ms
+            ),
+        );
+    }
+    if let Some(d) = &r.drafted {
+        row(
+            &format!("greedy, {} tokens, drafts ({:?})", d.tokens, d.source),
+            format!(
+                "{:.2} tok/s against {:.2} plain = {:.2}x; {:.1}% of {} drafts kept{}",
+                d.drafted_tok_s,
+                d.plain_tok_s,
+                d.speedup,
+                100.0 * d.drafts.acceptance(),
+                d.drafts.drafted,
+                if d.identical { "" } else { "; OUTPUTS DIFFER" }
+            ),
+        );
+        row(
+            "  expert bytes per token",
+            format!(
+                "{} drafted against {} plain",
+                human_bytes(d.drafted_expert_bytes_per_token as u64),
+                human_bytes(d.plain_expert_bytes_per_token as u64)
+            ),
+        );
     }
     row(
         "weights read per token",

@@ -201,6 +201,18 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn new_delta_net_state(&self, cfg: &LinearAttentionConfig) -> Result<Self::DeltaNetState>;
     fn delta_net_copy(&self, state: &Self::DeltaNetState) -> Result<Self::DeltaNetState>;
     fn delta_net_export(&self, state: &Self::DeltaNetState) -> Result<HostDeltaNetState>;
+    /// Asks `state` to keep its state after each token of its next run
+    /// (speculative decoding's check of drafted tokens), so that
+    /// [`Backend::delta_net_rewind`] can go back to any of them without
+    /// running tokens again; false where the backend cannot.
+    fn delta_net_track(&self, _state: &mut Self::DeltaNetState) -> bool {
+        false
+    }
+    /// Puts `state` back to just after the first `keep` tokens of its last
+    /// run, if that run was tracked; false (state unchanged) otherwise.
+    fn delta_net_rewind(&self, _state: &mut Self::DeltaNetState, _keep: usize) -> Result<bool> {
+        Ok(false)
+    }
     fn delta_net_import(
         &self,
         cfg: &LinearAttentionConfig,

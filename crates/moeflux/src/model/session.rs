@@ -19,6 +19,7 @@ use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::blocks::batch::Phase;
 use crate::blocks::decoder::LayerState;
+use crate::config::LayerKind;
 use crate::error::{Error, Result};
 
 /// How [`Session::new`] sets up a session.
@@ -64,6 +65,8 @@ pub(crate) struct RewindPoint<B: Backend> {
     /// Per layer, as in a checkpoint; `None` when cutting the KV caches
     /// back is enough.
     saved: Option<Vec<Option<LayerState<B>>>>,
+    /// Whether the Gated DeltaNet states keep their steps.
+    tracked: bool,
 }
 
 struct Checkpoint<B: Backend> {
@@ -433,10 +436,36 @@ impl<B: Backend> Session<B> {
     }
 
     /// What [`Session::rewind`] needs to come back to the current position
-    /// after tokens are appended: nothing on a model whose KV caches are cut
-    /// back exactly, else a copy of the state truncation cannot restore.
-    pub(crate) fn rewind_point(&self) -> Result<RewindPoint<B>> {
-        let saved = match self.model.rewinds_by_truncation() || self.layers.is_empty() {
+    /// after `appending` tokens are appended in one forward pass: nothing
+    /// on a model whose KV caches are cut back exactly; on one with Gated
+    /// DeltaNet layers, their states after each of those tokens, kept by
+    /// the backend where it can; else a copy of the state truncation
+    /// cannot restore.
+    pub(crate) fn rewind_point(&mut self, appending: usize) -> Result<RewindPoint<B>> {
+        let position = self.position();
+        if self.model.rewinds_by_truncation() || self.layers.is_empty() {
+            return Ok(RewindPoint {
+                position,
+                saved: None,
+                tracked: false,
+            });
+        }
+        let b = self.model.backend();
+        let chunk = self.model.prefill_chunk;
+        // One run per layer (within a prefill chunk), and no sliding
+        // window (whose cache has let go of what a rewind needs).
+        let tracked = appending <= chunk
+            && self
+                .model
+                .config()
+                .layers
+                .iter()
+                .all(|l| l.kind != LayerKind::SlidingAttention)
+            && self.layers.iter_mut().all(|l| match l {
+                LayerState::DeltaNet(state) => b.delta_net_track(state),
+                LayerState::Attention(_) => true,
+            });
+        let saved = match tracked {
             true => None,
             false => Some(
                 self.layers
@@ -447,15 +476,17 @@ impl<B: Backend> Session<B> {
             ),
         };
         Ok(RewindPoint {
-            position: self.position(),
+            position,
             saved,
+            tracked,
         })
     }
 
     /// Goes back to `point` and on to the first `keep` tokens appended
     /// since, whose logits are `logits` (known already, from the forward
-    /// that appended them). KV caches are cut back; other state comes from
-    /// the point's copy with the kept tokens run again.
+    /// that appended them). KV caches are cut back; Gated DeltaNet states
+    /// come from the states the backend kept, or from the point's copy
+    /// with the kept tokens run again.
     pub(crate) fn rewind(
         &mut self,
         point: RewindPoint<B>,
@@ -465,6 +496,27 @@ impl<B: Backend> Session<B> {
         let target = point.position + keep;
         assert!(target <= self.position(), "rewind past the end");
         let b = self.model.backend();
+        if point.tracked {
+            let mut rewound = true;
+            for layer in &mut self.layers {
+                match layer {
+                    LayerState::DeltaNet(state) => rewound &= b.delta_net_rewind(state, keep)?,
+                    LayerState::Attention(cache) => b.kv_truncate(cache, target),
+                }
+            }
+            if !rewound {
+                // A state that kept fewer steps than asked: rebuild the
+                // position from the checkpoints instead.
+                let rebuilt = self.rebuild(target);
+                self.sync_kv();
+                return rebuilt;
+            }
+            self.tokens.truncate(target);
+            self.checkpoints.retain(|c| c.position <= target);
+            self.logits = Some(logits);
+            self.sync_kv();
+            return Ok(());
+        }
         let kept = self.tokens[point.position..target].to_vec();
         let cut_to = match &point.saved {
             None => target,

@@ -225,7 +225,7 @@ pub fn generate<B: Backend>(
             }
             continue;
         }
-        let point = session.rewind_point()?;
+        let point = session.rewind_point(drafts.len() + 1)?;
         let mut run = Vec::with_capacity(drafts.len() + 1);
         run.push(next);
         run.extend_from_slice(&drafts);

@@ -15,6 +15,26 @@ pub struct DeltaNetState {
     pub conv: Vec<f32>,
     /// Per value head, the `[key_head_dim, value_head_dim]` state matrix.
     pub recurrent: Vec<f32>,
+    /// Keep the state after each token of the next run ([`Self::steps`]).
+    pub track_next: bool,
+    /// The states after each token of the last run, when it was tracked:
+    /// what lets speculative decoding go back to any of them.
+    pub steps: Option<Steps>,
+}
+
+/// The states within one run of `n` tokens.
+#[derive(Clone)]
+pub struct Steps {
+    n: usize,
+    conv_dim: usize,
+    /// `dk · dv`, one head's state.
+    head_size: usize,
+    /// The convolution's inputs, the state's history first,
+    /// `[kernel - 1 + n, conv_dim]`: the conv state after `t` tokens is
+    /// rows `t..t + kernel - 1`.
+    window: Vec<f32>,
+    /// Per value head, its state after each token, `[heads, n, dk · dv]`.
+    recurrent: Vec<f32>,
 }
 
 impl DeltaNetState {
@@ -22,7 +42,29 @@ impl DeltaNetState {
         DeltaNetState {
             conv: vec![0.0; (cfg.conv_kernel - 1) * cfg.conv_dim()],
             recurrent: vec![0.0; cfg.num_value_heads * cfg.key_head_dim * cfg.value_head_dim],
+            track_next: false,
+            steps: None,
         }
+    }
+
+    /// Back to the state after the first `keep` tokens of the last run;
+    /// false (and nothing changed) unless that run was tracked and
+    /// `1 ≤ keep ≤` its length.
+    pub fn rewind(&mut self, keep: usize) -> bool {
+        let Some(steps) = self.steps.take() else {
+            return false;
+        };
+        if keep == 0 || keep > steps.n {
+            return false;
+        }
+        let history = self.conv.len();
+        self.conv
+            .copy_from_slice(&steps.window[keep * steps.conv_dim..][..history]);
+        let size = steps.head_size;
+        for (h, state) in self.recurrent.chunks_exact_mut(size).enumerate() {
+            state.copy_from_slice(&steps.recurrent[(h * steps.n + keep - 1) * size..][..size]);
+        }
+        true
     }
 }
 
@@ -89,6 +131,11 @@ pub fn forward(
         });
     let keep = window.len() - history * conv_dim;
     state.conv.copy_from_slice(&window[keep..]);
+    let track = std::mem::take(&mut state.track_next);
+    let mut trail = match track {
+        true => vec![0f32; nv * n * dk * dv],
+        false => Vec::new(),
+    };
 
     // Normalised queries (also scaled by 1/sqrt(dk)) and keys.
     let q_scale = 1.0 / (dk as f32).sqrt();
@@ -103,11 +150,18 @@ pub fn forward(
     let value_dim = cfg.value_dim();
     let heads_per_key = nv / nk;
     let mut out_by_head = vec![0f32; nv * n * dv];
+    // Each head's part of the trail (empty when not tracking).
+    let trail_part = if track { n * dk * dv } else { 1 };
+    let mut trail_parts: Vec<&mut [f32]> = match track {
+        true => trail.chunks_mut(trail_part).collect(),
+        false => (0..nv).map(|_| &mut [][..]).collect(),
+    };
     out_by_head
         .par_chunks_mut(n * dv)
         .zip(state.recurrent.par_chunks_mut(dk * dv))
+        .zip(trail_parts.par_iter_mut())
         .enumerate()
-        .for_each(|(h, (out, s))| {
+        .for_each(|(h, ((out, s), trail))| {
             let key = (h / heads_per_key) * dk;
             let head = Recurrence {
                 mixed: &mixed,
@@ -127,9 +181,16 @@ pub fn forward(
                 .collect();
             isa.vectorize(
                 #[inline(always)]
-                || head.run(s, &gates, out),
+                || head.run(s, &gates, out, trail),
             );
         });
+    state.steps = track.then(|| Steps {
+        n,
+        conv_dim,
+        head_size: dk * dv,
+        window,
+        recurrent: trail,
+    });
     // [heads, n, dv] -> [n, heads·dv]
     let mut out = vec![0f32; n * value_dim];
     for h in 0..nv {
@@ -159,7 +220,9 @@ impl Recurrence<'_> {
     /// (decay, beta) and writes the outputs (`[n, dv]`); plain loops over
     /// `dv`, vectorised by [`Isa::vectorize`].
     #[inline(always)]
-    fn run(&self, s: &mut [f32], gates: &[(f32, f32)], out: &mut [f32]) {
+    /// A non-empty `trail` (`[n, dk · dv]`) receives the state after each
+    /// token.
+    fn run(&self, s: &mut [f32], gates: &[(f32, f32)], out: &mut [f32], trail: &mut [f32]) {
         let (dk, dv) = (self.dk, self.dv);
         let mut kv_mem = vec![0f32; dv];
         for (t, &(decay, beta)) in gates.iter().enumerate() {
@@ -189,6 +252,9 @@ impl Recurrence<'_> {
                 for (ov, &sv) in o.iter_mut().zip(srow.iter()) {
                     *ov += sv * q[i];
                 }
+            }
+            if !trail.is_empty() {
+                trail[t * dk * dv..][..dk * dv].copy_from_slice(s);
             }
         }
     }

@@ -232,7 +232,11 @@ impl Backend for CpuBackend {
     }
 
     fn delta_net_copy(&self, state: &DeltaNetState) -> Result<DeltaNetState> {
-        Ok(state.clone())
+        Ok(DeltaNetState {
+            track_next: false,
+            steps: None,
+            ..state.clone()
+        })
     }
 
     fn delta_net_export(&self, state: &DeltaNetState) -> Result<HostDeltaNetState> {
@@ -250,7 +254,18 @@ impl Backend for CpuBackend {
         Ok(DeltaNetState {
             conv: host.conv,
             recurrent: host.recurrent,
+            track_next: false,
+            steps: None,
         })
+    }
+
+    fn delta_net_track(&self, state: &mut DeltaNetState) -> bool {
+        state.track_next = true;
+        true
+    }
+
+    fn delta_net_rewind(&self, state: &mut DeltaNetState, keep: usize) -> Result<bool> {
+        Ok(state.rewind(keep))
     }
 
     fn rows(&self, x: &Tensor) -> usize {
