@@ -73,10 +73,11 @@ impl ModelPath {
 pub struct ModelArgs {
     #[command(flatten)]
     pub path: ModelPath,
-    /// Memory for cached experts, in MiB (default: all experts if they fit
-    /// in half the available memory, else half the available memory).
+    /// Memory for cached experts, in MiB, fractions allowed (default: all
+    /// experts if they fit in half the available memory, else half the
+    /// available memory).
     #[arg(long)]
-    pub expert_cache_mb: Option<u64>,
+    pub expert_cache_mb: Option<f64>,
     /// Prompt tokens processed together (default: 64 on the CPU, 512 on
     /// CUDA).
     #[arg(long)]
@@ -199,11 +200,23 @@ fn mebibytes(option: &str, mb: Option<u64>) -> Result<Option<u64>> {
     .transpose()
 }
 
+/// [`mebibytes`] of a size given with a fraction (a small model's cache).
+fn fractional_mebibytes(option: &str, mb: Option<f64>) -> Result<Option<u64>> {
+    mb.map(|mb| {
+        let bytes = mb * (1u64 << 20) as f64;
+        match mb.is_finite() && mb >= 0.0 && bytes < u64::MAX as f64 {
+            true => Ok(bytes as u64),
+            false => bail!("{option}: {mb} MiB is not a size in memory: give a number from 0"),
+        }
+    })
+    .transpose()
+}
+
 impl ModelArgs {
     /// Finds the model directory (converting the bundled model on first
     /// use) and reads its configuration; checks the model options.
     pub fn resolve(&self, quiet: bool) -> Result<ModelFiles> {
-        mebibytes("--expert-cache-mb", self.expert_cache_mb)?;
+        fractional_mebibytes("--expert-cache-mb", self.expert_cache_mb)?;
         mebibytes("--gpu-expert-cache-mb", self.gpu_expert_cache_mb)?;
         mebibytes("--pinned-cache-mb", self.pinned_cache_mb)?;
         if self.prefill_chunk == Some(0) {
@@ -217,7 +230,7 @@ impl ModelArgs {
     pub fn load(&self, files: &ModelFiles, quiet: bool) -> Result<OpenedModel> {
         let dir = &files.dir;
         let options = ModelOptions {
-            expert_cache_bytes: mebibytes("--expert-cache-mb", self.expert_cache_mb)?,
+            expert_cache_bytes: fractional_mebibytes("--expert-cache-mb", self.expert_cache_mb)?,
             cache_policy: match self.cache_policy {
                 CachePolicyArg::Lru => CachePolicy::Lru,
                 CachePolicyArg::Lfu => CachePolicy::Lfu,
