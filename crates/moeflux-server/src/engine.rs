@@ -45,6 +45,8 @@ pub struct Settings {
     pub logit_bias: Vec<(u32, f32)>,
     /// Report each token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// End-of-text tokens do not end the answer (they are decoded as text).
+    pub ignore_eos: bool,
 }
 
 /// A request handed to the engine.
@@ -328,7 +330,11 @@ impl<'t, B: Backend> Engine<'t, B> {
     }
 
     fn start(&mut self, mut job: Job, reserved: u64) {
-        let stop_ids = self.tokenizer.special_tokens().stop_ids.clone();
+        let stop_ids = if job.settings.ignore_eos {
+            Vec::new()
+        } else {
+            self.tokenizer.special_tokens().stop_ids.clone()
+        };
         let mut matchers = std::mem::take(&mut job.constraints).into_iter();
         let mut choices = Vec::with_capacity(job.settings.n);
         for i in 0..job.settings.n {

@@ -73,6 +73,9 @@ pub struct Common {
     pub logit_bias: Option<BTreeMap<String, f64>>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// vLLM's extension: generate past end-of-text tokens, up to
+    /// `max_tokens` (for benchmarks that want answers of a fixed length).
+    pub ignore_eos: Option<bool>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -362,6 +365,7 @@ impl Common {
             stop,
             logit_bias,
             logprobs,
+            ignore_eos: self.ignore_eos.unwrap_or(false),
         })
     }
 }

@@ -506,3 +506,30 @@ async fn a_request_past_its_timeout_ends_as_at_its_token_limit() {
     );
     assert!(started.elapsed().as_secs_f64() < 10.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ignore_eos_generates_to_max_tokens() {
+    let server = start(|_| {}).await;
+    let ask = |ignore: bool| {
+        chat(
+            "Who is Mr. Darcy?",
+            json!({"temperature": 0, "max_tokens": 40, "ignore_eos": ignore,
+                   "chat_template_kwargs": {"enable_thinking": false}}),
+        )
+    };
+    let (status, ended) = server.post("/v1/chat/completions", &ask(false)).await;
+    assert_eq!(status, 200, "{ended}");
+    assert_eq!(ended["choices"][0]["finish_reason"], "stop", "{ended}");
+    let short = ended["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(short < 40, "{ended}");
+    let (status, long) = server.post("/v1/chat/completions", &ask(true)).await;
+    assert_eq!(status, 200, "{long}");
+    assert_eq!(long["choices"][0]["finish_reason"], "length", "{long}");
+    assert_eq!(long["usage"]["completion_tokens"], 40, "{long}");
+    // The same answer up to where it ended, then more.
+    let (a, b) = (
+        ended["choices"][0]["message"]["content"].as_str().unwrap(),
+        long["choices"][0]["message"]["content"].as_str().unwrap(),
+    );
+    assert!(b.starts_with(a) && b.len() > a.len(), "{a:?} / {b:?}");
+}
