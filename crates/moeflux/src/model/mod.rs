@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::blocks::batch::Phase;
 pub use batch::{BatchItem, forward_batch};
-pub use session::{Session, SessionOptions};
+pub use session::{RewindPoint, Session, SessionOptions};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;

@@ -59,8 +59,9 @@ impl Default for SessionOptions {
 }
 
 /// A position a session can come back to cheaply after tokens are
-/// appended ([`Session::rewind_point`]).
-pub(crate) struct RewindPoint<B: Backend> {
+/// appended ([`Session::rewind_point`]): how speculative decoding drops
+/// the drafts the model rejected.
+pub struct RewindPoint<B: Backend> {
     position: usize,
     /// Per layer, as in a checkpoint; `None` when cutting the KV caches
     /// back is enough.
@@ -441,7 +442,7 @@ impl<B: Backend> Session<B> {
     /// DeltaNet layers, their states after each of those tokens, kept by
     /// the backend where it can; else a copy of the state truncation
     /// cannot restore.
-    pub(crate) fn rewind_point(&mut self, appending: usize) -> Result<RewindPoint<B>> {
+    pub fn rewind_point(&mut self, appending: usize) -> Result<RewindPoint<B>> {
         let position = self.position();
         if self.model.rewinds_by_truncation() || self.layers.is_empty() {
             return Ok(RewindPoint {
@@ -487,14 +488,24 @@ impl<B: Backend> Session<B> {
     /// that appended them). KV caches are cut back; Gated DeltaNet states
     /// come from the states the backend kept, or from the point's copy
     /// with the kept tokens run again.
-    pub(crate) fn rewind(
+    pub fn rewind(
         &mut self,
         point: RewindPoint<B>,
         keep: usize,
         logits: Vec<f32>,
     ) -> Result<()> {
         let target = point.position + keep;
-        assert!(target <= self.position(), "rewind past the end");
+        if target > self.position() || logits.len() != self.model.config().vocab_size {
+            return Err(Error::invalid(
+                "rewind",
+                format!(
+                    "keeping {keep} tokens after position {} goes past the session's {} tokens, \
+                     or the logits are not a row of the vocabulary",
+                    point.position,
+                    self.position()
+                ),
+            ));
+        }
         let b = self.model.backend();
         if point.tracked {
             let mut rewound = true;
