@@ -65,7 +65,7 @@ fn check_fixtures(quant: DType, suffix: &str, reference_tolerance: f64) {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, quant);
         let reference = Reference::load(name);
         for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
@@ -124,7 +124,7 @@ fn greedy_continuation_matches_transformers_generate() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Bf16);
         let reference = Reference::load(name);
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -140,7 +140,7 @@ fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -171,7 +171,7 @@ fn greedy_with_drafts_equals_plain_decoding() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let prompt = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -194,7 +194,7 @@ fn tiny_expert_caches_give_identical_results() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let unbounded = ModelOptions {
@@ -264,7 +264,7 @@ fn resident_and_streamed_experts_give_identical_results() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         for quant in [DType::Q4, DType::Bf16] {
             let converted = convert_fixture(name, quant);
             let tokens = Reference::load(name).tokens("tokens_long");
@@ -333,7 +333,7 @@ fn streamed_expert_statistics_are_consistent() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -444,14 +444,15 @@ fn streamed_expert_statistics_are_consistent() {
 }
 
 /// Saving and loading state, truncation and checkpoints exercise the
-/// export, import, truncate and copy operations; a state saved on CUDA
-/// also continues on the CPU.
+/// export, import, truncate and copy operations (sliding windows' caches
+/// and latent caches included); a state saved on CUDA also continues on
+/// the CPU.
 #[test]
 fn sessions_save_truncate_and_restore_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss"] {
+    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"] {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());

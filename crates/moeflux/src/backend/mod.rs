@@ -41,6 +41,9 @@ pub struct AttentionShape {
     /// Sliding-window attention: a query sees this many positions, its own
     /// included, and the KV cache keeps only what later queries can see.
     pub window: Option<usize>,
+    /// Multi-head latent attention's cache: one row of `head_dim` per
+    /// position (the latent and the rotary key) and no values.
+    pub latent: bool,
 }
 
 impl AttentionShape {

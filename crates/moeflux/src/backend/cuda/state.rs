@@ -38,6 +38,10 @@ const MIN_KV_POSITIONS: usize = 256;
 /// 2]`) and `tickets` (a zeroed word per head, back to zero after each
 /// step): the cache's own, so sequences decoded together and layers never
 /// share them.
+///
+/// A latent cache (multi-head latent attention, `shape.latent`) holds only
+/// `keys`, each row a position's latent and rotary key; its decode steps
+/// take their partials from a temporary (mla.rs), and use the tickets.
 pub struct KvCache {
     shape: AttentionShape,
     len: Arc<AtomicUsize>,
@@ -67,6 +71,11 @@ impl KvCache {
     /// Whether the cache has a sliding window (and so is not recorded).
     pub(super) fn windowed(&self) -> bool {
         self.shape.window.is_some()
+    }
+
+    /// The geometry the cache was made for.
+    pub(super) fn shape(&self) -> AttentionShape {
+        self.shape
     }
 
     pub fn is_empty(&self) -> bool {
@@ -130,7 +139,10 @@ fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
 impl CudaBackend {
     pub(super) fn kv_new(&self, shape: AttentionShape) -> Result<KvCache> {
         let op = "new KV cache";
-        let partials = shape.num_heads * DECODE_ATTN_MAX_SPLITS * (shape.head_dim + 2);
+        let partials = match shape.latent {
+            true => 0,
+            false => shape.num_heads * DECODE_ATTN_MAX_SPLITS * (shape.head_dim + 2),
+        };
         Ok(KvCache {
             shape,
             len: Arc::new(AtomicUsize::new(0)),
@@ -171,9 +183,10 @@ impl CudaBackend {
             Ok(new)
         };
         let keys = grow(&cache.keys)?;
-        let values = grow(&cache.values)?;
+        if !cache.shape.latent {
+            cache.values = grow(&cache.values)?;
+        }
         cache.keys = keys;
-        cache.values = values;
         cache.capacity = capacity;
         cache.first = first;
         Ok(())
@@ -189,6 +202,10 @@ impl CudaBackend {
         values: &CudaSlice<f32>,
         n: usize,
     ) -> Result<()> {
+        assert!(
+            !cache.shape.latent,
+            "kv_append: a latent cache holds no values"
+        );
         let len = cache.len();
         self.kv_reserve(cache, n)?;
         let width = cache.width();
@@ -212,16 +229,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Makes room for one more position and claims it for a key and value
-    /// that the caller's kernel stores itself (the one-token attention
-    /// kernel does): returns the position, and the device word of a
+    /// Makes room for `n` more positions and claims them for keys and
+    /// values (or latents) that the caller's kernel stores itself (the
+    /// one-token attention kernel and multi-head latent attention do):
+    /// returns the cache row of the first, and the device word of a
     /// recorded step's position as [`CudaBackend::kv_append`] registers it.
-    pub(super) fn kv_claim_one(&self, cache: &mut KvCache) -> Result<(usize, u64)> {
+    pub(super) fn kv_claim(&self, cache: &mut KvCache, n: usize) -> Result<(usize, u64)> {
         let len = cache.len();
-        self.kv_reserve(cache, 1)?;
+        self.kv_reserve(cache, n)?;
         let position = self.recorded_position(Some(cache.len_counter()));
         let row = cache.held();
-        cache.set_len(len + 1);
+        cache.set_len(len + n);
         Ok((row, position))
     }
 
@@ -269,14 +287,18 @@ impl CudaBackend {
         Ok(HostKv {
             first,
             keys: download(&cache.keys)?,
-            values: download(&cache.values)?,
+            values: match cache.shape.latent {
+                true => Vec::new(),
+                false => download(&cache.values)?,
+            },
         })
     }
 
     pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
         let width = shape.num_kv_heads * shape.head_dim;
+        let values = if shape.latent { 0 } else { host.keys.len() };
         assert!(
-            host.keys.len() == host.values.len() && host.keys.len().is_multiple_of(width),
+            host.values.len() == values && host.keys.len().is_multiple_of(width),
             "KV import: {} keys and {} values are not whole rows of {width}",
             host.keys.len(),
             host.values.len()
@@ -292,11 +314,13 @@ impl CudaBackend {
                 self.stream
                     .memcpy_htod(&host.keys, &mut cache.keys.slice_mut(..n)),
             )?;
-            ok(
-                "loading a KV cache",
-                self.stream
-                    .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
-            )?;
+            if !shape.latent {
+                ok(
+                    "loading a KV cache",
+                    self.stream
+                        .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
+                )?;
+            }
         }
         cache.set_len(host.first + len);
         Ok(cache)
