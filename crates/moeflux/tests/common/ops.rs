@@ -61,7 +61,7 @@ pub use super::backends::{Conformance, reference};
 #[allow(unused_imports)]
 pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
 #[allow(unused_imports)]
-pub use super::ops_latent::mla_attention;
+pub use super::ops_latent::{mla_attention, routers};
 use super::{Converted, convert_checkpoint, convert_fixture};
 
 /// Makes a module `$name` of tests, one per operation of the suite, each
@@ -101,6 +101,7 @@ macro_rules! backend_tests {
             attention_with_sinks_and_window_matches_reference => attention_with_sinks_and_window,
             clamped_biased_experts_match_reference => clamped_biased_experts,
             latent_attention_matches_reference_across_chunks_truncation_and_import => mla_attention,
+            grouped_sigmoid_and_chosen_softmax_routers_match_reference => routers,
         ], [
             batched_sequences_equal_each_sequence_alone => batched_equals_alone,
             a_device_failure_fails_only_its_batch_and_the_process_goes_on => device_failure_contained,

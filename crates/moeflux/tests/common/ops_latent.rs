@@ -9,11 +9,13 @@
 //! Bounds: latent attention 1e-5 of the output's scale against the
 //! reference and against the f64 computation of the expanded form (f32
 //! rounding in another order through three products: the absorbed query,
-//! the attention, the value rows); the exported latent rows exactly.
+//! the attention, the value rows); the exported latent rows exactly. Routers:
+//! the experts chosen exactly, their weights 1e-6 of the largest (of the
+//! scaling against the f64 computation).
 
 use moeflux::backend::cpu::KvCache as CpuKv;
 use moeflux::backend::{AttentionShape, Backend};
-use moeflux::config::MlaConfig;
+use moeflux::config::{ExpertGroups, MlaConfig, RouterSpec, ScoreFunction};
 use moeflux::quant::DType;
 
 use super::ops::{
@@ -253,5 +255,204 @@ pub fn mla_attention<B: Conformance>(b: &B, _: Activations) {
         assert_eq!(b.kv_len(&imported), 25);
         step(1, 91, &mut cache_r, &mut imported);
         step(6, 92, &mut cache_r, &mut imported);
+    }
+}
+
+/// A router's choice computed directly in f64 from transformers' formulas
+/// (DeepSeek-V3's and GLM-4.5's `route_tokens_to_experts`, gpt-oss's
+/// router): per token, each chosen expert and its weight, as a sorted
+/// list (transformers' top-k leaves the order of the chosen to the
+/// implementation).
+fn direct_route(
+    logits: &[f32],
+    experts: usize,
+    spec: &RouterSpec,
+    bias: Option<&[f32]>,
+) -> Vec<Vec<(u32, f64)>> {
+    let descending =
+        |v: &mut Vec<(usize, f64)>| v.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    logits
+        .chunks_exact(experts)
+        .map(|row| {
+            let x: Vec<f64> = row.iter().map(|&v| v as f64).collect();
+            let scores: Vec<f64> = match spec.score {
+                ScoreFunction::Softmax => {
+                    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let total: f64 = x.iter().map(|v| (v - max).exp()).sum();
+                    x.iter().map(|v| (v - max).exp() / total).collect()
+                }
+                ScoreFunction::Sigmoid => x.iter().map(|v| 1.0 / (1.0 + (-v).exp())).collect(),
+                ScoreFunction::SoftmaxOfChosen => x.clone(),
+            };
+            let mut choice = scores.clone();
+            if let Some(bias) = bias.filter(|_| spec.correction_bias) {
+                choice
+                    .iter_mut()
+                    .zip(bias)
+                    .for_each(|(c, &b)| *c += b as f64);
+            }
+            if let Some(g) = spec.groups {
+                let size = experts / g.count;
+                let mut group_scores: Vec<(usize, f64)> = choice
+                    .chunks_exact(size)
+                    .map(|group| {
+                        let mut sorted = group.to_vec();
+                        sorted.sort_by(|a, b| b.total_cmp(a));
+                        sorted.iter().take(2).sum()
+                    })
+                    .enumerate()
+                    .collect();
+                descending(&mut group_scores);
+                for &(dropped, _) in &group_scores[g.keep..] {
+                    choice[dropped * size..][..size].fill(f64::NEG_INFINITY);
+                }
+            }
+            let mut order: Vec<(usize, f64)> = choice.into_iter().enumerate().collect();
+            descending(&mut order);
+            let chosen: Vec<usize> = order[..spec.top_k].iter().map(|&(e, _)| e).collect();
+            let mut picked: Vec<f64> = chosen.iter().map(|&e| scores[e]).collect();
+            if spec.score == ScoreFunction::SoftmaxOfChosen {
+                let max = picked.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                picked.iter_mut().for_each(|p| *p = (*p - max).exp());
+                let total: f64 = picked.iter().sum();
+                picked.iter_mut().for_each(|p| *p /= total);
+            }
+            let sum: f64 = picked.iter().sum();
+            let scale = spec.scaling as f64 / if spec.renormalize { sum } else { 1.0 };
+            let mut weighted: Vec<(u32, f64)> = chosen
+                .iter()
+                .zip(&picked)
+                .map(|(&e, &p)| (e as u32, p * scale))
+                .collect();
+            weighted.sort_by_key(|&(e, _)| e);
+            weighted
+        })
+        .collect()
+}
+
+/// Routers other than the plain softmax ([`Backend::route`]) against the
+/// reference's [`RouterSpec`] implementation: the grouped sigmoid router
+/// with its correction bias (groups of one, of 15 and of 32 experts, fewer
+/// unmasked experts than the top-k, renormalisation on and off, scaling),
+/// a softmax with groups and a bias, gpt-oss's softmax over the chosen,
+/// Kimi K2's 384 experts without groups and a thousand experts (fewer
+/// tokens per block). Logits and biases on a coarse grid tie often: the
+/// experts chosen, in order, must be the reference's exactly (ties to the
+/// lower index, as the lower group), the weights within 1e-6 of the
+/// largest. On random logits (no ties) the reference equals a direct f64
+/// computation of transformers' routers, chosen sets and weights.
+pub fn routers<B: Conformance>(b: &B, _: Activations) {
+    let r = reference();
+    let sigmoid = |top_k, groups: Option<(usize, usize)>, renormalize, scaling| RouterSpec {
+        top_k,
+        score: ScoreFunction::Sigmoid,
+        groups: groups.map(|(count, keep)| ExpertGroups { count, keep }),
+        correction_bias: true,
+        renormalize,
+        scaling,
+    };
+    let cases = [
+        (256, sigmoid(8, Some((8, 4)), true, 2.5)),
+        (256, sigmoid(8, Some((8, 3)), false, 1.0)),
+        (60, sigmoid(5, Some((4, 2)), true, 1.5)),
+        (12, sigmoid(4, Some((6, 1)), true, 1.0)),
+        (8, sigmoid(2, Some((8, 3)), true, 1.0)),
+        (384, sigmoid(8, None, true, 2.827)),
+        (1000, sigmoid(6, Some((10, 4)), true, 1.0)),
+        (
+            64,
+            RouterSpec {
+                score: ScoreFunction::Softmax,
+                ..sigmoid(6, Some((4, 2)), false, 16.0)
+            },
+        ),
+        (
+            32,
+            RouterSpec {
+                top_k: 4,
+                score: ScoreFunction::SoftmaxOfChosen,
+                groups: None,
+                correction_bias: false,
+                renormalize: false,
+                scaling: 1.0,
+            },
+        ),
+        (
+            128,
+            RouterSpec {
+                top_k: 4,
+                score: ScoreFunction::SoftmaxOfChosen,
+                groups: None,
+                correction_bias: false,
+                renormalize: true,
+                scaling: 1.0,
+            },
+        ),
+    ];
+    for (experts, spec) in cases {
+        let bias = values(experts, 3 + experts as u64);
+        // Ties: values on a grid of eighths, logits off it by 0.03 (so no
+        // two sigmoids of opposite logits sum to one, a near-tie of group
+        // scores that f32 rounding could break either way).
+        let coarse = |v: &[f32], offset: f32| -> Vec<f32> {
+            v.iter().map(|x| (x * 4.0).round() / 8.0 + offset).collect()
+        };
+        for (inputs, tied) in [("random", false), ("tied", true)] {
+            let bias = if tied {
+                coarse(&bias, 0.0)
+            } else {
+                bias.clone()
+            };
+            let weights =
+                TestWeights::new(&[("test.bias", DType::F32, vec![experts], bias.clone())]);
+            let (bias_r, bias_b) = (
+                weights.load(&r, "test.bias", &[experts]),
+                weights.load(b, "test.bias", &[experts]),
+            );
+            for n in [1, 9] {
+                let what = format!("route {n}x{experts} {inputs} {spec:?}");
+                let logits = values(n * experts, n as u64 * 31 + experts as u64);
+                let logits = if tied { coarse(&logits, 0.03) } else { logits };
+                let (l_r, l_b) = both(b, n, experts, logits.clone());
+                let want = r.route(&l_r, &spec, Some(&bias_r)).unwrap();
+                let got = b.route(&l_b, &spec, Some(&bias_b)).unwrap();
+                let want_experts = r.selected_experts(&want).unwrap();
+                assert_eq!(
+                    b.selected_experts(&got).unwrap(),
+                    want_experts,
+                    "{what}: experts"
+                );
+                assert_close(
+                    &format!("{what}: weights"),
+                    &b.routing_weights(&got),
+                    &want.weights,
+                    1e-6,
+                );
+                if !tied {
+                    let direct = direct_route(&logits, experts, &spec, Some(&bias));
+                    for (t, direct) in direct.iter().enumerate() {
+                        let k = spec.top_k;
+                        let mut mine: Vec<(u32, f32)> = want_experts[t * k..][..k]
+                            .iter()
+                            .copied()
+                            .zip(want.weights[t * k..][..k].iter().copied())
+                            .collect();
+                        mine.sort_by_key(|&(e, _)| e);
+                        let ids = |v: &[(u32, f64)]| v.iter().map(|&(e, _)| e).collect::<Vec<_>>();
+                        assert_eq!(
+                            mine.iter().map(|&(e, _)| e).collect::<Vec<_>>(),
+                            ids(direct),
+                            "{what}: token {t}, the reference against transformers' formula"
+                        );
+                        for (&(_, w), &(e, d)) in mine.iter().zip(direct) {
+                            assert!(
+                                (w as f64 - d).abs() <= 1e-6 * spec.scaling.max(1.0) as f64,
+                                "{what}: token {t} expert {e}: weight {w} against {d}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

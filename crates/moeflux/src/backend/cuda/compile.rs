@@ -135,6 +135,7 @@ kernels!(
     route_warp_4,
     route_warp_8,
     route_warp_16,
+    route_general,
     gather_rows,
     scatter_add_rows,
     expert_act_rows,
