@@ -162,6 +162,60 @@ fn prefill_logits_equal_token_by_token_decode() {
     }
 }
 
+/// Decode steps recorded as CUDA graphs and replayed, on every fixture
+/// with its experts resident (routers of every kind on the device, latent
+/// caches, sliding windows): a prompt, then token-by-token decode to 300
+/// positions (or the fixture's context) equal the whole sequence
+/// prefilled (≤ 1e-4, prefill against decode), and every step is a replay
+/// but the first two over each set of state buffers (run, then recorded):
+/// after the prompt and where the full caches grow at 256 positions. A
+/// prompt of 130 gives a sliding window's cache room for 260 positions,
+/// so at 260 it moves its rows to the front of its buffers between
+/// replays of the recording made at 257.
+#[test]
+fn recorded_decode_steps_equal_prefill_on_every_fixture() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        gpu.prepare_experts(&moeflux::util::NoProgress).unwrap();
+        let context = gpu.config().max_position_embeddings.min(300);
+        let tokens: Vec<u32> = Reference::load(name)
+            .tokens("tokens_long")
+            .into_iter()
+            .cycle()
+            .take(context)
+            .collect();
+        let prompt = 130.min(context / 2);
+        let all = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+        let mut session = gpu.session();
+        session.prefill(&tokens[..prompt]).unwrap();
+        let before = gpu.backend().replayed_steps();
+        let decoded: Vec<f32> = tokens[prompt..]
+            .iter()
+            .flat_map(|&t| session.decode(t).unwrap())
+            .collect();
+        let replayed = gpu.backend().replayed_steps() - before;
+        let steps = (context - prompt) as u64;
+        let max = max_error(&decoded, &all.data[prompt * all.vocab..], all.vocab);
+        println!(
+            "{name:<22} {steps} recorded decode steps ({replayed} replayed) against prefill: max rel err {max:.2e}"
+        );
+        assert!(
+            max <= 1e-4,
+            "{name}: recorded decode and prefill differ by {max:.3e}"
+        );
+        let unrecorded = if context > 256 { 4 } else { 2 };
+        assert_eq!(
+            replayed,
+            steps - unrecorded,
+            "{name}: decode steps not replayed"
+        );
+    }
+}
+
 /// Speculative decoding on CUDA: greedy output with drafts (of 1 to 4
 /// tokens, kept and rejected at every offset, and prompt lookup) equals
 /// plain decoding, and the rewound session's logits stay within the

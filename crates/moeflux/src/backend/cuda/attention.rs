@@ -161,7 +161,7 @@ impl CudaBackend {
             self.kv_claim(cache, 1)?
         } else {
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (cache.held() - n, self.recorded_position(None))
+            (cache.held() - n, self.recorded_position())
         };
         let window = int(shape.window.unwrap_or(0), "window");
         let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);
