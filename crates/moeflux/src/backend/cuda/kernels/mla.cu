@@ -153,13 +153,7 @@ extern "C" __global__ void __launch_bounds__(MLA_WARPS * WARP_SIZE)
     float running_max[MLA_ROWS_PER_WARP];
     float lane_total[MLA_ROWS_PER_WARP];
     float acc[MLA_ROWS_PER_WARP][MLA_VALUES_PER_LANE];
-#pragma unroll
-    for (int r = 0; r < MLA_ROWS_PER_WARP; ++r) {
-        running_max[r] = NEG_INF;
-        lane_total[r] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < MLA_VALUES_PER_LANE; ++k) acc[r][k] = 0.0f;
-    }
+    start_online_softmax<MLA_ROWS_PER_WARP, MLA_VALUES_PER_LANE>(running_max, lane_total, acc);
     const float* warp_q = q_tile + warp * MLA_ROWS_PER_WARP * width;
     float* warp_p = p_tile + warp * MLA_KEYS * MLA_ROWS_PER_WARP;
 
@@ -174,36 +168,16 @@ extern "C" __global__ void __launch_bounds__(MLA_WARPS * WARP_SIZE)
         }
         __syncthreads();
 
+        // Lane `lane` scores cached row j0 + lane against each of the
+        // warp's rows (attention.cu's helpers, as flash_attend does).
         float score[MLA_ROWS_PER_WARP];
-#pragma unroll
-        for (int r = 0; r < MLA_ROWS_PER_WARP; ++r) score[r] = 0.0f;
-        const float* my_key = k_tile + lane * key_stride;
-        for (int d = 0; d < width; d += 4) {
-            const float4 kq = *(const float4*)(my_key + d);
-#pragma unroll
-            for (int r = 0; r < MLA_ROWS_PER_WARP; ++r) {
-                const float4 qq = *(const float4*)(warp_q + r * width + d);
-                score[r] = fmaf(qq.x, kq.x, score[r]);
-                score[r] = fmaf(qq.y, kq.y, score[r]);
-                score[r] = fmaf(qq.z, kq.z, score[r]);
-                score[r] = fmaf(qq.w, kq.w, score[r]);
-            }
-        }
+        score_staged_key<MLA_ROWS_PER_WARP>(k_tile + lane * key_stride, warp_q, width, score);
         const i64 j = j0 + lane;
 #pragma unroll
-        for (int r = 0; r < MLA_ROWS_PER_WARP; ++r) {
-            const float s = j < end && j < visible[r] ? score[r] * scale : NEG_INF;
-            // A tile a row cannot see leaves it unchanged.
-            const float new_max = fmaxf(running_max[r], warp_max(s));
-            const bool none = new_max == NEG_INF;
-            const float rescale = none ? 1.0f : expf(running_max[r] - new_max);
-            const float p = none ? 0.0f : expf(s - new_max);
-            lane_total[r] = lane_total[r] * rescale + p;
-#pragma unroll
-            for (int k = 0; k < MLA_VALUES_PER_LANE; ++k) acc[r][k] *= rescale;
-            running_max[r] = new_max;
-            warp_p[lane * MLA_ROWS_PER_WARP + r] = p;
-        }
+        for (int r = 0; r < MLA_ROWS_PER_WARP; ++r)
+            score[r] = j < end && j < visible[r] ? score[r] * scale : NEG_INF;
+        online_softmax_tile<MLA_ROWS_PER_WARP, MLA_VALUES_PER_LANE>(score, running_max, lane_total,
+                                                                    acc, warp_p, lane);
         __syncwarp();
         for (int key = 0; key < tile; ++key) {
             float p[MLA_ROWS_PER_WARP];
