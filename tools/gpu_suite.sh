@@ -40,6 +40,18 @@
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
 #                             the experts' bytes as the VRAM budget
+#   tools/gpu_suite.sh shapes [PRESET:CUT:LAYERS[:quarter] ...]
+#                             on the GPU machine: the CUDA tests, then
+#                             shapes larger than its disk: PRESET cut to
+#                             CUT layers, lengthened to LAYERS by repeating
+#                             its layers' files (tools/repeat_layers.py),
+#                             benched resident (and, with `quarter`, with a
+#                             quarter of the experts' bytes as the VRAM
+#                             budget); by default deepseek-v3-671b (13
+#                             layers: 3 dense, 10 MoE), glm-4.5-355b (33
+#                             layers) and gpt-oss-120b (all 36, decode
+#                             three times more). SHAPES_TESTS=0 skips the
+#                             tests
 #
 # The GPU machine needs this checkout (fixtures included) and the built
 # folder; the binaries are stripped of debug info to keep that small.
@@ -128,8 +140,8 @@ run() {
         --gpu-expert-cache-mb "$quarter_mb"
 
     echo "--- tests"
-    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|VRAM uploads|state continued|resident decode|worst|decode:|pinned' \
-        "$OUT/cuda-tests.log" | head -n 80 || true
+    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|recorded decode|VRAM uploads|state continued|resident decode|worst|decode:|pinned' \
+        "$OUT/cuda-tests.log" | head -n 120 || true
     grep -A 3 'panicked' "$OUT/cuda-tests.log" | head -n 60 || true
     for log in generate-cuda generate-cpu bench-bundled bench-resident bench-no-graphs bench-chunk64 bench-quarter; do
         echo "--- $log"
@@ -330,6 +342,58 @@ serve() {
     grep -E '^moeflux: (serving|every)' "$OUT/serve.log" | head -n 4
 }
 
+# Shapes larger than the GPU machine's disk (64 GB beside the system), as
+# many layers as its 80 GB of VRAM holds resident: each synthetic model is
+# written cut to a few layers (one dense-to-MoE period past its leading
+# dense layers) and lengthened by repeating them (tools/repeat_layers.py),
+# so the disk holds a few GB while the GPU holds every layer's weights.
+shapes() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" dir=/tmp/moeflux-shape spec preset cut layers quarter quarter_mb round
+    if [[ "${SHAPES_TESTS:-1}" == 1 ]]; then
+        timeout 300 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|recorded decode|prefill vs decode|cuda vs cpu' "$OUT/cuda-tests.log" | head -n 60 || true
+        grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
+    fi
+    local specs=("$@")
+    ((${#specs[@]})) || specs=(deepseek-v3-671b:4:13:quarter glm-4.5-355b:4:33:quarter gpt-oss-120b:2:36)
+    for spec in "${specs[@]}"; do
+        IFS=: read -r preset cut layers quarter <<<"$spec"
+        rm -rf "$dir"
+        if ! "$moeflux" synth --preset "$preset" --layers "$cut" -o "$dir" --force >"$OUT/synth-$preset.log" 2>&1 ||
+            ! python3 tools/repeat_layers.py "$dir" --layers "$layers" >>"$OUT/synth-$preset.log" 2>&1; then
+            echo "--- $preset: making the model failed"
+            tail -n 5 "$OUT/synth-$preset.log"
+            continue
+        fi
+        tail -n 2 "$OUT/synth-$preset.log"
+        echo "--- $preset, $layers layers, resident"
+        "$moeflux" bench -m "$dir" --device cuda -n 64 --warmup 16 >"$OUT/bench-$preset-resident.log" 2>&1 ||
+            echo "bench failed"
+        grep -E '^backend|^dense|^prefill|^time to|^decode|^weights|^achieved|^memory|^VRAM|rror|every expert' \
+            "$OUT/bench-$preset-resident.log" || true
+        if [[ "$preset" == gpt-oss-120b ]]; then
+            for round in 1 2 3; do
+                echo "--- $preset decode, 128 tokens, round $round"
+                "$moeflux" bench -m "$dir" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings 2>&1 |
+                    grep -E '^decode|rror' || true
+            done
+        fi
+        if [[ "$quarter" == quarter ]]; then
+            quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$dir")
+            echo "--- $preset, $layers layers, VRAM budget $quarter_mb MiB (a quarter of the experts)"
+            "$moeflux" bench -m "$dir" --device cuda -n 32 --warmup 16 --gpu-expert-cache-mb "$quarter_mb" \
+                >"$OUT/bench-$preset-quarter.log" 2>&1 || echo "bench failed"
+            grep -E '^prefill|^decode|^achieved|^VRAM|^PCIe|^pinned|^expert|rror' "$OUT/bench-$preset-quarter.log" || true
+        fi
+    done
+    rm -rf "$dir"
+}
+
 case "${1:-build}" in
 build) build ;;
 run) run ;;
@@ -341,8 +405,12 @@ presets)
     shift
     presets "$@"
     ;;
+shapes)
+    shift
+    shapes "$@"
+    ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]]" >&2
     exit 2
     ;;
 esac

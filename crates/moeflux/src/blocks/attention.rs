@@ -40,6 +40,7 @@ pub fn shape(cfg: &ModelConfig, layer: usize) -> AttentionShape {
             num_kv_heads: 1,
             head_dim: m.latent_width(),
             window: None,
+            latent: true,
         };
     }
     AttentionShape {
@@ -50,6 +51,7 @@ pub fn shape(cfg: &ModelConfig, layer: usize) -> AttentionShape {
             LayerKind::SlidingAttention => cfg.attention.sliding_window,
             _ => None,
         },
+        latent: false,
     }
 }
 

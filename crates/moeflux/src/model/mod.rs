@@ -439,11 +439,6 @@ impl<B: Backend> Model<B> {
         if let ([token], [_], true) = (batch.tokens.as_slice(), &*states, batch.is_decode())
             && batch.logit_rows() == 1
             && self.decoder.experts_all_resident(b, store)
-            // A router other than the plain softmax runs on the host on a
-            // GPU (its logits downloaded mid-step), which a recorded step
-            // cannot replay.
-            && (self.config().moe_layers().next().is_none()
-                || self.config().moe.router.is_plain_softmax())
         {
             let mut position = 0;
             let key = {

@@ -8,6 +8,7 @@ pub mod batch;
 pub mod faulty;
 pub mod ops;
 pub mod ops_extended;
+pub mod ops_latent;
 pub mod speculative;
 
 use std::path::{Path, PathBuf};
@@ -31,19 +32,6 @@ pub const FIXTURES: &[&str] = &[
     "deepseek_v3_no_q_lora",
     "gpt_oss",
 ];
-
-/// Fixtures of multi-head latent attention (DeepSeek-V3), which has no
-/// CUDA kernels yet.
-pub const MLA_FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_no_q_lora"];
-
-/// The fixtures a backend runs: every one, less MLA's on a backend without
-/// latent attention.
-pub fn fixtures_with(latent_attention: bool) -> impl Iterator<Item = &'static str> {
-    FIXTURES
-        .iter()
-        .copied()
-        .filter(move |name| latent_attention || !MLA_FIXTURES.contains(name))
-}
 
 /// The repository's fixtures: under `$MOEFLUX_REPO` when set (a test
 /// binary run from another checkout, e.g. on a GPU machine), else beside

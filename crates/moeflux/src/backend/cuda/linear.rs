@@ -110,12 +110,7 @@ impl CudaBackend {
             }
         };
         let (codes, scales, biases) = table.matrix().sections();
-        let dtype: i32 = match l.dtype {
-            DType::F32 => 0,
-            DType::Bf16 => 1,
-            DType::Q8 => 2,
-            DType::Q4 => 3,
-        };
+        let dtype = table.matrix().dtype_code();
         let (n, rows, cols) = (
             int(tokens.len(), "tokens"),
             int(l.rows, "embedding rows"),
