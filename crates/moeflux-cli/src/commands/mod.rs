@@ -283,7 +283,7 @@ impl ModelArgs {
         if let OpenedModel::Cuda(model) = &opened {
             let stats = model.backend().expert_cache_stats();
             if !quiet {
-                let moe_layers = model.config().moe_layers().count() as u64;
+                let moe_layers = model.config().expert_layers().count() as u64;
                 if stats.complete_layers == moe_layers {
                     eprintln!(
                         "moeflux: every expert resident in VRAM ({} uploaded in {:.1} s)",

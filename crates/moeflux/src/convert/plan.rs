@@ -90,11 +90,11 @@ pub struct ColumnPick {
 }
 
 impl ColumnPick {
-    /// The picked columns of each row of `rows` (rows `width` wide),
-    /// appended to `out`.
-    pub fn apply(&self, rows: &[f32], width: usize, out: &mut Vec<f32>) {
+    /// The first `count` picked columns of each row of `rows` (rows
+    /// `width` wide), appended to `out`.
+    pub fn apply(&self, rows: &[f32], width: usize, count: usize, out: &mut Vec<f32>) {
         for row in rows.chunks_exact(width) {
-            out.extend(row.iter().skip(self.start).step_by(self.step));
+            out.extend(row.iter().skip(self.start).step_by(self.step).take(count));
         }
     }
 }
@@ -304,6 +304,35 @@ impl<'a> PlanBuilder<'a> {
         });
     }
 
+    /// A canonical matrix of columns `start..start + cols` of the
+    /// checkpoint's `[rows, width]` matrix (a projection of concatenated
+    /// inputs, split per input).
+    pub fn matrix_columns(
+        &mut self,
+        canonical: String,
+        role: TensorRole,
+        source: &str,
+        [rows, width]: [usize; 2],
+        start: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.expect(source, &[rows, width])?;
+        self.plan.dense.push(DenseTensorPlan {
+            name: canonical,
+            rows,
+            cols,
+            is_vector: false,
+            role,
+            sources: vec![RowSource {
+                tensor: source.to_string(),
+                row_start: 0,
+                rows,
+            }],
+            columns: Some((ColumnPick { start, step: 1 }, width)),
+        });
+        Ok(())
+    }
+
     /// A vector kept in f32; `shape` is the checkpoint's shape, flattened.
     pub fn vector(&mut self, canonical: String, source: &str, shape: &[usize]) -> Result<()> {
         self.expect(source, shape)?;
@@ -486,12 +515,15 @@ impl<'a> PlanBuilder<'a> {
 
     /// Finishes the plan: tensors under the given prefixes are skipped with
     /// the given reason, anything else unused is reported as unknown.
-    pub fn finish(mut self, skip_prefixes: &[(&str, &'static str)]) -> ConversionPlan {
+    pub fn finish<S: AsRef<str>>(mut self, skip_prefixes: &[(S, &'static str)]) -> ConversionPlan {
         for name in self.ckpt.tensors.keys() {
             if self.used.contains(name) {
                 continue;
             }
-            match skip_prefixes.iter().find(|(p, _)| name.starts_with(p)) {
+            match skip_prefixes
+                .iter()
+                .find(|(p, _)| name.starts_with(p.as_ref()))
+            {
                 Some((_, why)) => self.plan.skipped.push((name.clone(), why)),
                 None => self.plan.unknown.push(name.clone()),
             }

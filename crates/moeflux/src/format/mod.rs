@@ -21,6 +21,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
+use crate::arch::names;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::quant::{ALIGN, MatrixLayout, MatrixView};
@@ -115,7 +116,12 @@ impl ModelDir {
         }
         let manifest_path = root.join(MANIFEST_FILE);
         let manifest = Manifest::read(&manifest_path)?;
-        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
+        let mut config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
+        // A multi-token-prediction layer config.json names is there only if
+        // the conversion kept it.
+        if !manifest.tensors.contains_key(names::MTP_FC_EMBED) {
+            config.mtp = None;
+        }
         let dir = ModelDir {
             root: root.to_path_buf(),
             manifest,
@@ -248,7 +254,7 @@ impl ModelDir {
         let cfg = &self.config;
         let manifest_path = self.manifest_path();
         let (h, inter) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-        for layer in cfg.moe_layers() {
+        for layer in cfg.expert_layers() {
             let bad = |msg: String| {
                 Err(Error::bad_file(
                     &manifest_path,
