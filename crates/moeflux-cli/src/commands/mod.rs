@@ -63,7 +63,7 @@ impl ModelPath {
             );
         }
         let manifest = Manifest::read(&manifest_path)?;
-        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
+        let config = manifest.model_config(&manifest_path)?;
         Ok(ModelFiles { dir, config })
     }
 }
@@ -178,6 +178,17 @@ pub struct ModelFiles {
 }
 
 impl ModelFiles {
+    /// Checks that the model can draft as `--draft` asks: `mtp` needs a
+    /// multi-token-prediction head.
+    pub fn check_draft(&self, draft: Option<DraftSettings>) -> Result<()> {
+        match draft {
+            Some(d) if d.source == DraftSource::Mtp && self.config.mtp.is_none() => {
+                Err(moeflux::speculative::missing_mtp_head(&self.dir).into())
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Checks `--ctx` against the model's context.
     pub fn check_context(&self, ctx: Option<usize>) -> Result<()> {
         let model = self.config.max_position_embeddings;

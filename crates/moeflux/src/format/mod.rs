@@ -21,7 +21,6 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::arch::names;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::quant::{ALIGN, MatrixLayout, MatrixView};
@@ -116,12 +115,7 @@ impl ModelDir {
         }
         let manifest_path = root.join(MANIFEST_FILE);
         let manifest = Manifest::read(&manifest_path)?;
-        let mut config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
-        // A multi-token-prediction layer config.json names is there only if
-        // the conversion kept it.
-        if !manifest.tensors.contains_key(names::MTP_FC_EMBED) {
-            config.mtp = None;
-        }
+        let config = manifest.model_config(&manifest_path)?;
         let dir = ModelDir {
             root: root.to_path_buf(),
             manifest,

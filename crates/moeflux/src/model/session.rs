@@ -7,12 +7,13 @@
 //! state by restoring the nearest checkpoint at or before it and prefilling
 //! the tokens in between.
 
-use std::ops::ControlFlow;
+use std::ops::{ControlFlow, Range};
 use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::batch::{BatchItem, forward_batch, run_rounds};
+use super::hidden::HiddenStates;
 use super::state;
 use super::{Logits, LogitsWanted, Model};
 use crate::backend::Backend;
@@ -117,6 +118,9 @@ pub struct Session<B: Backend = CpuBackend> {
     clock: u64,
     kv_reserved: u64,
     interrupt: Option<Arc<AtomicBool>>,
+    /// The tokens' hidden states, while kept
+    /// ([`Session::keep_hidden_states`]).
+    hidden: Option<HiddenStates<B>>,
 }
 
 impl<B: Backend> Session<B> {
@@ -135,6 +139,61 @@ impl<B: Backend> Session<B> {
             clock: 0,
             kv_reserved: 0,
             interrupt: None,
+            hidden: None,
+        }
+    }
+
+    /// From now on, keeps the hidden state (after the final norm) of every
+    /// token appended, on the backend: what a multi-token-prediction
+    /// drafter reads ([`DraftSource::prepare`](crate::speculative::DraftSource::prepare)
+    /// turns it on). A hidden-size row per position, dropped as positions
+    /// are; `false` drops them all.
+    pub fn keep_hidden_states(&mut self, keep: bool) {
+        match (keep, &self.hidden) {
+            (true, None) => self.hidden = Some(HiddenStates::starting_at(self.position())),
+            (false, _) => self.hidden = None,
+            (true, Some(_)) => {}
+        }
+    }
+
+    /// Whether the session keeps hidden states.
+    pub fn keeps_hidden_states(&self) -> bool {
+        self.hidden.is_some()
+    }
+
+    /// The hidden states (after the final norm) of `positions`, `[rows,
+    /// hidden]`, when the session kept all of them.
+    pub fn hidden_states(&self, positions: Range<usize>) -> Result<Option<B::Tensor>> {
+        match &self.hidden {
+            Some(hidden) => hidden.rows(self.model.backend(), positions),
+            None => Ok(None),
+        }
+    }
+
+    /// The first position whose hidden state the session keeps (its
+    /// length when it keeps none).
+    pub fn first_hidden_state(&self) -> usize {
+        self.hidden
+            .as_ref()
+            .map_or(self.position(), HiddenStates::first)
+    }
+
+    /// Appends tokens a forward pass ran, with their hidden states when the
+    /// session keeps them.
+    pub(super) fn append(&mut self, tokens: &[u32], hidden: Option<B::Tensor>) -> Result<()> {
+        self.tokens.extend_from_slice(tokens);
+        match (&mut self.hidden, hidden) {
+            (Some(kept), Some(rows)) => kept.push(self.model.backend(), rows),
+            _ => Ok(()),
+        }
+    }
+
+    /// Keeps the first `len` tokens (and their hidden states).
+    fn truncate_tokens(&mut self, len: usize) -> Result<()> {
+        self.tokens.truncate(len);
+        match &mut self.hidden {
+            Some(hidden) => hidden.truncate(self.model.backend(), len),
+            None => Ok(()),
         }
     }
 
@@ -517,7 +576,7 @@ impl<B: Backend> Session<B> {
                 self.sync_kv();
                 return rebuilt;
             }
-            self.tokens.truncate(target);
+            self.truncate_tokens(target)?;
             self.checkpoints.retain(|c| c.position <= target);
             self.logits = Some(logits);
             self.sync_kv();
@@ -540,7 +599,7 @@ impl<B: Backend> Session<B> {
                 b.kv_truncate(cache, cut_to);
             }
         }
-        self.tokens.truncate(cut_to);
+        self.truncate_tokens(cut_to)?;
         self.checkpoints.retain(|c| c.position <= cut_to);
         if cut_to < target
             && let Err(err) = self.run(&kept, LogitsWanted::Last)
@@ -655,6 +714,9 @@ impl<B: Backend> Session<B> {
         self.layers = Vec::new();
         self.tokens.clear();
         self.logits = None;
+        if self.hidden.is_some() {
+            self.hidden = Some(HiddenStates::starting_at(0));
+        }
     }
 
     /// The layer states, made on first use (making them can fail on a
@@ -713,8 +775,8 @@ impl<B: Backend> Session<B> {
                 }
             }
         }
-        self.tokens.truncate(position);
         self.logits = ckpt.logits.clone();
+        self.truncate_tokens(position)?;
         Ok(())
     }
 
@@ -730,7 +792,7 @@ impl<B: Backend> Session<B> {
                     b.kv_truncate(cache, target);
                 }
             }
-            self.tokens.truncate(target);
+            self.truncate_tokens(target)?;
             self.logits = None;
             return Ok(());
         }
@@ -851,6 +913,9 @@ impl<B: Backend> Session<B> {
         self.layers = loaded.layers;
         self.tokens = loaded.tokens;
         self.logits = loaded.logits;
+        if self.hidden.is_some() {
+            self.hidden = Some(HiddenStates::starting_at(self.position()));
+        }
         self.checkpoints.clear();
         self.sync_kv();
         Ok(())

@@ -32,6 +32,10 @@ pub const FIXTURES: &[&str] = &[
     "gpt_oss",
 ];
 
+/// Fixtures with a multi-token-prediction head and its reference outputs
+/// (`mtp.safetensors`, tools/make_mtp_fixtures.py).
+pub const MTP_FIXTURES: &[&str] = &["qwen3_5_moe", "deepseek_v3"];
+
 /// Fixtures of multi-head latent attention (DeepSeek-V3), which has no
 /// CUDA kernels yet.
 pub const MLA_FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_no_q_lora"];
@@ -90,7 +94,12 @@ pub struct Reference {
 
 impl Reference {
     pub fn load(name: &str) -> Reference {
-        let path = fixtures_root().join(name).join("reference.safetensors");
+        Reference::load_file(name, "reference.safetensors")
+    }
+
+    /// Another file of references of fixture `name`.
+    pub fn load_file(name: &str, file: &str) -> Reference {
+        let path = fixtures_root().join(name).join(file);
         Reference {
             bytes: std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
         }

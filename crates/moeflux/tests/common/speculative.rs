@@ -70,6 +70,7 @@ pub fn drafted<B: Backend>(
     stop_after: Option<usize>,
 ) -> (Vec<u32>, Vec<f32>, u64) {
     let mut session = model.session();
+    drafter.prepare(&mut session);
     session.prefill(prompt).unwrap();
     let mut speculation = Speculation::new(drafter, length);
     let mut seen = 0;

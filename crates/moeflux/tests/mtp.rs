@@ -1,0 +1,320 @@
+//! The multi-token-prediction head on the CPU: conversion keeps it, its
+//! logits match the PyTorch reference of tools/mtp_reference.py (vLLM's
+//! math) on the fixtures that have one, its state follows the session
+//! through checks, rewinds and truncations, and greedy decoding with its
+//! drafts equals plain decoding.
+
+mod common;
+
+use std::ops::ControlFlow;
+use std::sync::Arc;
+
+use common::speculative::{Oracle, drafted, plain};
+use common::*;
+use moeflux::backend::cpu::CpuBackend;
+use moeflux::format::Manifest;
+use moeflux::model::argmax;
+use moeflux::quant::DType;
+use moeflux::speculative::{DraftLength, DraftSource, Drafter, MtpDrafter, Speculation, generate};
+use moeflux::{Model, ModelOptions, Result, Session};
+
+/// bf16 weights against the float32 reference: only summation order
+/// differs, as in tests/transformers_parity.rs.
+const REFERENCE_TOLERANCE: f64 = 1e-3;
+/// The head run row by row as a session grows against one run over every
+/// row: the prefill = decode bound of tests/decode_consistency.rs.
+const INCREMENTAL_TOLERANCE: f64 = 1e-4;
+
+/// A session of `model` keeping hidden states, holding `tokens`.
+fn session_with(model: &Arc<Model>, tokens: &[u32]) -> Session {
+    let mut session = model.session();
+    DraftSource::Mtp.prepare(&mut session);
+    session.prefill(tokens).unwrap();
+    session
+}
+
+/// The head's first draft logits after `tokens` and `next`, from a new
+/// drafter (one pass over every row).
+fn fresh_row(session: &Session, next: u32) -> Vec<f32> {
+    let mut drafter = MtpDrafter::new(session.model()).unwrap();
+    let rows = drafter.draft_logits(session, next, 1).unwrap();
+    assert_eq!(rows.rows, 1);
+    rows.data
+}
+
+#[test]
+fn mtp_head_matches_the_reference() {
+    for name in MTP_FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let mtp = Reference::load_file(name, "mtp.safetensors");
+        let (rows, vocab, want) = mtp.logits("mtp_logits_long");
+        assert_eq!(rows, tokens.len() - 1);
+        let want_row = |i: usize| &want[i * vocab..(i + 1) * vocab];
+        for chunk in [64, 7] {
+            let model = open(
+                &converted.dir,
+                ModelOptions {
+                    prefill_chunk: Some(chunk),
+                    ..ModelOptions::default()
+                },
+            );
+            assert!(model.has_mtp(), "{name}: converted without its head");
+            // After prompts of several lengths, each in one pass...
+            let mut worst: f64 = 0.0;
+            for p in [1, 2, 7, 30, 79] {
+                let session = session_with(&model, &tokens[..p]);
+                let got = fresh_row(&session, tokens[p]);
+                worst = worst.max(row_errors(&got, want_row(p - 1), vocab)[0]);
+            }
+            // ...and row by row as one session grows.
+            let mut session = session_with(&model, &tokens[..1]);
+            let mut drafter = MtpDrafter::new(&model).unwrap();
+            for p in 1..tokens.len() {
+                let got = drafter.draft_logits(&session, tokens[p], 1).unwrap();
+                worst = worst.max(row_errors(&got.data, want_row(p - 1), vocab)[0]);
+                session.decode(tokens[p]).unwrap();
+            }
+            println!("{name} (chunk {chunk}): MTP logits within {worst:.2e} of the reference");
+            assert!(
+                worst <= REFERENCE_TOLERANCE,
+                "{name} (chunk {chunk}): MTP logits differ from the reference by {worst:.3e}"
+            );
+            // Drafting chains: each step on the previous one's output and
+            // greedy token.
+            for p in [7, 40] {
+                let (steps, _, want) = mtp.logits(&format!("mtp_chain_{p}_logits"));
+                let want_tokens = mtp.tokens(&format!("mtp_chain_{p}_tokens"));
+                let session = session_with(&model, &tokens[..p]);
+                let mut drafter = MtpDrafter::new(&model).unwrap();
+                let got = drafter.draft_logits(&session, tokens[p], steps).unwrap();
+                assert_eq!(got.rows, steps);
+                let err = row_errors(&got.data, &want, vocab)
+                    .into_iter()
+                    .fold(0.0, f64::max);
+                assert!(
+                    err <= REFERENCE_TOLERANCE,
+                    "{name}: chain after {p} tokens differs from the reference by {err:.3e}"
+                );
+                let drafts = drafter.draft(&session, tokens[p], steps).unwrap();
+                assert_eq!(
+                    drafts, want_tokens,
+                    "{name}: chained drafts after {p} tokens"
+                );
+            }
+        }
+    }
+}
+
+/// Drafts `oracle`'s tokens while checking, at every step, that the MTP
+/// drafter following the session (through the checks, rewinds and
+/// truncations) gives the logits of a new drafter that runs every row.
+struct Followed {
+    inner: MtpDrafter<CpuBackend>,
+    oracle: Oracle,
+    checks: usize,
+    worst: f64,
+}
+
+impl Drafter<CpuBackend> for Followed {
+    fn draft(&mut self, session: &Session, next: u32, k: usize) -> Result<Vec<u32>> {
+        let got = self.inner.draft_logits(session, next, 1)?;
+        let want = fresh_row(session, next);
+        self.worst = self.worst.max(row_errors(&got.data, &want, want.len())[0]);
+        self.checks += 1;
+        Drafter::draft(&mut self.oracle, session, next, k)
+    }
+
+    fn prepare(&mut self, session: &mut Session) {
+        self.inner.prepare(session);
+    }
+}
+
+#[test]
+fn mtp_state_follows_the_session() {
+    for name in MTP_FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let model = open(&converted.dir, ModelOptions::default());
+        let prompt = &Reference::load(name).tokens("tokens_long")[..20];
+        let (truth, _) = plain(&model, prompt, 24);
+        let vocab = model.config().vocab_size as u32;
+        for k in 1..=4 {
+            for wrong in [|_| false, |i| i % 3 == 0] as [fn(usize) -> bool; 2] {
+                let mut followed = Followed {
+                    inner: MtpDrafter::new(&model).unwrap(),
+                    oracle: Oracle {
+                        truth: truth.clone(),
+                        vocab,
+                        wrong,
+                    },
+                    checks: 0,
+                    worst: 0.0,
+                };
+                let (got, _, accepted) = drafted(
+                    &model,
+                    prompt,
+                    24,
+                    &mut followed,
+                    DraftLength::Fixed(k),
+                    None,
+                );
+                assert_eq!(got, truth, "{name}: k = {k}");
+                assert!(accepted > 0 && followed.checks > 0, "{name}: k = {k}");
+                assert!(
+                    followed.worst <= INCREMENTAL_TOLERANCE,
+                    "{name}: k = {k}: the followed head is {:.3e} from a new one",
+                    followed.worst
+                );
+            }
+        }
+        // Back to an earlier position and on with other tokens: the head
+        // drops what no longer holds.
+        let mut session = session_with(&model, prompt);
+        let mut drafter = MtpDrafter::new(&model).unwrap();
+        session
+            .generate(
+                8,
+                |l, _, _| Ok(argmax(l)),
+                |_| Ok(ControlFlow::Continue(())),
+            )
+            .unwrap();
+        drafter.draft_logits(&session, 1, 3).unwrap();
+        session.truncate(prompt.len() + 3).unwrap();
+        session.prefill(&[5, 6, 7]).unwrap();
+        let got = drafter.draft_logits(&session, 9, 1).unwrap();
+        let want = fresh_row(&session, 9);
+        let err = row_errors(&got.data, &want, want.len())[0];
+        assert!(
+            err <= INCREMENTAL_TOLERANCE,
+            "{name}: after a truncation: {err:.3e}"
+        );
+    }
+}
+
+#[test]
+fn greedy_with_mtp_drafts_equals_plain_decoding() {
+    for name in MTP_FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let model = open(&converted.dir, ModelOptions::default());
+        let prompt = &Reference::load(name).tokens("tokens_long")[..20];
+        let (want, want_logits) = plain(&model, prompt, 24);
+        for length in (1..=4)
+            .map(DraftLength::Fixed)
+            .chain([DraftLength::DEFAULT])
+        {
+            let mut drafter = MtpDrafter::new(&model).unwrap();
+            let (got, logits, _) = drafted(&model, prompt, 24, &mut drafter, length, None);
+            assert_eq!(got, want, "{name}: {length:?}");
+            let err = row_errors(&logits, &want_logits, want_logits.len())[0];
+            assert!(
+                err <= INCREMENTAL_TOLERANCE,
+                "{name}: {length:?}: logits {err:.3e}"
+            );
+        }
+        // A session that did not keep its prompt's hidden states: the head
+        // drafts from the positions after it.
+        let mut session = model.session();
+        session.prefill(prompt).unwrap();
+        let mut drafter = MtpDrafter::new(&model).unwrap();
+        let mut speculation = Speculation::new(&mut drafter, DraftLength::Fixed(2));
+        let got = generate(
+            &mut session,
+            &mut speculation,
+            24,
+            |l, _, _, _| Ok(argmax(l)),
+            |_| Ok(ControlFlow::Continue(())),
+        )
+        .unwrap();
+        assert_eq!(
+            &want[prompt.len()..],
+            got.as_slice(),
+            "{name}: late hidden states"
+        );
+        assert!(speculation.stats.drafted > 0, "{name}: nothing drafted");
+    }
+}
+
+#[test]
+fn conversion_keeps_the_mtp_head_only_where_config_names_it() {
+    let h = 64;
+    for (name, fc) in [
+        ("qwen3_5_moe", "mtp.fc.weight"),
+        ("deepseek_v3", "model.layers.4.eh_proj.weight"),
+    ] {
+        let converted = convert_fixture(name, DType::Bf16);
+        let manifest = Manifest::read(&converted.dir.join("manifest.json")).unwrap();
+        assert_eq!(manifest.version, 2, "{name}: a compatible addition");
+        let layer = manifest.experts.last().unwrap();
+        assert_eq!(
+            layer.layer, 4,
+            "{name}: the head's experts after the decoder's"
+        );
+        assert_eq!(layer.file, "experts/layer_004.bin");
+        // fc split per input, bit for bit.
+        let source = read_bf16(name, fc);
+        let model = open(&converted.dir, ModelOptions::default());
+        let dense = |t: &str| {
+            let e = &manifest.tensors[t];
+            assert_eq!(
+                (e.shape.as_slice(), e.dtype),
+                (&[h, h][..], DType::Bf16),
+                "{t}"
+            );
+            let bytes = std::fs::read(converted.dir.join(&e.file)).unwrap();
+            bytes[e.offset as usize..(e.offset + e.nbytes) as usize].to_vec()
+        };
+        for (canon, start) in [("mtp.fc_embed", 0), ("mtp.fc_hidden", h)] {
+            let want: Vec<u8> = source
+                .chunks_exact(2 * h * 2)
+                .flat_map(|row| row[start * 2..(start + h) * 2].to_vec())
+                .collect();
+            assert_eq!(dense(canon), want, "{name}: {canon}");
+        }
+        assert!(model.has_mtp());
+        // The same checkpoint whose config.json names no MTP layer: the
+        // model converts without it, the head's tensors skipped.
+        let tmp = tempfile::tempdir().unwrap();
+        let hf = tmp.path().join("hf");
+        std::fs::create_dir(&hf).unwrap();
+        for f in ["config.json", "model.safetensors", "generation_config.json"] {
+            let from = fixtures_root().join(name).join("hf").join(f);
+            if from.exists() {
+                std::fs::copy(from, hf.join(f)).unwrap();
+            }
+        }
+        let config_path = hf.join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&config_path).unwrap()).unwrap();
+        for key in ["mtp_num_hidden_layers", "num_nextn_predict_layers"] {
+            if config.get(key).is_some() {
+                config[key] = 0.into();
+            }
+        }
+        std::fs::write(&config_path, config.to_string()).unwrap();
+        let plain = convert_checkpoint(&hf, DType::Bf16);
+        let manifest = Manifest::read(&plain.dir.join("manifest.json")).unwrap();
+        assert!(
+            !manifest.tensors.keys().any(|t| t.starts_with("mtp.")),
+            "{name}"
+        );
+        assert!(manifest.experts.iter().all(|e| e.layer < 4), "{name}");
+        let model = open(&plain.dir, ModelOptions::default());
+        assert!(!model.has_mtp(), "{name}");
+        let err = DraftSource::Mtp.drafter(&*model).err().expect("no head");
+        let message = err.to_string();
+        assert!(
+            message.contains("no multi-token-prediction head")
+                && message.contains("--draft lookup"),
+            "{message}"
+        );
+    }
+}
+
+/// The raw bf16 bytes of a checkpoint tensor of fixture `name`.
+fn read_bf16(name: &str, tensor: &str) -> Vec<u8> {
+    let bytes = std::fs::read(fixtures_root().join(name).join("hf/model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(tensor).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::BF16);
+    t.data().to_vec()
+}
