@@ -11,12 +11,14 @@ use std::sync::Arc;
 
 use common::speculative::{Oracle, drafted, plain};
 use common::*;
+use moeflux::backend::Backend;
 use moeflux::backend::cpu::CpuBackend;
 use moeflux::format::Manifest;
 use moeflux::model::argmax;
 use moeflux::quant::DType;
 use moeflux::speculative::{DraftLength, DraftSource, Drafter, MtpDrafter, Speculation, generate};
-use moeflux::{Model, ModelOptions, Result, Session};
+use moeflux::model::forward_batch;
+use moeflux::{BatchItem, LogitsWanted, Model, ModelOptions, Phase, Result, Session};
 
 /// bf16 weights against the float32 reference: only summation order
 /// differs, as in tests/transformers_parity.rs.
@@ -232,6 +234,71 @@ fn greedy_with_mtp_drafts_equals_plain_decoding() {
         );
         assert!(speculation.stats.drafted > 0, "{name}: nothing drafted");
     }
+}
+
+/// The hidden states a session keeps, on the host.
+fn hidden_of(session: &Session, positions: std::ops::Range<usize>) -> Vec<f32> {
+    let rows = session.hidden_states(positions).unwrap().expect("kept");
+    session.model().backend().to_host(&rows).unwrap()
+}
+
+#[test]
+fn sessions_keep_the_hidden_states_of_their_own_tokens() {
+    let converted = convert_fixture("qwen3_5_moe", DType::Q4);
+    let model = open(
+        &converted.dir,
+        ModelOptions {
+            prefill_chunk: Some(5),
+            ..ModelOptions::default()
+        },
+    );
+    let tokens = Reference::load("qwen3_5_moe").tokens("tokens_long");
+    let prompts = [&tokens[..3], &tokens[10..27], &tokens[40..48]];
+    let alone: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| hidden_of(&session_with(&model, p), 0..p.len()))
+        .collect();
+    // Batched, a prompt and decode tokens mixed, then each a token more.
+    let mut sessions: Vec<Session> = prompts
+        .iter()
+        .map(|_| {
+            let mut s = model.session();
+            s.keep_hidden_states(true);
+            s
+        })
+        .collect();
+    sessions[0].prefill(prompts[0]).unwrap();
+    {
+        let mut items: Vec<BatchItem<'_, CpuBackend>> = sessions
+            .iter_mut()
+            .zip(prompts)
+            .enumerate()
+            .map(|(i, (session, p))| BatchItem {
+                session,
+                tokens: if i == 0 { &[7] } else { p },
+                wanted: LogitsWanted::Last,
+                phase: if i == 0 { Phase::Decode } else { Phase::Prefill },
+            })
+            .collect();
+        forward_batch(&mut items).unwrap();
+    }
+    for (i, (session, want)) in sessions.iter().zip(&alone).enumerate() {
+        let got = hidden_of(session, 0..prompts[i].len());
+        let err = row_errors(&got, want, 64).into_iter().fold(0.0, f64::max);
+        assert!(err <= 1e-5, "sequence {i}: hidden states {err:.3e} from alone");
+    }
+    // Kept across parts and cut with the session.
+    let mut session = session_with(&model, &tokens[..30]);
+    for &t in &tokens[30..36] {
+        session.decode(t).unwrap();
+    }
+    let whole = hidden_of(&session, 0..36);
+    assert_eq!(hidden_of(&session, 12..33), whole[12 * 64..33 * 64]);
+    session.truncate(20).unwrap();
+    assert!(session.hidden_states(0..21).unwrap().is_none());
+    assert_eq!(hidden_of(&session, 0..20), whole[..20 * 64]);
+    session.keep_hidden_states(false);
+    assert!(session.hidden_states(0..1).unwrap().is_none());
 }
 
 #[test]
