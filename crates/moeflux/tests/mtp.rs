@@ -15,9 +15,9 @@ use moeflux::backend::Backend;
 use moeflux::backend::cpu::CpuBackend;
 use moeflux::format::Manifest;
 use moeflux::model::argmax;
+use moeflux::model::forward_batch;
 use moeflux::quant::DType;
 use moeflux::speculative::{DraftLength, DraftSource, Drafter, MtpDrafter, Speculation, generate};
-use moeflux::model::forward_batch;
 use moeflux::{BatchItem, LogitsWanted, Model, ModelOptions, Phase, Result, Session};
 
 /// bf16 weights against the float32 reference: only summation order
@@ -277,7 +277,11 @@ fn sessions_keep_the_hidden_states_of_their_own_tokens() {
                 session,
                 tokens: if i == 0 { &[7] } else { p },
                 wanted: LogitsWanted::Last,
-                phase: if i == 0 { Phase::Decode } else { Phase::Prefill },
+                phase: if i == 0 {
+                    Phase::Decode
+                } else {
+                    Phase::Prefill
+                },
             })
             .collect();
         forward_batch(&mut items).unwrap();
@@ -285,7 +289,10 @@ fn sessions_keep_the_hidden_states_of_their_own_tokens() {
     for (i, (session, want)) in sessions.iter().zip(&alone).enumerate() {
         let got = hidden_of(session, 0..prompts[i].len());
         let err = row_errors(&got, want, 64).into_iter().fold(0.0, f64::max);
-        assert!(err <= 1e-5, "sequence {i}: hidden states {err:.3e} from alone");
+        assert!(
+            err <= 1e-5,
+            "sequence {i}: hidden states {err:.3e} from alone"
+        );
     }
     // Kept across parts and cut with the session.
     let mut session = session_with(&model, &tokens[..30]);
