@@ -189,6 +189,30 @@ fn greedy_with_drafts_equals_plain_decoding() {
     common::speculative::check_greedy_equal("bundled", &gpu, &prompt, 1e-4);
 }
 
+/// The multi-token-prediction head on CUDA: its logits within the
+/// whole-model bound of the PyTorch reference (tools/mtp_reference.py) on
+/// the bf16 fixtures that have one, and greedy output with its drafts (1 to
+/// 4 tokens a step, adaptive) equal to plain decoding.
+#[test]
+fn mtp_drafts_match_the_reference_and_keep_greedy_output() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in MTP_FIXTURES.iter().filter(|n| !MLA_FIXTURES.contains(n)) {
+        let converted = convert_fixture(name, DType::Bf16);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let worst = common::speculative::mtp_reference_error(name, &gpu);
+        println!("{name:<22} CUDA MTP logits within {worst:.2e} of the reference");
+        assert!(
+            worst <= 1e-3,
+            "{name}: CUDA MTP logits differ by {worst:.3e}"
+        );
+        let converted = convert_fixture(name, DType::Q4);
+        let prompt = Reference::load(name).tokens("tokens_long");
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        common::speculative::check_greedy_equal_with_mtp(name, &gpu, &prompt[..20], 1e-4);
+    }
+}
 #[test]
 fn tiny_expert_caches_give_identical_results() {
     if cuda().is_none() {

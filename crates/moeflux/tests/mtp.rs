@@ -7,9 +7,11 @@
 mod common;
 
 use std::ops::ControlFlow;
-use std::sync::Arc;
 
-use common::speculative::{Oracle, drafted, plain};
+use common::speculative::{
+    Oracle, check_greedy_equal_with_mtp, drafted, fresh_mtp_row, mtp_reference_error, mtp_session,
+    plain,
+};
 use common::*;
 use moeflux::backend::Backend;
 use moeflux::backend::cpu::CpuBackend;
@@ -18,7 +20,7 @@ use moeflux::model::argmax;
 use moeflux::model::forward_batch;
 use moeflux::quant::DType;
 use moeflux::speculative::{DraftLength, DraftSource, Drafter, MtpDrafter, Speculation, generate};
-use moeflux::{BatchItem, LogitsWanted, Model, ModelOptions, Phase, Result, Session};
+use moeflux::{BatchItem, LogitsWanted, ModelOptions, Phase, Result, Session};
 
 /// bf16 weights against the float32 reference: only summation order
 /// differs, as in tests/transformers_parity.rs.
@@ -27,83 +29,21 @@ const REFERENCE_TOLERANCE: f64 = 1e-3;
 /// row: the prefill = decode bound of tests/decode_consistency.rs.
 const INCREMENTAL_TOLERANCE: f64 = 1e-4;
 
-/// A session of `model` keeping hidden states, holding `tokens`.
-fn session_with(model: &Arc<Model>, tokens: &[u32]) -> Session {
-    let mut session = model.session();
-    DraftSource::Mtp.prepare(&mut session);
-    session.prefill(tokens).unwrap();
-    session
-}
-
-/// The head's first draft logits after `tokens` and `next`, from a new
-/// drafter (one pass over every row).
-fn fresh_row(session: &Session, next: u32) -> Vec<f32> {
-    let mut drafter = MtpDrafter::new(session.model()).unwrap();
-    let rows = drafter.draft_logits(session, next, 1).unwrap();
-    assert_eq!(rows.rows, 1);
-    rows.data
-}
-
 #[test]
 fn mtp_head_matches_the_reference() {
     for name in MTP_FIXTURES {
         let converted = convert_fixture(name, DType::Bf16);
-        let tokens = Reference::load(name).tokens("tokens_long");
-        let mtp = Reference::load_file(name, "mtp.safetensors");
-        let (rows, vocab, want) = mtp.logits("mtp_logits_long");
-        assert_eq!(rows, tokens.len() - 1);
-        let want_row = |i: usize| &want[i * vocab..(i + 1) * vocab];
         for chunk in [64, 7] {
-            let model = open(
-                &converted.dir,
-                ModelOptions {
-                    prefill_chunk: Some(chunk),
-                    ..ModelOptions::default()
-                },
-            );
-            assert!(model.has_mtp(), "{name}: converted without its head");
-            // After prompts of several lengths, each in one pass...
-            let mut worst: f64 = 0.0;
-            for p in [1, 2, 7, 30, 79] {
-                let session = session_with(&model, &tokens[..p]);
-                let got = fresh_row(&session, tokens[p]);
-                worst = worst.max(row_errors(&got, want_row(p - 1), vocab)[0]);
-            }
-            // ...and row by row as one session grows.
-            let mut session = session_with(&model, &tokens[..1]);
-            let mut drafter = MtpDrafter::new(&model).unwrap();
-            for p in 1..tokens.len() {
-                let got = drafter.draft_logits(&session, tokens[p], 1).unwrap();
-                worst = worst.max(row_errors(&got.data, want_row(p - 1), vocab)[0]);
-                session.decode(tokens[p]).unwrap();
-            }
+            let options = ModelOptions {
+                prefill_chunk: Some(chunk),
+                ..ModelOptions::default()
+            };
+            let worst = mtp_reference_error(name, &open(&converted.dir, options));
             println!("{name} (chunk {chunk}): MTP logits within {worst:.2e} of the reference");
             assert!(
                 worst <= REFERENCE_TOLERANCE,
                 "{name} (chunk {chunk}): MTP logits differ from the reference by {worst:.3e}"
             );
-            // Drafting chains: each step on the previous one's output and
-            // greedy token.
-            for p in [7, 40] {
-                let (steps, _, want) = mtp.logits(&format!("mtp_chain_{p}_logits"));
-                let want_tokens = mtp.tokens(&format!("mtp_chain_{p}_tokens"));
-                let session = session_with(&model, &tokens[..p]);
-                let mut drafter = MtpDrafter::new(&model).unwrap();
-                let got = drafter.draft_logits(&session, tokens[p], steps).unwrap();
-                assert_eq!(got.rows, steps);
-                let err = row_errors(&got.data, &want, vocab)
-                    .into_iter()
-                    .fold(0.0, f64::max);
-                assert!(
-                    err <= REFERENCE_TOLERANCE,
-                    "{name}: chain after {p} tokens differs from the reference by {err:.3e}"
-                );
-                let drafts = drafter.draft(&session, tokens[p], steps).unwrap();
-                assert_eq!(
-                    drafts, want_tokens,
-                    "{name}: chained drafts after {p} tokens"
-                );
-            }
         }
     }
 }
@@ -121,7 +61,7 @@ struct Followed {
 impl Drafter<CpuBackend> for Followed {
     fn draft(&mut self, session: &Session, next: u32, k: usize) -> Result<Vec<u32>> {
         let got = self.inner.draft_logits(session, next, 1)?;
-        let want = fresh_row(session, next);
+        let want = fresh_mtp_row(session, next);
         self.worst = self.worst.max(row_errors(&got.data, &want, want.len())[0]);
         self.checks += 1;
         Drafter::draft(&mut self.oracle, session, next, k)
@@ -171,7 +111,7 @@ fn mtp_state_follows_the_session() {
         }
         // Back to an earlier position and on with other tokens: the head
         // drops what no longer holds.
-        let mut session = session_with(&model, prompt);
+        let mut session = mtp_session(&model, prompt);
         let mut drafter = MtpDrafter::new(&model).unwrap();
         session
             .generate(
@@ -184,7 +124,7 @@ fn mtp_state_follows_the_session() {
         session.truncate(prompt.len() + 3).unwrap();
         session.prefill(&[5, 6, 7]).unwrap();
         let got = drafter.draft_logits(&session, 9, 1).unwrap();
-        let want = fresh_row(&session, 9);
+        let want = fresh_mtp_row(&session, 9);
         let err = row_errors(&got.data, &want, want.len())[0];
         assert!(
             err <= INCREMENTAL_TOLERANCE,
@@ -199,20 +139,8 @@ fn greedy_with_mtp_drafts_equals_plain_decoding() {
         let converted = convert_fixture(name, DType::Q4);
         let model = open(&converted.dir, ModelOptions::default());
         let prompt = &Reference::load(name).tokens("tokens_long")[..20];
-        let (want, want_logits) = plain(&model, prompt, 24);
-        for length in (1..=4)
-            .map(DraftLength::Fixed)
-            .chain([DraftLength::DEFAULT])
-        {
-            let mut drafter = MtpDrafter::new(&model).unwrap();
-            let (got, logits, _) = drafted(&model, prompt, 24, &mut drafter, length, None);
-            assert_eq!(got, want, "{name}: {length:?}");
-            let err = row_errors(&logits, &want_logits, want_logits.len())[0];
-            assert!(
-                err <= INCREMENTAL_TOLERANCE,
-                "{name}: {length:?}: logits {err:.3e}"
-            );
-        }
+        check_greedy_equal_with_mtp(name, &model, prompt, INCREMENTAL_TOLERANCE);
+        let (want, _) = plain(&model, prompt, 24);
         // A session that did not keep its prompt's hidden states: the head
         // drafts from the positions after it.
         let mut session = model.session();
@@ -256,7 +184,7 @@ fn sessions_keep_the_hidden_states_of_their_own_tokens() {
     let prompts = [&tokens[..3], &tokens[10..27], &tokens[40..48]];
     let alone: Vec<Vec<f32>> = prompts
         .iter()
-        .map(|p| hidden_of(&session_with(&model, p), 0..p.len()))
+        .map(|p| hidden_of(&mtp_session(&model, p), 0..p.len()))
         .collect();
     // Batched, a prompt and decode tokens mixed, then each a token more.
     let mut sessions: Vec<Session> = prompts
@@ -295,7 +223,7 @@ fn sessions_keep_the_hidden_states_of_their_own_tokens() {
         );
     }
     // Kept across parts and cut with the session.
-    let mut session = session_with(&model, &tokens[..30]);
+    let mut session = mtp_session(&model, &tokens[..30]);
     for &t in &tokens[30..36] {
         session.decode(t).unwrap();
     }
