@@ -56,6 +56,7 @@ class MtpHead(nn.Module):
         else:
             index = cfg.num_hidden_layers
         self.layer = layer_cls(cfg, index)
+        self.eager = cfg._attn_implementation == "eager"
         self.embed_norm = norm_cls(h, eps=cfg.rms_norm_eps)
         self.hidden_norm = norm_cls(h, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(2 * h, h, bias=False)
@@ -79,32 +80,38 @@ class MtpHead(nn.Module):
         return base.rotary_emb(x, ids)
 
     def layer_input(self, hidden: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor):
-        """fc over [norm_e(embedding); norm_h(hidden)] for rows [T, h]."""
+        """fc over [norm_e(embedding); norm_h(hidden)] for rows [..., T, h]
+        at `positions` [T]."""
         e = self.embed_tokens(next_tokens.long())
         if self.family == "deepseek":
-            e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
+            e = e * (positions != 0)[:, None].to(e.dtype)
         return self.fc(torch.cat([self.embed_norm(e), self.hidden_norm(hidden)], dim=-1))
 
     def run_layer(self, x: torch.Tensor, positions: torch.Tensor):
-        """The decoder layer over rows [T, h] attending causally; returns
-        (logits [T, V], chained hidden [T, h])."""
-        x = x[None]
+        """The decoder layer over rows [..., T, h] attending causally;
+        returns (logits [..., T, V], chained hidden [..., T, h])."""
+        single = x.dim() == 2
+        if single:
+            x = x[None]
         out = self.layer(
             x,
             position_embeddings=self.rotary(x, positions),
-            attention_mask=causal_mask(x.shape[1]),
+            # sdpa is causal without a mask, eager needs one.
+            attention_mask=causal_mask(x.shape[1]).to(x.device) if self.eager else None,
             position_ids=positions[None],
         )
         out = out[0] if isinstance(out, tuple) else out
-        out = out[0]
+        if single:
+            out = out[0]
         normed = self.norm(out)
         logits = self.lm_head(normed)
         return logits, (normed if self.family == "qwen" else out)
 
     def forward(self, hidden: torch.Tensor, next_tokens: torch.Tensor):
         """Teacher-forced: row i from the hidden state of position i and the
-        token at i + 1; logits [T, V] of the token at i + 2."""
-        positions = torch.arange(hidden.shape[0])
+        token at i + 1 (rows [..., T, h], tokens [..., T]); logits
+        [..., T, V] of the token at i + 2."""
+        positions = torch.arange(hidden.shape[-2], device=hidden.device)
         return self.run_layer(self.layer_input(hidden, next_tokens, positions), positions)
 
     @torch.no_grad()
