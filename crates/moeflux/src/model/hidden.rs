@@ -4,8 +4,65 @@
 
 use std::ops::Range;
 
+use super::Session;
 use crate::backend::Backend;
 use crate::error::Result;
+
+impl<B: Backend> Session<B> {
+    /// From now on, keeps the hidden state (after the final norm) of every
+    /// token appended, on the backend: what a multi-token-prediction
+    /// drafter reads ([`DraftSource::prepare`](crate::speculative::DraftSource::prepare)
+    /// turns it on). A hidden-size row per position, dropped as positions
+    /// are; `false` drops them all.
+    pub fn keep_hidden_states(&mut self, keep: bool) {
+        match (keep, &self.hidden) {
+            (true, None) => self.hidden = Some(HiddenStates::starting_at(self.position())),
+            (false, _) => self.hidden = None,
+            (true, Some(_)) => {}
+        }
+    }
+
+    /// Whether the session keeps hidden states.
+    pub fn keeps_hidden_states(&self) -> bool {
+        self.hidden.is_some()
+    }
+
+    /// The hidden states (after the final norm) of `positions`, `[rows,
+    /// hidden]`, when the session kept all of them.
+    pub fn hidden_states(&self, positions: Range<usize>) -> Result<Option<B::Tensor>> {
+        match &self.hidden {
+            Some(hidden) => hidden.rows(self.model.backend(), positions),
+            None => Ok(None),
+        }
+    }
+
+    /// The first position whose hidden state the session keeps (its
+    /// length when it keeps none).
+    pub fn first_hidden_state(&self) -> usize {
+        self.hidden
+            .as_ref()
+            .map_or(self.position(), HiddenStates::first)
+    }
+
+    /// Appends tokens a forward pass ran, with their hidden states when the
+    /// session keeps them.
+    pub(super) fn append(&mut self, tokens: &[u32], hidden: Option<B::Tensor>) -> Result<()> {
+        self.tokens.extend_from_slice(tokens);
+        match (&mut self.hidden, hidden) {
+            (Some(kept), Some(rows)) => kept.push(self.model.backend(), rows),
+            _ => Ok(()),
+        }
+    }
+
+    /// Keeps the first `len` tokens (and their hidden states).
+    pub(super) fn truncate_tokens(&mut self, len: usize) -> Result<()> {
+        self.tokens.truncate(len);
+        match &mut self.hidden {
+            Some(hidden) => hidden.truncate(self.model.backend(), len),
+            None => Ok(()),
+        }
+    }
+}
 
 /// Hidden states of positions `first..first + rows`, in parts as forward
 /// passes made them; merged as they come so that a long session holds a

@@ -8,6 +8,7 @@
 
 mod batch;
 mod hidden;
+mod rewind;
 mod session;
 mod state;
 
@@ -18,7 +19,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::blocks::batch::Phase;
 pub use batch::{BatchItem, forward_batch};
-pub use session::{RewindPoint, Session, SessionOptions};
+pub use rewind::RewindPoint;
+pub use session::{Session, SessionOptions};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
