@@ -320,3 +320,45 @@ fn read_bf16(name: &str, tensor: &str) -> Vec<u8> {
     assert_eq!(t.dtype(), safetensors::Dtype::BF16);
     t.data().to_vec()
 }
+
+/// The bundled model's trained head: greedy with its drafts equals plain
+/// decoding, and greedy generation keeps at least half as many first
+/// drafts as the share its training measured on held-out text
+/// (`reference.json`'s `mtp.acceptance.first_draft_kept`).
+#[test]
+#[ignore = "the bundled model gains its multi-token-prediction head from \
+            tools/train_bundled_model.py --mtp; drop this line once it has"]
+fn bundled_model_drafts_with_its_trained_head() {
+    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let model = open(&dir, ModelOptions::default());
+    assert!(model.has_mtp(), "the bundled model has no MTP head");
+    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
+    let prompt = tokenizer
+        .encode(
+            "It is a truth universally acknowledged, that a single man",
+            true,
+        )
+        .unwrap();
+    check_greedy_equal_with_mtp("bundled", &model, &prompt, INCREMENTAL_TOLERANCE);
+    let reference: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(fixtures_root().join("../bundled/qwen35-tiny/reference.json")).unwrap(),
+    )
+    .unwrap();
+    let measured = reference["mtp"]["acceptance"]["first_draft_kept"]
+        .as_f64()
+        .expect("reference.json records the head's acceptance");
+    let mut drafter = MtpDrafter::new(&model).unwrap();
+    let mut session = mtp_session(&model, &prompt);
+    let mut speculation = Speculation::new(&mut drafter, DraftLength::Fixed(1));
+    generate(
+        &mut session,
+        &mut speculation,
+        64,
+        |l, _, _, _| Ok(argmax(l)),
+        |_| Ok(ControlFlow::Continue(())),
+    )
+    .unwrap();
+    let kept = speculation.stats.acceptance();
+    println!("bundled: {kept:.3} of first drafts kept (training measured {measured:.3})");
+    assert!(kept >= measured / 2.0, "{kept:.3} kept, training measured {measured:.3}");
+}
