@@ -360,5 +360,8 @@ fn bundled_model_drafts_with_its_trained_head() {
     .unwrap();
     let kept = speculation.stats.acceptance();
     println!("bundled: {kept:.3} of first drafts kept (training measured {measured:.3})");
-    assert!(kept >= measured / 2.0, "{kept:.3} kept, training measured {measured:.3}");
+    assert!(
+        kept >= measured / 2.0,
+        "{kept:.3} kept, training measured {measured:.3}"
+    );
 }

@@ -121,7 +121,7 @@ pub(super) fn layers_and_mtp(
     let freq = c.usize_or("moe_layer_freq", 1)?.max(1);
     let spec = |i: usize| LayerSpec {
         kind,
-        ffn: if moe.num_experts > 0 && i >= first_dense && i % freq == 0 {
+        ffn: if moe.num_experts > 0 && i >= first_dense && i.is_multiple_of(freq) {
             FeedForwardKind::Moe
         } else {
             FeedForwardKind::Dense

@@ -13,6 +13,8 @@
 //! before, [`MtpConfig::chain_normed`]) in place of `h` and the token it
 //! drafted, one position further.
 
+use std::slice::from_ref;
+
 use super::Weights;
 use super::decoder::{Layer, LayerState};
 use crate::arch::names;
@@ -121,21 +123,23 @@ impl<B: Backend> MtpHead<B> {
         if self.config.zero_first_embedding && rows.first == 0 {
             // Position 0's embedding is zero, and so is its product.
             if n > 1 {
-                let rest = [1..n];
-                let mut tail = b.gather_rows(&x, &rest)?;
-                b.linear_add(&mut tail, &b.gather_rows(&embed, &rest)?, &self.fc_embed)?;
-                x = b.concat_rows(&[b.gather_rows(&x, &[0..1])?, tail])?;
+                let rest = 1..n;
+                let mut tail = b.gather_rows(&x, from_ref(&rest))?;
+                let embed = b.gather_rows(&embed, from_ref(&rest))?;
+                b.linear_add(&mut tail, &embed, &self.fc_embed)?;
+                x = b.concat_rows(&[b.gather_rows(&x, from_ref(&(0..1)))?, tail])?;
             }
         } else {
             b.linear_add(&mut x, &embed, &self.fc_embed)?;
         }
-        self.layer.mix_add(b, norm, &mut [state], &[0..n], &mut x)?;
+        self.layer
+            .mix_add(b, norm, &mut [state], from_ref(&(0..n)), &mut x)?;
         let (h, routing) = self.layer.ffn_input(b, norm, &x)?;
         self.layer
             .ffn_add(b, &h, routing.as_ref(), store, false, &mut x)?;
         let last = match rows.wanted {
             w if w == n => x,
-            w => b.gather_rows(&x, &[n - w..n])?,
+            w => b.gather_rows(&x, from_ref(&(n - w..n)))?,
         };
         let normed = b.rms_norm(&last, &self.norm, norm)?;
         let logits = b.linear(&normed, self.lm_head.as_ref().unwrap_or(shared.lm_head))?;

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{Logits, LogitsWanted, Session};
+use super::{BatchOutput, Logits, LogitsWanted, Session};
 use crate::backend::Backend;
 use crate::blocks::batch::{ForwardBatch, Phase};
 use crate::blocks::decoder::LayerState;
@@ -114,7 +114,7 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
         let keep_hidden = members
             .iter()
             .any(|m| items[m.0].session.keeps_hidden_states());
-        let (logits, mut hidden) = {
+        let BatchOutput { logits, mut hidden } = {
             let mut states: Vec<&mut [LayerState<B>]> = items
                 .iter_mut()
                 .enumerate()

@@ -3,6 +3,7 @@
 //! them ([`Session::keep_hidden_states`](super::Session::keep_hidden_states)).
 
 use std::ops::Range;
+use std::slice::from_ref;
 
 use super::Session;
 use crate::backend::Backend;
@@ -117,7 +118,7 @@ impl<B: Backend> HiddenStates<B> {
                 break;
             }
             if start + *rows > len {
-                *part = b.gather_rows(part, &[0..len - start])?;
+                *part = b.gather_rows(part, from_ref(&(0..len - start)))?;
                 *rows = len - start;
             }
             start += *rows;
@@ -137,7 +138,7 @@ impl<B: Backend> HiddenStates<B> {
         for (part, rows) in &self.parts {
             let (lo, hi) = (positions.start.max(start), positions.end.min(start + rows));
             if lo < hi {
-                pieces.push(b.gather_rows(part, &[lo - start..hi - start])?);
+                pieces.push(b.gather_rows(part, from_ref(&(lo - start..hi - start)))?);
             }
             start += rows;
         }

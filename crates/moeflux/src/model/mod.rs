@@ -123,6 +123,14 @@ pub struct Model<B: Backend = CpuBackend> {
     options: ModelOptions,
 }
 
+/// What [`Model::run_batch`] returns.
+pub(crate) struct BatchOutput<B: Backend> {
+    /// The logits of the rows the batch wants, on the host.
+    pub logits: Option<Vec<f32>>,
+    /// Every row's hidden state after the final norm, when asked for.
+    pub hidden: Option<B::Tensor>,
+}
+
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LogitsWanted {
@@ -418,10 +426,12 @@ impl<B: Backend> Model<B> {
         states: &mut [&mut [LayerState<B>]],
         batch: &ForwardBatch,
         keep_hidden: bool,
-    ) -> Result<(Option<Vec<f32>>, Option<B::Tensor>)> {
+    ) -> Result<BatchOutput<B>> {
         let out = self.on_worker(|| self.forward_on_backend(states, batch, keep_hidden))?;
-        let logits = out.logits.map(|l| self.backend.to_host(&l)).transpose()?;
-        Ok((logits, out.hidden))
+        Ok(BatchOutput {
+            logits: out.logits.map(|l| self.backend.to_host(&l)).transpose()?,
+            hidden: out.hidden,
+        })
     }
 
     /// Runs `work` where the backend computes best. On a worker of the

@@ -215,10 +215,10 @@ pub fn mtp_reference_error<B: Backend>(name: &str, model: &Arc<Model<B>>) -> f64
     }
     let mut session = mtp_session(model, &tokens[..1]);
     let mut drafter = MtpDrafter::new(model).unwrap();
-    for p in 1..tokens.len() {
-        let got = drafter.draft_logits(&session, tokens[p], 1).unwrap();
+    for (p, &next) in tokens.iter().enumerate().skip(1) {
+        let got = drafter.draft_logits(&session, next, 1).unwrap();
         worst = worst.max(row_errors(&got.data, want_row(p - 1), vocab)[0]);
-        session.decode(tokens[p]).unwrap();
+        session.decode(next).unwrap();
     }
     for p in [7, 40] {
         let (steps, _, want) = mtp.logits(&format!("mtp_chain_{p}_logits"));
