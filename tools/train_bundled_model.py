@@ -409,6 +409,35 @@ def count_params(model) -> tuple[int, int]:
 # =============================================================================
 
 
+def training_data(args, tok, train_books: dict[str, list[str]], val_text: str, device: torch.device):
+    """What training reads: Batches of the prose and the chats built from it,
+    the validation windows, and token counts."""
+    # The backend tokenizer directly: the wrapper warns about texts longer than the model.
+    encode = tok.backend_tokenizer.encode
+    eot = tok.convert_tokens_to_ids(EOT)
+    plain = []
+    for paras in train_books.values():
+        plain += encode("\n\n".join(paras) + "\n", add_special_tokens=False).ids + [eot]
+    chats = chat_examples(train_books, random.Random(args.seed), tok, count=args.chats)
+    chat = []
+    for text in chats:
+        chat += encode(text, add_special_tokens=False).ids + [eot]
+    val_ids = encode(val_text, add_special_tokens=False).ids
+    n_val = len(val_ids) // args.seq_len
+    if n_val == 0 or len(chat) <= args.seq_len:
+        fail("corpus too small for --seq-len")
+    val = torch.tensor(val_ids[: n_val * args.seq_len], device=device).view(n_val, args.seq_len)
+    batches = Batches(
+        torch.tensor(plain, device=device),
+        torch.tensor(chat, device=device),
+        args.chat_frac,
+        args.seq_len,
+        args.batch_size,
+        args.seed,
+    )
+    return batches, val, dict(plain=len(plain), chat=len(chat), chats=len(chats), val=len(val_ids))
+
+
 class Batches:
     """Random windows of a token stream: plain text, or (with `chat_frac`) chats."""
 
@@ -441,6 +470,14 @@ def mean_loss(model, windows: torch.Tensor, batch: int, autocast: bool) -> float
     return total / count
 
 
+def lr_schedule(lr: float, progress: float) -> float:
+    """Linear warm-up over the first 3 % of training, then cosine down to 10 %."""
+    if progress < 0.03:
+        return lr * max(progress / 0.03, 0.01)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 0.03) / 0.97)))
+    return lr * (0.1 + 0.9 * cos)
+
+
 def train(model, batches: Batches, val: torch.Tensor, args, device: torch.device) -> dict:
     autocast = device.type == "cuda"
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -452,13 +489,6 @@ def train(model, batches: Batches, val: torch.Tensor, args, device: torch.device
         eps=1e-8,
         fused=device.type == "cuda",
     )
-
-    def lr_at(progress: float) -> float:
-        # Linear warm-up over the first 3 %, then cosine down to 10 %.
-        if progress < 0.03:
-            return args.lr * max(progress / 0.03, 0.01)
-        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 0.03) / 0.97)))
-        return args.lr * (0.1 + 0.9 * cos)
 
     def progress_now(step: int, start: float) -> float:
         if args.steps:
@@ -475,7 +505,7 @@ def train(model, batches: Batches, val: torch.Tensor, args, device: torch.device
         if progress >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(progress)
+            group["lr"] = lr_schedule(args.lr, progress)
         x = batches.next()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=x, labels=x, output_router_logits=True).loss
@@ -835,33 +865,13 @@ def main() -> None:
     eot = tok.convert_tokens_to_ids(EOT)
     log(f"tokenizer: {len(tok)} ids, trained in {time.time() - t_start:.1f}s")
 
-    # The backend tokenizer directly: the wrapper warns about texts longer than the model.
-    encode = tok.backend_tokenizer.encode
-    plain = []
-    for text in train_texts:
-        plain += encode(text, add_special_tokens=False).ids + [eot]
-    rng = random.Random(args.seed)
-    chats = chat_examples(train_books, rng, tok, count=args.chats)
-    chat = []
-    for text in chats:
-        chat += encode(text, add_special_tokens=False).ids + [eot]
-    val_ids = encode(val_text, add_special_tokens=False).ids
-    test_ids = encode(test_text, add_special_tokens=False).ids
+    test_ids = tok.backend_tokenizer.encode(test_text, add_special_tokens=False).ids
+    if len(test_ids) < args.ctx:
+        fail("corpus too small for --ctx")
+    batches, val, counts = training_data(args, tok, train_books, val_text, device)
     log(
-        f"corpus: {len(plain):,} training tokens, {len(chat):,} chat tokens ({len(chats)} chats), "
-        f"{len(val_ids):,} validation, {len(test_ids):,} held-out"
-    )
-    n_val = len(val_ids) // args.seq_len
-    if n_val == 0 or len(test_ids) < args.ctx or len(chat) <= args.seq_len:
-        fail("corpus too small for --seq-len / --ctx")
-    val = torch.tensor(val_ids[: n_val * args.seq_len], device=device).view(n_val, args.seq_len)
-    batches = Batches(
-        torch.tensor(plain, device=device),
-        torch.tensor(chat, device=device),
-        args.chat_frac,
-        args.seq_len,
-        args.batch_size,
-        args.seed,
+        f"corpus: {counts['plain']:,} training tokens, {counts['chat']:,} chat tokens ({counts['chats']} chats), "
+        f"{counts['val']:,} validation, {len(test_ids):,} held-out"
     )
 
     # --- model and training -----------------------------------------------------
@@ -966,8 +976,8 @@ def main() -> None:
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             chat_frac=args.chat_frac,
-            train_tokens=len(plain),
-            chat_tokens=len(chat),
+            train_tokens=counts["plain"],
+            chat_tokens=counts["chat"],
             **{k: v for k, v in record.items()},
         ),
         special_tokens=dict(

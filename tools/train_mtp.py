@@ -22,7 +22,6 @@ second chained draft is measured the same way on the head's own output.
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
@@ -120,27 +119,9 @@ def train_mtp_head(args) -> None:
     train_books, val_text, test_text = tb.split_corpus(books, 0.015)
     if test_text != (out / "heldout.txt").read_text(encoding="utf-8"):
         tb.fail(f"{args.corpus}: the held-out text differs from {out}/heldout.txt: not the corpus the model saw")
+    batches, val, counts = tb.training_data(args, tok, train_books, val_text, device)
+    tb.log(f"corpus: {counts['plain']:,} training tokens, {counts['chat']:,} chat tokens, {counts['val']:,} validation")
     encode = tok.backend_tokenizer.encode
-    eot = tok.convert_tokens_to_ids(tb.EOT)
-    plain = []
-    for paras in train_books.values():
-        plain += encode("\n\n".join(paras) + "\n", add_special_tokens=False).ids + [eot]
-    chat = []
-    for text in tb.chat_examples(train_books, random.Random(args.seed), tok, count=args.chats):
-        chat += encode(text, add_special_tokens=False).ids + [eot]
-    val_ids = encode(val_text, add_special_tokens=False).ids
-    n_val = len(val_ids) // args.seq_len
-    if n_val == 0 or len(chat) <= args.seq_len:
-        tb.fail("corpus too small for --seq-len")
-    val = torch.tensor(val_ids[: n_val * args.seq_len], device=device).view(n_val, args.seq_len)
-    batches = tb.Batches(
-        torch.tensor(plain, device=device),
-        torch.tensor(chat, device=device),
-        args.chat_frac,
-        args.seq_len,
-        args.batch_size,
-        args.seed,
-    )
 
     # --- the head ---------------------------------------------------------------
     head = MtpHead(model).to(device)
@@ -160,12 +141,6 @@ def train_mtp_head(args) -> None:
         fused=device.type == "cuda",
     )
 
-    def lr_at(progress: float) -> float:
-        # The model's schedule: warm-up over 3 %, then cosine down to 10 %.
-        if progress < 0.03:
-            return args.lr * max(progress / 0.03, 0.01)
-        return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (progress - 0.03) / 0.97))))
-
     def val_loss() -> float:
         head.eval()
         total = 0.0
@@ -182,7 +157,7 @@ def train_mtp_head(args) -> None:
     history, step, tokens, next_eval = [], 0, 0, args.eval_every
     while progress(step) < 1.0:
         for group in opt.param_groups:
-            group["lr"] = lr_at(progress(step))
+            group["lr"] = tb.lr_schedule(args.lr, progress(step))
         x = batches.next()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = head_loss(head, model, x, aux_coef, router_logits)

@@ -177,15 +177,8 @@ fn greedy_with_drafts_equals_plain_decoding() {
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
         common::speculative::check_greedy_equal(name, &gpu, &prompt[..20], 1e-4);
     }
-    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let (dir, prompt) = bundled_prompt();
     let gpu = open_cuda(&dir, ModelOptions::default(), cuda().unwrap());
-    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
-    let prompt = tokenizer
-        .encode(
-            "It is a truth universally acknowledged, that a single man",
-            true,
-        )
-        .unwrap();
     common::speculative::check_greedy_equal("bundled", &gpu, &prompt, 1e-4);
 }
 

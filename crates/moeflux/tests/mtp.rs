@@ -329,16 +329,9 @@ fn read_bf16(name: &str, tensor: &str) -> Vec<u8> {
 #[ignore = "the bundled model gains its multi-token-prediction head from \
             tools/train_bundled_model.py --mtp; drop this line once it has"]
 fn bundled_model_drafts_with_its_trained_head() {
-    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let (dir, prompt) = bundled_prompt();
     let model = open(&dir, ModelOptions::default());
     assert!(model.has_mtp(), "the bundled model has no MTP head");
-    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
-    let prompt = tokenizer
-        .encode(
-            "It is a truth universally acknowledged, that a single man",
-            true,
-        )
-        .unwrap();
     check_greedy_equal_with_mtp("bundled", &model, &prompt, INCREMENTAL_TOLERANCE);
     let reference: serde_json::Value = serde_json::from_slice(
         &std::fs::read(fixtures_root().join("../bundled/qwen35-tiny/reference.json")).unwrap(),

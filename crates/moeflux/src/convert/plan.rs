@@ -267,20 +267,34 @@ impl<'a> PlanBuilder<'a> {
         cols: usize,
     ) -> Result<()> {
         self.expect(source, &[rows, cols])?;
+        self.whole(canonical, role, source, [rows, cols], None);
+        Ok(())
+    }
+
+    /// Plans `canonical` (`[rows, cols]`, a vector when `role` says so) from
+    /// every row of checkpoint tensor `source`: all of each row, or the
+    /// columns `columns` picks from rows of its width.
+    fn whole(
+        &mut self,
+        canonical: String,
+        role: TensorRole,
+        source: &str,
+        [rows, cols]: [usize; 2],
+        columns: Option<(ColumnPick, usize)>,
+    ) {
         self.plan.dense.push(DenseTensorPlan {
             name: canonical,
             rows,
             cols,
-            is_vector: false,
+            is_vector: role == TensorRole::Vector,
             role,
             sources: vec![RowSource {
                 tensor: source.to_string(),
                 row_start: 0,
                 rows,
             }],
-            columns: None,
+            columns,
         });
-        Ok(())
     }
 
     /// A canonical matrix assembled from row ranges of tensors already
@@ -317,19 +331,8 @@ impl<'a> PlanBuilder<'a> {
         cols: usize,
     ) -> Result<()> {
         self.expect(source, &[rows, width])?;
-        self.plan.dense.push(DenseTensorPlan {
-            name: canonical,
-            rows,
-            cols,
-            is_vector: false,
-            role,
-            sources: vec![RowSource {
-                tensor: source.to_string(),
-                row_start: 0,
-                rows,
-            }],
-            columns: Some((ColumnPick { start, step: 1 }, width)),
-        });
+        let pick = ColumnPick { start, step: 1 };
+        self.whole(canonical, role, source, [rows, cols], Some((pick, width)));
         Ok(())
     }
 
@@ -341,19 +344,7 @@ impl<'a> PlanBuilder<'a> {
             [rows, rest @ ..] => (*rows, rest.iter().product()),
             [] => (1, 1),
         };
-        self.plan.dense.push(DenseTensorPlan {
-            name: canonical,
-            rows,
-            cols,
-            is_vector: true,
-            role: TensorRole::Vector,
-            sources: vec![RowSource {
-                tensor: source.to_string(),
-                row_start: 0,
-                rows,
-            }],
-            columns: None,
-        });
+        self.whole(canonical, TensorRole::Vector, source, [rows, cols], None);
         Ok(())
     }
 
@@ -367,19 +358,14 @@ impl<'a> PlanBuilder<'a> {
         pick: ColumnPick,
     ) -> Result<()> {
         self.expect(source, &[rows, width])?;
-        self.plan.dense.push(DenseTensorPlan {
-            name: canonical,
-            rows,
-            cols: (width.saturating_sub(pick.start)).div_ceil(pick.step),
-            is_vector: true,
-            role: TensorRole::Vector,
-            sources: vec![RowSource {
-                tensor: source.to_string(),
-                row_start: 0,
-                rows,
-            }],
-            columns: Some((pick, width)),
-        });
+        let cols = (width.saturating_sub(pick.start)).div_ceil(pick.step);
+        self.whole(
+            canonical,
+            TensorRole::Vector,
+            source,
+            [rows, cols],
+            Some((pick, width)),
+        );
         Ok(())
     }
 

@@ -14,7 +14,8 @@ impl<B: Backend> Session<B> {
     /// token appended, on the backend: what a multi-token-prediction
     /// drafter reads ([`DraftSource::prepare`](crate::speculative::DraftSource::prepare)
     /// turns it on). A hidden-size row per position, dropped as positions
-    /// are; `false` drops them all.
+    /// are; a loaded state ([`Session::load_state`]) brings none; `false`
+    /// drops them all.
     pub fn keep_hidden_states(&mut self, keep: bool) {
         match (keep, &self.hidden) {
             (true, None) => self.hidden = Some(HiddenStates::starting_at(self.position())),

@@ -23,7 +23,8 @@ use crate::model::{Logits, Model, Session, argmax};
 ///
 /// A drafter follows one session; it notices when the session went back
 /// or changed, and runs the head again from the first position that
-/// changed.
+/// changed. Its KV cache (one attention layer's per position) is its own,
+/// outside the model's KV budget.
 pub struct MtpDrafter<B: Backend> {
     /// The head's KV cache, of the model it was made for.
     cache: Option<(Arc<Model<B>>, LayerState<B>)>,

@@ -131,6 +131,19 @@ impl Reference {
     }
 }
 
+/// The bundled model's directory and the prompt its drafting tests use.
+pub fn bundled_prompt() -> (PathBuf, Vec<u32>) {
+    let dir = moeflux::bundled::model_dir(&NoProgress).unwrap();
+    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
+    let prompt = tokenizer
+        .encode(
+            "It is a truth universally acknowledged, that a single man",
+            true,
+        )
+        .unwrap();
+    (dir, prompt)
+}
+
 /// Relative L2 error of each row of `got` against `want`.
 pub fn row_errors(got: &[f32], want: &[f32], cols: usize) -> Vec<f64> {
     assert_eq!(got.len(), want.len(), "logit counts differ");
