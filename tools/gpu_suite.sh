@@ -29,6 +29,13 @@
 #                             16384 positions of context, with the grouped
 #                             decode kernels and without, against a baseline
 #                             binary when carried, interleaved
+#   tools/gpu_suite.sh serve  on the GPU machine: `moeflux serve` on the
+#                             synthetic qwen3-30b-a3b under 16 and 64
+#                             streaming clients (tools/serve_bench.py: 256
+#                             prompt tokens, 256 out) beside the engine's
+#                             own decode of as many sequences together, and
+#                             a second turn's time to first token with
+#                             prefix reuse and without
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
@@ -284,18 +291,58 @@ presets() {
     rm -rf "$dir"
 }
 
+# The server under load, beside the engine's batched decode of as many
+# sequences; the synthetic model in memory (/dev/shm), so nothing is still
+# being written back to disk while it runs.
+serve() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" synthetic=/dev/shm/moeflux-synth-q30 port=8181 url pid n
+    url="http://127.0.0.1:$port"
+    [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
+    for n in 16 64; do
+        echo "--- engine: $n sequences decoded together after 256 prompt tokens"
+        "$moeflux" bench -m "$synthetic" --device cuda -n 64 --warmup 4 --prefill 0 --no-ceilings \
+            --prompt-len 256 --sequences "$n" 2>&1 | grep -E '^decode|rror' || true
+    done
+    start_server() {
+        "$moeflux" serve -m "$synthetic" --device cuda --port "$port" --max-sequences 64 --ctx 2048 "$@" \
+            >>"$OUT/serve.log" 2>&1 &
+        pid=$!
+    }
+    start_server
+    python3 tools/serve_bench.py --url "$url" --clients 8 --rounds 1 --prompt-len 32 --max-tokens 16 >/dev/null
+    for n in 16 64; do
+        echo "--- server: $n clients"
+        python3 tools/serve_bench.py --url "$url" --clients "$n" --rounds 2 --prompt-len 256 --max-tokens 256
+    done
+    echo "--- server: second turn, prefix reuse on"
+    python3 tools/serve_bench.py --url "$url" --no-load --second-turn 8 --prompt-len 1024 --answer-len 64 --turn-len 32
+    kill -INT "$pid"
+    wait "$pid" || true
+    start_server --prefix-cache-mb 0
+    echo "--- server: second turn, prefix reuse off"
+    python3 tools/serve_bench.py --url "$url" --no-load --second-turn 8 --prompt-len 1024 --answer-len 64 --turn-len 32
+    kill -INT "$pid"
+    wait "$pid" || true
+    grep -E '^moeflux: (serving|every)' "$OUT/serve.log" | head -n 4
+}
+
 case "${1:-build}" in
 build) build ;;
 run) run ;;
 perf) perf ;;
 batch) batch ;;
 longctx) longctx ;;
+serve) serve ;;
 presets)
     shift
     presets "$@"
     ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|presets PRESET...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...]" >&2
     exit 2
     ;;
 esac

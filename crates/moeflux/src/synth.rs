@@ -6,7 +6,8 @@
 //! quantization, layout, checksums and verification), generated on the fly
 //! from a seeded hash of each tensor's name and row, so nothing is held in
 //! memory and two runs produce identical files. The manifest marks the
-//! model synthetic.
+//! model synthetic. A placeholder tokenizer names each id (`t0`, `t1`,
+//! ...), so text commands and the server run on a synthetic model too.
 
 use std::ops::Range;
 use std::path::Path;
@@ -17,7 +18,7 @@ use serde_json::{Value, json};
 
 use crate::config::{ModelConfig, NormStyle};
 use crate::convert::plan::{CheckpointIndex, RowSource};
-use crate::convert::{ConvertOptions, ConvertSummary, TensorSource, write_model};
+use crate::convert::{ConvertOptions, ConvertSummary, SideFiles, TensorSource, write_model};
 use crate::error::{Error, Result};
 use crate::quant::{DType, EncodedRows, MatrixLayout};
 use crate::util::Progress;
@@ -299,7 +300,36 @@ pub fn synthesize(
         shapes: plan.source_shapes.clone(),
         norm: cfg.norm,
     };
-    write_model(&weights, plan, config, cfg, None, output, options, progress)
+    let tokenizer = placeholder_tokenizer(cfg.vocab_size);
+    let side = SideFiles {
+        dir: None,
+        generated: &[(crate::format::TOKENIZER_FILE.to_string(), tokenizer)],
+        synthetic: true,
+    };
+    write_model(
+        &weights, plan, config, cfg, &side, output, options, progress,
+    )
+}
+
+/// A word-level `tokenizer.json` over the whole vocabulary, id `i` the word
+/// `t{i}`: text in and out works, and every generated token is visible
+/// text, which the server's streamed chunks and their timing need.
+fn placeholder_tokenizer(vocab_size: usize) -> Vec<u8> {
+    let vocab: serde_json::Map<String, Value> = (0..vocab_size)
+        .map(|i| (format!("t{i}"), Value::from(i)))
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": { "type": "WhitespaceSplit" },
+        "post_processor": null,
+        "decoder": null,
+        "model": { "type": "WordLevel", "vocab": vocab, "unk_token": "t0" },
+    });
+    serde_json::to_vec(&tokenizer).expect("JSON values serialize")
 }
 
 /// Deterministic pseudo-random weights at scales that keep activations of
@@ -480,6 +510,24 @@ mod tests {
         .unwrap();
         assert_eq!((oss.num_layers(), oss.moe.num_experts), (36, 128));
         assert!(oss.attention.rope_yarn.is_some(), "gpt-oss uses YaRN");
+    }
+
+    /// The placeholder tokenizer loads, names every id and reads its own
+    /// words back.
+    #[test]
+    fn placeholder_tokenizer_names_every_id() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(crate::text::TOKENIZER_FILE),
+            placeholder_tokenizer(1000),
+        )
+        .unwrap();
+        let tokenizer = crate::text::Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tokenizer.vocab_size(), 1000);
+        let ids = [0, 7, 999, 42];
+        let text = tokenizer.decode(&ids, false).unwrap();
+        assert_eq!(text, "t0 t7 t999 t42");
+        assert_eq!(tokenizer.encode(&text, false).unwrap(), ids);
     }
 
     /// DeepSeek-V3's and Kimi K2's KV cache keeps 512 latent and 64 rotary

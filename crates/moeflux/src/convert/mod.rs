@@ -203,6 +203,7 @@ pub fn convert_with(
     let side = SideFiles {
         dir: s.side_dir.as_deref(),
         generated: &s.generated,
+        synthetic: false,
     };
     write_model_with(
         &*s.ckpt,
@@ -229,6 +230,7 @@ pub(crate) fn convert_locked(
     let side = SideFiles {
         dir: s.side_dir.as_deref(),
         generated: &s.generated,
+        synthetic: false,
     };
     write_model_locked(
         lock,

@@ -85,14 +85,17 @@ impl DraftLength {
     /// The default: adaptive up to 4 tokens per step.
     pub const DEFAULT: DraftLength = DraftLength::Adaptive { max: 4 };
 
-    fn first(self) -> usize {
+    /// Tokens to draft at the first step.
+    pub fn first(self) -> usize {
         match self {
             DraftLength::Fixed(k) => k,
             DraftLength::Adaptive { max } => max,
         }
     }
 
-    fn next(self, drafted: usize, accepted: usize, current: usize) -> usize {
+    /// Tokens to draft after a step that drafted `drafted` and kept
+    /// `accepted` of them, drafting `current` at most.
+    pub fn next(self, drafted: usize, accepted: usize, current: usize) -> usize {
         match self {
             DraftLength::Fixed(k) => k,
             DraftLength::Adaptive { max } if drafted > 0 && accepted == drafted => {
