@@ -126,7 +126,11 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
         let single = members.len() == 1;
         let mut logits = logits;
         let mut offset = 0;
-        let sequence_rows = batch.ranges();
+        // Each sequence's rows, where hidden states are split among them.
+        let sequence_rows = match keep_hidden && !single {
+            true => batch.ranges(),
+            false => Vec::new(),
+        };
         for (s, (i, part, rows)) in members.into_iter().enumerate() {
             let session = &mut *items[i].session;
             let rows_kept = match (session.keeps_hidden_states(), single) {
