@@ -273,6 +273,17 @@ fn conversion_keeps_the_mtp_head_only_where_config_names_it() {
             assert_eq!(dense(canon), want, "{name}: {canon}");
         }
         assert!(model.has_mtp());
+        assert!(model.experts().moe_layers().any(|l| l == 4));
+        // Opened without it: no head, its experts not in the store.
+        let without = open(
+            &converted.dir,
+            ModelOptions {
+                mtp_head: false,
+                ..ModelOptions::default()
+            },
+        );
+        assert!(!without.has_mtp() && without.config().mtp.is_none());
+        assert!(without.experts().moe_layers().all(|l| l < 4), "{name}");
         // The same checkpoint whose config.json names no MTP layer: the
         // model converts without it, the head's tensors skipped.
         let tmp = tempfile::tempdir().unwrap();

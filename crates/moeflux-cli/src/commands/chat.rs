@@ -60,7 +60,7 @@ struct Prepared {
 
 pub fn run(args: Args) -> Result<()> {
     let draft = args.draft.settings()?;
-    let files = args.model.resolve(args.quiet)?;
+    let mut files = args.model.resolve(args.quiet)?;
     files.check_context(args.ctx)?;
     files.check_draft(draft)?;
     let tokenizer = Tokenizer::from_dir(&files.dir)?;

@@ -116,7 +116,7 @@ pub fn run(args: Args) -> Result<()> {
     };
     let draft = args.draft.settings()?;
     let quiet = args.quiet || args.json;
-    let files = args.model.resolve(quiet)?;
+    let mut files = args.model.resolve(quiet)?;
     files.check_context(args.ctx)?;
     files.check_draft(draft)?;
     if let Some(path) = &args.save_state {

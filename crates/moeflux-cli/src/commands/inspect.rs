@@ -19,6 +19,7 @@ pub fn run(args: Args) -> Result<()> {
         &path,
         OpenOptions {
             verify_checksums: false,
+            mtp_head: true,
         },
     )?;
     let m = dir.manifest();

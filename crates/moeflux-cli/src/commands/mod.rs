@@ -64,7 +64,11 @@ impl ModelPath {
         }
         let manifest = Manifest::read(&manifest_path)?;
         let config = manifest.model_config(&manifest_path)?;
-        Ok(ModelFiles { dir, config })
+        Ok(ModelFiles {
+            dir,
+            config,
+            mtp_head: true,
+        })
     }
 }
 
@@ -175,18 +179,21 @@ pub enum PrefetchArg {
 pub struct ModelFiles {
     pub dir: PathBuf,
     pub config: ModelConfig,
+    /// Whether opening it opens its multi-token-prediction head (where it
+    /// has one): only for `--draft mtp` in the commands that draft.
+    pub mtp_head: bool,
 }
 
 impl ModelFiles {
-    /// Checks that the model can draft as `--draft` asks: `mtp` needs a
-    /// multi-token-prediction head.
-    pub fn check_draft(&self, draft: Option<DraftSettings>) -> Result<()> {
-        match draft {
-            Some(d) if d.source == DraftSource::Mtp && self.config.mtp.is_none() => {
-                Err(moeflux::speculative::missing_mtp_head(&self.dir).into())
-            }
-            _ => Ok(()),
+    /// Checks that the model can draft as `--draft` asks (`mtp` needs a
+    /// multi-token-prediction head), and opens the head only for it.
+    pub fn check_draft(&mut self, draft: Option<DraftSettings>) -> Result<()> {
+        let mtp = draft.is_some_and(|d| d.source == DraftSource::Mtp);
+        if mtp && self.config.mtp.is_none() {
+            return Err(moeflux::speculative::missing_mtp_head(&self.dir).into());
         }
+        self.mtp_head = mtp;
+        Ok(())
     }
 
     /// Checks `--ctx` against the model's context.
@@ -258,6 +265,7 @@ impl ModelArgs {
             },
             prefill_chunk: self.prefill_chunk,
             verify_checksums: !self.no_verify,
+            mtp_head: files.mtp_head,
             kv_limit_bytes: None,
         };
         let opened = match self.cuda_backend()? {

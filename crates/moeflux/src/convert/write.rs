@@ -163,6 +163,7 @@ pub(crate) fn write_model_locked(
         &staging.path,
         OpenOptions {
             verify_checksums: true,
+            mtp_head: true,
         },
     )?;
     // As opened: with a multi-token-prediction layer only if one was kept.
@@ -290,6 +291,7 @@ fn converted_meanwhile(
         output,
         OpenOptions {
             verify_checksums: false,
+            mtp_head: true,
         },
     )?;
     Ok(ConvertSummary {

@@ -77,6 +77,10 @@ pub struct ModelOptions {
     /// Bytes all sessions together may hold in KV caches; `None` is no
     /// limit beyond each session's context length.
     pub kv_limit_bytes: Option<u64>,
+    /// Open the model's multi-token-prediction head, when it has one (on
+    /// by default): what `--draft mtp` drafts with. Off, its weights take
+    /// no memory on the backend and its experts none in the cache.
+    pub mtp_head: bool,
 }
 
 impl Default for ModelOptions {
@@ -89,6 +93,7 @@ impl Default for ModelOptions {
             prefill_chunk: None,
             verify_checksums: true,
             kv_limit_bytes: None,
+            mtp_head: true,
         }
     }
 }
@@ -245,6 +250,7 @@ impl<B: Backend> Model<B> {
             path,
             OpenOptions {
                 verify_checksums: options.verify_checksums,
+                mtp_head: options.mtp_head,
             },
         )?;
         let store = ExpertStore::open(
