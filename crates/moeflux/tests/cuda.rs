@@ -231,16 +231,35 @@ fn greedy_with_drafts_equals_plain_decoding() {
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
         common::speculative::check_greedy_equal(name, &gpu, &prompt[..20], 1e-4);
     }
-    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let (dir, prompt) = bundled_prompt();
     let gpu = open_cuda(&dir, ModelOptions::default(), cuda().unwrap());
-    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
-    let prompt = tokenizer
-        .encode(
-            "It is a truth universally acknowledged, that a single man",
-            true,
-        )
-        .unwrap();
     common::speculative::check_greedy_equal("bundled", &gpu, &prompt, 1e-4);
+}
+
+/// The multi-token-prediction head on CUDA: its logits within the
+/// whole-model bound of the PyTorch reference (tools/mtp_reference.py) on
+/// the bf16 fixtures that have one (Qwen3.5's and DeepSeek-V3's, latent
+/// attention included), and greedy output with its drafts (1 to 4 tokens a
+/// step, adaptive) equal to plain decoding.
+#[test]
+fn mtp_drafts_match_the_reference_and_keep_greedy_output() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in MTP_FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let worst = common::speculative::mtp_reference_error(name, &gpu);
+        println!("{name:<22} CUDA MTP logits within {worst:.2e} of the reference");
+        assert!(
+            worst <= 1e-3,
+            "{name}: CUDA MTP logits differ by {worst:.3e}"
+        );
+        let converted = convert_fixture(name, DType::Q4);
+        let prompt = Reference::load(name).tokens("tokens_long");
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        common::speculative::check_greedy_equal_with_mtp(name, &gpu, &prompt[..20], 1e-4);
+    }
 }
 
 #[test]

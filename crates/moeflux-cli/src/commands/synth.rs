@@ -17,6 +17,9 @@ pub struct Args {
     /// Keep only the first N layers.
     #[arg(long)]
     layers: Option<usize>,
+    /// Include the model's multi-token-prediction layer (for --draft mtp).
+    #[arg(long)]
+    mtp: bool,
     /// Weight precision.
     #[arg(long, value_enum, default_value = "q4")]
     quant: Quant,
@@ -41,7 +44,7 @@ pub fn run(args: Args) -> Result<()> {
     let (Some(name), Some(output)) = (args.preset, args.output) else {
         unreachable!("clap requires --preset and -o without --list")
     };
-    let config = preset_config(preset(&name)?, args.layers)?;
+    let config = preset_config(preset(&name)?, args.layers, args.mtp)?;
     let interrupt = crate::interrupt::install()?;
     let options = ConvertOptions {
         quant: args.quant.dtype(),
@@ -53,10 +56,14 @@ pub fn run(args: Args) -> Result<()> {
     interrupt.end();
     let summary = summary?;
     println!(
-        "wrote synthetic {} ({}, {} layers, random weights) to {}: dense {}, experts {}",
+        "wrote synthetic {} ({}, {} layers{}, random weights) to {}: dense {}, experts {}",
         name,
         args.quant.dtype().name(),
         summary.config.num_layers(),
+        match summary.config.mtp {
+            Some(_) => " + a multi-token-prediction layer",
+            None => "",
+        },
         output.display(),
         human_bytes(summary.dense_bytes),
         human_bytes(summary.expert_bytes)

@@ -159,12 +159,19 @@ pub(crate) fn write_model_locked(
     )?;
     // Open the staged directory as a reader would: this checks the manifest
     // against the files, every size and the dense checksum.
-    ModelDir::open(
+    let opened = ModelDir::open(
         &staging.path,
         OpenOptions {
             verify_checksums: true,
+            mtp_head: true,
         },
     )?;
+    // As opened: with a multi-token-prediction layer only if one was kept.
+    let config = ModelConfig {
+        mtp: opened.config().mtp.clone(),
+        ..config
+    };
+    drop(opened);
     lock.commit(staging, options.overwrite)?;
     Ok(ConvertSummary {
         tensors: manifest.tensors.len(),
@@ -284,6 +291,7 @@ fn converted_meanwhile(
         output,
         OpenOptions {
             verify_checksums: false,
+            mtp_head: true,
         },
     )?;
     Ok(ConvertSummary {
