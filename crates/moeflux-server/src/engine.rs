@@ -415,7 +415,7 @@ impl<'t, B: Backend> Engine<'t, B> {
                 }
             };
             let matcher = matchers.next();
-            let drafting = match job.settings.draft.filter(|_| matcher.is_none()) {
+            let mut drafting = match job.settings.draft.filter(|_| matcher.is_none()) {
                 None => None,
                 Some(draft) => match draft.source.drafter(&self.model) {
                     Ok(drafter) => Some(Drafting {
@@ -436,7 +436,7 @@ impl<'t, B: Backend> Engine<'t, B> {
                 0 => self.prefix.take(&job.prompt),
                 _ => None,
             };
-            let session = match reused {
+            let mut session = match reused {
                 Some(reused) => {
                     self.metrics.prefix_hits.inc();
                     self.metrics.prefix_tokens.add(reused.tokens as u64);
@@ -447,6 +447,9 @@ impl<'t, B: Backend> Engine<'t, B> {
                     ..SessionOptions::default()
                 }),
             };
+            if let Some(d) = &mut drafting {
+                d.drafter.prepare(&mut session);
+            }
             choices.push(Choice {
                 session,
                 sampler,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use moeflux::Model;
 use moeflux::backend::Backend;
+use moeflux::speculative::DraftSource;
 use moeflux::util::human_bytes;
 use moeflux_server::ServerOptions;
 
@@ -81,7 +82,12 @@ pub fn run(args: Args) -> Result<()> {
     if args.api_key.as_deref() == Some("") {
         bail!("--api-key: must not be empty");
     }
-    args.draft.settings()?;
+    let draft = args.draft.settings()?;
+    // The head stays open for requests that ask for it: only a default
+    // that needs a missing one is refused (before the weights are read).
+    if draft.is_some_and(|d| d.source == DraftSource::Mtp) && files.config.mtp.is_none() {
+        return Err(moeflux::speculative::missing_mtp_head(&files.dir).into());
+    }
     let name = match (&args.model_name, &args.model.path.model) {
         (Some(name), _) => name.clone(),
         (None, None) => moeflux::bundled::NAME.to_string(),
@@ -101,10 +107,6 @@ where
 {
     let mut options = ServerOptions::for_model(&model, &name);
     options.draft = args.draft.settings()?;
-    if let Some(draft) = options.draft {
-        // A model without a drafting head is refused now, not per request.
-        draft.source.drafter(&model)?;
-    }
     options.api_key = args.api_key.clone();
     options.max_body_bytes = args.max_body_mb << 20;
     options.limits.max_sequences = args.max_sequences;
