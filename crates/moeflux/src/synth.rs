@@ -354,7 +354,8 @@ impl TensorSource for RandomWeights {
             bytes
         };
         match layout.dtype {
-            DType::Q4 | DType::Q8 => {
+            // Every bit pattern is a valid code, in bit planes too.
+            DType::Q4 | DType::Q8 | DType::Q3 | DType::Q2 => {
                 let levels = ((1u32 << layout.dtype.bits().unwrap()) - 1) as f32;
                 let groups = n * layout.groups_per_row();
                 let repeat = |v: f32| bf16::from_f32(v).to_le_bytes().repeat(groups);

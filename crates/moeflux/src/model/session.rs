@@ -488,12 +488,7 @@ impl<B: Backend> Session<B> {
     /// that appended them). KV caches are cut back; Gated DeltaNet states
     /// come from the states the backend kept, or from the point's copy
     /// with the kept tokens run again.
-    pub fn rewind(
-        &mut self,
-        point: RewindPoint<B>,
-        keep: usize,
-        logits: Vec<f32>,
-    ) -> Result<()> {
+    pub fn rewind(&mut self, point: RewindPoint<B>, keep: usize, logits: Vec<f32>) -> Result<()> {
         let target = point.position + keep;
         if target > self.position() || logits.len() != self.model.config().vocab_size {
             return Err(Error::invalid(

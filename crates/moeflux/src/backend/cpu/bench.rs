@@ -30,7 +30,7 @@ fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> (MatrixLayout, A
             .to_le_bytes()
     };
     let params = match dtype {
-        DType::Q4 | DType::Q8 => layout.scales_offset..layout.total_bytes,
+        d if d.is_quantized() => layout.scales_offset..layout.total_bytes,
         _ => 0..layout.scales_offset,
     };
     for pair in bytes[params].chunks_exact_mut(2) {

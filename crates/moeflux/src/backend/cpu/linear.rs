@@ -15,7 +15,8 @@ use crate::quant::{DType, MatrixView};
 
 pub use super::simd::dot;
 
-/// How products with quantized (q4, q8) weights take their activations.
+/// How products with quantized (q2, q3, q4, q8) weights take their
+/// activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Activations {
     /// As f32: exact to f32 rounding against the dequantized weights.
@@ -232,7 +233,14 @@ mod tests {
             (64, 66, 320),
         ];
         for isa in Isa::available() {
-            for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+            for dtype in [
+                DType::F32,
+                DType::Bf16,
+                DType::Q8,
+                DType::Q4,
+                DType::Q3,
+                DType::Q2,
+            ] {
                 for &(n, rows, cols) in &shapes {
                     // Unquantized types also take widths of no whole group.
                     let cols = if dtype.is_quantized() { cols } else { cols + 3 };
@@ -247,6 +255,7 @@ mod tests {
     fn matmul_splits_large_matrices_correctly() {
         for isa in Isa::available() {
             check(isa, DType::Q4, 1, 4100, 256);
+            check(isa, DType::Q3, 2, 2050, 128);
             check(isa, DType::Bf16, 3, 1030, 200);
         }
     }
@@ -295,7 +304,7 @@ mod tests {
             (5, 130, 1088),
         ];
         for isa in Isa::available() {
-            for dtype in [DType::Q8, DType::Q4] {
+            for dtype in [DType::Q8, DType::Q4, DType::Q3, DType::Q2] {
                 for &(n, rows, cols) in &shapes {
                     check_int8(isa, dtype, n, rows, cols);
                 }
@@ -372,6 +381,10 @@ mod tests {
                 (DType::Q4, Activations::F32),
                 (DType::Q8, Activations::Int8),
                 (DType::Q4, Activations::Int8),
+                (DType::Q3, Activations::F32),
+                (DType::Q2, Activations::F32),
+                (DType::Q3, Activations::Int8),
+                (DType::Q2, Activations::Int8),
             ] {
                 let w = values(rows * cols, 5);
                 let x = values(n * cols, 6);

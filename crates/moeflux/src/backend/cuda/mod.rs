@@ -552,6 +552,17 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, tensor: &TensorData, _role: TensorRole) -> Result<Weight> {
+        if tensor.layout.dtype.is_low_bit() {
+            return Err(Error::tensor(
+                &tensor.entry.file,
+                &tensor.name,
+                format!(
+                    "stored as {}: the CUDA backend takes 2- and 3-bit weights only in routed \
+                     experts; convert again with --quant q4, q8 or bf16 for the other matrices",
+                    tensor.layout.dtype.name()
+                ),
+            ));
+        }
         let bytes = tensor.bytes();
         let fail = |e: DriverError| {
             device_error(self.ordinal, format!("uploading tensor {}", tensor.name), e)

@@ -1,7 +1,9 @@
 //! AVX2 + FMA kernels: 8 lanes, each code converted and dequantized with
 //! one FMA. The int8 kernels multiply codes by activations with
 //! `vpmaddubsw` (unsigned × signed bytes, pairs summed to 16 bits) and
-//! widen with `vpmaddwd`.
+//! widen with `vpmaddwd`. q2 and q3 codes come out of their bit planes by
+//! variable shifts; q3's high bits are spread over the lanes by a shift
+//! per lane (f32 kernels) or a byte shuffle and compare (int8 kernels).
 
 use std::arch::x86_64::*;
 
@@ -10,6 +12,7 @@ use super::{
     float_rows_with, int8_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit::PLANE_BYTES;
 
 struct Avx2;
 
@@ -91,6 +94,44 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
                 let p = row.add(g * bytes).wrapping_add(PREFETCH_BYTES);
                 _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
             }
+            if BITS < 4 {
+                // Bit planes: runs of 8 bytes, shift `2·plane` giving columns
+                // 16·plane + 8k .. + 8; q3 adds bit 2 from the group's high bits.
+                let high: [u64; R] = std::array::from_fn(|r| {
+                    if BITS == 3 {
+                        (codes[r].add(g * bytes + PLANE_BYTES) as *const u64).read_unaligned()
+                    } else {
+                        0
+                    }
+                });
+                let lane_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                for k in 0..2 {
+                    let planes: [__m256i; R] = std::array::from_fn(|r| {
+                        let p = codes[r].add(g * bytes + k * 8) as *const __m128i;
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(p))
+                    });
+                    for plane in 0..4 {
+                        let wk = std::array::from_fn(|r| {
+                            let shift = _mm256_set1_epi32(2 * plane as i32);
+                            let mut q = _mm256_and_si256(
+                                _mm256_srlv_epi32(planes[r], shift),
+                                _mm256_set1_epi32(3),
+                            );
+                            if BITS == 3 {
+                                let byte = ((high[r] >> (16 * plane + 8 * k)) & 0xff) as i32;
+                                let bit = _mm256_and_si256(
+                                    _mm256_srlv_epi32(_mm256_set1_epi32(byte), lane_bits),
+                                    _mm256_set1_epi32(1),
+                                );
+                                q = _mm256_or_si256(q, _mm256_slli_epi32::<2>(bit));
+                            }
+                            dequantize(q, r)
+                        });
+                        accumulate::<R, T>(&mut acc, &wk, xg.add(16 * plane + 8 * k), cols);
+                    }
+                }
+                continue;
+            }
             // Runs of 8 code bytes: 16 inputs for 4 bits (low nibbles, then
             // high ones), 8 for 8 bits.
             for k in 0..bytes / 8 {
@@ -115,11 +156,12 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
-/// `Σ (q - o)·x̂` of one group of 32 code bytes against its 64
-/// activations `x` (`[evens, odds]` for 4 bits), in 8 lanes. `q` is the
-/// low nibbles then the high ones (4 bits), or the codes minus 128 with
-/// their absolute values in `abs` (8 bits: `vpmaddubsw` takes the signs
-/// from the activations, and its 16-bit pair sums stay below 2·128·127).
+/// `Σ (q - o)·x̂` of one group's 64 codes against its 64 activations `x`
+/// (`[evens, odds]` for 4 bits), in 8 lanes. `q` is the low nibbles then
+/// the high ones (4 bits), the codes in column order (2 and 3 bits), or
+/// the codes minus 128 with their absolute values in `abs` (8 bits:
+/// `vpmaddubsw` takes the signs from the activations, and its 16-bit pair
+/// sums stay below 2·128·127).
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *const i8) -> __m256i {
@@ -131,7 +173,7 @@ unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *con
             _mm256_loadu_si256(x.add(32) as *const __m256i),
         ]
     };
-    if BITS == 4 {
+    if BITS != 8 {
         // At most 4·15·127 per 16-bit lane.
         let pairs = _mm256_add_epi16(
             _mm256_maddubs_epi16(q[0], xs[0]),
@@ -145,6 +187,43 @@ unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *con
         };
         _mm256_add_epi32(half(0), half(1))
     }
+}
+
+/// The 64 codes of a q2 or q3 group at `p` as bytes in column order:
+/// the 16 plane bytes in both halves of a register, shifted by 0 and 2
+/// (columns 0–31), then 4 and 6 (32–63); q3's high bits spread to bytes by
+/// a shuffle (bit `i` of the mask to byte `i`) and a compare.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn low_bit_codes<const BITS: u32>(p: *const u8) -> [__m256i; 2] {
+    let three = _mm256_set1_epi8(3);
+    // SAFETY: the caller passes a whole group.
+    let planes = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p as *const __m128i) });
+    let mut q = [
+        _mm256_and_si256(
+            _mm256_srlv_epi64(planes, _mm256_setr_epi64x(0, 0, 2, 2)),
+            three,
+        ),
+        _mm256_and_si256(
+            _mm256_srlv_epi64(planes, _mm256_setr_epi64x(4, 4, 6, 6)),
+            three,
+        ),
+    ];
+    if BITS == 3 {
+        // SAFETY: as above (a q3 group has 8 bytes after its planes).
+        let high = unsafe { (p.add(PLANE_BYTES) as *const u64).read_unaligned() };
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        for (q, half) in q.iter_mut().zip([high as u32, (high >> 32) as u32]) {
+            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(half as i32), spread);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bits), bits);
+            *q = _mm256_or_si256(*q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+        }
+    }
+    q
 }
 
 #[inline]
@@ -173,14 +252,18 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
             for (r, acc) in acc.iter_mut().enumerate() {
                 let p = codes[r].add(g * group_bytes);
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                let first = _mm256_loadu_si256(p as *const __m256i);
                 let (q, abs) = if BITS == 4 {
+                    let first = _mm256_loadu_si256(p as *const __m256i);
                     let q = [
                         _mm256_and_si256(first, nibble),
                         _mm256_and_si256(_mm256_srli_epi16::<4>(first), nibble),
                     ];
                     (q, q)
+                } else if BITS < 4 {
+                    let q = low_bit_codes::<BITS>(p);
+                    (q, q)
                 } else {
+                    let first = _mm256_loadu_si256(p as *const __m256i);
                     let flip = _mm256_set1_epi8(-128);
                     let q = [
                         _mm256_xor_si256(first, flip),

@@ -5,7 +5,9 @@
 //! Products with quantized rows dequantize each weight exactly as
 //! [`crate::quant`] defines it (`q·scale + bias`, where `q·scale` is exact
 //! so one FMA rounds like the reference's multiply then add) and
-//! accumulate `w·x` in f32: the default, exact to f32 rounding.
+//! accumulate `w·x` in f32: the default, exact to f32 rounding. q2 and
+//! q3 rows unpack 16 consecutive columns per shift of their bit planes
+//! (see [`crate::quant::lowbit`]), so their inputs keep their order.
 //!
 //! The int8 kernels ([`Isa::int8_rows`]) instead quantize each token's
 //! activations to int8 per weight group ([`Int8Acts`]) and take integer
@@ -217,8 +219,8 @@ impl Isa {
     }
 }
 
-/// Rows of a q4 or q8 matrix (see [`crate::quant`]), starting at the first
-/// row of the block.
+/// Rows of a q2, q3, q4 or q8 matrix (see [`crate::quant`]), starting at
+/// the first row of the block.
 pub struct QuantRows<'a> {
     pub bits: u32,
     pub rows: usize,
@@ -231,7 +233,7 @@ pub struct QuantRows<'a> {
 impl QuantRows<'_> {
     fn check(&self, cols: usize) {
         let groups = cols / GROUP_SIZE;
-        assert!(self.bits == 4 || self.bits == 8);
+        assert!(matches!(self.bits, 2 | 3 | 4 | 8));
         assert_eq!(self.row_bytes, cols * self.bits as usize / 8);
         assert!(self.codes.len() >= self.rows * self.row_bytes);
         assert!(self.scales.len() >= self.rows * groups && self.biases.len() >= self.rows * groups);
@@ -367,7 +369,7 @@ fn mean_code(bits: u32) -> f32 {
 }
 
 impl Int8Acts {
-    /// For rows of `bits` bits (4 or 8) and `isa`'s int8 kernels.
+    /// For rows of `bits` bits (2, 3, 4 or 8) and `isa`'s int8 kernels.
     pub fn new(isa: Isa, x: &[f32], n: usize, cols: usize, bits: u32) -> Int8Acts {
         assert!(x.len() >= n * cols && cols.is_multiple_of(GROUP_SIZE));
         let kernels = isa.int8_kernels();
@@ -384,7 +386,7 @@ impl Int8Acts {
             offsets: vec![0.0; n * stride],
             stride,
         };
-        let offset = if bits == 4 { 0 } else { kernels.q8_offset() };
+        let offset = if bits == 8 { kernels.q8_offset() } else { 0 };
         let shift = mean_code(bits) - offset as f32;
         isa.vectorize(
             #[inline(always)]
@@ -651,6 +653,35 @@ macro_rules! with_tile {
 #[cfg(target_arch = "x86_64")]
 use with_tile;
 
+/// Calls `$body` with `const $b` bound to the code width `$bits` (2, 3, 4
+/// or 8, as [`QuantRows::check`] allows): kernels are instantiated per
+/// width.
+macro_rules! with_bits {
+    ($bits:expr, |$b:ident| $body:expr) => {
+        match $bits {
+            2 => {
+                const $b: u32 = 2;
+                $body
+            }
+            3 => {
+                const $b: u32 = 3;
+                $body
+            }
+            4 => {
+                const $b: u32 = 4;
+                $body
+            }
+            8 => {
+                const $b: u32 = 8;
+                $body
+            }
+            other => unreachable!("{other}-bit codes"),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use with_bits;
+
 /// The tiles of a block of `rows` rows: `max_rows` rows at a time taken
 /// from `max_rows` equal stretches of the block (so each tile row reads
 /// one long sequential stream, which hardware prefetchers follow, rather
@@ -743,13 +774,9 @@ unsafe fn quant_rows_with<K: Kernels>(
                 rows_of.copy_from_slice(&tile[..R]);
                 let tile = rows_of;
                 // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bits == 4 {
-                        K::quant_tile::<4, R, T>(w, tile, x, t0, &scales, &biases)
-                    } else {
-                        K::quant_tile::<8, R, T>(w, tile, x, t0, &scales, &biases)
-                    }
-                };
+                let acc = with_bits!(w.bits, |B| unsafe {
+                    K::quant_tile::<B, R, T>(w, tile, x, t0, &scales, &biases)
+                });
                 for (&r, acc) in tile.iter().zip(&acc) {
                     out[r * n + t0..][..T].copy_from_slice(acc);
                 }
@@ -812,13 +839,9 @@ unsafe fn int8_rows_with<K: Int8Kernel>(
                     products: &products,
                 };
                 // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bits == 4 {
-                        K::int8_tile::<4, R, T>(w, tile, x, t0, &params)
-                    } else {
-                        K::int8_tile::<8, R, T>(w, tile, x, t0, &params)
-                    }
-                };
+                let acc = with_bits!(w.bits, |B| unsafe {
+                    K::int8_tile::<B, R, T>(w, tile, x, t0, &params)
+                });
                 for (&r, acc) in tile.iter().zip(&acc) {
                     out[r * n + t0..][..T].copy_from_slice(acc);
                 }

@@ -1,10 +1,13 @@
 //! NEON kernels (baseline on aarch64): 4 lanes, each code widened,
-//! converted and dequantized with one FMA.
+//! converted and dequantized with one FMA. q2 and q3 groups unpack 16
+//! columns per shift of their bit planes; q3's high bits become bytes by a
+//! bit test against each lane's bit.
 
 use std::arch::aarch64::*;
 
 use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit::PLANE_BYTES;
 
 struct Neon;
 
@@ -72,6 +75,52 @@ impl Kernels for Neon {
                     [vfmaq_f32(b[r], lo, s[r]), vfmaq_f32(b[r], hi, s[r])]
                 };
                 let xg = xs.add(g * GROUP_SIZE);
+                if BITS < 4 {
+                    let planes: [uint8x16_t; R] =
+                        std::array::from_fn(|r| vld1q_u8(codes[r].add(g * bytes)));
+                    let high: [u64; R] = std::array::from_fn(|r| {
+                        if BITS == 3 {
+                            (codes[r].add(g * bytes + PLANE_BYTES) as *const u64).read_unaligned()
+                        } else {
+                            0
+                        }
+                    });
+                    let lane_bits = vld1q_u8(
+                        [1u8, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128].as_ptr(),
+                    );
+                    // Shift `2·plane` of the planes: columns 16·plane .. + 16.
+                    for plane in 0..4 {
+                        let parts: [[[float32x4_t; 2]; R]; 2] = {
+                            let q: [uint8x16_t; R] = std::array::from_fn(|r| {
+                                let shift = vdupq_n_s8(-2 * plane as i8);
+                                let mut q = vandq_u8(vshlq_u8(planes[r], shift), vdupq_n_u8(3));
+                                if BITS == 3 {
+                                    let bits = (high[r] >> (16 * plane)) as u16;
+                                    let spread = vcombine_u8(
+                                        vdup_n_u8(bits as u8),
+                                        vdup_n_u8((bits >> 8) as u8),
+                                    );
+                                    let set = vtstq_u8(spread, lane_bits);
+                                    q = vorrq_u8(q, vandq_u8(set, vdupq_n_u8(4)));
+                                }
+                                q
+                            });
+                            [
+                                std::array::from_fn(|r| dequantize(vmovl_u8(vget_low_u8(q[r])), r)),
+                                std::array::from_fn(|r| dequantize(vmovl_high_u8(q[r]), r)),
+                            ]
+                        };
+                        for (p, part) in parts.iter().enumerate() {
+                            let halves: [[float32x4_t; R]; 2] =
+                                std::array::from_fn(|h| part.map(|row| row[h]));
+                            for (half, wv) in halves.iter().enumerate() {
+                                let at = xg.add(16 * plane + p * 8 + half * 4);
+                                accumulate::<R, T>(&mut acc, wv, at, cols);
+                            }
+                        }
+                    }
+                    continue;
+                }
                 // Runs of 8 code bytes: 16 inputs for 4 bits (low nibbles,
                 // then high ones), 8 for 8 bits.
                 for k in 0..bytes / 8 {

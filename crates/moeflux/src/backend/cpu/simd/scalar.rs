@@ -6,8 +6,22 @@ use super::{
     int8_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit;
 
 struct Scalar;
+
+/// The code of column `c` of a row of `BITS`-bit codes.
+#[inline(always)]
+fn code<const BITS: u32>(codes: &[u8], c: usize) -> u8 {
+    match BITS {
+        8 => codes[c],
+        4 => (codes[c / 2] >> (4 * (c % 2))) & 15,
+        _ => {
+            let group = &codes[c / GROUP_SIZE * lowbit::group_bytes(BITS)..];
+            lowbit::code_at(BITS, group, c % GROUP_SIZE)
+        }
+    }
+}
 
 impl Int8Kernel for Scalar {
     unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
@@ -38,10 +52,12 @@ impl Int8Kernel for Scalar {
                             })
                             .sum()
                     } else {
-                        codes[g * GROUP_SIZE..][..GROUP_SIZE]
-                            .iter()
-                            .zip(xg)
-                            .map(|(&q, &v)| q as i32 * v as i32)
+                        // 8, 3 or 2 bits: inputs in their order.
+                        xg.iter()
+                            .enumerate()
+                            .map(|(c, &v)| {
+                                code::<BITS>(codes, g * GROUP_SIZE + c) as i32 * v as i32
+                            })
                             .sum()
                     };
                     acc += params.products[(i * T + t) * x.stride + g] * dot as f32;
@@ -74,11 +90,7 @@ impl Kernels for Scalar {
         for (i, (&r, out)) in rows.iter().zip(&mut out).enumerate() {
             let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
             for (c, v) in row.iter_mut().enumerate() {
-                let q = if BITS == 4 {
-                    (codes[c / 2] >> (4 * (c % 2))) & 15
-                } else {
-                    codes[c]
-                };
+                let q = code::<BITS>(codes, c);
                 let g = i * groups + c / GROUP_SIZE;
                 *v = q as f32 * scales[g] + biases[g];
             }
