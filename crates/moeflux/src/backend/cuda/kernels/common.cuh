@@ -21,8 +21,16 @@ typedef unsigned char u8;
 #define DT_BF16 1
 #define DT_Q8 2
 #define DT_Q4 3
-// Input weights sharing one scale and bias in q8 and q4.
+// q3 and q2 (routed experts only): per group of 64, 16 bytes of bit
+// planes (byte j: columns j, j+16, j+32, j+48 in bits 0-1, 2-3, 4-5, 6-7),
+// then for q3 a little-endian u64 whose bit c is bit 2 of column c.
+#define DT_Q3 4
+#define DT_Q2 5
+// Input weights sharing one scale and bias in the quantized types.
 #define GROUP_SIZE 64
+// Bytes of one group of q3 and q2 codes.
+#define Q3_GROUP_BYTES 24
+#define Q2_GROUP_BYTES 16
 
 // Programmatic dependent launch (decode graphs, graph.rs): every kernel
 // calls this before touching memory. It waits until the kernels this one
@@ -104,9 +112,14 @@ __device__ __forceinline__ float dequantize(const u8* codes, const u16* scales,
     u32 q;
     if (dtype == DT_Q8) {
         q = codes[at];
-    } else {
+    } else if (dtype == DT_Q4) {
         u8 pair = codes[at / 2];
         q = (col & 1) ? (u32)(pair >> 4) : (u32)(pair & 15);
+    } else {
+        const u8* g = codes + group * (dtype == DT_Q3 ? Q3_GROUP_BYTES : Q2_GROUP_BYTES);
+        int c = col % GROUP_SIZE;
+        q = (g[c % 16] >> (2 * (c / 16))) & 3u;
+        if (dtype == DT_Q3) q |= ((g[16 + c / 8] >> (c % 8)) & 1u) << 2;
     }
     return fmaf((float)q, scale, bias);
 }
