@@ -378,6 +378,16 @@ impl TensorSource for RandomWeights {
                     ..Default::default()
                 })
             }
+            // Random codes, each block's exponent putting ±6 near the
+            // half-width.
+            DType::Mxfp4 => {
+                let e = (127.0 + (half_width / 6.0).log2().round()).clamp(1.0, 254.0) as u8;
+                Some(EncodedRows {
+                    codes: random_bytes(n * layout.row_bytes),
+                    scales: vec![e; n * layout.cols / crate::quant::mxfp4::BLOCK],
+                    biases: Vec::new(),
+                })
+            }
             DType::F32 => None,
         }
     }

@@ -14,9 +14,11 @@
 //! ```
 //!
 //! The same layout is used in the dense weight file and inside expert blobs.
-//! q2 and q3 exist for routed experts, whose bulk dominates a model's size.
+//! q2 and q3 exist for routed experts, whose bulk dominates a model's size;
+//! so does MXFP4 ([`mxfp4`]), gpt-oss's experts kept as they are stored.
 
 pub mod lowbit;
+pub mod mxfp4;
 
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -40,6 +42,7 @@ pub enum DType {
     Q4,
     Q3,
     Q2,
+    Mxfp4,
 }
 
 impl DType {
@@ -51,6 +54,7 @@ impl DType {
             DType::Q4 => "q4",
             DType::Q3 => "q3",
             DType::Q2 => "q2",
+            DType::Mxfp4 => "mxfp4",
         }
     }
 
@@ -62,12 +66,14 @@ impl DType {
             DType::Q4,
             DType::Q3,
             DType::Q2,
+            DType::Mxfp4,
         ]
         .into_iter()
         .find(|d| d.name() == s)
     }
 
-    /// Code width of a quantized type.
+    /// Code width of an affine quantized type (`q·scale + bias`; MXFP4's
+    /// codes are not affine and have none).
     pub fn bits(self) -> Option<u32> {
         match self {
             DType::Q2 => Some(2),
@@ -78,14 +84,15 @@ impl DType {
         }
     }
 
+    /// Codes with a scales section, in whole groups of 64 inputs.
     pub fn is_quantized(self) -> bool {
-        self.bits().is_some()
+        self.bits().is_some() || self == DType::Mxfp4
     }
 
-    /// q2 and q3: encodings for routed experts (every CPU product takes
-    /// them; the CUDA backend only in experts).
+    /// q2, q3 and MXFP4: encodings for routed experts (every CPU product
+    /// takes them; the CUDA backend only in experts).
     pub fn is_low_bit(self) -> bool {
-        matches!(self, DType::Q2 | DType::Q3)
+        matches!(self, DType::Q2 | DType::Q3 | DType::Mxfp4)
     }
 }
 
@@ -107,6 +114,16 @@ impl MatrixLayout {
     /// dimension is not a multiple of [`GROUP_SIZE`].
     pub fn new(dtype: DType, rows: usize, cols: usize) -> Option<MatrixLayout> {
         let (row_bytes, scales_offset, biases_offset, end) = match dtype.bits() {
+            None if dtype == DType::Mxfp4 => {
+                if !cols.is_multiple_of(GROUP_SIZE) {
+                    return None;
+                }
+                // Exponent bytes in place of scales, no biases.
+                let row_bytes = cols / 2;
+                let scales = align_up(rows * row_bytes, ALIGN);
+                let end = scales + rows * cols / mxfp4::BLOCK;
+                (row_bytes, scales, end, end)
+            }
             None => {
                 let width = if dtype == DType::F32 { 4 } else { 2 };
                 let bytes = rows * cols * width;
@@ -191,6 +208,21 @@ impl<'a> MatrixView<'a> {
         let l = &self.layout;
         let raw = &self.bytes[row * l.row_bytes..(row + 1) * l.row_bytes];
         match l.dtype {
+            DType::Mxfp4 => {
+                let blocks = l.cols / mxfp4::BLOCK;
+                let exponents = &self.bytes[l.scales_offset + row * blocks..][..blocks];
+                for ((codes, out), &e) in raw
+                    .chunks_exact(mxfp4::BLOCK / 2)
+                    .zip(out.chunks_exact_mut(mxfp4::BLOCK))
+                    .zip(exponents)
+                {
+                    let table = mxfp4::block_table(e);
+                    for (pair, &byte) in out.chunks_exact_mut(2).zip(codes) {
+                        pair[0] = table[(byte & 15) as usize];
+                        pair[1] = table[(byte >> 4) as usize];
+                    }
+                }
+            }
             DType::F32 => out.copy_from_slice(bytemuck::cast_slice(raw)),
             DType::Bf16 => {
                 let src: &[bf16] = bytemuck::cast_slice(raw);
@@ -274,6 +306,13 @@ impl RowEncoder {
                     .iter()
                     .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
                     .collect();
+            }
+            DType::Mxfp4 => {
+                let mut codes = [0u8; mxfp4::BLOCK / 2];
+                for block in values.chunks_exact(mxfp4::BLOCK) {
+                    out.scales.push(mxfp4::encode_block(block, &mut codes));
+                    out.codes.extend_from_slice(&codes);
+                }
             }
             DType::Q8 | DType::Q4 | DType::Q3 | DType::Q2 => {
                 let bits = l.dtype.bits().unwrap();

@@ -306,6 +306,10 @@ impl CudaBackend {
             DType::Q4 => (&self.kernels.moe_gate_up_q4, &self.kernels.moe_down_q4),
             DType::Q3 => (&self.kernels.moe_gate_up_q3, &self.kernels.moe_down_q3),
             DType::Q2 => (&self.kernels.moe_gate_up_q2, &self.kernels.moe_down_q2),
+            DType::Mxfp4 => (
+                &self.kernels.moe_gate_up_mxfp4,
+                &self.kernels.moe_down_mxfp4,
+            ),
         };
         let vec = super::linear::vector_cols(gate.dtype);
         assert!(

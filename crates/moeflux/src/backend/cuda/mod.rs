@@ -557,8 +557,9 @@ impl Backend for CudaBackend {
                 &tensor.entry.file,
                 &tensor.name,
                 format!(
-                    "stored as {}: the CUDA backend takes 2- and 3-bit weights only in routed \
-                     experts; convert again with --quant q4, q8 or bf16 for the other matrices",
+                    "stored as {}: the CUDA backend takes q2, q3 and mxfp4 weights only in \
+                     routed experts; convert again with --quant q4, q8 or bf16 for the other \
+                     matrices",
                     tensor.layout.dtype.name()
                 ),
             ));

@@ -100,7 +100,7 @@ impl CudaBackend {
     ) -> Result<bool> {
         let widths_fit = match gate.dtype {
             // Quantized widths are whole 64-column groups by construction.
-            DType::Q4 | DType::Q8 | DType::Q3 | DType::Q2 => true,
+            DType::Q4 | DType::Q8 | DType::Q3 | DType::Q2 | DType::Mxfp4 => true,
             DType::Bf16 => gate.cols.is_multiple_of(8) && down.cols.is_multiple_of(8),
             DType::F32 => false,
         };
@@ -154,6 +154,10 @@ impl CudaBackend {
             DType::Q2 => (
                 &self.kernels.moe_prefill_gate_up_q2,
                 &self.kernels.moe_prefill_down_q2,
+            ),
+            DType::Mxfp4 => (
+                &self.kernels.moe_prefill_gate_up_mxfp4,
+                &self.kernels.moe_prefill_down_mxfp4,
             ),
             DType::F32 => unreachable!("f32 experts take the per-expert path"),
         };

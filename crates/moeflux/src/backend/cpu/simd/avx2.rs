@@ -8,11 +8,12 @@
 use std::arch::x86_64::*;
 
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows,
-    float_rows_with, int8_rows_with, quant_rows_with,
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, Mxfp4Rows, QuantRows,
+    float_rows_with, int8_rows_with, mxfp4_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
+use crate::quant::mxfp4::BLOCK;
 
 struct Avx2;
 
@@ -294,6 +295,57 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
+/// MXFP4 rows: a code's magnitude from the block's 8 non-negative values
+/// (`vpermps` reads the low 3 bits), its sign bit 3 moved to the float's.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+    w: &Mxfp4Rows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+    tables: &[f32],
+) -> [[f32; T]; R] {
+    let (cols, blocks) = (x.cols, x.cols / BLOCK);
+    assert!(tables.len() >= R * blocks * 16);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist, and the
+    // assert above the tables; prefetches may point past them.
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xs = x.x.as_ptr().add(t0 * cols);
+        for b in 0..blocks {
+            let table: [__m256; R] = std::array::from_fn(|r| {
+                _mm256_loadu_ps(tables.as_ptr().add((r * blocks + b) * 16))
+            });
+            let value = |q: __m256i, r: usize| {
+                let magnitude = _mm256_permutevar8x32_ps(table[r], q);
+                let sign = _mm256_slli_epi32::<28>(_mm256_and_si256(q, _mm256_set1_epi32(8)));
+                _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(magnitude), sign))
+            };
+            for &row in &codes {
+                let p = row.add(b * BLOCK / 2).wrapping_add(PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            }
+            let xb = xs.add(b * BLOCK);
+            // Runs of 8 code bytes: 16 inputs, low nibbles then high ones.
+            for k in 0..2 {
+                let q: [__m256i; R] = std::array::from_fn(|r| {
+                    let p = codes[r].add(b * BLOCK / 2 + k * 8) as *const __m128i;
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(p))
+                });
+                let lo = std::array::from_fn(|r| {
+                    value(_mm256_and_si256(q[r], _mm256_set1_epi32(15)), r)
+                });
+                accumulate::<R, T>(&mut acc, &lo, xb.add(k * 16), cols);
+                let hi = std::array::from_fn(|r| value(_mm256_srli_epi32::<4>(q[r]), r));
+                accumulate::<R, T>(&mut acc, &hi, xb.add(k * 16 + 8), cols);
+            }
+        }
+    }
+    sums(&acc)
+}
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
@@ -346,6 +398,18 @@ impl Kernels for Avx2 {
     }
 
     #[inline(always)]
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        tables: &[f32],
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0, tables) }
+    }
+
+    #[inline(always)]
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
         rows: [usize; R],
@@ -355,6 +419,12 @@ impl Kernels for Avx2 {
         // SAFETY: forwarded.
         unsafe { float_tile::<BF16, R, T>(w, rows, x, t0) }
     }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { mxfp4_rows_with::<Avx2>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 #[target_feature(enable = "avx2,fma")]

@@ -10,12 +10,13 @@ use std::arch::x86_64::*;
 use half::bf16;
 
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, PARAMS_AHEAD, QuantRows, float_rows_with,
-    mean_code, prefetch, prefetch_first_params, quant_rows_with, tile, tile_count, with_bits,
-    with_tile,
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, Mxfp4Rows, PARAMS_AHEAD, QuantRows,
+    float_rows_with, mean_code, mxfp4_rows_with, prefetch, prefetch_first_params, quant_rows_with,
+    tile, tile_count, with_bits, with_tile,
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
+use crate::quant::mxfp4::BLOCK;
 
 struct Avx512;
 
@@ -161,6 +162,49 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
                     accumulate::<R, T>(&mut acc, &wk, xg.add(k * 16), cols);
                 }
             }
+        }
+    }
+    sums(&acc)
+}
+
+/// MXFP4 rows: as 4-bit ones, each block of 32 through the table of its
+/// 16 values (the driver's).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+    w: &Mxfp4Rows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+    tables: &[f32],
+) -> [[f32; T]; R] {
+    let (cols, blocks) = (x.cols, x.cols / BLOCK);
+    assert!(tables.len() >= R * blocks * 16);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist, and the
+    // assert above the tables; prefetches may point past them.
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xs = x.x.as_ptr().add(t0 * cols);
+        for b in 0..blocks {
+            let table: [__m512; R] = std::array::from_fn(|r| {
+                _mm512_loadu_ps(tables.as_ptr().add((r * blocks + b) * 16))
+            });
+            let mut codes16 = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let p = codes[r].add(b * BLOCK / 2);
+                if b % 4 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                }
+                codes16[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            }
+            let xb = xs.add(b * BLOCK);
+            let lo = std::array::from_fn(|r| _mm512_permutexvar_ps(codes16[r], table[r]));
+            accumulate::<R, T>(&mut acc, &lo, xb, cols);
+            let hi = std::array::from_fn(|r| {
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes16[r]), table[r])
+            });
+            accumulate::<R, T>(&mut acc, &hi, xb.add(16), cols);
         }
     }
     sums(&acc)
@@ -366,6 +410,18 @@ impl Kernels for Avx512 {
     }
 
     #[inline(always)]
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        tables: &[f32],
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0, tables) }
+    }
+
+    #[inline(always)]
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
         rows: [usize; R],
@@ -375,6 +431,12 @@ impl Kernels for Avx512 {
         // SAFETY: forwarded.
         unsafe { float_tile::<BF16, R, T>(w, rows, x, t0) }
     }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub unsafe fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { mxfp4_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]

@@ -38,6 +38,7 @@ use std::sync::OnceLock;
 use half::bf16;
 
 use crate::quant::GROUP_SIZE;
+use crate::quant::mxfp4::{self, BLOCK};
 
 /// An instruction set the kernels are written for. Values come only from
 /// [`Isa::get`] and [`Isa::available`], which check the CPU: the kernels'
@@ -142,6 +143,24 @@ impl Isa {
         }
     }
 
+    /// As [`Isa::quant_rows`] for MXFP4 rows (inputs laid out as for 4-bit
+    /// rows: the codes are packed alike).
+    pub fn mxfp4_rows(self, w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+        assert_eq!(x.run, self.q4_run(), "inputs laid out for another ISA");
+        assert!(out.len() >= w.rows * x.n);
+        w.check(x.cols);
+        match self {
+            Isa::Scalar => scalar::mxfp4_rows(w, x, out),
+            // SAFETY (all arms): as in `quant_rows`, bounds checked above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::mxfp4_rows(w, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::mxfp4_rows(w, x, out) },
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::mxfp4_rows(w, x, out) },
+        }
+    }
+
     /// As [`Isa::quant_rows`] for f32 or bf16 rows.
     pub fn float_rows(self, w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
         let n = x.n;
@@ -237,6 +256,25 @@ impl QuantRows<'_> {
         assert_eq!(self.row_bytes, cols * self.bits as usize / 8);
         assert!(self.codes.len() >= self.rows * self.row_bytes);
         assert!(self.scales.len() >= self.rows * groups && self.biases.len() >= self.rows * groups);
+    }
+}
+
+/// Rows of an MXFP4 matrix (see [`crate::quant::mxfp4`]), starting at the
+/// first row of the block.
+pub struct Mxfp4Rows<'a> {
+    pub rows: usize,
+    pub codes: &'a [u8],
+    pub row_bytes: usize,
+    /// `cols / 32` exponent bytes per row.
+    pub exponents: &'a [u8],
+}
+
+impl Mxfp4Rows<'_> {
+    fn check(&self, cols: usize) {
+        assert!(cols.is_multiple_of(GROUP_SIZE));
+        assert_eq!(self.row_bytes, cols / 2);
+        assert!(self.codes.len() >= self.rows * self.row_bytes);
+        assert!(self.exponents.len() >= self.rows * cols / BLOCK);
     }
 }
 
@@ -542,6 +580,17 @@ trait Kernels {
         biases: &[f32],
     ) -> [[f32; T]; R];
 
+    /// MXFP4 rows `rows` against tokens `t0..t0 + T`; `tables` holds per
+    /// tile row and block of 32 the block's 16 values by code
+    /// (`[R, blocks, 16]`, [`mxfp4::block_table`]).
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        tables: &[f32],
+    ) -> [[f32; T]; R];
+
     /// Rows `rows` against tokens `t0..t0 + T`.
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
@@ -777,6 +826,47 @@ unsafe fn quant_rows_with<K: Kernels>(
                 let acc = with_bits!(w.bits, |B| unsafe {
                     K::quant_tile::<B, R, T>(w, tile, x, t0, &scales, &biases)
                 });
+                for (&r, acc) in tile.iter().zip(&acc) {
+                    out[r * n + t0..][..T].copy_from_slice(acc);
+                }
+            });
+            t0 += tokens;
+        }
+    }
+}
+
+/// [`quant_rows_with`] for MXFP4 rows: each tile row's blocks become
+/// tables of their 16 values, which the kernels look codes up in.
+#[inline(always)]
+unsafe fn mxfp4_rows_with<K: Kernels>(
+    w: &Mxfp4Rows<'_>,
+    x: &Acts<'_>,
+    out: &mut [f32],
+    max_rows: usize,
+    max_tokens: usize,
+) {
+    let (n, blocks) = (x.n, x.cols / BLOCK);
+    let mut tables = vec![0f32; max_rows * blocks * 16];
+    for i in 0..tile_count(w.rows, max_rows) {
+        let (tile, rows) = tile(i, w.rows, max_rows);
+        for (i, &r) in tile[..rows].iter().enumerate() {
+            let exponents = &w.exponents[r * blocks..(r + 1) * blocks];
+            for (table, &e) in tables[i * blocks * 16..]
+                .chunks_exact_mut(16)
+                .zip(exponents)
+            {
+                table.copy_from_slice(&mxfp4::block_table(e));
+            }
+        }
+        let mut t0 = 0;
+        while t0 < n {
+            let tokens = max_tokens.min(n - t0);
+            with_tile!(rows, tokens, |R, T| {
+                let mut rows_of = [0; R];
+                rows_of.copy_from_slice(&tile[..R]);
+                let tile = rows_of;
+                // SAFETY: forwarded from the caller.
+                let acc = unsafe { K::mxfp4_tile::<R, T>(w, tile, x, t0, &tables) };
                 for (&r, acc) in tile.iter().zip(&acc) {
                     out[r * n + t0..][..T].copy_from_slice(acc);
                 }

@@ -5,9 +5,13 @@
 
 use std::arch::aarch64::*;
 
-use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use super::{
+    Acts, FloatRows, Kernels, Mxfp4Rows, QuantRows, float_rows_with, mxfp4_rows_with,
+    quant_rows_with,
+};
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
+use crate::quant::mxfp4::BLOCK;
 
 struct Neon;
 
@@ -155,6 +159,70 @@ impl Kernels for Neon {
         }
     }
 
+    /// MXFP4 rows: twice a code's magnitude (0 to 12) from a byte table,
+    /// widened, converted and scaled by half the block's power of two
+    /// (exact), its sign bit 3 moved to the float's.
+    #[inline(always)]
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        tables: &[f32],
+    ) -> [[f32; T]; R] {
+        let (cols, blocks) = (x.cols, x.cols / BLOCK);
+        assert!(tables.len() >= R * blocks * 16);
+        // SAFETY: the caller checked that the rows and tokens exist, and
+        // the assert above the tables.
+        unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); T]; R];
+            let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+            let xs = x.x.as_ptr().add(t0 * cols);
+            let doubled = vld1q_u8([0u8, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0].as_ptr());
+            for b in 0..blocks {
+                // E2M1[1]·d: half the block's scale.
+                let half: [f32; R] = std::array::from_fn(|r| tables[(r * blocks + b) * 16 + 1]);
+                let values = |q: uint8x8_t, r: usize| -> [float32x4_t; 2] {
+                    let magnitude = vmovl_u8(vqtbl1_u8(doubled, vand_u8(q, vdup_n_u8(7))));
+                    let sign = vmovl_u8(vand_u8(q, vdup_n_u8(8)));
+                    let part = |m: uint32x4_t, s: uint32x4_t| {
+                        let v = vmulq_n_f32(vcvtq_f32_u32(m), half[r]);
+                        vreinterpretq_f32_u32(veorq_u32(
+                            vreinterpretq_u32_f32(v),
+                            vshlq_n_u32::<28>(s),
+                        ))
+                    };
+                    [
+                        part(
+                            vmovl_u16(vget_low_u16(magnitude)),
+                            vmovl_u16(vget_low_u16(sign)),
+                        ),
+                        part(vmovl_high_u16(magnitude), vmovl_high_u16(sign)),
+                    ]
+                };
+                let xb = xs.add(b * BLOCK);
+                // Runs of 8 code bytes: 16 inputs, low nibbles then high.
+                for k in 0..2 {
+                    let bytes: [uint8x8_t; R] =
+                        std::array::from_fn(|r| vld1_u8(codes[r].add(b * BLOCK / 2 + k * 8)));
+                    let parts: [[[float32x4_t; 2]; R]; 2] = [
+                        std::array::from_fn(|r| values(vand_u8(bytes[r], vdup_n_u8(15)), r)),
+                        std::array::from_fn(|r| values(vshr_n_u8::<4>(bytes[r]), r)),
+                    ];
+                    for (p, part) in parts.iter().enumerate() {
+                        let halves: [[float32x4_t; R]; 2] =
+                            std::array::from_fn(|h| part.map(|row| row[h]));
+                        for (h, wv) in halves.iter().enumerate() {
+                            let at = xb.add(k * 16 + p * 8 + h * 4);
+                            accumulate::<R, T>(&mut acc, wv, at, cols);
+                        }
+                    }
+                }
+            }
+            sums(&acc)
+        }
+    }
+
     #[inline(always)]
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
@@ -195,6 +263,11 @@ impl Kernels for Neon {
 pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: forwarded.
     unsafe { quant_rows_with::<Neon>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+pub unsafe fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { mxfp4_rows_with::<Neon>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 pub unsafe fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {

@@ -2,11 +2,12 @@
 //! vector kernels compute (in another summation order).
 
 use super::{
-    Acts, FloatRows, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows, dot, float_rows_with,
-    int8_rows_with, quant_rows_with,
+    Acts, FloatRows, Int8Acts, Int8Kernel, Int8Params, Kernels, Mxfp4Rows, QuantRows, dot,
+    float_rows_with, int8_rows_with, mxfp4_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit;
+use crate::quant::mxfp4::BLOCK;
 
 struct Scalar;
 
@@ -101,6 +102,29 @@ impl Kernels for Scalar {
         out
     }
 
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+        tables: &[f32],
+    ) -> [[f32; T]; R] {
+        let (cols, blocks) = (x.cols, x.cols / BLOCK);
+        let mut row = vec![0f32; cols];
+        let mut out = [[0f32; T]; R];
+        for (i, (&r, out)) in rows.iter().zip(&mut out).enumerate() {
+            let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
+            for (c, v) in row.iter_mut().enumerate() {
+                let q = (codes[c / 2] >> (4 * (c % 2))) & 15;
+                *v = tables[(i * blocks + c / BLOCK) * 16 + q as usize];
+            }
+            for (t, out) in out.iter_mut().enumerate() {
+                *out = dot(&row, &x.x[(t0 + t) * cols..][..cols]);
+            }
+        }
+        out
+    }
+
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
         rows: [usize; R],
@@ -125,6 +149,11 @@ impl Kernels for Scalar {
 pub fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: the scalar kernels index with bounds checks.
     unsafe { quant_rows_with::<Scalar>(w, x, out, 1, 4) }
+}
+
+pub fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { mxfp4_rows_with::<Scalar>(w, x, out, 1, 4) }
 }
 
 pub fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
