@@ -256,8 +256,8 @@ fn tiny_expert_caches_give_identical_results() {
     }
 }
 
-/// Routed experts at q3 and q2 (the rest at q8, convert's default beside
-/// them) on every fixture: CUDA's logits of a prompt in chunks of 64 and 7
+/// Routed experts at q3, q2 and MXFP4 (the rest at q8, convert's default
+/// beside the first two) on every fixture: CUDA's logits of a prompt in chunks of 64 and 7
 /// (the grouped prefill kernels and, for the odd rows, the decode ones)
 /// and of decoding token by token (the fused decode kernels) within the
 /// 1e-3 of [`check_fixtures`] of the CPU's.
@@ -267,7 +267,7 @@ fn low_bit_expert_logits_match_cpu() {
         return;
     }
     for name in fixtures_with(false) {
-        for experts in [DType::Q3, DType::Q2] {
+        for experts in [DType::Q3, DType::Q2, DType::Mxfp4] {
             let converted = convert_fixture_with(name, DType::Q8, experts);
             let tokens = Reference::load(name).tokens("tokens_long");
             let cpu = open(&converted.dir, ModelOptions::default());
@@ -683,7 +683,7 @@ fn norm_fused_into_one_token_products_matches_separate_launches() {
 /// The routed experts of many tokens (the grouped tensor-core kernels of
 /// moe_prefill.cu) on experts all resident (one launch over the layer's
 /// table), streamed through an empty VRAM cache (a few experts per launch)
-/// and half cached (both) agree exactly, for q4, q8, bf16, q3 and q2, on the
+/// and half cached (both) agree exactly, for q4, q8, bf16, q3, q2 and MXFP4, on the
 /// qwen3_5_moe fixture and the larger synthetic layer of the conformance
 /// suite (whose `grouped_experts_of_many_tokens_match_reference` holds the
 /// resident ones to the CPU reference).

@@ -1,5 +1,5 @@
 //! `moeflux convert <INPUT> -o <OUT> --quant q4|q8|bf16|keep-nearest
-//! --expert-quant q2|q3|q4|q8|bf16`
+//! --expert-quant q2|q3|q4|q8|bf16|mxfp4`
 
 use std::path::PathBuf;
 
@@ -37,6 +37,8 @@ pub enum ExpertQuant {
     Q4,
     Q8,
     Bf16,
+    /// MXFP4 (gpt-oss's experts kept as they are; others rounded to it).
+    Mxfp4,
 }
 
 impl ExpertQuant {
@@ -47,6 +49,7 @@ impl ExpertQuant {
             ExpertQuant::Q4 => DType::Q4,
             ExpertQuant::Q8 => DType::Q8,
             ExpertQuant::Bf16 => DType::Bf16,
+            ExpertQuant::Mxfp4 => DType::Mxfp4,
         }
     }
 

@@ -89,8 +89,9 @@ pub trait TensorSource: Sync {
 pub struct ConvertOptions {
     /// `Q4`, `Q8` or `Bf16`: every matrix but the routed experts'.
     pub quant: DType,
-    /// The routed experts' precision, `Q2`, `Q3`, `Q4`, `Q8` or `Bf16`;
-    /// `None`: as `quant`. Experts are most of a model's bytes, so they
+    /// The routed experts' precision, `Q2`, `Q3`, `Q4`, `Q8`, `Bf16` or
+    /// `Mxfp4` (gpt-oss's experts kept as they are: MXFP4 values encode
+    /// back exactly; others are rounded to it); `None`: as `quant`. Experts are most of a model's bytes, so they
     /// take the fewest bits: flash-moe ran Qwen3.5-397B with 2-bit experts
     /// and the rest at 8 bits.
     pub expert_quant: Option<DType>,
@@ -126,11 +127,11 @@ impl ConvertOptions {
         }
         if !matches!(
             self.experts(),
-            DType::Q2 | DType::Q3 | DType::Q4 | DType::Q8 | DType::Bf16
+            DType::Q2 | DType::Q3 | DType::Q4 | DType::Q8 | DType::Bf16 | DType::Mxfp4
         ) {
             return Err(Error::invalid(
                 "--expert-quant",
-                "must be q2, q3, q4, q8 or bf16",
+                "must be q2, q3, q4, q8, bf16 or mxfp4",
             ));
         }
         Ok(())

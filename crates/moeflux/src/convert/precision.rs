@@ -101,11 +101,12 @@ impl Dtypes {
 }
 
 /// The moeflux matrix type closest in size to `bits` per weight (q4 is 4.5
-/// bits with its scales, q8 8.5, bf16 16; for routed experts also q3 at 3.5
-/// and q2 at 2.5); ties go to the larger type.
+/// bits with its scales, q8 8.5, bf16 16; for routed experts also MXFP4 at
+/// 4.25, so gpt-oss's experts stay as they are, q3 at 3.5 and q2 at 2.5);
+/// ties go to the larger type.
 fn nearest_dtype(bits: f64, expert: bool) -> DType {
     let low: &[(DType, f64)] = if expert {
-        &[(DType::Q3, 3.5), (DType::Q2, 2.5)]
+        &[(DType::Mxfp4, 4.25), (DType::Q3, 3.5), (DType::Q2, 2.5)]
     } else {
         &[]
     };

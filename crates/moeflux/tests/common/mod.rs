@@ -89,13 +89,15 @@ pub fn convert_fixture(name: &str, quant: DType) -> Converted {
 
 /// The expert precisions the conformance suite runs routed experts at,
 /// each with the precision of the rest: q4, q8 and bf16 throughout, and
-/// q3 and q2 experts beside q8 (convert's default for them).
-pub const EXPERT_RECIPES: [(DType, DType); 5] = [
+/// q3 and q2 experts beside q8 (convert's default for them), and MXFP4
+/// experts.
+pub const EXPERT_RECIPES: [(DType, DType); 6] = [
     (DType::Q4, DType::Q4),
     (DType::Q8, DType::Q8),
     (DType::Bf16, DType::Bf16),
     (DType::Q8, DType::Q3),
     (DType::Q8, DType::Q2),
+    (DType::Q8, DType::Mxfp4),
 ];
 
 /// A fixture converted with its routed experts at `experts`.

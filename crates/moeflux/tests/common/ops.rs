@@ -1466,8 +1466,8 @@ pub fn whole_store(dir: &ModelDir) -> ExpertStore {
 }
 
 /// Routed experts of one token (CUDA's fused decode kernels) and of nine,
-/// bf16, q4, q3 and q2, on the qwen3_5_moe fixture; `routed_experts_add`
-/// too.
+/// bf16, q4, q3, q2 and MXFP4, on the qwen3_5_moe fixture;
+/// `routed_experts_add` too.
 pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
     let r = reference();
     for (rest, quant) in [
@@ -1475,6 +1475,7 @@ pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
         (DType::Q4, DType::Q4),
         (DType::Q8, DType::Q3),
         (DType::Q8, DType::Q2),
+        (DType::Q8, DType::Mxfp4),
     ] {
         let converted = convert_fixture_with("qwen3_5_moe", rest, quant);
         let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();

@@ -133,8 +133,12 @@ LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
 // Columns one 32-bit word of a row holds. A word of q2 or q3 bit planes
 // holds 16 columns: byte k at shift 2s is column 16s + 4·(word % 4) + k
 // of the group; q3 words come with their 16 high bits (PackedWord).
-#define WORD_COLS(DT) \
-    ((DT) == DT_Q2 || (DT) == DT_Q3 ? 16 : (DT) == DT_Q4 ? 8 : (DT) == DT_Q8 ? 4 : (DT) == DT_BF16 ? 2 : 1)
+#define WORD_COLS(DT)                                                                 \
+    ((DT) == DT_Q2 || (DT) == DT_Q3        ? 16                                        \
+     : (DT) == DT_Q4 || (DT) == DT_MXFP4 ? 8                                         \
+     : (DT) == DT_Q8                     ? 4                                         \
+     : (DT) == DT_BF16                   ? 2                                         \
+                                         : 1)
 // Words per lane in flight per row, by kernel, and the blocks per SM the
 // compiler keeps registers for (1: no constraint). Tunable for experiments
 // through MOEFLUX_CUDA_DEFINES (compile.rs).
@@ -155,7 +159,7 @@ LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
 __device__ __forceinline__ i64 row_bytes(int dt, int cols) {
     return dt == DT_Q2   ? cols / 4
            : dt == DT_Q3 ? (i64)cols * 3 / 8
-           : dt == DT_Q4 ? cols / 2
+           : dt == DT_Q4 || dt == DT_MXFP4 ? cols / 2
            : dt == DT_Q8 ? cols
            : dt == DT_BF16 ? 2 * (i64)cols
                            : 4 * (i64)cols;
@@ -297,6 +301,20 @@ __device__ __forceinline__ void dot_word(const WeightRow& row, typename PackedWo
             }
         }
         acc = fmaf(s, dot, fmaf(b, sum, acc));
+        return;
+    }
+    if (DT == DT_MXFP4) {
+        // Columns c0..c0+7 (low nibble first) of one block of 32: the
+        // e2m1 values' dot, then the block's power of two (exact).
+        const u8* exponents = (const u8*)row.scales;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            u32 byte = (w >> (8 * k)) & 0xffu;
+            dot = fmaf(e2m1_value(byte & 15u), v[2 * k], dot);
+            dot = fmaf(e2m1_value(byte >> 4), v[2 * k + 1], dot);
+        }
+        acc = fmaf(e8m0_scale(exponents[c0 / MXFP4_BLOCK]), dot, acc);
         return;
     }
     if (DT == DT_F32) {

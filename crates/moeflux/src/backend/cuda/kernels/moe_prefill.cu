@@ -96,6 +96,25 @@ __device__ __forceinline__ void store_low_bit_group(u16* dst, uint4 planes, uint
     }
 }
 
+// A block of 32 MXFP4 codes (a 16-byte load) as bf16 values in the shared
+// column order: each word is a run of 8 columns, nibble j column c + j, and
+// the pairs (c + k, c + k + 4) its nibbles k and k + 4. e2m1 · 2^k has two
+// significant bits, so the bf16 is the f32's upper half, exactly.
+__device__ __forceinline__ void store_mxfp4_block(u16* dst, uint4 codes, float scale) {
+    const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+    for (int run = 0; run < 4; ++run) {
+        u32 out[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float a = e2m1_value((words[run] >> (4 * k)) & 15u) * scale;
+            const float b = e2m1_value((words[run] >> (4 * k + 16)) & 15u) * scale;
+            out[k] = bf16x2_exact(a, b);
+        }
+        store16(dst + 8 * run, make_uint4(out[0], out[1], out[2], out[3]));
+    }
+}
+
 // One stage in flight between global and shared memory (gemm.cu's
 // GemmStage for this block shape, with gathered input rows).
 template <int DT>
@@ -104,7 +123,11 @@ struct MoeStage {
     // 16-byte vectors of a row's stage; a q3 stage is its 16 plane bytes
     // (read as two 8-byte halves: q3 groups are 8-byte aligned) and
     // `high`, the group's 8 bytes of high bits.
-    static constexpr int ROW_VECS = LOW_BIT ? 1 : DT == DT_Q4 ? 2 : DT == DT_Q8 ? 4 : 8;
+    // MXFP4 rows are values (exact in bf16), like bf16 ones: a vector is
+    // one block of 32 codes, `exponents` its power of two.
+    static constexpr int ROW_VECS = LOW_BIT ? 1 : DT == DT_Q4 || DT == DT_MXFP4 ? 2
+                                                : DT == DT_Q8                   ? 4
+                                                                                : 8;
     static constexpr int VECS = MP_BM * ROW_VECS / MP_THREADS;
     static constexpr int VEC_COLS = GEMM_BK / ROW_VECS;
     static constexpr float CENTRE = DT == DT_Q2   ? 2.0f
@@ -118,6 +141,7 @@ struct MoeStage {
 
     uint4 w[VECS];
     uint2 high[VECS];
+    u8 exponents[VECS];
     float4 x[RUNS][2];
     u16 scale, bias;  // shared row tid's, quantized only
 
@@ -147,6 +171,12 @@ struct MoeStage {
             } else {
                 w[j] = inside ? *(const uint4*)p : make_uint4(0, 0, 0, 0);
                 high[j] = make_uint2(0, 0);
+            }
+            if (DT == DT_MXFP4) {
+                const u8* e = (const u8*)(second ? m.scales[1] : m.scales[0]);
+                exponents[j] =
+                    inside ? e[(i64)r * (cols / MXFP4_BLOCK) + (k0 + part * VEC_COLS) / MXFP4_BLOCK]
+                           : 0;
             }
         }
 #pragma unroll
@@ -185,6 +215,8 @@ struct MoeStage {
             u16* dst = &sm.w[row][part * VEC_COLS];
             if (LOW_BIT) {
                 store_low_bit_group<DT>(dst, w[j], high[j]);
+            } else if (DT == DT_MXFP4) {
+                store_mxfp4_block(dst, w[j], e8m0_scale(exponents[j]));
             } else {
                 store_weight_chunk<DT>(dst, w[j]);
             }
@@ -365,6 +397,18 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_down_q2(MOE_PREFILL_PARAMS) {
     await_inputs();
     moe_prefill_tc<DT_Q2, false>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_mxfp4(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_MXFP4, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_mxfp4(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_MXFP4, false>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
