@@ -140,7 +140,11 @@ fn mutate(rng: &mut SplitMix64, input: &mut Vec<u8>, focus: usize, seeds: &[Vec<
                 1 => input.len() as u64 + below(rng, 3) as u64,
                 _ => (input.len() as u64).wrapping_mul(8),
             };
-            let width = if rng.next_u64() % 2 == 0 { 4 } else { 8 };
+            let width = if rng.next_u64().is_multiple_of(2) {
+                4
+            } else {
+                8
+            };
             let at = below(rng, focus);
             let bytes = value.to_le_bytes();
             for (i, &b) in bytes[..width].iter().enumerate() {
@@ -280,7 +284,7 @@ fn generate_gguf(rng: &mut SplitMix64) -> Vec<u8> {
             0 | 1 => out.push(rng.next_u64() as u8),
             7 => out.push((rng.next_u64() % 2) as u8),
             2 | 3 => out.extend((rng.next_u64() as u16).to_le_bytes()),
-            4 | 5 | 6 => out.extend((rng.next_u64() as u32 & 0x3fff_ffff).to_le_bytes()),
+            4..=6 => out.extend((rng.next_u64() as u32 & 0x3fff_ffff).to_le_bytes()),
             8 => gguf_string(out, &"ab".repeat((rng.next_u64() % 5) as usize)),
             _ => out.extend((rng.next_u64() & 0x3fff_ffff_ffff_ffff).to_le_bytes()),
         };
@@ -308,7 +312,7 @@ fn generate_gguf(rng: &mut SplitMix64) -> Vec<u8> {
             elements *= d;
             header.extend(d.to_le_bytes());
         }
-        let (ty, width) = if rng.next_u64() % 2 == 0 {
+        let (ty, width) = if rng.next_u64().is_multiple_of(2) {
             (0u32, 4)
         } else {
             (1, 2)
