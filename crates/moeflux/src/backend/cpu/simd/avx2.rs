@@ -13,7 +13,7 @@ use super::{
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
-use crate::quant::mxfp4::BLOCK;
+use crate::quant::mxfp4::{BLOCK, exponent_scale};
 
 struct Avx2;
 
@@ -304,19 +304,19 @@ unsafe fn mxfp4_tile<const R: usize, const T: usize>(
     rows: [usize; R],
     x: &Acts<'_>,
     t0: usize,
-    tables: &[f32],
 ) -> [[f32; T]; R] {
     let (cols, blocks) = (x.cols, x.cols / BLOCK);
-    assert!(tables.len() >= R * blocks * 16);
+    let magnitudes = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    // SAFETY: the caller checked that the rows and tokens exist, and the
-    // assert above the tables; prefetches may point past them.
+    // SAFETY: the caller checked that the rows and tokens exist (with
+    // their exponents); prefetches may point past them.
     unsafe {
         let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
         let xs = x.x.as_ptr().add(t0 * cols);
         for b in 0..blocks {
             let table: [__m256; R] = std::array::from_fn(|r| {
-                _mm256_loadu_ps(tables.as_ptr().add((r * blocks + b) * 16))
+                let e = *w.exponents.get_unchecked(rows[r] * blocks + b);
+                _mm256_mul_ps(magnitudes, _mm256_set1_ps(exponent_scale(e)))
             });
             let value = |q: __m256i, r: usize| {
                 let magnitude = _mm256_permutevar8x32_ps(table[r], q);
@@ -403,10 +403,9 @@ impl Kernels for Avx2 {
         rows: [usize; R],
         x: &Acts<'_>,
         t0: usize,
-        tables: &[f32],
     ) -> [[f32; T]; R] {
         // SAFETY: forwarded.
-        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0, tables) }
+        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0) }
     }
 
     #[inline(always)]

@@ -12,11 +12,11 @@ use half::bf16;
 use super::{
     Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, Mxfp4Rows, PARAMS_AHEAD, QuantRows,
     float_rows_with, mean_code, mxfp4_rows_with, prefetch, prefetch_first_params, quant_rows_with,
-    tile, tile_count, with_bits, with_tile,
+    tile, tile_count, tile_tokens, with_bits, with_tile,
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
-use crate::quant::mxfp4::BLOCK;
+use crate::quant::mxfp4::{BLOCK, exponent_scale};
 
 struct Avx512;
 
@@ -176,19 +176,21 @@ unsafe fn mxfp4_tile<const R: usize, const T: usize>(
     rows: [usize; R],
     x: &Acts<'_>,
     t0: usize,
-    tables: &[f32],
 ) -> [[f32; T]; R] {
     let (cols, blocks) = (x.cols, x.cols / BLOCK);
-    assert!(tables.len() >= R * blocks * 16);
+    let values = _mm512_setr_ps(
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    );
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // SAFETY: the caller checked that the rows and tokens exist, and the
-    // assert above the tables; prefetches may point past them.
+    // SAFETY: the caller checked that the rows and tokens exist (with
+    // their exponents); prefetches may point past them.
     unsafe {
         let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
         let xs = x.x.as_ptr().add(t0 * cols);
         for b in 0..blocks {
             let table: [__m512; R] = std::array::from_fn(|r| {
-                _mm512_loadu_ps(tables.as_ptr().add((r * blocks + b) * 16))
+                let e = *w.exponents.get_unchecked(rows[r] * blocks + b);
+                _mm512_mul_ps(values, _mm512_set1_ps(exponent_scale(e)))
             });
             let mut codes16 = [_mm512_setzero_si512(); R];
             for r in 0..R {
@@ -415,10 +417,9 @@ impl Kernels for Avx512 {
         rows: [usize; R],
         x: &Acts<'_>,
         t0: usize,
-        tables: &[f32],
     ) -> [[f32; T]; R] {
         // SAFETY: forwarded.
-        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0, tables) }
+        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0) }
     }
 
     #[inline(always)]
@@ -459,21 +460,10 @@ pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
             prefetch(w.scales.as_ptr().wrapping_add(ahead));
             prefetch(w.biases.as_ptr().wrapping_add(ahead));
         }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = MAX_TOKENS.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = with_bits!(w.bits, |B| unsafe { int8_tile::<B, R, T>(w, tile, x, t0) });
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+        tile_tokens!(n, MAX_TOKENS, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            with_bits!(w.bits, |B| unsafe { int8_tile::<B, R, T>(w, tile, x, t0) })
+        });
     }
 }
 

@@ -38,7 +38,7 @@ use std::sync::OnceLock;
 use half::bf16;
 
 use crate::quant::GROUP_SIZE;
-use crate::quant::mxfp4::{self, BLOCK};
+use crate::quant::mxfp4::BLOCK;
 
 /// An instruction set the kernels are written for. Values come only from
 /// [`Isa::get`] and [`Isa::available`], which check the CPU: the kernels'
@@ -580,15 +580,14 @@ trait Kernels {
         biases: &[f32],
     ) -> [[f32; T]; R];
 
-    /// MXFP4 rows `rows` against tokens `t0..t0 + T`; `tables` holds per
-    /// tile row and block of 32 the block's 16 values by code
-    /// (`[R, blocks, 16]`, [`mxfp4::block_table`]).
+    /// MXFP4 rows `rows` against tokens `t0..t0 + T`: each block of 32
+    /// through its values, `E2M1` times the block's power of two (one
+    /// multiply a block, in registers).
     unsafe fn mxfp4_tile<const R: usize, const T: usize>(
         w: &Mxfp4Rows<'_>,
         rows: [usize; R],
         x: &Acts<'_>,
         t0: usize,
-        tables: &[f32],
     ) -> [[f32; T]; R];
 
     /// Rows `rows` against tokens `t0..t0 + T`.
@@ -731,6 +730,34 @@ macro_rules! with_bits {
 #[cfg(target_arch = "x86_64")]
 use with_bits;
 
+/// Walks the tokens of one tile of rows (`$tile`, its first `$rows`
+/// entries) in tiles of at most `$max_tokens`: `$kernel`, an expression of
+/// `const $r`, `const $t`, the first token `$t0` and the tile's rows as an
+/// array `$tile_rows`, gives each tile's `[[f32; T]; R]`, stored into
+/// `$out` (row-major by weight row, `$n` tokens).
+macro_rules! tile_tokens {
+    ($n:expr, $max_tokens:expr, $tile:expr, $rows:expr, $out:expr,
+        |$r:ident, $t:ident, $t0:ident, $tile_rows:ident| $kernel:expr) => {{
+        let n = $n;
+        let mut $t0 = 0;
+        while $t0 < n {
+            let tokens = $max_tokens.min(n - $t0);
+            with_tile!($rows, tokens, |$r, $t| {
+                let mut rows_of = [0; $r];
+                rows_of.copy_from_slice(&$tile[..$r]);
+                let $tile_rows = rows_of;
+                let acc = $kernel;
+                for (&r, acc) in $tile_rows.iter().zip(&acc) {
+                    $out[r * n + $t0..][..$t].copy_from_slice(acc);
+                }
+            });
+            $t0 += tokens;
+        }
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+use tile_tokens;
+
 /// The tiles of a block of `rows` rows: `max_rows` rows at a time taken
 /// from `max_rows` equal stretches of the block (so each tile row reads
 /// one long sequential stream, which hardware prefetchers follow, rather
@@ -815,28 +842,16 @@ unsafe fn quant_rows_with<K: Kernels>(
             widen_bf16(&w.scales[r * g..(r + 1) * g], &mut scales[i * g..]);
             widen_bf16(&w.biases[r * g..(r + 1) * g], &mut biases[i * g..]);
         }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = with_bits!(w.bits, |B| unsafe {
-                    K::quant_tile::<B, R, T>(w, tile, x, t0, &scales, &biases)
-                });
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+        tile_tokens!(n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            with_bits!(w.bits, |B| unsafe {
+                K::quant_tile::<B, R, T>(w, tile, x, t0, &scales, &biases)
+            })
+        });
     }
 }
 
-/// [`quant_rows_with`] for MXFP4 rows: each tile row's blocks become
-/// tables of their 16 values, which the kernels look codes up in.
+/// [`quant_rows_with`] for MXFP4 rows.
 #[inline(always)]
 unsafe fn mxfp4_rows_with<K: Kernels>(
     w: &Mxfp4Rows<'_>,
@@ -845,34 +860,12 @@ unsafe fn mxfp4_rows_with<K: Kernels>(
     max_rows: usize,
     max_tokens: usize,
 ) {
-    let (n, blocks) = (x.n, x.cols / BLOCK);
-    let mut tables = vec![0f32; max_rows * blocks * 16];
     for i in 0..tile_count(w.rows, max_rows) {
         let (tile, rows) = tile(i, w.rows, max_rows);
-        for (i, &r) in tile[..rows].iter().enumerate() {
-            let exponents = &w.exponents[r * blocks..(r + 1) * blocks];
-            for (table, &e) in tables[i * blocks * 16..]
-                .chunks_exact_mut(16)
-                .zip(exponents)
-            {
-                table.copy_from_slice(&mxfp4::block_table(e));
-            }
-        }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = unsafe { K::mxfp4_tile::<R, T>(w, tile, x, t0, &tables) };
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+        tile_tokens!(x.n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            unsafe { K::mxfp4_tile::<R, T>(w, tile, x, t0) }
+        });
     }
 }
 
@@ -907,37 +900,26 @@ unsafe fn int8_rows_with<K: Int8Kernel>(
                 *b += mean * s;
             }
         }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                for (i, p) in products.chunks_exact_mut(T * stride).take(R).enumerate() {
-                    let s = &scales[i * stride..][..stride];
-                    for (t, p) in p.chunks_exact_mut(stride).enumerate() {
-                        let d = &x.scales[(t0 + t) * stride..][..stride];
-                        for ((p, &s), &d) in p.iter_mut().zip(s).zip(d) {
-                            *p = s * d;
-                        }
+        tile_tokens!(n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            for (i, p) in products.chunks_exact_mut(T * stride).take(R).enumerate() {
+                let s = &scales[i * stride..][..stride];
+                for (t, p) in p.chunks_exact_mut(stride).enumerate() {
+                    let d = &x.scales[(t0 + t) * stride..][..stride];
+                    for ((p, &s), &d) in p.iter_mut().zip(s).zip(d) {
+                        *p = s * d;
                     }
                 }
-                let params = Int8Params {
-                    scales: &scales,
-                    biases: &biases,
-                    products: &products,
-                };
-                // SAFETY: forwarded from the caller.
-                let acc = with_bits!(w.bits, |B| unsafe {
-                    K::int8_tile::<B, R, T>(w, tile, x, t0, &params)
-                });
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+            }
+            let params = Int8Params {
+                scales: &scales,
+                biases: &biases,
+                products: &products,
+            };
+            // SAFETY: forwarded from the caller.
+            with_bits!(w.bits, |B| unsafe {
+                K::int8_tile::<B, R, T>(w, tile, x, t0, &params)
+            })
+        });
     }
 }
 
@@ -953,27 +935,16 @@ unsafe fn float_rows_with<K: Kernels>(
     let n = x.n;
     for i in 0..tile_count(w.rows, max_rows) {
         let (tile, rows) = tile(i, w.rows, max_rows);
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bf16 {
-                        K::float_tile::<true, R, T>(w, tile, x, t0)
-                    } else {
-                        K::float_tile::<false, R, T>(w, tile, x, t0)
-                    }
-                };
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
+        tile_tokens!(n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                if w.bf16 {
+                    K::float_tile::<true, R, T>(w, tile, x, t0)
+                } else {
+                    K::float_tile::<false, R, T>(w, tile, x, t0)
                 }
-            });
-            t0 += tokens;
-        }
+            }
+        });
     }
 }
 

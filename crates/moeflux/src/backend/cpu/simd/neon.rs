@@ -11,7 +11,7 @@ use super::{
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
-use crate::quant::mxfp4::BLOCK;
+use crate::quant::mxfp4::{BLOCK, exponent_scale};
 
 struct Neon;
 
@@ -168,20 +168,20 @@ impl Kernels for Neon {
         rows: [usize; R],
         x: &Acts<'_>,
         t0: usize,
-        tables: &[f32],
     ) -> [[f32; T]; R] {
         let (cols, blocks) = (x.cols, x.cols / BLOCK);
-        assert!(tables.len() >= R * blocks * 16);
-        // SAFETY: the caller checked that the rows and tokens exist, and
-        // the assert above the tables.
+        // SAFETY: the caller checked that the rows and tokens exist (with
+        // their exponents).
         unsafe {
             let mut acc = [[vdupq_n_f32(0.0); T]; R];
             let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
             let xs = x.x.as_ptr().add(t0 * cols);
             let doubled = vld1q_u8([0u8, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0].as_ptr());
             for b in 0..blocks {
-                // E2M1[1]·d: half the block's scale.
-                let half: [f32; R] = std::array::from_fn(|r| tables[(r * blocks + b) * 16 + 1]);
+                // Half the block's power of two (twice the magnitudes above).
+                let half: [f32; R] = std::array::from_fn(|r| {
+                    0.5 * exponent_scale(w.exponents[rows[r] * blocks + b])
+                });
                 let values = |q: uint8x8_t, r: usize| -> [float32x4_t; 2] {
                     let magnitude = vmovl_u8(vqtbl1_u8(doubled, vand_u8(q, vdup_n_u8(7))));
                     let sign = vmovl_u8(vand_u8(q, vdup_n_u8(8)));

@@ -7,7 +7,7 @@ use super::{
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit;
-use crate::quant::mxfp4::BLOCK;
+use crate::quant::mxfp4::{BLOCK, E2M1, exponent_scale};
 
 struct Scalar;
 
@@ -107,16 +107,16 @@ impl Kernels for Scalar {
         rows: [usize; R],
         x: &Acts<'_>,
         t0: usize,
-        tables: &[f32],
     ) -> [[f32; T]; R] {
         let (cols, blocks) = (x.cols, x.cols / BLOCK);
         let mut row = vec![0f32; cols];
         let mut out = [[0f32; T]; R];
-        for (i, (&r, out)) in rows.iter().zip(&mut out).enumerate() {
+        for (&r, out) in rows.iter().zip(&mut out) {
             let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
+            let exponents = &w.exponents[r * blocks..][..blocks];
             for (c, v) in row.iter_mut().enumerate() {
                 let q = (codes[c / 2] >> (4 * (c % 2))) & 15;
-                *v = tables[(i * blocks + c / BLOCK) * 16 + q as usize];
+                *v = E2M1[q as usize] * exponent_scale(exponents[c / BLOCK]);
             }
             for (t, out) in out.iter_mut().enumerate() {
                 *out = dot(&row, &x.x[(t0 + t) * cols..][..cols]);
