@@ -89,9 +89,9 @@ impl DType {
         self.bits().is_some() || self == DType::Mxfp4
     }
 
-    /// q2, q3 and MXFP4: encodings for routed experts (every CPU product
-    /// takes them; the CUDA backend only in experts).
-    pub fn is_low_bit(self) -> bool {
+    /// q2, q3 and MXFP4: encodings for routed experts, which the CUDA
+    /// backend takes nowhere else (every CPU product takes them).
+    pub fn experts_only(self) -> bool {
         matches!(self, DType::Q2 | DType::Q3 | DType::Mxfp4)
     }
 }

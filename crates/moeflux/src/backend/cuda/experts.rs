@@ -534,7 +534,7 @@ impl CudaBackend {
             .blob_layout(layer)
             .expect("routed experts of an MoE layer");
         if !self.prefill_kernels_fit(blob.gate.1, blob.down.1)? {
-            if blob.gate.1.dtype.is_low_bit() {
+            if blob.gate.1.dtype.experts_only() {
                 return Err(crate::error::Error::invalid(
                     "--device",
                     format!(

@@ -552,7 +552,7 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, tensor: &TensorData, _role: TensorRole) -> Result<Weight> {
-        if tensor.layout.dtype.is_low_bit() {
+        if tensor.layout.dtype.experts_only() {
             return Err(Error::tensor(
                 &tensor.entry.file,
                 &tensor.name,
