@@ -29,10 +29,29 @@
 #                             16384 positions of context, with the grouped
 #                             decode kernels and without, against a baseline
 #                             binary when carried, interleaved
+#   tools/gpu_suite.sh serve  on the GPU machine: `moeflux serve` on the
+#                             synthetic qwen3-30b-a3b under 16 and 64
+#                             streaming clients (tools/serve_bench.py: 256
+#                             prompt tokens, 256 out) beside the engine's
+#                             own decode of as many sequences together, and
+#                             a second turn's time to first token with
+#                             prefix reuse and without
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
 #                             the experts' bytes as the VRAM budget
+#   tools/gpu_suite.sh shapes [PRESET:CUT:LAYERS[:quarter] ...]
+#                             on the GPU machine: the CUDA tests, then
+#                             shapes larger than its disk: PRESET cut to
+#                             CUT layers, lengthened to LAYERS by repeating
+#                             its layers' files (tools/repeat_layers.py),
+#                             benched resident (and, with `quarter`, with a
+#                             quarter of the experts' bytes as the VRAM
+#                             budget); by default deepseek-v3-671b (13
+#                             layers: 3 dense, 10 MoE), glm-4.5-355b (33
+#                             layers) and gpt-oss-120b (all 36, decode
+#                             three times more). SHAPES_TESTS=0 skips the
+#                             tests
 #   tools/gpu_suite.sh widths q2 q3 q4 ...
 #                             on the GPU machine: the synthetic qwen3-30b-a3b
 #                             (48 layers, q4 outside the experts) with its
@@ -126,8 +145,8 @@ run() {
         --gpu-expert-cache-mb "$quarter_mb"
 
     echo "--- tests"
-    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|VRAM uploads|state continued|resident decode|worst|decode:|pinned' \
-        "$OUT/cuda-tests.log" | head -n 80 || true
+    grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|recorded decode|VRAM uploads|state continued|resident decode|worst|decode:|pinned' \
+        "$OUT/cuda-tests.log" | head -n 120 || true
     grep -A 3 'panicked' "$OUT/cuda-tests.log" | head -n 60 || true
     for log in generate-cuda generate-cpu bench-bundled bench-resident bench-no-graphs bench-chunk64 bench-quarter; do
         echo "--- $log"
@@ -289,6 +308,97 @@ presets() {
     rm -rf "$dir"
 }
 
+# The server under load, beside the engine's batched decode of as many
+# sequences; the synthetic model in memory (/dev/shm), so nothing is still
+# being written back to disk while it runs.
+serve() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" synthetic=/dev/shm/moeflux-synth-q30 port=8181 url pid n
+    url="http://127.0.0.1:$port"
+    [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
+    for n in 16 64; do
+        echo "--- engine: $n sequences decoded together after 256 prompt tokens"
+        "$moeflux" bench -m "$synthetic" --device cuda -n 64 --warmup 4 --prefill 0 --no-ceilings \
+            --prompt-len 256 --sequences "$n" 2>&1 | grep -E '^decode|rror' || true
+    done
+    start_server() {
+        "$moeflux" serve -m "$synthetic" --device cuda --port "$port" --max-sequences 64 --ctx 2048 "$@" \
+            >>"$OUT/serve.log" 2>&1 &
+        pid=$!
+    }
+    start_server
+    python3 tools/serve_bench.py --url "$url" --clients 8 --rounds 1 --prompt-len 32 --max-tokens 16 >/dev/null
+    for n in 16 64; do
+        echo "--- server: $n clients"
+        python3 tools/serve_bench.py --url "$url" --clients "$n" --rounds 2 --prompt-len 256 --max-tokens 256
+    done
+    echo "--- server: second turn, prefix reuse on"
+    python3 tools/serve_bench.py --url "$url" --no-load --second-turn 8 --prompt-len 1024 --answer-len 64 --turn-len 32
+    kill -INT "$pid"
+    wait "$pid" || true
+    start_server --prefix-cache-mb 0
+    echo "--- server: second turn, prefix reuse off"
+    python3 tools/serve_bench.py --url "$url" --no-load --second-turn 8 --prompt-len 1024 --answer-len 64 --turn-len 32
+    kill -INT "$pid"
+    wait "$pid" || true
+    grep -E '^moeflux: (serving|every)' "$OUT/serve.log" | head -n 4
+}
+
+# Shapes larger than the GPU machine's disk (64 GB beside the system), as
+# many layers as its 80 GB of VRAM holds resident: each synthetic model is
+# written cut to a few layers (one dense-to-MoE period past its leading
+# dense layers) and lengthened by repeating them (tools/repeat_layers.py),
+# so the disk holds a few GB while the GPU holds every layer's weights.
+shapes() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" dir=/tmp/moeflux-shape spec preset cut layers quarter quarter_mb round
+    if [[ "${SHAPES_TESTS:-1}" == 1 ]]; then
+        timeout 300 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|recorded decode|prefill vs decode|cuda vs cpu' "$OUT/cuda-tests.log" | head -n 60 || true
+        grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
+    fi
+    local specs=("$@")
+    ((${#specs[@]})) || specs=(deepseek-v3-671b:4:13:quarter glm-4.5-355b:4:33:quarter gpt-oss-120b:2:36)
+    for spec in "${specs[@]}"; do
+        IFS=: read -r preset cut layers quarter <<<"$spec"
+        rm -rf "$dir"
+        if ! "$moeflux" synth --preset "$preset" --layers "$cut" -o "$dir" --force >"$OUT/synth-$preset.log" 2>&1 ||
+            ! python3 tools/repeat_layers.py "$dir" --layers "$layers" >>"$OUT/synth-$preset.log" 2>&1; then
+            echo "--- $preset: making the model failed"
+            tail -n 5 "$OUT/synth-$preset.log"
+            continue
+        fi
+        tail -n 2 "$OUT/synth-$preset.log"
+        echo "--- $preset, $layers layers, resident"
+        "$moeflux" bench -m "$dir" --device cuda -n 64 --warmup 16 >"$OUT/bench-$preset-resident.log" 2>&1 ||
+            echo "bench failed"
+        grep -E '^backend|^dense|^prefill|^time to|^decode|^weights|^achieved|^memory|^VRAM|rror|every expert' \
+            "$OUT/bench-$preset-resident.log" || true
+        if [[ "$preset" == gpt-oss-120b ]]; then
+            for round in 1 2 3; do
+                echo "--- $preset decode, 128 tokens, round $round"
+                "$moeflux" bench -m "$dir" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings 2>&1 |
+                    grep -E '^decode|rror' || true
+            done
+        fi
+        if [[ "$quarter" == quarter ]]; then
+            quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$dir")
+            echo "--- $preset, $layers layers, VRAM budget $quarter_mb MiB (a quarter of the experts)"
+            "$moeflux" bench -m "$dir" --device cuda -n 32 --warmup 16 --gpu-expert-cache-mb "$quarter_mb" \
+                >"$OUT/bench-$preset-quarter.log" 2>&1 || echo "bench failed"
+            grep -E '^prefill|^decode|^achieved|^VRAM|^PCIe|^pinned|^expert|rror' "$OUT/bench-$preset-quarter.log" || true
+        fi
+    done
+    rm -rf "$dir"
+}
+
 # Routed experts at each width given, the rest q4, resident: one synthetic
 # model at a time, then removed.
 widths() {
@@ -314,6 +424,7 @@ run) run ;;
 perf) perf ;;
 batch) batch ;;
 longctx) longctx ;;
+serve) serve ;;
 presets)
     shift
     presets "$@"
@@ -322,8 +433,12 @@ widths)
     shift
     widths "$@"
     ;;
+shapes)
+    shift
+    shapes "$@"
+    ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|presets PRESET...|widths WIDTH...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]|widths WIDTH...]" >&2
     exit 2
     ;;
 esac

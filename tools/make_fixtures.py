@@ -78,6 +78,10 @@ Each folder holds:
         recipe and the bits used per tensor, logit statistics, q4/q8 errors vs
         float32, branch sizes, per-layer sensitivities, and self-checks.
 
+qwen3_5_moe and deepseek_v3 then get a multi-token-prediction head and its
+references (tools/make_mtp_fixtures.py: mtp.safetensors, the head's tensors in
+hf/model.safetensors, the layer named in hf/config.json).
+
 qwen3_5_moe also gets hf_hub_sharded/: the same bf16 weights laid out like
 Qwen's Hub checkpoints of Qwen3.5, i.e. Qwen3_5MoeForConditionalGeneration
 names (model.language_model.*, top-level lm_head.weight), routed experts stored
@@ -1628,8 +1632,12 @@ def main() -> None:
     args = ap.parse_args()
     names = args.only or list(FIXTURES)
     args.out.mkdir(parents=True, exist_ok=True)
+    from make_mtp_fixtures import MTP_FIXTURES, add_mtp_head  # (imports this module)
+
     for name in names:
         make_fixture(name, FIXTURES[name], args.out)
+        if name in MTP_FIXTURES:
+            add_mtp_head(name, args.out)
     print_layout(args.out, names)
 
 

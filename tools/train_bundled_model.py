@@ -32,6 +32,14 @@ that every output is produced, in a minute or two):
 
     python3 tools/train_bundled_model.py --smoke --out /tmp/qwen35-smoke
 
+A multi-token-prediction head for a trained model (`--mtp`, tools/train_mtp.py):
+the model is frozen and only the head trains, then is written into the same
+checkpoint with the acceptance it measures in the model card; about 2.5
+minutes on an H100, 2 of them training:
+
+    python3 tools/train_bundled_model.py --mtp --out bundled/qwen35-tiny
+    python3 tools/train_bundled_model.py --smoke --mtp --out /tmp/qwen35-smoke   # CPU smoke test
+
 Outputs, all in --out (at most 20 MB together, checked):
 
     config.json, model.safetensors (bf16), generation_config.json
@@ -401,6 +409,35 @@ def count_params(model) -> tuple[int, int]:
 # =============================================================================
 
 
+def training_data(args, tok, train_books: dict[str, list[str]], val_text: str, device: torch.device):
+    """What training reads: Batches of the prose and the chats built from it,
+    the validation windows, and token counts."""
+    # The backend tokenizer directly: the wrapper warns about texts longer than the model.
+    encode = tok.backend_tokenizer.encode
+    eot = tok.convert_tokens_to_ids(EOT)
+    plain = []
+    for paras in train_books.values():
+        plain += encode("\n\n".join(paras) + "\n", add_special_tokens=False).ids + [eot]
+    chats = chat_examples(train_books, random.Random(args.seed), tok, count=args.chats)
+    chat = []
+    for text in chats:
+        chat += encode(text, add_special_tokens=False).ids + [eot]
+    val_ids = encode(val_text, add_special_tokens=False).ids
+    n_val = len(val_ids) // args.seq_len
+    if n_val == 0 or len(chat) <= args.seq_len:
+        fail("corpus too small for --seq-len")
+    val = torch.tensor(val_ids[: n_val * args.seq_len], device=device).view(n_val, args.seq_len)
+    batches = Batches(
+        torch.tensor(plain, device=device),
+        torch.tensor(chat, device=device),
+        args.chat_frac,
+        args.seq_len,
+        args.batch_size,
+        args.seed,
+    )
+    return batches, val, dict(plain=len(plain), chat=len(chat), chats=len(chats), val=len(val_ids))
+
+
 class Batches:
     """Random windows of a token stream: plain text, or (with `chat_frac`) chats."""
 
@@ -433,6 +470,14 @@ def mean_loss(model, windows: torch.Tensor, batch: int, autocast: bool) -> float
     return total / count
 
 
+def lr_schedule(lr: float, progress: float) -> float:
+    """Linear warm-up over the first 3 % of training, then cosine down to 10 %."""
+    if progress < 0.03:
+        return lr * max(progress / 0.03, 0.01)
+    cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 0.03) / 0.97)))
+    return lr * (0.1 + 0.9 * cos)
+
+
 def train(model, batches: Batches, val: torch.Tensor, args, device: torch.device) -> dict:
     autocast = device.type == "cuda"
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "embed" not in n]
@@ -444,13 +489,6 @@ def train(model, batches: Batches, val: torch.Tensor, args, device: torch.device
         eps=1e-8,
         fused=device.type == "cuda",
     )
-
-    def lr_at(progress: float) -> float:
-        # Linear warm-up over the first 3 %, then cosine down to 10 %.
-        if progress < 0.03:
-            return args.lr * max(progress / 0.03, 0.01)
-        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, (progress - 0.03) / 0.97)))
-        return args.lr * (0.1 + 0.9 * cos)
 
     def progress_now(step: int, start: float) -> float:
         if args.steps:
@@ -467,7 +505,7 @@ def train(model, batches: Batches, val: torch.Tensor, args, device: torch.device
         if progress >= 1.0:
             break
         for group in opt.param_groups:
-            group["lr"] = lr_at(progress)
+            group["lr"] = lr_schedule(args.lr, progress)
         x = batches.next()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=x, labels=x, output_router_logits=True).loss
@@ -711,6 +749,8 @@ def model_card(ref: dict, out: Path) -> str:
     for s in ref["samples"]:
         label = "chat" if s["chat"] else "text"
         lines.append(f"- **{label}, {s['kind']}** — _{s['prompt']}_ → {s['text'].strip()!r}")
+    if "mtp" in ref:
+        lines += mtp_card(ref["mtp"])
     lines += [
         "",
         "## Files",
@@ -722,6 +762,28 @@ def model_card(ref: dict, out: Path) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def mtp_card(mtp: dict) -> list[str]:
+    """The model card's section on the multi-token-prediction head."""
+    t, a = mtp["training"], mtp["acceptance"]
+    return [
+        "",
+        "## Multi-token prediction",
+        "",
+        f"A multi-token-prediction head (`mtp.*`, {mtp['params']:,} parameters: one full-attention MoE decoder layer, "
+        "`fc` over the normed embedding and hidden state, three norms; the model's embeddings and LM head) "
+        "predicts the token after next from the model's last hidden state and the next token, as Qwen3.5's "
+        "does; `moeflux generate --draft mtp` drafts with it. Trained by `tools/train_bundled_model.py --mtp` "
+        f"on {t['device']} with the model frozen: {t['steps']:,} steps ({t['tokens']:,} tokens, {t['seconds']:.0f} s), "
+        f"batches of {t['batch_size']} × {t['seq_len']}, lr {t['lr']}; lowest validation loss {t['best_val_loss']} "
+        f"(step {t['best_step']:,}).",
+        "",
+        f"On `heldout.txt` ({a['windows']} windows of {a['ctx']} tokens, teacher forced, bf16 weights): the head's "
+        f"first draft equals the model's greedy choice at {100 * a['first_draft_kept']:.1f} % of positions, its first "
+        f"two chained drafts both do at {100 * a['first_two_drafts_kept']:.1f} %; "
+        f"loss of the token after next {a['heldout_t_plus_2_nll']}.",
+    ]
 
 
 # =============================================================================
@@ -736,7 +798,10 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=repo_root / "bundled" / "qwen35-tiny", help="output folder")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run: a slice of the corpus, a tiny model, few steps")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--train-seconds", type=float, default=180.0, help="training time budget (the schedule follows it)")
+    ap.add_argument(
+        "--train-seconds", type=float, default=None, help="training time budget (the schedule follows it; 180, --mtp 120)"
+    )
+    ap.add_argument("--mtp", action="store_true", help="train a multi-token-prediction head for the model in --out")
     ap.add_argument("--steps", type=int, default=0, help="train this many steps instead of --train-seconds")
     ap.add_argument("--eval-every", type=float, default=0.1, help="validation every this fraction of training")
     ap.add_argument("--batch-size", type=int, default=64)
@@ -769,6 +834,8 @@ def parse_args() -> argparse.Namespace:
         args.batch_size, args.seq_len, args.ctx, args.sample_tokens = 8, 128, 64, 12
         args.steps = args.steps or 12
         args.eval_every = 0.5
+    if args.train_seconds is None:
+        args.train_seconds = 120.0 if args.mtp else 180.0
     if args.seq_len < args.ctx or args.ctx < 2:
         fail(f"--ctx {args.ctx} must be at least 2 and at most --seq-len {args.seq_len}")
     return args
@@ -776,6 +843,11 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.mtp:
+        from train_mtp import train_mtp_head
+
+        train_mtp_head(args)
+        return
     t_start = time.time()
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -793,33 +865,13 @@ def main() -> None:
     eot = tok.convert_tokens_to_ids(EOT)
     log(f"tokenizer: {len(tok)} ids, trained in {time.time() - t_start:.1f}s")
 
-    # The backend tokenizer directly: the wrapper warns about texts longer than the model.
-    encode = tok.backend_tokenizer.encode
-    plain = []
-    for text in train_texts:
-        plain += encode(text, add_special_tokens=False).ids + [eot]
-    rng = random.Random(args.seed)
-    chats = chat_examples(train_books, rng, tok, count=args.chats)
-    chat = []
-    for text in chats:
-        chat += encode(text, add_special_tokens=False).ids + [eot]
-    val_ids = encode(val_text, add_special_tokens=False).ids
-    test_ids = encode(test_text, add_special_tokens=False).ids
+    test_ids = tok.backend_tokenizer.encode(test_text, add_special_tokens=False).ids
+    if len(test_ids) < args.ctx:
+        fail("corpus too small for --ctx")
+    batches, val, counts = training_data(args, tok, train_books, val_text, device)
     log(
-        f"corpus: {len(plain):,} training tokens, {len(chat):,} chat tokens ({len(chats)} chats), "
-        f"{len(val_ids):,} validation, {len(test_ids):,} held-out"
-    )
-    n_val = len(val_ids) // args.seq_len
-    if n_val == 0 or len(test_ids) < args.ctx or len(chat) <= args.seq_len:
-        fail("corpus too small for --seq-len / --ctx")
-    val = torch.tensor(val_ids[: n_val * args.seq_len], device=device).view(n_val, args.seq_len)
-    batches = Batches(
-        torch.tensor(plain, device=device),
-        torch.tensor(chat, device=device),
-        args.chat_frac,
-        args.seq_len,
-        args.batch_size,
-        args.seed,
+        f"corpus: {counts['plain']:,} training tokens, {counts['chat']:,} chat tokens ({counts['chats']} chats), "
+        f"{counts['val']:,} validation, {len(test_ids):,} held-out"
     )
 
     # --- model and training -----------------------------------------------------
@@ -924,8 +976,8 @@ def main() -> None:
             batch_size=args.batch_size,
             seq_len=args.seq_len,
             chat_frac=args.chat_frac,
-            train_tokens=len(plain),
-            chat_tokens=len(chat),
+            train_tokens=counts["plain"],
+            chat_tokens=counts["chat"],
             **{k: v for k, v in record.items()},
         ),
         special_tokens=dict(

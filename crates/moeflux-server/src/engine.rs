@@ -9,6 +9,12 @@
 //! decoding sequence's next token and, within a per-step budget of prompt
 //! tokens, the next piece of prompts being read, cut at multiples of the
 //! model's prefill chunk so each sequence runs the same passes as alone.
+//!
+//! A sequence with speculative decoding (its request's `draft`) runs its
+//! next token and the tokens its drafter guesses after it in the same
+//! step; its tokens are then chosen row by row, each draft kept when the
+//! chosen token equals it, and the session rewound past the first one
+//! rejected: the tokens are those of decoding without drafts.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -18,8 +24,12 @@ use std::time::{Duration, Instant};
 use llguidance::Matcher;
 use moeflux::backend::Backend;
 use moeflux::sampling::{Sampler, SamplerConfig, StopCondition};
+use moeflux::speculative::{DraftLength, DraftSettings, Drafter};
 use moeflux::text::{FinishReason, StreamDecoder, TokenLogprob, Tokenizer};
-use moeflux::{BatchItem, LogitsWanted, Model, Phase, Session, SessionOptions, forward_batch};
+use moeflux::{
+    BatchItem, Logits, LogitsWanted, Model, Phase, RewindPoint, Session, SessionOptions,
+    forward_batch,
+};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::error::ApiError;
@@ -47,6 +57,8 @@ pub struct Settings {
     pub logprobs: Option<usize>,
     /// End-of-text tokens do not end the answer (they are decoded as text).
     pub ignore_eos: bool,
+    /// Speculative decoding; off for a constrained answer.
+    pub draft: Option<DraftSettings>,
 }
 
 /// A request handed to the engine.
@@ -199,6 +211,20 @@ struct Choice<'t, B: Backend> {
     next: Option<u32>,
     done: bool,
     last_token: Option<Instant>,
+    /// Speculative decoding, when the request asked for it.
+    drafting: Option<Drafting<B>>,
+}
+
+/// A sequence's drafter and the step it is checking.
+struct Drafting<B: Backend> {
+    drafter: Box<dyn Drafter<B>>,
+    length: DraftLength,
+    /// Tokens to draft next step.
+    k: usize,
+    /// This step's tokens: the next token, then the drafts.
+    run: Vec<u32>,
+    /// Where the session goes back to when a draft is rejected.
+    point: Option<RewindPoint<B>>,
 }
 
 /// A request in the batch.
@@ -211,6 +237,33 @@ struct Running<'t, B: Backend> {
     /// The client went away or the engine failed on it: removed after the
     /// step.
     gone: bool,
+}
+
+impl<B: Backend> Drafting<B> {
+    /// Drafts after `next` (at most `room` tokens) into this step's run,
+    /// with a rewind point when there are drafts.
+    fn draft(&mut self, session: &mut Session<B>, next: u32, room: usize) -> moeflux::Result<()> {
+        self.run.clear();
+        self.run.push(next);
+        self.point = None;
+        let k = self.k.min(room);
+        if k == 0 {
+            return Ok(());
+        }
+        let mut drafts = self.drafter.draft(session, next, k)?;
+        drafts.truncate(k);
+        if !drafts.is_empty() {
+            self.point = Some(session.rewind_point(drafts.len() + 1)?);
+            self.run.extend(drafts);
+        }
+        Ok(())
+    }
+
+    /// This step's run and rewind point, when it checked drafts.
+    fn take_check(&mut self) -> Option<(Vec<u32>, RewindPoint<B>)> {
+        let point = self.point.take()?;
+        Some((std::mem::take(&mut self.run), point))
+    }
 }
 
 struct Engine<'t, B: Backend> {
@@ -265,8 +318,14 @@ impl<'t, B: Backend> Engine<'t, B> {
             if !running.gone
                 && let Some(first) = running.choices.into_iter().next()
             {
-                let bytes = first.session.position() as u64 * per;
-                self.prefix.keep(first.session, bytes);
+                let mut session = first.session;
+                if self.limits.prefix_cache > 0 {
+                    // The conversation so far, for its next turn (taken
+                    // here, after a drafted step's rewind).
+                    let _ = session.checkpoint();
+                }
+                let bytes = session.position() as u64 * per;
+                self.prefix.keep(session, bytes);
             }
         }
     }
@@ -355,6 +414,24 @@ impl<'t, B: Backend> Engine<'t, B> {
                     return;
                 }
             };
+            let matcher = matchers.next();
+            let drafting = match job.settings.draft.filter(|_| matcher.is_none()) {
+                None => None,
+                Some(draft) => match draft.source.drafter(&self.model) {
+                    Ok(drafter) => Some(Drafting {
+                        drafter,
+                        length: draft.length,
+                        k: draft.length.first(),
+                        run: Vec::new(),
+                        point: None,
+                    }),
+                    Err(err) => {
+                        let error = ApiError::invalid("draft", err.to_string());
+                        let _ = job.events.send(Event::Failed(error));
+                        return;
+                    }
+                },
+            };
             let reused = match i {
                 0 => self.prefix.take(&job.prompt),
                 _ => None,
@@ -376,10 +453,11 @@ impl<'t, B: Backend> Engine<'t, B> {
                 stop,
                 decoder: self.tokenizer.stream_decoder(true),
                 generated: Vec::new(),
-                matcher: matchers.next(),
+                matcher,
                 next: None,
                 done: false,
                 last_token: None,
+                drafting,
             });
         }
         self.metrics
@@ -432,7 +510,9 @@ impl<'t, B: Backend> Engine<'t, B> {
                 .last_logits()
                 .map(<[f32]>::to_vec);
             match logits {
-                Some(logits) => self.next_token(r, c, &logits),
+                Some(logits) => {
+                    self.next_token(r, c, &logits, None);
+                }
                 None => self.fail(r, ApiError::engine("a restored session has no logits")),
             }
         }
@@ -441,6 +521,7 @@ impl<'t, B: Backend> Engine<'t, B> {
         let mut prefilled_any = false;
         let mut owners = Vec::new();
         let mut items = Vec::new();
+        let mut failed = Vec::new();
 
         for (r, running) in self.running.iter_mut().enumerate() {
             if running.gone {
@@ -452,19 +533,35 @@ impl<'t, B: Backend> Engine<'t, B> {
                 continue;
             }
             let prompt = &running.job.prompt;
+            let max_tokens = running.job.settings.max_tokens;
             for (c, choice) in running.choices.iter_mut().enumerate() {
                 let Choice {
                     session,
                     next,
                     done,
+                    drafting,
+                    generated,
                     ..
                 } = choice;
                 if *done {
                     continue;
                 }
-                let (tokens, phase): (&[u32], Phase) = match next {
-                    Some(token) => (std::slice::from_ref(token), Phase::Decode),
-                    None => {
+                let (tokens, phase): (&[u32], Phase) = match (next, drafting) {
+                    (Some(token), Some(d)) => {
+                        // Drafts fit the answer's and the context's room
+                        // after the next token.
+                        let room = (max_tokens.saturating_sub(generated.len() + 1))
+                            .min(session.remaining().saturating_sub(1));
+                        match d.draft(session, *token, room) {
+                            Ok(()) => (&d.run[..], Phase::Decode),
+                            Err(err) => {
+                                failed.push((r, err));
+                                continue;
+                            }
+                        }
+                    }
+                    (Some(token), None) => (std::slice::from_ref(token), Phase::Decode),
+                    (None, _) => {
                         let at = session.position();
                         // Up to the next multiple of the chunk: the passes
                         // a session reading the prompt alone runs.
@@ -483,23 +580,34 @@ impl<'t, B: Backend> Engine<'t, B> {
                 items.push(BatchItem {
                     session,
                     tokens,
-                    wanted: LogitsWanted::Last,
+                    wanted: match tokens.len() > 1 && phase == Phase::Decode {
+                        true => LogitsWanted::All,
+                        false => LogitsWanted::Last,
+                    },
                     phase,
                 });
             }
-        }
-        if items.is_empty() {
-            return;
         }
         let prompt_rows: usize = items
             .iter()
             .filter(|i| i.phase == Phase::Prefill)
             .map(|i| i.tokens.len())
             .sum();
-        self.metrics.batch_sequences.observe(items.len() as f64);
         let start = Instant::now();
-        let result = forward_batch(&mut items);
+        let result = match items.is_empty() {
+            true => None,
+            false => {
+                self.metrics.batch_sequences.observe(items.len() as f64);
+                Some(forward_batch(&mut items))
+            }
+        };
         drop(items);
+        for (r, err) in failed {
+            self.fail(r, ApiError::engine(format!("drafting failed: {err}")));
+        }
+        let Some(result) = result else {
+            return;
+        };
         self.metrics
             .step_seconds
             .observe(start.elapsed().as_secs_f64());
@@ -522,7 +630,65 @@ impl<'t, B: Backend> Engine<'t, B> {
                     // prompt; a failed copy only loses that reuse.
                     let _ = choice.session.checkpoint();
                 }
-                self.next_token(r, c, logits.last());
+                match choice.drafting.as_mut().and_then(Drafting::take_check) {
+                    Some((run, point)) => self.check_drafts(r, c, &run, point, &logits),
+                    None => {
+                        self.next_token(r, c, logits.last(), None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Chooses choice `c` of request `r`'s tokens from the logits after
+    /// each token of `run` (its next token and the drafts after it), as
+    /// long as the drafts are the tokens chosen, then rewinds the session
+    /// to the last row used: the tokens and the session are those of
+    /// decoding without drafts.
+    fn check_drafts(
+        &mut self,
+        r: usize,
+        c: usize,
+        run: &[u32],
+        point: RewindPoint<B>,
+        logits: &Logits,
+    ) {
+        let mut accepted = 0;
+        let mut used = 0;
+        for (row, draft) in run
+            .iter()
+            .skip(1)
+            .copied()
+            .map(Some)
+            .chain([None])
+            .enumerate()
+        {
+            used = row + 1;
+            let token = self.next_token(r, c, logits.row(row), draft);
+            let running = &self.running[r];
+            if token.is_some() && token == draft {
+                accepted += 1;
+            }
+            if running.gone || running.choices[c].done || token != draft {
+                break;
+            }
+        }
+        self.metrics.draft_checks.inc();
+        self.metrics.drafted_tokens.add(run.len() as u64 - 1);
+        self.metrics.accepted_drafts.add(accepted);
+        let running = &mut self.running[r];
+        if running.gone {
+            return;
+        }
+        let choice = &mut running.choices[c];
+        if let Some(d) = &mut choice.drafting {
+            d.k = d.length.next(run.len() - 1, accepted as usize, d.k);
+        }
+        if used < run.len() {
+            let kept = logits.row(used - 1).to_vec();
+            if let Err(err) = choice.session.rewind(point, used, kept) {
+                let error = ApiError::engine(format!("rewinding rejected drafts failed: {err}"));
+                self.fail(r, error);
             }
         }
     }
@@ -536,9 +702,17 @@ impl<'t, B: Backend> Engine<'t, B> {
         }
     }
 
-    /// Picks choice `c` of request `r`'s next token from `logits`, reports
-    /// it, and ends the choice when a limit is reached.
-    fn next_token(&mut self, r: usize, c: usize, logits: &[f32]) {
+    /// Picks choice `c` of request `r`'s next token from `logits` (keeping
+    /// `draft` exactly when the sampler says so), reports it, and ends the
+    /// choice when a limit is reached. Returns the token, or `None` when
+    /// the request failed first.
+    fn next_token(
+        &mut self,
+        r: usize,
+        c: usize,
+        logits: &[f32],
+        draft: Option<u32>,
+    ) -> Option<u32> {
         let now = Instant::now();
         let running = &mut self.running[r];
         let settings = &running.job.settings;
@@ -556,7 +730,8 @@ impl<'t, B: Backend> Engine<'t, B> {
                     Ok(mask) => mask,
                     Err(err) => {
                         let error = ApiError::engine(format!("the answer's grammar failed: {err}"));
-                        return self.fail(r, error);
+                        self.fail(r, error);
+                        return None;
                     }
                 };
                 for (id, score) in scores.iter_mut().enumerate() {
@@ -567,27 +742,38 @@ impl<'t, B: Backend> Engine<'t, B> {
                 if scores.iter().all(|s| *s == f32::NEG_INFINITY) {
                     let error =
                         ApiError::engine("the answer's grammar allows no token of the model");
-                    return self.fail(r, error);
+                    self.fail(r, error);
+                    return None;
                 }
             }
             masked = Some(scores);
         }
         let scores = masked.as_deref().unwrap_or(logits);
-        let token = match choice
-            .sampler
-            .sample(scores, &running.job.prompt, &choice.generated)
-        {
+        let prompt = &running.job.prompt;
+        let sampled = match draft {
+            Some(draft) => {
+                choice
+                    .sampler
+                    .sample_with_draft(scores, prompt, &choice.generated, draft)
+            }
+            None => choice.sampler.sample(scores, prompt, &choice.generated),
+        };
+        let token = match sampled {
             Ok(token) => token,
-            Err(err) => return self.fail(r, ApiError::engine(format!("sampling failed: {err}"))),
+            Err(err) => {
+                self.fail(r, ApiError::engine(format!("sampling failed: {err}")));
+                return None;
+            }
         };
         if let Some(matcher) = &mut choice.matcher
             && let Err(err) = catch_unwind(AssertUnwindSafe(|| matcher.consume_token(token)))
                 .unwrap_or_else(|_| Err(grammar_panicked()))
         {
-            return self.fail(
+            self.fail(
                 r,
                 ApiError::engine(format!("the answer's grammar failed: {err}")),
             );
+            return None;
         }
         let logprob = settings
             .logprobs
@@ -622,7 +808,7 @@ impl<'t, B: Backend> Engine<'t, B> {
                     running.gone = true;
                     let error = ApiError::engine(format!("detokenizing failed: {err}"));
                     let _ = running.job.events.send(Event::Failed(error));
-                    return;
+                    return Some(token);
                 }
             }
         };
@@ -645,13 +831,13 @@ impl<'t, B: Backend> Engine<'t, B> {
         if sent.is_err() {
             running.gone = true;
             self.metrics.cancelled.inc();
-            return;
+            return Some(token);
         }
-        let Some(reason) = finish else {
-            choice.next = Some(token);
-            return;
-        };
-        self.end_choice(r, c, reason);
+        match finish {
+            None => choice.next = Some(token),
+            Some(reason) => self.end_choice(r, c, reason),
+        }
+        Some(token)
     }
 
     /// Ends choice `c` of request `r` for `reason`, and the request with
@@ -660,10 +846,6 @@ impl<'t, B: Backend> Engine<'t, B> {
         let running = &mut self.running[r];
         let choice = &mut running.choices[c];
         choice.done = true;
-        if c == 0 && self.limits.prefix_cache > 0 {
-            // The conversation so far, for its next turn.
-            let _ = choice.session.checkpoint();
-        }
         // Text held back (a possible stop string, a split character) that
         // turned out to be neither.
         let rest = match reason {

@@ -43,6 +43,7 @@ use axum::routing::{get, post};
 use moeflux::Model;
 use moeflux::backend::Backend;
 use moeflux::sampling::SamplerConfig;
+use moeflux::speculative::DraftSettings;
 use moeflux::text::{ChatOptions, ChatTemplate, Tokenizer};
 use serde_json::Value;
 
@@ -66,6 +67,9 @@ pub struct ServerOptions {
     pub max_body_bytes: usize,
     /// Most choices (`n`) one request may ask for.
     pub max_n: usize,
+    /// Speculative decoding of requests that do not choose (their `draft`
+    /// field); `None`: off.
+    pub draft: Option<DraftSettings>,
     pub limits: Limits,
 }
 
@@ -84,6 +88,7 @@ impl ServerOptions {
             api_key: None,
             max_body_bytes: 8 << 20,
             max_n: 16,
+            draft: None,
             limits: Limits {
                 max_sequences: 16,
                 queue: 64,
@@ -128,6 +133,7 @@ impl AppState {
             vocab: self.vocab,
             context: self.options.limits.context,
             max_n: self.options.max_n.min(self.options.limits.max_sequences),
+            draft: self.options.draft,
         }
     }
 

@@ -114,6 +114,9 @@ pub struct Metrics {
     pub prefix_hits: Counter,
     pub prefix_tokens: Counter,
     pub prefix_cache_bytes: Gauge,
+    pub draft_checks: Counter,
+    pub drafted_tokens: Counter,
+    pub accepted_drafts: Counter,
     pub queued: Gauge,
     pub running: Gauge,
     pub kv_reserved: Gauge,
@@ -141,6 +144,9 @@ impl Default for Metrics {
             prefix_hits: Counter::default(),
             prefix_tokens: Counter::default(),
             prefix_cache_bytes: Gauge::default(),
+            draft_checks: Counter::default(),
+            drafted_tokens: Counter::default(),
+            accepted_drafts: Counter::default(),
             queued: Gauge::default(),
             running: Gauge::default(),
             kv_reserved: Gauge::default(),
@@ -215,6 +221,21 @@ impl Metrics {
                 &self.prefix_tokens,
             ),
             (
+                "moeflux_draft_checks_total",
+                "Forward passes of a sequence that checked drafted tokens (speculative decoding).",
+                &self.draft_checks,
+            ),
+            (
+                "moeflux_drafted_tokens_total",
+                "Tokens drafted for checking.",
+                &self.drafted_tokens,
+            ),
+            (
+                "moeflux_draft_accepted_tokens_total",
+                "Drafted tokens the model agreed with: decode steps saved.",
+                &self.accepted_drafts,
+            ),
+            (
                 "moeflux_expert_cache_hits_total",
                 "Expert lookups found in the cache (or a read ahead).",
                 &self.expert_hits,
@@ -241,6 +262,10 @@ impl Metrics {
         let rate = match hits + misses {
             0 => 0.0,
             total => hits as f64 / total as f64,
+        };
+        let acceptance = match self.drafted_tokens.get() {
+            0 => 0.0,
+            drafted => self.accepted_drafts.get() as f64 / drafted as f64,
         };
         let gauges = [
             (
@@ -272,6 +297,11 @@ impl Metrics {
                 "moeflux_expert_cache_hit_rate",
                 "Share of expert lookups served without a read.",
                 rate,
+            ),
+            (
+                "moeflux_draft_acceptance_rate",
+                "Share of drafted tokens the model agreed with.",
+                acceptance,
             ),
         ];
         for (name, help, v) in gauges {

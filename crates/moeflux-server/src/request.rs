@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 
 use moeflux::sampling::SamplerConfig;
+use moeflux::speculative::{DraftLength, DraftSettings, DraftSource};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -76,6 +77,11 @@ pub struct Common {
     /// vLLM's extension: generate past end-of-text tokens, up to
     /// `max_tokens` (for benchmarks that want answers of a fixed length).
     pub ignore_eos: Option<bool>,
+    /// moeflux's extension: speculative decoding for this request,
+    /// `lookup`, `mtp` or `off` (default: the server's `--draft`).
+    pub draft: Option<String>,
+    /// Tokens drafted per step, 1 to 16 (default: adaptive up to 4).
+    pub draft_tokens: Option<i64>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -214,6 +220,8 @@ pub struct Bounds {
     pub vocab: usize,
     pub context: usize,
     pub max_n: usize,
+    /// The server's drafting, for requests that do not choose.
+    pub draft: Option<DraftSettings>,
 }
 
 impl Common {
@@ -358,6 +366,7 @@ impl Common {
         };
         s.validate()
             .map_err(|e| ApiError::bad_body(e.to_string()))?;
+        let draft = self.draft_settings(bounds.draft)?;
         Ok(Settings {
             n,
             max_tokens,
@@ -366,7 +375,52 @@ impl Common {
             logit_bias,
             logprobs,
             ignore_eos: self.ignore_eos.unwrap_or(false),
+            draft,
         })
+    }
+
+    /// The request's speculative decoding: its `draft` and `draft_tokens`,
+    /// or the server's.
+    fn draft_settings(
+        &self,
+        server: Option<DraftSettings>,
+    ) -> Result<Option<DraftSettings>, ApiError> {
+        let source = match self.draft.as_deref() {
+            None => server.map(|s| s.source),
+            Some("off") => None,
+            Some("lookup") => Some(DraftSource::Lookup),
+            Some("mtp") => Some(DraftSource::Mtp),
+            Some(other) => {
+                return Err(ApiError::invalid(
+                    "draft",
+                    format!("must be \"lookup\", \"mtp\" or \"off\", got {other:?}"),
+                ));
+            }
+        };
+        let length = match self.draft_tokens {
+            None => match (self.draft.is_some(), server) {
+                (false, Some(server)) => server.length,
+                _ => DraftLength::DEFAULT,
+            },
+            Some(k) if (1..=16).contains(&k) => DraftLength::Fixed(k as usize),
+            Some(k) => {
+                return Err(ApiError::invalid(
+                    "draft_tokens",
+                    format!("must be between 1 and 16, got {k}"),
+                ));
+            }
+        };
+        match source {
+            Some(source) => Ok(Some(DraftSettings { source, length })),
+            None if self.draft_tokens.is_some() && self.draft.as_deref() != Some("off") => {
+                Err(ApiError::invalid(
+                    "draft_tokens",
+                    "sets how many tokens are drafted, and this request drafts none: \
+                     add \"draft\": \"lookup\" or \"mtp\"",
+                ))
+            }
+            None => Ok(None),
+        }
     }
 }
 

@@ -380,6 +380,7 @@ fn drafted_decode<B: Backend>(
         let mut drafter = settings.source.drafter(model)?;
         let mut speculation = Speculation::new(&mut *drafter, settings.length);
         let mut session = model.session();
+        settings.source.prepare(&mut session);
         session.prefill(prompt)?;
         let before = model.expert_stats();
         let start = Instant::now();

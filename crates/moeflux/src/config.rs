@@ -55,6 +55,28 @@ pub struct ModelConfig {
     /// Intermediate size of the dense SwiGLU MLP used by non-MoE layers.
     pub dense_intermediate_size: Option<usize>,
     pub layers: Vec<LayerSpec>,
+    /// The multi-token-prediction layer `config.json` names; an opened
+    /// model directory keeps it only where the conversion stored one
+    /// ([`crate::format::ModelDir::open`]).
+    pub mtp: Option<MtpConfig>,
+}
+
+/// A multi-token-prediction (MTP) layer: from a position's hidden state
+/// (after the final norm) and the embedding of the token after it, one
+/// decoder layer guesses the token after that; chained on its own output,
+/// it drafts several tokens for speculative decoding. The math is vLLM's
+/// (`qwen3_next_mtp.py`, `deepseek_mtp.py`).
+#[derive(Clone, Debug, Serialize)]
+pub struct MtpConfig {
+    /// Its decoder layer, numbered [`ModelConfig::num_layers`] in a model
+    /// directory: full attention and the family's feed-forward.
+    pub layer: LayerSpec,
+    /// The embedding at position 0 is zeroed (DeepSeek-V3, GLM-4.5).
+    pub zero_first_embedding: bool,
+    /// The next drafting step takes the layer's output after its final
+    /// norm (Qwen3-Next, Qwen3.5) rather than before (DeepSeek-V3,
+    /// GLM-4.5).
+    pub chain_normed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -280,11 +302,40 @@ impl ModelConfig {
     }
 
     pub fn is_moe_layer(&self, layer: usize) -> bool {
-        self.layers[layer].ffn == FeedForwardKind::Moe
+        self.spec(layer).ffn == FeedForwardKind::Moe
     }
 
     pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.layers.len()).filter(|&l| self.is_moe_layer(l))
+    }
+
+    /// Layer `layer`'s spec: a decoder layer, or the multi-token-prediction
+    /// layer numbered after them.
+    pub fn spec(&self, layer: usize) -> &LayerSpec {
+        match (self.layers.get(layer), &self.mtp) {
+            (Some(spec), _) => spec,
+            (None, Some(mtp)) if layer == self.layers.len() => &mtp.layer,
+            _ => panic!("layer {layer} of a model of {} layers", self.layers.len()),
+        }
+    }
+
+    /// The multi-token-prediction layer's number, when the model has one.
+    pub fn mtp_layer(&self) -> Option<usize> {
+        self.mtp.as_ref().map(|_| self.layers.len())
+    }
+
+    /// The layers whose routed experts the model directory stores: the
+    /// decoder's MoE layers and a multi-token-prediction layer's.
+    pub fn expert_layers(&self) -> impl Iterator<Item = usize> + '_ {
+        let mtp = self.mtp_layer().filter(|&l| self.is_moe_layer(l));
+        self.moe_layers().chain(mtp)
+    }
+
+    /// Every layer's spec, the multi-token-prediction layer's last.
+    fn all_specs(&self) -> impl Iterator<Item = &LayerSpec> {
+        self.layers
+            .iter()
+            .chain(self.mtp.as_ref().map(|m| &m.layer))
     }
 
     /// Bytes of KV cache one position of a sequence takes: keys and values
@@ -366,7 +417,7 @@ impl ModelConfig {
             return fail("linear-attention layers need the linear_* settings".into());
         }
         let m = &self.moe;
-        if self.layers.iter().any(|l| l.ffn == FeedForwardKind::Moe)
+        if self.all_specs().any(|l| l.ffn == FeedForwardKind::Moe)
             && (m.router.top_k == 0
                 || m.router.top_k > m.num_experts
                 || m.expert_intermediate_size == 0)
@@ -376,7 +427,7 @@ impl ModelConfig {
                 m.router.top_k, m.num_experts
             ));
         }
-        if self.layers.iter().any(|l| l.ffn == FeedForwardKind::Dense)
+        if self.all_specs().any(|l| l.ffn == FeedForwardKind::Dense)
             && self.dense_intermediate_size.unwrap_or(0) == 0
         {
             return fail("dense MLP layers need a positive intermediate_size".into());

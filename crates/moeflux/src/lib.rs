@@ -104,6 +104,6 @@ pub mod util;
 pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use model::{
-    BatchItem, Logits, LogitsWanted, Model, ModelOptions, Phase, Session, SessionOptions,
-    forward_batch,
+    BatchItem, Logits, LogitsWanted, Model, ModelOptions, Phase, RewindPoint, Session,
+    SessionOptions, forward_batch,
 };

@@ -6,7 +6,8 @@
 //! quantization, layout, checksums and verification), generated on the fly
 //! from a seeded hash of each tensor's name and row, so nothing is held in
 //! memory and two runs produce identical files. The manifest marks the
-//! model synthetic.
+//! model synthetic. A placeholder tokenizer names each id (`t0`, `t1`,
+//! ...), so text commands and the server run on a synthetic model too.
 
 use std::ops::Range;
 use std::path::Path;
@@ -17,7 +18,7 @@ use serde_json::{Value, json};
 
 use crate::config::{ModelConfig, NormStyle};
 use crate::convert::plan::{CheckpointIndex, RowSource};
-use crate::convert::{ConvertOptions, ConvertSummary, TensorSource, write_model};
+use crate::convert::{ConvertOptions, ConvertSummary, SideFiles, TensorSource, write_model};
 use crate::error::{Error, Result};
 use crate::quant::{DType, EncodedRows, MatrixLayout};
 use crate::util::Progress;
@@ -76,7 +77,7 @@ pub const PRESETS: &[Preset] = &[
                 "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                 "linear_conv_kernel_dim": 4, "rms_norm_eps": 1e-6, "rope_theta": 10000000.0,
                 "max_position_embeddings": 262144, "tie_word_embeddings": false,
-                "hidden_act": "silu"
+                "hidden_act": "silu", "mtp_num_hidden_layers": 1
             })
         },
     },
@@ -223,7 +224,7 @@ fn qwen35(
         "linear_num_key_heads": 16, "linear_num_value_heads": value_heads,
         "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
         "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": false,
-        "hidden_act": "silu",
+        "hidden_act": "silu", "mtp_num_hidden_layers": 1,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                             "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
                             "mrope_interleaved": true}
@@ -243,10 +244,30 @@ pub fn preset(name: &str) -> Result<&'static Preset> {
     })
 }
 
+/// The `config.json` keys that name a model's multi-token-prediction
+/// layers.
+const MTP_KEYS: [&str; 2] = ["mtp_num_hidden_layers", "num_nextn_predict_layers"];
+
 /// The preset's `config.json`, keeping only the first `layers` layers when
-/// given (so a large shape fits a small disk).
-pub fn preset_config(preset: &Preset, layers: Option<usize>) -> Result<Value> {
+/// given (so a large shape fits a small disk), with the model's
+/// multi-token-prediction layer when `mtp` (an error for a preset whose
+/// model has none).
+pub fn preset_config(preset: &Preset, layers: Option<usize>, mtp: bool) -> Result<Value> {
     let mut config = (preset.config)();
+    match MTP_KEYS.into_iter().find(|k| config.get(k).is_some()) {
+        Some(key) => config[key] = usize::from(mtp).into(),
+        None if mtp => {
+            return Err(Error::invalid(
+                "--mtp",
+                format!(
+                    "{} has no multi-token-prediction layer (the Qwen3-Next, Qwen3.5, GLM-4.5, \
+                     DeepSeek-V3 and Kimi K2 presets have one)",
+                    preset.name
+                ),
+            ));
+        }
+        None => {}
+    }
     if let Some(n) = layers {
         let full = config["num_hidden_layers"].as_u64().unwrap_or(0) as usize;
         if n == 0 || n > full {
@@ -279,7 +300,36 @@ pub fn synthesize(
         shapes: plan.source_shapes.clone(),
         norm: cfg.norm,
     };
-    write_model(&weights, plan, config, cfg, None, output, options, progress)
+    let tokenizer = placeholder_tokenizer(cfg.vocab_size);
+    let side = SideFiles {
+        dir: None,
+        generated: &[(crate::format::TOKENIZER_FILE.to_string(), tokenizer)],
+        synthetic: true,
+    };
+    write_model(
+        &weights, plan, config, cfg, &side, output, options, progress,
+    )
+}
+
+/// A word-level `tokenizer.json` over the whole vocabulary, id `i` the word
+/// `t{i}`: text in and out works, and every generated token is visible
+/// text, which the server's streamed chunks and their timing need.
+fn placeholder_tokenizer(vocab_size: usize) -> Vec<u8> {
+    let vocab: serde_json::Map<String, Value> = (0..vocab_size)
+        .map(|i| (format!("t{i}"), Value::from(i)))
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": { "type": "WhitespaceSplit" },
+        "post_processor": null,
+        "decoder": null,
+        "model": { "type": "WordLevel", "vocab": vocab, "unk_token": "t0" },
+    });
+    serde_json::to_vec(&tokenizer).expect("JSON values serialize")
 }
 
 /// Deterministic pseudo-random weights at scales that keep activations of
@@ -416,7 +466,7 @@ mod tests {
     fn presets_parse_whole_and_cut() {
         for p in PRESETS {
             for layers in [None, Some(3)] {
-                let config = preset_config(p, layers).unwrap();
+                let config = preset_config(p, layers, false).unwrap();
                 let cfg = ModelConfig::from_hf_json(&config, Path::new(p.name))
                     .unwrap_or_else(|e| panic!("{}: {e}", p.name));
                 if let Some(n) = layers {
@@ -428,10 +478,44 @@ mod tests {
                     .conversion_plan(&cfg, &index)
                     .unwrap_or_else(|e| panic!("{}: {e}", p.name));
                 assert_eq!(plan.experts.len(), cfg.moe_layers().count(), "{}", p.name);
+                assert!(cfg.mtp.is_none(), "{}: no MTP layer unless asked", p.name);
+            }
+            // With its multi-token-prediction layer where the model has one:
+            // one more layer of experts, numbered after the decoder's.
+            match preset_config(p, Some(3), true) {
+                Ok(config) => {
+                    let cfg = ModelConfig::from_hf_json(&config, Path::new(p.name)).unwrap();
+                    let plan = cfg
+                        .architecture
+                        .conversion_plan(&cfg, &CheckpointIndex::synthetic(Path::new(p.name)))
+                        .unwrap();
+                    assert_eq!(cfg.mtp_layer(), Some(3), "{}", p.name);
+                    assert_eq!(
+                        plan.experts.len(),
+                        cfg.moe_layers().count() + 1,
+                        "{}",
+                        p.name
+                    );
+                    assert_eq!(plan.experts.last().unwrap().layer, 3, "{}", p.name);
+                    assert!(
+                        plan.dense
+                            .iter()
+                            .any(|t| t.name == crate::arch::names::MTP_FC_HIDDEN),
+                        "{}",
+                        p.name
+                    );
+                }
+                Err(e) => assert!(
+                    ["qwen3-30b", "qwen3-235b", "gpt-oss"]
+                        .iter()
+                        .any(|n| p.name.starts_with(n)),
+                    "{}: {e}",
+                    p.name
+                ),
             }
         }
         let oss = ModelConfig::from_hf_json(
-            &preset_config(preset("gpt-oss-120b").unwrap(), None).unwrap(),
+            &preset_config(preset("gpt-oss-120b").unwrap(), None, false).unwrap(),
             Path::new("gpt-oss-120b"),
         )
         .unwrap();
@@ -439,12 +523,30 @@ mod tests {
         assert!(oss.attention.rope_yarn.is_some(), "gpt-oss uses YaRN");
     }
 
+    /// The placeholder tokenizer loads, names every id and reads its own
+    /// words back.
+    #[test]
+    fn placeholder_tokenizer_names_every_id() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join(crate::text::TOKENIZER_FILE),
+            placeholder_tokenizer(1000),
+        )
+        .unwrap();
+        let tokenizer = crate::text::Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tokenizer.vocab_size(), 1000);
+        let ids = [0, 7, 999, 42];
+        let text = tokenizer.decode(&ids, false).unwrap();
+        assert_eq!(text, "t0 t7 t999 t42");
+        assert_eq!(tokenizer.encode(&text, false).unwrap(), ids);
+    }
+
     /// DeepSeek-V3's and Kimi K2's KV cache keeps 512 latent and 64 rotary
     /// values a position and layer (in f32), not 2 · heads · 192.
     #[test]
     fn mla_presets_cache_the_latent_alone() {
         for name in ["deepseek-v3-671b", "kimi-k2-1t"] {
-            let config = preset_config(preset(name).unwrap(), None).unwrap();
+            let config = preset_config(preset(name).unwrap(), None, false).unwrap();
             let cfg = ModelConfig::from_hf_json(&config, Path::new(name)).unwrap();
             assert_eq!(cfg.kv_bytes_per_position_and_layer(), 576 * 4, "{name}");
             assert_eq!(cfg.kv_bytes_per_position(), 61 * 576 * 4, "{name}");

@@ -65,7 +65,7 @@ fn check_fixtures(quant: DType, suffix: &str, reference_tolerance: f64) {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, quant);
         let reference = Reference::load(name);
         for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
@@ -124,7 +124,7 @@ fn greedy_continuation_matches_transformers_generate() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Bf16);
         let reference = Reference::load(name);
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -140,7 +140,7 @@ fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -162,6 +162,60 @@ fn prefill_logits_equal_token_by_token_decode() {
     }
 }
 
+/// Decode steps recorded as CUDA graphs and replayed, on every fixture
+/// with its experts resident (routers of every kind on the device, latent
+/// caches, sliding windows): a prompt, then token-by-token decode to 300
+/// positions (or the fixture's context) equal the whole sequence
+/// prefilled (≤ 1e-4, prefill against decode), and every step is a replay
+/// but the first two over each set of state buffers (run, then recorded):
+/// after the prompt and where the full caches grow at 256 positions. A
+/// prompt of 130 gives a sliding window's cache room for 260 positions,
+/// so at 260 it moves its rows to the front of its buffers between
+/// replays of the recording made at 257.
+#[test]
+fn recorded_decode_steps_equal_prefill_on_every_fixture() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        gpu.prepare_experts(&moeflux::util::NoProgress).unwrap();
+        let context = gpu.config().max_position_embeddings.min(300);
+        let tokens: Vec<u32> = Reference::load(name)
+            .tokens("tokens_long")
+            .into_iter()
+            .cycle()
+            .take(context)
+            .collect();
+        let prompt = 130.min(context / 2);
+        let all = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+        let mut session = gpu.session();
+        session.prefill(&tokens[..prompt]).unwrap();
+        let before = gpu.backend().replayed_steps();
+        let decoded: Vec<f32> = tokens[prompt..]
+            .iter()
+            .flat_map(|&t| session.decode(t).unwrap())
+            .collect();
+        let replayed = gpu.backend().replayed_steps() - before;
+        let steps = (context - prompt) as u64;
+        let max = max_error(&decoded, &all.data[prompt * all.vocab..], all.vocab);
+        println!(
+            "{name:<22} {steps} recorded decode steps ({replayed} replayed) against prefill: max rel err {max:.2e}"
+        );
+        assert!(
+            max <= 1e-4,
+            "{name}: recorded decode and prefill differ by {max:.3e}"
+        );
+        let unrecorded = if context > 256 { 4 } else { 2 };
+        assert_eq!(
+            replayed,
+            steps - unrecorded,
+            "{name}: decode steps not replayed"
+        );
+    }
+}
+
 /// Speculative decoding on CUDA: greedy output with drafts (of 1 to 4
 /// tokens, kept and rejected at every offset, and prompt lookup) equals
 /// plain decoding, and the rewound session's logits stay within the
@@ -171,22 +225,41 @@ fn greedy_with_drafts_equals_plain_decoding() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let prompt = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
         common::speculative::check_greedy_equal(name, &gpu, &prompt[..20], 1e-4);
     }
-    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let (dir, prompt) = bundled_prompt();
     let gpu = open_cuda(&dir, ModelOptions::default(), cuda().unwrap());
-    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
-    let prompt = tokenizer
-        .encode(
-            "It is a truth universally acknowledged, that a single man",
-            true,
-        )
-        .unwrap();
     common::speculative::check_greedy_equal("bundled", &gpu, &prompt, 1e-4);
+}
+
+/// The multi-token-prediction head on CUDA: its logits within the
+/// whole-model bound of the PyTorch reference (tools/mtp_reference.py) on
+/// the bf16 fixtures that have one (Qwen3.5's and DeepSeek-V3's, latent
+/// attention included), and greedy output with its drafts (1 to 4 tokens a
+/// step, adaptive) equal to plain decoding.
+#[test]
+fn mtp_drafts_match_the_reference_and_keep_greedy_output() {
+    if cuda().is_none() {
+        return;
+    }
+    for name in MTP_FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let worst = common::speculative::mtp_reference_error(name, &gpu);
+        println!("{name:<22} CUDA MTP logits within {worst:.2e} of the reference");
+        assert!(
+            worst <= 1e-3,
+            "{name}: CUDA MTP logits differ by {worst:.3e}"
+        );
+        let converted = convert_fixture(name, DType::Q4);
+        let prompt = Reference::load(name).tokens("tokens_long");
+        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        common::speculative::check_greedy_equal_with_mtp(name, &gpu, &prompt[..20], 1e-4);
+    }
 }
 
 #[test]
@@ -194,7 +267,7 @@ fn tiny_expert_caches_give_identical_results() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let unbounded = ModelOptions {
@@ -266,7 +339,7 @@ fn low_bit_expert_logits_match_cpu() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         for experts in [DType::Q3, DType::Q2, DType::Mxfp4] {
             let converted = convert_fixture_with(name, DType::Q8, experts);
             let tokens = Reference::load(name).tokens("tokens_long");
@@ -318,7 +391,7 @@ fn resident_and_streamed_experts_give_identical_results() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         for (rest, quant) in [
             (DType::Q4, DType::Q4),
             (DType::Bf16, DType::Bf16),
@@ -391,7 +464,7 @@ fn streamed_expert_statistics_are_consistent() {
     if cuda().is_none() {
         return;
     }
-    for name in fixtures_with(false) {
+    for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
@@ -502,14 +575,15 @@ fn streamed_expert_statistics_are_consistent() {
 }
 
 /// Saving and loading state, truncation and checkpoints exercise the
-/// export, import, truncate and copy operations; a state saved on CUDA
-/// also continues on the CPU.
+/// export, import, truncate and copy operations (sliding windows' caches
+/// and latent caches included); a state saved on CUDA also continues on
+/// the CPU.
 #[test]
 fn sessions_save_truncate_and_restore_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss"] {
+    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"] {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
         let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());

@@ -76,8 +76,7 @@ fn unwritable_precisions_are_refused() {
     ] {
         let output = tmp.path().join("model");
         let err = convert(&input, &output, &options, &NoProgress)
-            .err()
-            .expect("refused")
+            .expect_err("refused")
             .to_string();
         assert!(err.contains(flag), "{err}");
         assert!(!output.exists());

@@ -25,15 +25,8 @@ fn greedy_with_drafts_equals_plain_decoding_on_every_fixture() {
 
 #[test]
 fn greedy_with_drafts_equals_plain_decoding_on_the_bundled_model() {
-    let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
+    let (dir, prompt) = bundled_prompt();
     let model = std::sync::Arc::new(Model::open(&dir, &ModelOptions::default()).unwrap());
-    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
-    let prompt = tokenizer
-        .encode(
-            "It is a truth universally acknowledged, that a single man",
-            true,
-        )
-        .unwrap();
     check_greedy_equal("bundled", &model, &prompt, TOLERANCE);
     // Checks longer than a prefill chunk run in several passes: rewound
     // from a copy of the Gated DeltaNet states instead of their steps.

@@ -64,7 +64,8 @@ pub fn run_command(args: Args) -> Result<()> {
         .as_ref()
         .map(|p| read_text("--text", p))
         .transpose()?;
-    let files = args.model.resolve(false)?;
+    let mut files = args.model.resolve(false)?;
+    files.check_draft(draft)?;
     let text_tokens = match text {
         Some(text) => Some(Tokenizer::from_dir(&files.dir)?.encode(&text, false)?),
         None => None,

@@ -60,8 +60,9 @@ struct Prepared {
 
 pub fn run(args: Args) -> Result<()> {
     let draft = args.draft.settings()?;
-    let files = args.model.resolve(args.quiet)?;
+    let mut files = args.model.resolve(args.quiet)?;
     files.check_context(args.ctx)?;
+    files.check_draft(draft)?;
     let tokenizer = Tokenizer::from_dir(&files.dir)?;
     let prepared = Prepared {
         template: ChatTemplate::from_dir(&files.dir, tokenizer.special_tokens(), None)?,
@@ -198,6 +199,9 @@ fn chat<B: Backend>(
     };
     let mut messages = fresh();
     let mut session = new_session(model, args.ctx, args.quiet || !interactive);
+    if let Some(draft) = &prepared.draft {
+        draft.source.prepare(&mut session);
+    }
     session.set_interrupt(Some(interrupt.flag().clone()));
     if interactive && !args.quiet {
         eprintln!(

@@ -116,8 +116,9 @@ pub fn run(args: Args) -> Result<()> {
     };
     let draft = args.draft.settings()?;
     let quiet = args.quiet || args.json;
-    let files = args.model.resolve(quiet)?;
+    let mut files = args.model.resolve(quiet)?;
     files.check_context(args.ctx)?;
+    files.check_draft(draft)?;
     if let Some(path) = &args.save_state {
         check_writable("--save-state", path)?;
     }
@@ -231,6 +232,9 @@ fn generate<B: Backend>(
 ) -> Result<()> {
     let quiet = args.quiet || args.json;
     let mut session = new_session(model, args.ctx, quiet);
+    if let Some(draft) = &prepared.draft {
+        draft.source.prepare(&mut session);
+    }
     if let Some((path, bytes)) = &prepared.state {
         session.load_state(bytes, path)?;
     }

@@ -1,7 +1,7 @@
 //! `moeflux inspect -m DIR`
 
 use anyhow::Result;
-use moeflux::config::{ExpertActivation, FeedForwardKind, LayerKind, ScoreFunction};
+use moeflux::config::{ExpertActivation, FeedForwardKind, LayerKind, LayerSpec, ScoreFunction};
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::util::human_bytes;
 
@@ -19,6 +19,7 @@ pub fn run(args: Args) -> Result<()> {
         &path,
         OpenOptions {
             verify_checksums: false,
+            mtp_head: true,
         },
     )?;
     let m = dir.manifest();
@@ -164,7 +165,7 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     println!("layers         {}", c.num_layers());
-    for (i, l) in c.layers.iter().enumerate() {
+    let describe = |l: &LayerSpec| {
         let mixer = match l.kind {
             LayerKind::FullAttention if c.mla.is_some() => "latent attention (MLA)",
             LayerKind::FullAttention => "full attention",
@@ -175,7 +176,35 @@ pub fn run(args: Args) -> Result<()> {
             FeedForwardKind::Moe => "MoE",
             FeedForwardKind::Dense => "dense MLP",
         };
-        println!("  {i:>4}  {mixer:<34} {ffn}");
+        format!("{mixer:<34} {ffn}")
+    };
+    for (i, l) in c.layers.iter().enumerate() {
+        println!("  {i:>4}  {}", describe(l));
+    }
+    match (&c.mtp, c.mtp_layer()) {
+        (Some(mtp), Some(i)) => {
+            println!(
+                "mtp head       multi-token prediction (--draft mtp): fc over [embedding; hidden], \
+                 {}{}{}",
+                if m.tensors.contains_key(moeflux::arch::names::MTP_LM_HEAD) {
+                    "its own LM head"
+                } else {
+                    "the model's LM head"
+                },
+                if mtp.zero_first_embedding {
+                    ", embedding zeroed at position 0"
+                } else {
+                    ""
+                },
+                if mtp.chain_normed {
+                    ", chained after its norm"
+                } else {
+                    ", chained before its norm"
+                }
+            );
+            println!("  {i:>4}  {}", describe(&mtp.layer));
+        }
+        _ => println!("mtp head       none (--draft mtp needs a checkpoint that ships one)"),
     }
     let per_expert = m.experts.first().map(|e| e.blob.nbytes).unwrap_or(0);
     println!(

@@ -63,8 +63,12 @@ impl ModelPath {
             );
         }
         let manifest = Manifest::read(&manifest_path)?;
-        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
-        Ok(ModelFiles { dir, config })
+        let config = manifest.model_config(&manifest_path)?;
+        Ok(ModelFiles {
+            dir,
+            config,
+            mtp_head: true,
+        })
     }
 }
 
@@ -176,9 +180,23 @@ pub enum PrefetchArg {
 pub struct ModelFiles {
     pub dir: PathBuf,
     pub config: ModelConfig,
+    /// Whether opening it opens its multi-token-prediction head (where it
+    /// has one): only for `--draft mtp` in the commands that draft.
+    pub mtp_head: bool,
 }
 
 impl ModelFiles {
+    /// Checks that the model can draft as `--draft` asks (`mtp` needs a
+    /// multi-token-prediction head), and opens the head only for it.
+    pub fn check_draft(&mut self, draft: Option<DraftSettings>) -> Result<()> {
+        let mtp = draft.is_some_and(|d| d.source == DraftSource::Mtp);
+        if mtp && self.config.mtp.is_none() {
+            return Err(moeflux::speculative::missing_mtp_head(&self.dir).into());
+        }
+        self.mtp_head = mtp;
+        Ok(())
+    }
+
     /// Checks `--ctx` against the model's context.
     pub fn check_context(&self, ctx: Option<usize>) -> Result<()> {
         let model = self.config.max_position_embeddings;
@@ -248,6 +266,7 @@ impl ModelArgs {
             },
             prefill_chunk: self.prefill_chunk,
             verify_checksums: !self.no_verify,
+            mtp_head: files.mtp_head,
             kv_limit_bytes: None,
         };
         let opened = match self.cuda_backend()? {
@@ -284,7 +303,7 @@ impl ModelArgs {
         if let OpenedModel::Cuda(model) = &opened {
             let stats = model.backend().expert_cache_stats();
             if !quiet {
-                let moe_layers = model.config().moe_layers().count() as u64;
+                let moe_layers = model.config().expert_layers().count() as u64;
                 if stats.complete_layers == moe_layers {
                     eprintln!(
                         "moeflux: every expert resident in VRAM ({} uploaded in {:.1} s)",

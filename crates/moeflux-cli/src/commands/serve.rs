@@ -12,7 +12,7 @@ use moeflux::backend::Backend;
 use moeflux::util::human_bytes;
 use moeflux_server::ServerOptions;
 
-use super::ModelArgs;
+use super::{DraftArgs, ModelArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -63,6 +63,10 @@ pub struct Args {
     /// Largest request body, in MiB.
     #[arg(long, default_value_t = 8)]
     max_body_mb: usize,
+    /// Speculative decoding of requests that do not choose (a request's
+    /// `draft` field: "lookup", "mtp" or "off").
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -77,6 +81,7 @@ pub fn run(args: Args) -> Result<()> {
     if args.api_key.as_deref() == Some("") {
         bail!("--api-key: must not be empty");
     }
+    args.draft.settings()?;
     let name = match (&args.model_name, &args.model.path.model) {
         (Some(name), _) => name.clone(),
         (None, None) => moeflux::bundled::NAME.to_string(),
@@ -95,6 +100,11 @@ where
     Model<B>: Send + Sync,
 {
     let mut options = ServerOptions::for_model(&model, &name);
+    options.draft = args.draft.settings()?;
+    if let Some(draft) = options.draft {
+        // A model without a drafting head is refused now, not per request.
+        draft.source.drafter(&model)?;
+    }
     options.api_key = args.api_key.clone();
     options.max_body_bytes = args.max_body_mb << 20;
     options.limits.max_sequences = args.max_sequences;

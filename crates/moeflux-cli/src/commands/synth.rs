@@ -17,6 +17,9 @@ pub struct Args {
     /// Keep only the first N layers.
     #[arg(long)]
     layers: Option<usize>,
+    /// Include the model's multi-token-prediction layer (for --draft mtp).
+    #[arg(long)]
+    mtp: bool,
     /// Weight precision of every matrix but the routed experts' (default
     /// q4; q8 when --expert-quant is q2 or q3).
     #[arg(long, value_enum)]
@@ -45,7 +48,7 @@ pub fn run(args: Args) -> Result<()> {
     let (Some(name), Some(output)) = (args.preset, args.output) else {
         unreachable!("clap requires --preset and -o without --list")
     };
-    let config = preset_config(preset(&name)?, args.layers)?;
+    let config = preset_config(preset(&name)?, args.layers, args.mtp)?;
     let interrupt = crate::interrupt::install()?;
     let quant = args.quant.map_or_else(
         || ExpertQuant::default_rest(args.expert_quant),
@@ -62,10 +65,14 @@ pub fn run(args: Args) -> Result<()> {
     interrupt.end();
     let summary = summary?;
     println!(
-        "wrote synthetic {} ({}, {} layers, random weights) to {}: dense {}, experts {}",
+        "wrote synthetic {} ({}, {} layers{}, random weights) to {}: dense {}, experts {}",
         name,
         precision_label(quant, options.expert_quant),
         summary.config.num_layers(),
+        match summary.config.mtp {
+            Some(_) => " + a multi-token-prediction layer",
+            None => "",
+        },
         output.display(),
         human_bytes(summary.dense_bytes),
         human_bytes(summary.expert_bytes)

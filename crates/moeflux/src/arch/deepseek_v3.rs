@@ -12,12 +12,9 @@
 //! then odds): the interleaved rotation becomes the NeoX one the backends
 //! implement, and q·k is unchanged.
 
-use super::glm4_moe::{MTP_NOTICE, deepseek_feed_forward, deepseek_moe, mtp_prefixes};
+use super::glm4_moe::{deepseek_feed_forward, deepseek_moe, layers_and_mtp, mtp_layer};
 use crate::arch::{Architecture, names};
-use crate::config::{
-    AttentionConfig, ConfigReader, FeedForwardKind, LayerKind, LayerSpec, MlaConfig, ModelConfig,
-    NormStyle,
-};
+use crate::config::{AttentionConfig, ConfigReader, LayerKind, MlaConfig, ModelConfig, NormStyle};
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, RowSource, TensorRole};
 use crate::error::Result;
 use crate::rope::get_mscale;
@@ -57,18 +54,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
     let softmax_scale = ((mla.qk_head_dim() as f64).powf(-0.5) * mscale * mscale) as f32;
     let num_layers = c.usize("num_hidden_layers")?;
     let moe = deepseek_moe(c)?;
-    let first_dense = c.usize_or("first_k_dense_replace", 3)?;
-    let freq = c.usize_or("moe_layer_freq", 1)?.max(1);
-    let layers = (0..num_layers)
-        .map(|i| LayerSpec {
-            kind: LayerKind::FullAttention,
-            ffn: if moe.num_experts > 0 && i >= first_dense && i % freq == 0 {
-                FeedForwardKind::Moe
-            } else {
-                FeedForwardKind::Dense
-            },
-        })
-        .collect();
+    let (layers, mtp) = layers_and_mtp(c, num_layers, LayerKind::FullAttention, &moe, 3)?;
     Ok(ModelConfig {
         architecture: Architecture::DeepseekV3,
         vocab_size: c.usize("vocab_size")?,
@@ -99,6 +85,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         moe,
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,
+        mtp,
     })
 }
 
@@ -127,6 +114,17 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
     let mut b = PlanBuilder::new(ckpt);
     let p = ckpt.text_prefix();
     super::qwen3_moe::common_tensors(&mut b, cfg, p)?;
+    for (i, spec) in cfg.layers.iter().enumerate() {
+        latent_attention(&mut b, cfg, p, i)?;
+        deepseek_feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+    }
+    let skips = mtp_layer(&mut b, cfg, p, latent_attention)?;
+    Ok(b.finish(&skips))
+}
+
+/// Multi-head latent attention of layer `i`: queries and the rotary key
+/// reordered for the NeoX rotation.
+fn latent_attention(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize) -> Result<()> {
     let mla = cfg.mla.as_ref().expect("deepseek_v3 configs have MLA");
     let interleaved = mla.rope_interleave;
     let (h, heads) = (cfg.hidden_size, cfg.attention.num_heads);
@@ -135,66 +133,61 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
         mla.qk_rope_head_dim,
         mla.qk_head_dim(),
     );
-    for (i, spec) in cfg.layers.iter().enumerate() {
-        let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
-        let canon = |t: &str| names::layer(i, t);
-        let m = TensorRole::Matrix;
-        // Queries, each head reordered to [rotary (halves) | the rest].
-        let (q_source, q_cols, q_canon) = match mla.q_lora_rank {
-            Some(r) => {
-                b.matrix(canon(names::MLA_Q_A), m, &hf("q_a_proj.weight"), r, h)?;
-                b.vector(
-                    canon(names::MLA_Q_A_NORM),
-                    &hf("q_a_layernorm.weight"),
-                    &[r],
-                )?;
-                (hf("q_b_proj.weight"), r, names::MLA_Q_B)
-            }
-            None => (hf("q_proj.weight"), h, names::ATTN_Q),
-        };
-        b.expect(&q_source, &[heads * qk, q_cols])?;
-        let mut rows = Vec::with_capacity(heads * qk);
-        for head in 0..heads {
-            rows.extend(rotary_rows(&q_source, head * qk + nope, rope, interleaved));
-            rows.push(RowSource {
-                tensor: q_source.clone(),
-                row_start: head * qk,
-                rows: nope,
-            });
+    let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
+    let canon = |t: &str| names::layer(i, t);
+    let m = TensorRole::Matrix;
+    // Queries, each head reordered to [rotary (halves) | the rest].
+    let (q_source, q_cols, q_canon) = match mla.q_lora_rank {
+        Some(r) => {
+            b.matrix(canon(names::MLA_Q_A), m, &hf("q_a_proj.weight"), r, h)?;
+            b.vector(
+                canon(names::MLA_Q_A_NORM),
+                &hf("q_a_layernorm.weight"),
+                &[r],
+            )?;
+            (hf("q_b_proj.weight"), r, names::MLA_Q_B)
         }
-        b.assembled(canon(q_canon), m, q_cols, rows);
-        // The latent, then the rotary key (halves).
-        let kv_a = hf("kv_a_proj_with_mqa.weight");
-        b.expect(&kv_a, &[mla.kv_lora_rank + rope, h])?;
-        let mut rows = vec![RowSource {
-            tensor: kv_a.clone(),
-            row_start: 0,
-            rows: mla.kv_lora_rank,
-        }];
-        rows.extend(rotary_rows(&kv_a, mla.kv_lora_rank, rope, interleaved));
-        b.assembled(canon(names::MLA_KV_A), m, h, rows);
-        b.vector(
-            canon(names::MLA_KV_A_NORM),
-            &hf("kv_a_layernorm.weight"),
-            &[mla.kv_lora_rank],
-        )?;
-        b.matrix(
-            canon(names::MLA_KV_B),
-            m,
-            &hf("kv_b_proj.weight"),
-            heads * (nope + mla.v_head_dim),
-            mla.kv_lora_rank,
-        )?;
-        b.matrix(
-            canon(names::ATTN_O),
-            m,
-            &hf("o_proj.weight"),
-            h,
-            heads * mla.v_head_dim,
-        )?;
-        deepseek_feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+        None => (hf("q_proj.weight"), h, names::ATTN_Q),
+    };
+    b.expect(&q_source, &[heads * qk, q_cols])?;
+    let mut rows = Vec::with_capacity(heads * qk);
+    for head in 0..heads {
+        rows.extend(rotary_rows(&q_source, head * qk + nope, rope, interleaved));
+        rows.push(RowSource {
+            tensor: q_source.clone(),
+            row_start: head * qk,
+            rows: nope,
+        });
     }
-    let mtp = mtp_prefixes(cfg, ckpt, p);
-    let skips: Vec<(&str, &'static str)> = mtp.iter().map(|s| (s.as_str(), MTP_NOTICE)).collect();
-    Ok(b.finish(&skips))
+    b.assembled(canon(q_canon), m, q_cols, rows);
+    // The latent, then the rotary key (halves).
+    let kv_a = hf("kv_a_proj_with_mqa.weight");
+    b.expect(&kv_a, &[mla.kv_lora_rank + rope, h])?;
+    let mut rows = vec![RowSource {
+        tensor: kv_a.clone(),
+        row_start: 0,
+        rows: mla.kv_lora_rank,
+    }];
+    rows.extend(rotary_rows(&kv_a, mla.kv_lora_rank, rope, interleaved));
+    b.assembled(canon(names::MLA_KV_A), m, h, rows);
+    b.vector(
+        canon(names::MLA_KV_A_NORM),
+        &hf("kv_a_layernorm.weight"),
+        &[mla.kv_lora_rank],
+    )?;
+    b.matrix(
+        canon(names::MLA_KV_B),
+        m,
+        &hf("kv_b_proj.weight"),
+        heads * (nope + mla.v_head_dim),
+        mla.kv_lora_rank,
+    )?;
+    b.matrix(
+        canon(names::ATTN_O),
+        m,
+        &hf("o_proj.weight"),
+        h,
+        heads * mla.v_head_dim,
+    )?;
+    Ok(())
 }

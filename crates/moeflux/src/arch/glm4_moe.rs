@@ -9,7 +9,8 @@
 use crate::arch::{Architecture, names};
 use crate::config::{
     AttentionConfig, ConfigReader, ExpertActivation, ExpertGroups, FeedForwardKind, LayerKind,
-    LayerSpec, ModelConfig, MoeConfig, NormStyle, RouterSpec, ScoreFunction, SharedExpert,
+    LayerSpec, ModelConfig, MoeConfig, MtpConfig, NormStyle, RouterSpec, ScoreFunction,
+    SharedExpert,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, TensorRole};
 use crate::error::Result;
@@ -22,6 +23,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
     let rope = c.rope(0.5)?;
     let num_layers = c.usize("num_hidden_layers")?;
     let moe = deepseek_moe(c)?;
+    let (layers, mtp) = layers_and_mtp(c, num_layers, LayerKind::FullAttention, &moe, 1)?;
     Ok(ModelConfig {
         architecture: Architecture::Glm4Moe,
         vocab_size: c.usize("vocab_size")?,
@@ -46,7 +48,8 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         },
         mla: None,
         linear_attention: None,
-        layers: leading_dense_layers(c, num_layers, LayerKind::FullAttention, &moe)?,
+        layers,
+        mtp,
         moe,
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
     })
@@ -101,89 +104,161 @@ pub(super) fn deepseek_moe(c: &ConfigReader<'_>) -> Result<MoeConfig> {
     })
 }
 
-/// Layers of mixer `kind`, the first `first_k_dense_replace` with a dense
-/// MLP and the rest MoE (every `moe_layer_freq`-th, as DeepSeek's
-/// configs allow; transformers' models use 1).
-pub(super) fn leading_dense_layers(
+/// Layers of mixer `kind`, the first `first_k_dense_replace` (default
+/// `default_dense`) with a dense MLP and the rest MoE (every
+/// `moe_layer_freq`-th, as DeepSeek's configs allow; transformers' models
+/// use 1); and the multi-token-prediction layer `num_nextn_predict_layers`
+/// names, numbered after them and following the same rule (as vLLM builds
+/// it).
+pub(super) fn layers_and_mtp(
     c: &ConfigReader<'_>,
     num_layers: usize,
     kind: LayerKind,
     moe: &MoeConfig,
-) -> Result<Vec<LayerSpec>> {
-    let first_dense = c.usize_or("first_k_dense_replace", 1)?;
+    default_dense: usize,
+) -> Result<(Vec<LayerSpec>, Option<MtpConfig>)> {
+    let first_dense = c.usize_or("first_k_dense_replace", default_dense)?;
     let freq = c.usize_or("moe_layer_freq", 1)?.max(1);
-    Ok((0..num_layers)
-        .map(|i| LayerSpec {
-            kind,
-            ffn: if moe.num_experts > 0 && i >= first_dense && i % freq == 0 {
-                FeedForwardKind::Moe
-            } else {
-                FeedForwardKind::Dense
-            },
-        })
-        .collect())
+    let spec = |i: usize| LayerSpec {
+        kind,
+        ffn: if moe.num_experts > 0 && i >= first_dense && i.is_multiple_of(freq) {
+            FeedForwardKind::Moe
+        } else {
+            FeedForwardKind::Dense
+        },
+    };
+    let mtp = (c.usize_or("num_nextn_predict_layers", 0)? > 0).then(|| MtpConfig {
+        layer: LayerSpec {
+            kind: LayerKind::FullAttention,
+            ffn: spec(num_layers).ffn,
+        },
+        zero_first_embedding: true,
+        chain_normed: false,
+    });
+    Ok(((0..num_layers).map(spec).collect(), mtp))
 }
 
 pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Result<ConversionPlan> {
     let mut b = PlanBuilder::new(ckpt);
     let p = ckpt.text_prefix();
     super::qwen3_moe::common_tensors(&mut b, cfg, p)?;
+    for (i, spec) in cfg.layers.iter().enumerate() {
+        attention(&mut b, cfg, p, i)?;
+        deepseek_feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+    }
+    let skips = mtp_layer(&mut b, cfg, p, attention)?;
+    Ok(b.finish(&skips))
+}
+
+/// GQA attention of layer `i` with GLM-4.5's optional biases and q/k norm.
+fn attention(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize) -> Result<()> {
     let a = &cfg.attention;
     let (h, q_dim, kv_dim) = (
         cfg.hidden_size,
         a.num_heads * a.head_dim,
         a.num_kv_heads * a.head_dim,
     );
-    for (i, spec) in cfg.layers.iter().enumerate() {
-        let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
-        let canon = |t: &str| names::layer(i, t);
-        let m = TensorRole::Matrix;
-        for (c, t, rows) in [
-            (names::ATTN_Q, "q_proj", q_dim),
-            (names::ATTN_K, "k_proj", kv_dim),
-            (names::ATTN_V, "v_proj", kv_dim),
-        ] {
-            b.matrix(canon(c), m, &hf(&format!("{t}.weight")), rows, h)?;
-        }
-        b.matrix(canon(names::ATTN_O), m, &hf("o_proj.weight"), h, q_dim)?;
-        if a.qkv_bias {
-            for (c, t, rows) in [
-                (names::ATTN_Q_BIAS, "q_proj", q_dim),
-                (names::ATTN_K_BIAS, "k_proj", kv_dim),
-                (names::ATTN_V_BIAS, "v_proj", kv_dim),
-            ] {
-                b.vector(canon(c), &hf(&format!("{t}.bias")), &[rows])?;
-            }
-        }
-        if a.qk_norm {
-            b.vector(
-                canon(names::ATTN_Q_NORM),
-                &hf("q_norm.weight"),
-                &[a.head_dim],
-            )?;
-            b.vector(
-                canon(names::ATTN_K_NORM),
-                &hf("k_norm.weight"),
-                &[a.head_dim],
-            )?;
-        }
-        deepseek_feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+    let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
+    let canon = |t: &str| names::layer(i, t);
+    let m = TensorRole::Matrix;
+    for (c, t, rows) in [
+        (names::ATTN_Q, "q_proj", q_dim),
+        (names::ATTN_K, "k_proj", kv_dim),
+        (names::ATTN_V, "v_proj", kv_dim),
+    ] {
+        b.matrix(canon(c), m, &hf(&format!("{t}.weight")), rows, h)?;
     }
-    let mtp = mtp_prefixes(cfg, ckpt, p);
-    let skips: Vec<(&str, &'static str)> = mtp.iter().map(|s| (s.as_str(), MTP_NOTICE)).collect();
-    Ok(b.finish(&skips))
+    b.matrix(canon(names::ATTN_O), m, &hf("o_proj.weight"), h, q_dim)?;
+    if a.qkv_bias {
+        for (c, t, rows) in [
+            (names::ATTN_Q_BIAS, "q_proj", q_dim),
+            (names::ATTN_K_BIAS, "k_proj", kv_dim),
+            (names::ATTN_V_BIAS, "v_proj", kv_dim),
+        ] {
+            b.vector(canon(c), &hf(&format!("{t}.bias")), &[rows])?;
+        }
+    }
+    if a.qk_norm {
+        b.vector(
+            canon(names::ATTN_Q_NORM),
+            &hf("q_norm.weight"),
+            &[a.head_dim],
+        )?;
+        b.vector(
+            canon(names::ATTN_K_NORM),
+            &hf("k_norm.weight"),
+            &[a.head_dim],
+        )?;
+    }
+    Ok(())
+}
+
+/// Maps the attention of layer `i` of a DeepSeek-V3-family checkpoint.
+pub(super) type AttentionPlan = fn(&mut PlanBuilder<'_>, &ModelConfig, &str, usize) -> Result<()>;
+
+/// The multi-token-prediction layer of the DeepSeek-V3 family's
+/// checkpoints, kept when `config.json` names one
+/// (`num_nextn_predict_layers`) and the checkpoint has it: decoder layer
+/// `num_hidden_layers` (its attention mapped by `attention`) with `enorm`,
+/// `hnorm`, `eh_proj` split per input, `shared_head.norm` and, where
+/// present, its own `embed_tokens` and `shared_head.head`. Returns the
+/// prefixes [`PlanBuilder::finish`] skips: the layers after it, or all of
+/// them when it is not kept.
+pub(super) fn mtp_layer(
+    b: &mut PlanBuilder<'_>,
+    cfg: &ModelConfig,
+    p: &str,
+    attention: AttentionPlan,
+) -> Result<Vec<(String, &'static str)>> {
+    let n = cfg.num_layers();
+    let hf = |t: &str| format!("{p}layers.{n}.{t}");
+    let (Some(mtp), true) = (&cfg.mtp, b.checkpoint().contains(&hf("eh_proj.weight"))) else {
+        return Ok(mtp_prefixes(b.checkpoint(), p, n)
+            .into_iter()
+            .map(|prefix| (prefix, MTP_NOTICE))
+            .collect());
+    };
+    let (v, h) = (cfg.vocab_size, cfg.hidden_size);
+    b.vector(names::MTP_EMBED_NORM.into(), &hf("enorm.weight"), &[h])?;
+    b.vector(names::MTP_HIDDEN_NORM.into(), &hf("hnorm.weight"), &[h])?;
+    for (canon, start) in [(names::MTP_FC_EMBED, 0), (names::MTP_FC_HIDDEN, h)] {
+        b.matrix_columns(
+            canon.into(),
+            TensorRole::Matrix,
+            &hf("eh_proj.weight"),
+            [h, 2 * h],
+            start,
+            h,
+        )?;
+    }
+    b.vector(names::MTP_NORM.into(), &hf("shared_head.norm.weight"), &[h])?;
+    for (canon, t) in [
+        (names::MTP_EMBED, "embed_tokens.weight"),
+        (names::MTP_LM_HEAD, "shared_head.head.weight"),
+    ] {
+        if b.checkpoint().contains(&hf(t)) {
+            b.matrix(canon.into(), TensorRole::Matrix, &hf(t), v, h)?;
+        }
+    }
+    super::qwen3_moe::layer_norms(b, cfg, &hf(""), n)?;
+    attention(b, cfg, p, n)?;
+    deepseek_feed_forward(b, cfg, p, n, mtp.layer.ffn)?;
+    Ok(mtp_prefixes(b.checkpoint(), p, n + 1)
+        .into_iter()
+        .map(|prefix| (prefix, MTP_EXTRA_NOTICE))
+        .collect())
 }
 
 /// Why multi-token-prediction layers are left out.
-pub(super) const MTP_NOTICE: &str =
-    "multi-token-prediction layer (kept in the checkpoint for speculative decoding; not run)";
+const MTP_NOTICE: &str = "multi-token-prediction layer, which config.json does not name \
+                          (num_nextn_predict_layers)";
+const MTP_EXTRA_NOTICE: &str = "multi-token-prediction layer after the first (moeflux runs one)";
 
-/// The checkpoint's multi-token-prediction layers: decoder layers numbered
-/// from `num_hidden_layers` on (`num_nextn_predict_layers` of them on the
-/// Hub, any found here).
-pub(super) fn mtp_prefixes(cfg: &ModelConfig, ckpt: &CheckpointIndex, p: &str) -> Vec<String> {
-    let n = cfg.num_layers();
-    let mut prefixes: Vec<String> = (n..)
+/// Prefixes of the checkpoint's decoder layers numbered from `from` on
+/// (multi-token-prediction layers, after the `num_hidden_layers` of the
+/// model), and `mtp.`.
+fn mtp_prefixes(ckpt: &CheckpointIndex, p: &str, from: usize) -> Vec<String> {
+    let mut prefixes: Vec<String> = (from..)
         .map(|l| format!("{p}layers.{l}."))
         .take_while(|prefix| ckpt.tensors.keys().any(|k| k.starts_with(prefix)))
         .collect();

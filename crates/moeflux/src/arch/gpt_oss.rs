@@ -106,6 +106,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
             },
         },
         dense_intermediate_size: None,
+        mtp: None,
         layers: kinds
             .into_iter()
             .map(|kind| LayerSpec {
@@ -217,7 +218,7 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
             &[e, h],
         )?;
     }
-    Ok(b.finish(&[]))
+    Ok(b.finish::<&str>(&[]))
 }
 
 #[cfg(test)]

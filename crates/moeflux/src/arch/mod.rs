@@ -154,6 +154,22 @@ pub mod names {
     pub const SHARED_UP: &str = "moe.shared_expert.up_proj";
     pub const SHARED_DOWN: &str = "moe.shared_expert.down_proj";
     pub const SHARED_EXPERT_GATE: &str = "moe.shared_expert_gate";
+
+    /// The multi-token-prediction head; its decoder layer is
+    /// `layers.{num_layers}.…`. RMSNorms of the next token's embedding and
+    /// of the position's hidden state.
+    pub const MTP_EMBED_NORM: &str = "mtp.embed_norm";
+    pub const MTP_HIDDEN_NORM: &str = "mtp.hidden_norm";
+    /// The columns of the checkpoint's `fc` / `eh_proj` that multiply the
+    /// normed embedding, and those that multiply the normed hidden state.
+    pub const MTP_FC_EMBED: &str = "mtp.fc_embed";
+    pub const MTP_FC_HIDDEN: &str = "mtp.fc_hidden";
+    /// The norm before the LM head (`mtp.norm`, `shared_head.norm`).
+    pub const MTP_NORM: &str = "mtp.norm";
+    /// The layer's own copies of the embeddings and LM head (DeepSeek-V3's
+    /// `embed_tokens` and `shared_head.head`), when the checkpoint has them.
+    pub const MTP_EMBED: &str = "mtp.embed_tokens";
+    pub const MTP_LM_HEAD: &str = "mtp.lm_head";
 }
 
 impl ModelConfig {

@@ -76,6 +76,7 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,
+        mtp: None,
     })
 }
 
@@ -131,7 +132,7 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
             &hf("self_attn.k_norm.weight"),
             &[a.head_dim],
         )?;
-        feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+        feed_forward(&mut b, cfg, &format!("{p}layers.{i}."), i, spec.ffn)?;
     }
     Ok(b.finish(&[("mtp.", "multi-token-prediction head")]))
 }
@@ -160,30 +161,47 @@ pub(super) fn common_tensors(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str
         )?;
     }
     for i in 0..cfg.num_layers() {
-        for (canon, hf) in [
-            (names::INPUT_NORM, "input_layernorm.weight"),
-            (
-                names::POST_ATTENTION_NORM,
-                "post_attention_layernorm.weight",
-            ),
-        ] {
-            b.vector(names::layer(i, canon), &format!("{p}layers.{i}.{hf}"), &[h])?;
-        }
+        layer_norms(b, cfg, &format!("{p}layers.{i}."), i)?;
+    }
+    Ok(())
+}
+
+/// The two norms of layer `i`, stored under `hf_layer` (the checkpoint's
+/// prefix of the layer).
+pub(super) fn layer_norms(
+    b: &mut PlanBuilder<'_>,
+    cfg: &ModelConfig,
+    hf_layer: &str,
+    i: usize,
+) -> Result<()> {
+    for (canon, hf) in [
+        (names::INPUT_NORM, "input_layernorm.weight"),
+        (
+            names::POST_ATTENTION_NORM,
+            "post_attention_layernorm.weight",
+        ),
+    ] {
+        b.vector(
+            names::layer(i, canon),
+            &format!("{hf_layer}{hf}"),
+            &[cfg.hidden_size],
+        )?;
     }
     Ok(())
 }
 
 /// The dense MLP or the sparse MoE block (router, experts and, where the
-/// config has one, the gated shared expert) of layer `i`.
+/// config has one, the gated shared expert) of layer `i`, stored under
+/// `hf_layer`.
 pub(super) fn feed_forward(
     b: &mut PlanBuilder<'_>,
     cfg: &ModelConfig,
-    p: &str,
+    hf_layer: &str,
     i: usize,
     ffn: FeedForwardKind,
 ) -> Result<()> {
     let h = cfg.hidden_size;
-    let hf = |t: &str| format!("{p}layers.{i}.mlp.{t}");
+    let hf = |t: &str| format!("{hf_layer}mlp.{t}");
     let canon = |t: &str| names::layer(i, t);
     let m = TensorRole::Matrix;
     let swiglu = |b: &mut PlanBuilder<'_>, tensors: [(&str, &str); 3], inter: usize| {

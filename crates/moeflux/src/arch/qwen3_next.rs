@@ -9,11 +9,11 @@
 //! checkpoint's text weights under `model.language_model.`. The converter
 //! maps both onto one canonical layout.
 
-use crate::arch::qwen3_moe::{common_tensors, feed_forward};
+use crate::arch::qwen3_moe::{common_tensors, feed_forward, layer_norms};
 use crate::arch::{Architecture, names};
 use crate::config::{
     AttentionConfig, ConfigReader, ExpertActivation, LayerKind, LayerSpec, LinearAttentionConfig,
-    ModelConfig, MoeConfig, NormStyle, RouterSpec, SharedExpert,
+    ModelConfig, MoeConfig, MtpConfig, NormStyle, RouterSpec, SharedExpert,
 };
 use crate::convert::plan::{CheckpointIndex, ConversionPlan, PlanBuilder, RowSource, TensorRole};
 use crate::error::Result;
@@ -70,6 +70,19 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
         .zip(c.feed_forward_kinds(num_layers)?)
         .map(|(kind, ffn)| LayerSpec { kind, ffn })
         .collect();
+    // vLLM builds the MTP layer as a full-attention layer numbered 0, so
+    // its feed-forward follows layer 0's rule.
+    let mtp = match c.usize_or("mtp_num_hidden_layers", 0)? {
+        0 => None,
+        _ => Some(MtpConfig {
+            layer: LayerSpec {
+                kind: LayerKind::FullAttention,
+                ffn: c.feed_forward_kinds(1)?[0],
+            },
+            zero_first_embedding: false,
+            chain_normed: true,
+        }),
+    };
     Ok(ModelConfig {
         architecture: arch,
         vocab_size: c.usize("vocab_size")?,
@@ -121,6 +134,7 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
         },
         dense_intermediate_size: c.opt_usize("intermediate_size")?,
         layers,
+        mtp,
     })
 }
 
@@ -129,24 +143,76 @@ pub(super) fn conversion_plan(cfg: &ModelConfig, ckpt: &CheckpointIndex) -> Resu
     let p = ckpt.text_prefix();
     common_tensors(&mut b, cfg, p)?;
     for (i, spec) in cfg.layers.iter().enumerate() {
+        let hf_layer = format!("{p}layers.{i}.");
         match spec.kind {
             LayerKind::FullAttention | LayerKind::SlidingAttention => {
-                gated_attention(&mut b, cfg, p, i)?
+                gated_attention(&mut b, cfg, &hf_layer, i)?
             }
             LayerKind::LinearAttention => gated_delta_net(&mut b, cfg, p, i)?,
         }
-        feed_forward(&mut b, cfg, p, i, spec.ffn)?;
+        feed_forward(&mut b, cfg, &hf_layer, i, spec.ffn)?;
     }
+    let skip_mtp = mtp_head(&mut b, cfg)?;
     Ok(b.finish(&[
         ("model.visual.", "vision tower"),
         ("visual.", "vision tower"),
-        ("mtp.", "multi-token-prediction head"),
+        ("mtp.", skip_mtp),
     ]))
 }
 
-/// Gated attention. The checkpoint's `q_proj` interleaves each head's query
-/// and output gate; the canonical `q_proj` holds all queries, then all gates.
-fn gated_attention(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize) -> Result<()> {
+/// The multi-token-prediction head (`mtp.*`), when `config.json` names one
+/// (`mtp_num_hidden_layers`) and the checkpoint has it: the norms of the
+/// embedding and hidden state, `fc` split per input, a full-attention
+/// layer with the family's MoE, and the final norm. Returns why the rest
+/// of `mtp.*` is left out.
+fn mtp_head(b: &mut PlanBuilder<'_>, cfg: &ModelConfig) -> Result<&'static str> {
+    let (Some(mtp), Some(n)) = (&cfg.mtp, cfg.mtp_layer()) else {
+        return Ok(
+            "multi-token-prediction head, which config.json does not name \
+                   (mtp_num_hidden_layers)",
+        );
+    };
+    if !b.checkpoint().contains("mtp.fc.weight") {
+        return Ok("incomplete multi-token-prediction head (no mtp.fc.weight)");
+    }
+    let h = cfg.hidden_size;
+    b.vector(
+        names::MTP_EMBED_NORM.into(),
+        "mtp.pre_fc_norm_embedding.weight",
+        &[h],
+    )?;
+    b.vector(
+        names::MTP_HIDDEN_NORM.into(),
+        "mtp.pre_fc_norm_hidden.weight",
+        &[h],
+    )?;
+    for (canon, start) in [(names::MTP_FC_EMBED, 0), (names::MTP_FC_HIDDEN, h)] {
+        b.matrix_columns(
+            canon.into(),
+            TensorRole::Matrix,
+            "mtp.fc.weight",
+            [h, 2 * h],
+            start,
+            h,
+        )?;
+    }
+    b.vector(names::MTP_NORM.into(), "mtp.norm.weight", &[h])?;
+    let hf_layer = "mtp.layers.0.";
+    layer_norms(b, cfg, hf_layer, n)?;
+    gated_attention(b, cfg, hf_layer, n)?;
+    feed_forward(b, cfg, hf_layer, n, mtp.layer.ffn)?;
+    Ok("multi-token-prediction layer after the first (moeflux runs one)")
+}
+
+/// Gated attention of layer `i`, stored under `hf_layer`. The
+/// checkpoint's `q_proj` interleaves each head's query and output gate;
+/// the canonical `q_proj` holds all queries, then all gates.
+fn gated_attention(
+    b: &mut PlanBuilder<'_>,
+    cfg: &ModelConfig,
+    hf_layer: &str,
+    i: usize,
+) -> Result<()> {
     let a = &cfg.attention;
     let h = cfg.hidden_size;
     let (hd, q_dim, kv_dim) = (
@@ -154,7 +220,7 @@ fn gated_attention(b: &mut PlanBuilder<'_>, cfg: &ModelConfig, p: &str, i: usize
         a.num_heads * a.head_dim,
         a.num_kv_heads * a.head_dim,
     );
-    let hf = |t: &str| format!("{p}layers.{i}.self_attn.{t}");
+    let hf = |t: &str| format!("{hf_layer}self_attn.{t}");
     let canon = |t: &str| names::layer(i, t);
     let q_proj = hf("q_proj.weight");
     b.expect(&q_proj, &[2 * q_dim, h])?;

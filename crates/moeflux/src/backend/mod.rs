@@ -41,6 +41,9 @@ pub struct AttentionShape {
     /// Sliding-window attention: a query sees this many positions, its own
     /// included, and the KV cache keeps only what later queries can see.
     pub window: Option<usize>,
+    /// Multi-head latent attention's cache: one row of `head_dim` per
+    /// position (the latent and the rotary key) and no values.
+    pub latent: bool,
 }
 
 impl AttentionShape {
@@ -443,7 +446,8 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Names the recording of a decode step over a sequence's state (its
     /// KV caches and Gated DeltaNet states), first making room for one
-    /// more position; steps over the same state buffers get the same key.
+    /// more position (and telling a sliding window's cache where it goes);
+    /// steps over the same state buffers get the same key.
     /// `None`: this backend does not record steps.
     fn step_key(
         &self,

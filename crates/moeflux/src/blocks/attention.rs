@@ -40,16 +40,18 @@ pub fn shape(cfg: &ModelConfig, layer: usize) -> AttentionShape {
             num_kv_heads: 1,
             head_dim: m.latent_width(),
             window: None,
+            latent: true,
         };
     }
     AttentionShape {
         num_heads: cfg.attention.num_heads,
         num_kv_heads: cfg.attention.num_kv_heads,
         head_dim: cfg.attention.head_dim,
-        window: match cfg.layers[layer].kind {
+        window: match cfg.spec(layer).kind {
             LayerKind::SlidingAttention => cfg.attention.sliding_window,
             _ => None,
         },
+        latent: false,
     }
 }
 

@@ -9,6 +9,7 @@ pub mod decoder;
 pub mod gated_delta_net;
 pub mod mla;
 pub mod moe;
+pub mod mtp;
 
 use std::ops::Range;
 

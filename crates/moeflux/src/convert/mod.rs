@@ -232,6 +232,7 @@ pub fn convert_with(
     let side = SideFiles {
         dir: s.side_dir.as_deref(),
         generated: &s.generated,
+        synthetic: false,
     };
     write_model_with(
         &*s.ckpt,
@@ -258,6 +259,7 @@ pub(crate) fn convert_locked(
     let side = SideFiles {
         dir: s.side_dir.as_deref(),
         generated: &s.generated,
+        synthetic: false,
     };
     write_model_locked(
         lock,

@@ -90,11 +90,11 @@ pub struct ColumnPick {
 }
 
 impl ColumnPick {
-    /// The picked columns of each row of `rows` (rows `width` wide),
-    /// appended to `out`.
-    pub fn apply(&self, rows: &[f32], width: usize, out: &mut Vec<f32>) {
+    /// The first `count` picked columns of each row of `rows` (rows
+    /// `width` wide), appended to `out`.
+    pub fn apply(&self, rows: &[f32], width: usize, count: usize, out: &mut Vec<f32>) {
         for row in rows.chunks_exact(width) {
-            out.extend(row.iter().skip(self.start).step_by(self.step));
+            out.extend(row.iter().skip(self.start).step_by(self.step).take(count));
         }
     }
 }
@@ -267,20 +267,34 @@ impl<'a> PlanBuilder<'a> {
         cols: usize,
     ) -> Result<()> {
         self.expect(source, &[rows, cols])?;
+        self.whole(canonical, role, source, [rows, cols], None);
+        Ok(())
+    }
+
+    /// Plans `canonical` (`[rows, cols]`, a vector when `role` says so) from
+    /// every row of checkpoint tensor `source`: all of each row, or the
+    /// columns `columns` picks from rows of its width.
+    fn whole(
+        &mut self,
+        canonical: String,
+        role: TensorRole,
+        source: &str,
+        [rows, cols]: [usize; 2],
+        columns: Option<(ColumnPick, usize)>,
+    ) {
         self.plan.dense.push(DenseTensorPlan {
             name: canonical,
             rows,
             cols,
-            is_vector: false,
+            is_vector: role == TensorRole::Vector,
             role,
             sources: vec![RowSource {
                 tensor: source.to_string(),
                 row_start: 0,
                 rows,
             }],
-            columns: None,
+            columns,
         });
-        Ok(())
     }
 
     /// A canonical matrix assembled from row ranges of tensors already
@@ -304,6 +318,24 @@ impl<'a> PlanBuilder<'a> {
         });
     }
 
+    /// A canonical matrix of columns `start..start + cols` of the
+    /// checkpoint's `[rows, width]` matrix (a projection of concatenated
+    /// inputs, split per input).
+    pub fn matrix_columns(
+        &mut self,
+        canonical: String,
+        role: TensorRole,
+        source: &str,
+        [rows, width]: [usize; 2],
+        start: usize,
+        cols: usize,
+    ) -> Result<()> {
+        self.expect(source, &[rows, width])?;
+        let pick = ColumnPick { start, step: 1 };
+        self.whole(canonical, role, source, [rows, cols], Some((pick, width)));
+        Ok(())
+    }
+
     /// A vector kept in f32; `shape` is the checkpoint's shape, flattened.
     pub fn vector(&mut self, canonical: String, source: &str, shape: &[usize]) -> Result<()> {
         self.expect(source, shape)?;
@@ -312,19 +344,7 @@ impl<'a> PlanBuilder<'a> {
             [rows, rest @ ..] => (*rows, rest.iter().product()),
             [] => (1, 1),
         };
-        self.plan.dense.push(DenseTensorPlan {
-            name: canonical,
-            rows,
-            cols,
-            is_vector: true,
-            role: TensorRole::Vector,
-            sources: vec![RowSource {
-                tensor: source.to_string(),
-                row_start: 0,
-                rows,
-            }],
-            columns: None,
-        });
+        self.whole(canonical, TensorRole::Vector, source, [rows, cols], None);
         Ok(())
     }
 
@@ -338,19 +358,14 @@ impl<'a> PlanBuilder<'a> {
         pick: ColumnPick,
     ) -> Result<()> {
         self.expect(source, &[rows, width])?;
-        self.plan.dense.push(DenseTensorPlan {
-            name: canonical,
-            rows,
-            cols: (width.saturating_sub(pick.start)).div_ceil(pick.step),
-            is_vector: true,
-            role: TensorRole::Vector,
-            sources: vec![RowSource {
-                tensor: source.to_string(),
-                row_start: 0,
-                rows,
-            }],
-            columns: Some((pick, width)),
-        });
+        let cols = (width.saturating_sub(pick.start)).div_ceil(pick.step);
+        self.whole(
+            canonical,
+            TensorRole::Vector,
+            source,
+            [rows, cols],
+            Some((pick, width)),
+        );
         Ok(())
     }
 
@@ -486,12 +501,15 @@ impl<'a> PlanBuilder<'a> {
 
     /// Finishes the plan: tensors under the given prefixes are skipped with
     /// the given reason, anything else unused is reported as unknown.
-    pub fn finish(mut self, skip_prefixes: &[(&str, &'static str)]) -> ConversionPlan {
+    pub fn finish<S: AsRef<str>>(mut self, skip_prefixes: &[(S, &'static str)]) -> ConversionPlan {
         for name in self.ckpt.tensors.keys() {
             if self.used.contains(name) {
                 continue;
             }
-            match skip_prefixes.iter().find(|(p, _)| name.starts_with(p)) {
+            match skip_prefixes
+                .iter()
+                .find(|(p, _)| name.starts_with(p.as_ref()))
+            {
                 Some((_, why)) => self.plan.skipped.push((name.clone(), why)),
                 None => self.plan.unknown.push(name.clone()),
             }

@@ -107,7 +107,7 @@ pub(super) fn write_dense(
                     if let Some((pick, width)) = t.columns {
                         let mut rows = Vec::with_capacity((hi - lo) * width);
                         gather_rows(ckpt, &t.sources, lo, hi, &mut rows)?;
-                        pick.apply(&rows, width, &mut values);
+                        pick.apply(&rows, width, t.cols, &mut values);
                         return Ok((lo, encoder.encode(&values)));
                     }
                     if let Some(enc) =

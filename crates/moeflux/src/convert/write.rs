@@ -19,44 +19,35 @@ use crate::quant::{DType, GROUP_SIZE};
 use crate::util::{Progress, hex64};
 
 /// The files of a model directory besides its weights: copied from a
-/// checkpoint folder, or written by the conversion. A synthetic model has
-/// neither.
+/// checkpoint folder, or written by the conversion (a synthetic model's
+/// placeholder tokenizer among them).
 pub(crate) struct SideFiles<'a> {
     pub dir: Option<&'a Path>,
     pub generated: &'a [(String, Vec<u8>)],
+    /// Random weights, not a checkpoint's (recorded in the manifest).
+    pub synthetic: bool,
 }
 
-impl SideFiles<'_> {
-    fn synthetic(&self) -> bool {
-        self.dir.is_none() && self.generated.is_empty()
-    }
-}
-
-/// Writes a model directory from a plan and a source of weights, staged
-/// and verified. `side_files` is the checkpoint folder whose tokenizer and
-/// generation files are copied; a synthetic model has none.
+/// Writes a model directory from a plan and a source of weights in one
+/// precision, staged and verified.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn write_model(
     source: &dyn TensorSource,
     plan: ConversionPlan,
     config_json: serde_json::Value,
     config: ModelConfig,
-    side_files: Option<&Path>,
+    side: &SideFiles<'_>,
     output: &Path,
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
     let dtypes = Dtypes::recipe(&plan, options);
-    let side = SideFiles {
-        dir: side_files,
-        generated: &[],
-    };
     write_model_with(
         source,
         plan,
         config_json,
         config,
-        &side,
+        side,
         &dtypes,
         output,
         options,
@@ -64,8 +55,7 @@ pub(crate) fn write_model(
     )
 }
 
-/// [`write_model`] with side files that may be generated and a precision
-/// per matrix.
+/// [`write_model`] with a precision per matrix.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn write_model_with(
     source: &dyn TensorSource,
@@ -92,7 +82,7 @@ pub(super) fn write_model_with(
             output,
             &config_json,
             dtypes.label,
-            side_files.synthetic(),
+            side_files.synthetic,
             plan,
             config,
         );
@@ -130,7 +120,7 @@ pub(crate) fn write_model_locked(
         format: FORMAT_NAME.into(),
         version: FORMAT_VERSION,
         producer: format!("moeflux {}", env!("CARGO_PKG_VERSION")),
-        synthetic: side_files.synthetic(),
+        synthetic: side_files.synthetic,
         quantization: dtypes.label,
         group_size: GROUP_SIZE,
         config: config_json,
@@ -167,12 +157,19 @@ pub(crate) fn write_model_locked(
     )?;
     // Open the staged directory as a reader would: this checks the manifest
     // against the files, every size and the dense checksum.
-    ModelDir::open(
+    let opened = ModelDir::open(
         &staging.path,
         OpenOptions {
             verify_checksums: true,
+            mtp_head: true,
         },
     )?;
+    // As opened: with a multi-token-prediction layer only if one was kept.
+    let config = ModelConfig {
+        mtp: opened.config().mtp.clone(),
+        ..config
+    };
+    drop(opened);
     lock.commit(staging, options.overwrite)?;
     Ok(ConvertSummary {
         tensors: manifest.tensors.len(),
@@ -292,6 +289,7 @@ fn converted_meanwhile(
         output,
         OpenOptions {
             verify_checksums: false,
+            mtp_head: true,
         },
     )?;
     Ok(ConvertSummary {

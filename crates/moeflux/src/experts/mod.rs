@@ -258,8 +258,10 @@ impl ExpertStore {
             IoMode::Buffered => false,
             IoMode::Auto => physical_memory().is_some_and(|ram| expert_bytes * 4 > ram * 3),
         };
-        let mut layers: Vec<Option<LayerFile>> = (0..cfg.num_layers()).map(|_| None).collect();
-        for layer in cfg.moe_layers() {
+        // The decoder's layers and a multi-token-prediction layer after them.
+        let n = cfg.num_layers() + usize::from(cfg.mtp.is_some());
+        let mut layers: Vec<Option<LayerFile>> = (0..n).map(|_| None).collect();
+        for layer in cfg.expert_layers() {
             let entry = dir
                 .manifest()
                 .expert_layer(layer)
@@ -271,7 +273,6 @@ impl ExpertStore {
             .thread_name(|i| format!("moeflux-io-{i}"))
             .build()
             .map_err(|e| Error::invalid("expert reader threads", e.to_string()))?;
-        let n = cfg.num_layers();
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         Ok(ExpertStore {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),

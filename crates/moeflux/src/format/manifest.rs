@@ -7,6 +7,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::arch::names;
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::quant::{DType, MatrixLayout};
 
@@ -167,6 +169,17 @@ impl Manifest {
         }
         serde_json::from_value(value)
             .map_err(|e| Error::bad_file(path, format!("malformed manifest: {e}")))
+    }
+
+    /// The model's configuration: `config.json`'s, with a
+    /// multi-token-prediction layer only where the conversion kept one.
+    /// `path` names the manifest in errors.
+    pub fn model_config(&self, path: &Path) -> Result<ModelConfig> {
+        let mut config = ModelConfig::from_hf_json(&self.config, path)?;
+        if !self.tensors.contains_key(names::MTP_FC_EMBED) {
+            config.mtp = None;
+        }
+        Ok(config)
     }
 
     pub fn to_json(&self) -> String {

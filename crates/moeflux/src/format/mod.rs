@@ -61,12 +61,16 @@ pub struct OpenOptions {
     /// Hash the dense weight file against the manifest on open. Expert
     /// blobs are always checked as they are read from disk.
     pub verify_checksums: bool,
+    /// Open the multi-token-prediction head when the directory has one;
+    /// without it the model is opened as if it had none.
+    pub mtp_head: bool,
 }
 
 impl Default for OpenOptions {
     fn default() -> Self {
         OpenOptions {
             verify_checksums: true,
+            mtp_head: true,
         }
     }
 }
@@ -115,7 +119,10 @@ impl ModelDir {
         }
         let manifest_path = root.join(MANIFEST_FILE);
         let manifest = Manifest::read(&manifest_path)?;
-        let config = ModelConfig::from_hf_json(&manifest.config, &manifest_path)?;
+        let mut config = manifest.model_config(&manifest_path)?;
+        if !options.mtp_head {
+            config.mtp = None;
+        }
         let dir = ModelDir {
             root: root.to_path_buf(),
             manifest,
@@ -248,7 +255,7 @@ impl ModelDir {
         let cfg = &self.config;
         let manifest_path = self.manifest_path();
         let (h, inter) = (cfg.hidden_size, cfg.moe.expert_intermediate_size);
-        for layer in cfg.moe_layers() {
+        for layer in cfg.expert_layers() {
             let bad = |msg: String| {
                 Err(Error::bad_file(
                     &manifest_path,

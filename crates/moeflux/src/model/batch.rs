@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use super::{Logits, LogitsWanted, Session};
+use super::{BatchOutput, Logits, LogitsWanted, Session};
 use crate::backend::Backend;
 use crate::blocks::batch::{ForwardBatch, Phase};
 use crate::blocks::decoder::LayerState;
@@ -111,20 +111,37 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
             batch.push(part, item.phase, rows);
             members.push((i, part, rows));
         }
-        let logits = {
+        let keep_hidden = members
+            .iter()
+            .any(|m| items[m.0].session.keeps_hidden_states());
+        let BatchOutput { logits, mut hidden } = {
             let mut states: Vec<&mut [LayerState<B>]> = items
                 .iter_mut()
                 .enumerate()
                 .filter(|(i, _)| members.iter().any(|m| m.0 == *i))
                 .map(|(_, it)| it.session.layers_mut())
                 .collect::<Result<_>>()?;
-            model.run_batch(&mut states, &batch)?
+            model.run_batch(&mut states, &batch, keep_hidden)?
         };
         let single = members.len() == 1;
         let mut logits = logits;
         let mut offset = 0;
-        for (i, part, rows) in members {
-            items[i].session.tokens.extend_from_slice(part);
+        // Each sequence's rows, where hidden states are split among them.
+        let sequence_rows = match keep_hidden && !single {
+            true => batch.ranges(),
+            false => Vec::new(),
+        };
+        for (s, (i, part, rows)) in members.into_iter().enumerate() {
+            let session = &mut *items[i].session;
+            let rows_kept = match (session.keeps_hidden_states(), single) {
+                (false, _) => None,
+                (true, true) => hidden.take(),
+                (true, false) => hidden
+                    .as_ref()
+                    .map(|all| model.backend().gather_rows(all, &sequence_rows[s..s + 1]))
+                    .transpose()?,
+            };
+            session.append(part, rows_kept)?;
             if rows == 0 {
                 continue;
             }

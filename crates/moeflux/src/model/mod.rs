@@ -7,6 +7,8 @@
 //! weights and one expert cache.
 
 mod batch;
+mod hidden;
+mod rewind;
 mod session;
 mod state;
 
@@ -17,13 +19,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 pub use crate::blocks::batch::Phase;
 pub use batch::{BatchItem, forward_batch};
-pub use session::{RewindPoint, Session, SessionOptions};
+pub use rewind::RewindPoint;
+pub use session::{Session, SessionOptions};
 
 use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
 use crate::blocks::Weights;
 use crate::blocks::batch::ForwardBatch;
-use crate::blocks::decoder::{Decoder, LayerState};
+use crate::blocks::decoder::{Decoder, DecoderOutput, LayerState};
+use crate::blocks::mtp::MtpOutput;
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
 use crate::experts::{
@@ -73,6 +77,10 @@ pub struct ModelOptions {
     /// Bytes all sessions together may hold in KV caches; `None` is no
     /// limit beyond each session's context length.
     pub kv_limit_bytes: Option<u64>,
+    /// Open the model's multi-token-prediction head, when it has one (on
+    /// by default): what `--draft mtp` drafts with. Off, its weights take
+    /// no memory on the backend and its experts none in the cache.
+    pub mtp_head: bool,
 }
 
 impl Default for ModelOptions {
@@ -85,6 +93,7 @@ impl Default for ModelOptions {
             prefill_chunk: None,
             verify_checksums: true,
             kv_limit_bytes: None,
+            mtp_head: true,
         }
     }
 }
@@ -117,6 +126,14 @@ pub struct Model<B: Backend = CpuBackend> {
     fingerprint: u64,
     kv: KvBudget,
     options: ModelOptions,
+}
+
+/// What [`Model::run_batch`] returns.
+pub(crate) struct BatchOutput<B: Backend> {
+    /// The logits of the rows the batch wants, on the host.
+    pub logits: Option<Vec<f32>>,
+    /// Every row's hidden state after the final norm, when asked for.
+    pub hidden: Option<B::Tensor>,
 }
 
 /// Which positions' logits a forward call returns.
@@ -233,6 +250,7 @@ impl<B: Backend> Model<B> {
             path,
             OpenOptions {
                 verify_checksums: options.verify_checksums,
+                mtp_head: options.mtp_head,
             },
         )?;
         let store = ExpertStore::open(
@@ -407,24 +425,32 @@ impl<B: Backend> Model<B> {
 
     /// Runs a batch through the decoder, `states[i]` holding sequence
     /// `i`'s layers, and returns the logits of the rows the batch wants,
-    /// on the host.
+    /// on the host, and with `keep_hidden` every row's hidden state after
+    /// the final norm, on the backend.
     pub(crate) fn run_batch(
         &self,
         states: &mut [&mut [LayerState<B>]],
         batch: &ForwardBatch,
-    ) -> Result<Option<Vec<f32>>> {
-        let mut forward = || self.forward_on_backend(states, batch);
-        // On a worker of the thread pool, the CPU backend's parallel
-        // operations fork from inside the pool instead of each being
-        // injected from outside and waited for (hundreds per token). A
-        // device backend runs on this thread: the hand-over to a worker and
-        // back would add two thread wake-ups to every token.
-        let logits = if self.backend.forks_on_host() {
-            rayon::join(forward, || ()).0
-        } else {
-            forward()
-        };
-        logits?.map(|l| self.backend.to_host(&l)).transpose()
+        keep_hidden: bool,
+    ) -> Result<BatchOutput<B>> {
+        let out = self.on_worker(|| self.forward_on_backend(states, batch, keep_hidden))?;
+        Ok(BatchOutput {
+            logits: out.logits.map(|l| self.backend.to_host(&l)).transpose()?,
+            hidden: out.hidden,
+        })
+    }
+
+    /// Runs `work` where the backend computes best. On a worker of the
+    /// thread pool, the CPU backend's parallel operations fork from inside
+    /// the pool instead of each being injected from outside and waited for
+    /// (hundreds per token). A device backend runs on this thread: the
+    /// hand-over to a worker and back would add two thread wake-ups to
+    /// every token.
+    pub(crate) fn on_worker<T: Send>(&self, work: impl FnOnce() -> T + Send) -> T {
+        match self.backend.forks_on_host() {
+            true => rayon::join(work, || ()).0,
+            false => work(),
+        }
     }
 
     /// [`Decoder::forward`], except that a decode step of one sequence
@@ -434,16 +460,13 @@ impl<B: Backend> Model<B> {
         &self,
         states: &mut [&mut [LayerState<B>]],
         batch: &ForwardBatch,
-    ) -> Result<Option<B::Tensor>> {
+        keep_hidden: bool,
+    ) -> Result<DecoderOutput<B>> {
         let (b, store) = (&self.backend, &self.store);
         if let ([token], [_], true) = (batch.tokens.as_slice(), &*states, batch.is_decode())
+            && !keep_hidden
             && batch.logit_rows() == 1
             && self.decoder.experts_all_resident(b, store)
-            // A router other than the plain softmax runs on the host on a
-            // GPU (its logits downloaded mid-step), which a recorded step
-            // cannot replay.
-            && (self.config().moe_layers().next().is_none()
-                || self.config().moe.router.is_plain_softmax())
         {
             let mut position = 0;
             let key = {
@@ -461,19 +484,64 @@ impl<B: Backend> Model<B> {
                 b.step_key(&mut kv, &linear)?
             };
             if let Some(key) = key {
-                if let Some(logits) = b.replay_step(key, *token, position)? {
-                    return Ok(Some(logits));
-                }
-                let vocab = self.config().vocab_size;
-                let logits = b.record_step(key, *token, position, vocab, &mut || {
-                    self.decoder
-                        .forward(b, batch, states, store)
-                        .map(|logits| logits.expect("one row of logits asked for"))
-                })?;
-                return Ok(Some(logits));
+                let logits = match b.replay_step(key, *token, position)? {
+                    Some(logits) => logits,
+                    None => {
+                        let vocab = self.config().vocab_size;
+                        b.record_step(key, *token, position, vocab, &mut || {
+                            self.decoder
+                                .forward(b, batch, states, store, false)
+                                .map(|out| out.logits.expect("one row of logits asked for"))
+                        })?
+                    }
+                };
+                return Ok(DecoderOutput {
+                    logits: Some(logits),
+                    hidden: None,
+                });
             }
         }
-        self.decoder.forward(b, batch, states, store)
+        self.decoder.forward(b, batch, states, store, keep_hidden)
+    }
+
+    /// Whether the model has a multi-token-prediction head (converted from
+    /// a checkpoint that ships one): `--draft mtp` drafts with it.
+    pub fn has_mtp(&self) -> bool {
+        self.decoder.mtp().is_some()
+    }
+
+    /// An empty KV cache of the multi-token-prediction head's layer.
+    pub(crate) fn new_mtp_state(&self) -> Result<LayerState<B>> {
+        let mtp = self
+            .decoder
+            .mtp()
+            .expect("asked of a model with an MTP head");
+        mtp.new_state(&self.backend, self.config())
+    }
+
+    /// Runs rows of positions `first..` through the multi-token-prediction
+    /// head ([`MtpHead::forward`](crate::blocks::mtp::MtpHead::forward)):
+    /// `hidden` the hidden states, `tokens` the token after each position;
+    /// the logits and chained hidden states of the last `wanted` rows.
+    pub(crate) fn mtp_forward(
+        &self,
+        state: &mut LayerState<B>,
+        hidden: &B::Tensor,
+        tokens: &[u32],
+        first: usize,
+        wanted: usize,
+    ) -> Result<MtpOutput<B>> {
+        self.on_worker(|| {
+            self.decoder.mtp_forward(
+                &self.backend,
+                state,
+                hidden,
+                tokens,
+                first,
+                wanted,
+                &self.store,
+            )
+        })
     }
 
     /// Greedy continuation of `prompt` in a fresh session: the prompt is

@@ -12,15 +12,17 @@
 //! the step, with the kept tokens run again.
 
 mod lookup;
+mod mtp;
 
 use std::ops::ControlFlow;
 
 use serde::Serialize;
 
 pub use lookup::PromptLookup;
+pub use mtp::{MtpDrafter, missing_mtp_head};
 
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::model::{Model, Session};
 
 /// Guesses the tokens that follow a session.
@@ -29,6 +31,11 @@ pub trait Drafter<B: Backend> {
     /// `next` (chosen already, not yet in the session); fewer, or none,
     /// when the drafter has no guess.
     fn draft(&mut self, session: &Session<B>, next: u32, k: usize) -> Result<Vec<u32>>;
+
+    /// Readies `session` for this drafter before drafting starts
+    /// ([`generate`] calls it): a multi-token-prediction head needs the
+    /// hidden states of the tokens from here on. Nothing by default.
+    fn prepare(&mut self, _session: &mut Session<B>) {}
 }
 
 /// Where drafts come from.
@@ -48,14 +55,16 @@ impl DraftSource {
     pub fn drafter<B: Backend>(self, model: &Model<B>) -> Result<Box<dyn Drafter<B>>> {
         match self {
             DraftSource::Lookup => Ok(Box::new(PromptLookup::default())),
-            DraftSource::Mtp => Err(Error::invalid(
-                "draft",
-                format!(
-                    "the model in {} has no multi-token-prediction head: use --draft lookup, \
-                     or convert a checkpoint that ships one (Qwen3-Next, Qwen3.5, DeepSeek-V3)",
-                    model.dir().root().display()
-                ),
-            )),
+            DraftSource::Mtp => Ok(Box::new(MtpDrafter::new(model)?)),
+        }
+    }
+
+    /// Readies a new session for drafts of this kind before its prompt
+    /// runs: the multi-token-prediction head reads the hidden state of
+    /// every token ([`Session::keep_hidden_states`]).
+    pub fn prepare<B: Backend>(self, session: &mut Session<B>) {
+        if self == DraftSource::Mtp {
+            session.keep_hidden_states(true);
         }
     }
 }
@@ -76,14 +85,17 @@ impl DraftLength {
     /// The default: adaptive up to 4 tokens per step.
     pub const DEFAULT: DraftLength = DraftLength::Adaptive { max: 4 };
 
-    fn first(self) -> usize {
+    /// Tokens to draft at the first step.
+    pub fn first(self) -> usize {
         match self {
             DraftLength::Fixed(k) => k,
             DraftLength::Adaptive { max } => max,
         }
     }
 
-    fn next(self, drafted: usize, accepted: usize, current: usize) -> usize {
+    /// Tokens to draft after a step that drafted `drafted` and kept
+    /// `accepted` of them, drafting `current` at most.
+    pub fn next(self, drafted: usize, accepted: usize, current: usize) -> usize {
         match self {
             DraftLength::Fixed(k) => k,
             DraftLength::Adaptive { max } if drafted > 0 && accepted == drafted => {
@@ -195,6 +207,7 @@ pub fn generate<B: Backend>(
     mut pick: impl FnMut(&[f32], &[u32], &[u32], Option<u32>) -> Result<u32>,
     mut on_token: impl FnMut(u32) -> Result<ControlFlow<()>>,
 ) -> Result<Vec<u32>> {
+    speculation.drafter.prepare(session);
     let mut logits = session.current_logits()?;
     let prompt_len = session.position();
     let steps = max_new_tokens.min(session.remaining());

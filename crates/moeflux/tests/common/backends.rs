@@ -19,10 +19,6 @@ pub trait Conformance: Backend {
     /// Bound on the relative L2 error of any row of logits of sequences
     /// run batched against each run alone (`common::batch`).
     const BATCHED_BOUND: f64;
-
-    /// Whether the backend runs multi-head latent attention
-    /// ([`Backend::mla_attention`]).
-    const LATENT_ATTENTION: bool;
 }
 
 impl Conformance for CpuBackend {
@@ -35,7 +31,6 @@ impl Conformance for CpuBackend {
     }
 
     const BATCHED_BOUND: f64 = 1e-5;
-    const LATENT_ATTENTION: bool = true;
 }
 
 impl Conformance for CudaBackend {
@@ -53,7 +48,6 @@ impl Conformance for CudaBackend {
     /// A batch of several decode tokens runs the many-row kernels a lone
     /// decode token does not: the bound of prefill against decode.
     const BATCHED_BOUND: f64 = 1e-4;
-    const LATENT_ATTENTION: bool = false;
 }
 
 /// The reference every backend is compared with: the CPU backend with its

@@ -8,6 +8,7 @@ pub mod batch;
 pub mod faulty;
 pub mod ops;
 pub mod ops_extended;
+pub mod ops_latent;
 pub mod speculative;
 
 use std::path::{Path, PathBuf};
@@ -32,18 +33,9 @@ pub const FIXTURES: &[&str] = &[
     "gpt_oss",
 ];
 
-/// Fixtures of multi-head latent attention (DeepSeek-V3), which has no
-/// CUDA kernels yet.
-pub const MLA_FIXTURES: &[&str] = &["deepseek_v3", "deepseek_v3_no_q_lora"];
-
-/// The fixtures a backend runs: every one, less MLA's on a backend without
-/// latent attention.
-pub fn fixtures_with(latent_attention: bool) -> impl Iterator<Item = &'static str> {
-    FIXTURES
-        .iter()
-        .copied()
-        .filter(move |name| latent_attention || !MLA_FIXTURES.contains(name))
-}
+/// Fixtures with a multi-token-prediction head and its reference outputs
+/// (`mtp.safetensors`, tools/make_mtp_fixtures.py).
+pub const MTP_FIXTURES: &[&str] = &["qwen3_5_moe", "deepseek_v3"];
 
 /// The repository's fixtures: under `$MOEFLUX_REPO` when set (a test
 /// binary run from another checkout, e.g. on a GPU machine), else beside
@@ -118,7 +110,12 @@ pub struct Reference {
 
 impl Reference {
     pub fn load(name: &str) -> Reference {
-        let path = fixtures_root().join(name).join("reference.safetensors");
+        Reference::load_file(name, "reference.safetensors")
+    }
+
+    /// Another file of references of fixture `name`.
+    pub fn load_file(name: &str, file: &str) -> Reference {
+        let path = fixtures_root().join(name).join(file);
         Reference {
             bytes: std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
         }
@@ -148,6 +145,19 @@ impl Reference {
             .collect();
         (shape[0], shape[1], values)
     }
+}
+
+/// The bundled model's directory and the prompt its drafting tests use.
+pub fn bundled_prompt() -> (PathBuf, Vec<u32>) {
+    let dir = moeflux::bundled::model_dir(&NoProgress).unwrap();
+    let tokenizer = moeflux::text::Tokenizer::from_dir(&dir).unwrap();
+    let prompt = tokenizer
+        .encode(
+            "It is a truth universally acknowledged, that a single man",
+            true,
+        )
+        .unwrap();
+    (dir, prompt)
 }
 
 /// Relative L2 error of each row of `got` against `want`.

@@ -60,6 +60,8 @@ use moeflux::{Model, ModelOptions};
 pub use super::backends::{Conformance, reference};
 #[allow(unused_imports)]
 pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
+#[allow(unused_imports)]
+pub use super::ops_latent::{mla_attention, routers};
 use super::{
     Converted, EXPERT_RECIPES, convert_checkpoint_with, convert_fixture, convert_fixture_with,
 };
@@ -100,6 +102,8 @@ macro_rules! backend_tests {
             add_bias_matches_reference => add_bias,
             attention_with_sinks_and_window_matches_reference => attention_with_sinks_and_window,
             clamped_biased_experts_match_reference => clamped_biased_experts,
+            latent_attention_matches_reference_across_chunks_truncation_and_import => mla_attention,
+            grouped_sigmoid_and_chosen_softmax_routers_match_reference => routers,
         ], [
             batched_sequences_equal_each_sequence_alone => batched_equals_alone,
             a_device_failure_fails_only_its_batch_and_the_process_goes_on => device_failure_contained,
@@ -931,6 +935,7 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         num_kv_heads: 2,
         head_dim: 40,
         window: None,
+        latent: false,
     };
     let (q_width, kv_width) = (6 * 40, 2 * 40);
     let mut cache_r = r.new_kv_cache(shape).unwrap();
@@ -986,6 +991,7 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
             num_kv_heads: kv_heads,
             head_dim,
             window: None,
+            latent: false,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let mut cache_r = r.new_kv_cache(shape).unwrap();
@@ -1058,6 +1064,7 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             num_kv_heads: kv_heads,
             head_dim,
             window: None,
+            latent: false,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let ((qn_r, kn_r), (qn_b, kn_b)) = decode_qk_norms(&r, b, head_dim);
@@ -1140,6 +1147,7 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             num_kv_heads: kv_heads,
             head_dim,
             window: None,
+            latent: false,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let host_kv = |len: usize, seed: u64| moeflux::backend::HostKv {
@@ -1257,6 +1265,7 @@ fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
             num_kv_heads: kv_heads,
             head_dim,
             window,
+            latent: false,
         };
         let kv_width = kv_heads * head_dim;
         let q_width = heads * head_dim;
@@ -1759,7 +1768,7 @@ fn open_on<B: Backend>(backend: B, dir: &Path) -> Arc<Model<B>> {
 /// Every fixture in bf16 and q4: sequences batched equal each alone
 /// within the backend's [`Conformance::BATCHED_BOUND`] (common/batch.rs).
 pub fn batched_equals_alone<B: Conformance>(label: &str, make: impl Fn() -> B) {
-    for name in super::fixtures_with(B::LATENT_ATTENTION) {
+    for &name in super::FIXTURES {
         for quant in [DType::Bf16, DType::Q4] {
             let converted = convert_fixture(name, quant);
             let model = open_on(make(), &converted.dir);
@@ -1775,7 +1784,7 @@ pub fn batched_equals_alone<B: Conformance>(label: &str, make: impl Fn() -> B) {
 /// Every fixture in q8 and q4: a device failure in the middle of a batch
 /// fails only that batch (common/batch.rs).
 pub fn device_failure_contained<B: Conformance>(_label: &str, make: impl Fn() -> B) {
-    for name in super::fixtures_with(B::LATENT_ATTENTION) {
+    for &name in super::FIXTURES {
         for quant in [DType::Q8, DType::Q4] {
             let converted = convert_fixture(name, quant);
             super::batch::check_device_failure_is_contained(&converted.dir, &make);

@@ -116,6 +116,7 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
             num_kv_heads: kv_heads,
             head_dim,
             window,
+            latent: false,
         };
         let (sinks_r, sinks_b) = (
             weights.load(&r, "test.sinks", &[heads]),

@@ -7,8 +7,12 @@ use std::sync::Arc;
 
 use moeflux::backend::Backend;
 use moeflux::model::argmax;
-use moeflux::speculative::{DraftLength, Drafter, PromptLookup, Speculation, generate};
+use moeflux::speculative::{
+    DraftLength, DraftSource, Drafter, MtpDrafter, PromptLookup, Speculation, generate,
+};
 use moeflux::{Model, Result, Session};
+
+use super::{Reference, row_errors};
 
 /// Which drafted positions an [`Oracle`] gets wrong.
 type Wrong = fn(usize) -> bool;
@@ -70,6 +74,7 @@ pub fn drafted<B: Backend>(
     stop_after: Option<usize>,
 ) -> (Vec<u32>, Vec<f32>, u64) {
     let mut session = model.session();
+    drafter.prepare(&mut session);
     session.prefill(prompt).unwrap();
     let mut speculation = Speculation::new(drafter, length);
     let mut seen = 0;
@@ -170,4 +175,89 @@ pub fn check_greedy_equal<B: Backend>(
         err <= tolerance,
         "{name}: stopped in a step: logits differ by {err:.3e}"
     );
+}
+
+/// A session of `model` that keeps hidden states, holding `tokens`.
+pub fn mtp_session<B: Backend>(model: &Arc<Model<B>>, tokens: &[u32]) -> Session<B> {
+    let mut session = model.session();
+    DraftSource::Mtp.prepare(&mut session);
+    session.prefill(tokens).unwrap();
+    session
+}
+
+/// The head's first draft logits after the session and `next`, from a new
+/// drafter (one pass over every row).
+pub fn fresh_mtp_row<B: Backend>(session: &Session<B>, next: u32) -> Vec<f32> {
+    let mut drafter = MtpDrafter::new(session.model()).unwrap();
+    let rows = drafter.draft_logits(session, next, 1).unwrap();
+    assert_eq!(rows.rows, 1);
+    rows.data
+}
+
+/// The largest relative error of the multi-token-prediction head of
+/// fixture `name` (`model`, its bf16 conversion) against the PyTorch
+/// reference (`mtp.safetensors`): at every position of `tokens_long`, in
+/// one pass after prompts of several lengths and row by row as a session
+/// grows, and along the drafting chains, whose greedy tokens must be the
+/// reference's.
+pub fn mtp_reference_error<B: Backend>(name: &str, model: &Arc<Model<B>>) -> f64 {
+    assert!(model.has_mtp(), "{name}: converted without its head");
+    let tokens = Reference::load(name).tokens("tokens_long");
+    let mtp = Reference::load_file(name, "mtp.safetensors");
+    let (rows, vocab, want) = mtp.logits("mtp_logits_long");
+    assert_eq!(rows, tokens.len() - 1);
+    let want_row = |i: usize| &want[i * vocab..(i + 1) * vocab];
+    let mut worst: f64 = 0.0;
+    for p in [1, 2, 7, 30, 79] {
+        let session = mtp_session(model, &tokens[..p]);
+        let got = fresh_mtp_row(&session, tokens[p]);
+        worst = worst.max(row_errors(&got, want_row(p - 1), vocab)[0]);
+    }
+    let mut session = mtp_session(model, &tokens[..1]);
+    let mut drafter = MtpDrafter::new(model).unwrap();
+    for (p, &next) in tokens.iter().enumerate().skip(1) {
+        let got = drafter.draft_logits(&session, next, 1).unwrap();
+        worst = worst.max(row_errors(&got.data, want_row(p - 1), vocab)[0]);
+        session.decode(next).unwrap();
+    }
+    for p in [7, 40] {
+        let (steps, _, want) = mtp.logits(&format!("mtp_chain_{p}_logits"));
+        let session = mtp_session(model, &tokens[..p]);
+        let mut drafter = MtpDrafter::new(model).unwrap();
+        let got = drafter.draft_logits(&session, tokens[p], steps).unwrap();
+        assert_eq!(got.rows, steps);
+        for err in row_errors(&got.data, &want, vocab) {
+            worst = worst.max(err);
+        }
+        let drafts = drafter.draft(&session, tokens[p], steps).unwrap();
+        let want_tokens = mtp.tokens(&format!("mtp_chain_{p}_tokens"));
+        assert_eq!(
+            drafts, want_tokens,
+            "{name}: chained drafts after {p} tokens"
+        );
+    }
+    worst
+}
+
+/// Greedy generation with the multi-token-prediction head's drafts (1 to
+/// 4 tokens a step, and adaptive) equals plain greedy decoding on `model`,
+/// the session left with logits within `tolerance` of plain decoding's.
+pub fn check_greedy_equal_with_mtp<B: Backend>(
+    name: &str,
+    model: &Arc<Model<B>>,
+    prompt: &[u32],
+    tolerance: f64,
+) {
+    let n = 24;
+    let (want, want_logits) = plain(model, prompt, n);
+    for length in (1..=4)
+        .map(DraftLength::Fixed)
+        .chain([DraftLength::DEFAULT])
+    {
+        let mut drafter = MtpDrafter::new(model).unwrap();
+        let (got, logits, _) = drafted(model, prompt, n, &mut drafter, length, None);
+        assert_eq!(got, want, "{name}: {length:?}");
+        let err = row_errors(&logits, &want_logits, want_logits.len())[0];
+        assert!(err <= tolerance, "{name}: {length:?}: logits {err:.3e}");
+    }
 }

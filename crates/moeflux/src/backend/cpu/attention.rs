@@ -320,6 +320,7 @@ mod tests {
             num_kv_heads: 1,
             head_dim: lora + rope,
             window: None,
+            latent: true,
         });
         let (mut latents, mut k_rots) = (Vec::new(), Vec::new());
         for (step, n) in [(0u64, 3usize), (1, 2)] {

@@ -92,7 +92,7 @@ impl CudaBackend {
     /// Blocks a head's positions are split over in a decode step with
     /// `blocks` (head, sequence) blocks: enough for about two per
     /// multiprocessor. The kernels use fewer while the context is short.
-    fn decode_splits(&self, blocks: usize) -> usize {
+    pub(super) fn decode_splits(&self, blocks: usize) -> usize {
         (2 * self.sm_count)
             .div_ceil(blocks.max(1))
             .clamp(1, self.decode_splits_max)
@@ -158,10 +158,10 @@ impl CudaBackend {
         // One token: the attention kernel stores its key and value itself.
         // `start` is the cache row of the first new position.
         let (start, position) = if n == 1 {
-            self.kv_claim_one(cache)?
+            self.kv_claim(cache, 1)?
         } else {
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (cache.held() - n, self.recorded_position(None))
+            (cache.held() - n, self.recorded_position())
         };
         let window = int(shape.window.unwrap_or(0), "window");
         let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);

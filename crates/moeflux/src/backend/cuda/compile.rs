@@ -23,12 +23,13 @@ use super::geometry;
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 11] = [
+const SOURCES: [(&str, &str); 12] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
+    ("mla.cu", include_str!("kernels/mla.cu")),
     (
         "gated_delta_net.cu",
         include_str!("kernels/gated_delta_net.cu"),
@@ -120,6 +121,9 @@ kernels!(
     flash_attention_128,
     flash_attention_256,
     kv_store,
+    mla_absorb_query,
+    mla_attention,
+    mla_value_out,
     gdn_conv,
     gdn_conv_history,
     gdn_qk_norm,
@@ -131,6 +135,7 @@ kernels!(
     route_warp_4,
     route_warp_8,
     route_warp_16,
+    route_general,
     gather_rows,
     scatter_add_rows,
     expert_act_rows,

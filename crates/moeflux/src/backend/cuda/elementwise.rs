@@ -224,7 +224,7 @@ impl CudaBackend {
             rope.attention_factor(),
         );
         // A recorded step reads its position from the device.
-        let position = self.recorded_position(None);
+        let position = self.recorded_position();
         launch!(
             self,
             "rope",

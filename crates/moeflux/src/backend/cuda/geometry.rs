@@ -70,6 +70,28 @@ geometry! {
     FA_KEYS: usize = 32;
     FA_KEY_PAD: usize = 4;
 
+    // ---- mla.cu
+    /// Threads per block, each its `MLA_ABSORB_COLUMNS` latent columns, and
+    /// tokens per block of `mla_absorb_query` (latents up to
+    /// `MLA_ABSORB_THREADS · MLA_ABSORB_COLUMNS` wide); the widest
+    /// non-rotary query part it stages.
+    MLA_ABSORB_THREADS: u32 = 128;
+    MLA_ABSORB_COLUMNS: usize = 4;
+    MLA_ABSORB_TOKENS: usize = 16;
+    MLA_MAX_NOPE: usize = 256;
+    /// Warps, query rows per warp, keys per staged tile (one per lane) and
+    /// the padding of a staged row of `mla_attention`, and latent values
+    /// per lane of it and of `mla_value_out` (latents up to
+    /// `32 · MLA_VALUES_PER_LANE` wide).
+    MLA_WARPS: usize = 4;
+    MLA_ROWS_PER_WARP: usize = 4;
+    MLA_KEYS: usize = 32;
+    MLA_KEY_PAD: usize = 4;
+    MLA_VALUES_PER_LANE: usize = 16;
+    /// Warps (value rows in turn) and tokens per block of `mla_value_out`.
+    MLA_OUT_WARPS: usize = 8;
+    MLA_OUT_TOKENS: usize = 16;
+
     // ---- gated_delta_net.cu
     /// Warps (value columns) per block of `gdn_recurrence`, and the key
     /// rows each lane holds (key head dimensions up to `32 · GDN_LANE_ROWS`).

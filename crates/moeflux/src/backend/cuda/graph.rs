@@ -3,9 +3,11 @@
 //! work of issuing them, not the GPU's. So the second step over a
 //! sequence's state buffers is captured into a graph, and later steps
 //! replay it: the token and the position are written to two device words
-//! the recorded kernels read (embed, q/k RoPE, KV store, attention), and
-//! the KV caches' lengths are advanced here, as the recorded code would
-//! have.
+//! the recorded kernels read (embed, q/k RoPE, KV store, attention; a
+//! sliding window's cache has a row word of its own, set when the step is
+//! keyed), and the KV caches' lengths are advanced here, as the recorded
+//! code would have. Everything a step decides lives on the device
+//! (routers' choices included), so any model's steps can be recorded.
 //!
 //! A recording bakes in the addresses of the state buffers (KV caches,
 //! Gated DeltaNet states) and every weight, so it is keyed by the state:
@@ -162,6 +164,8 @@ pub(super) struct Recordings {
     /// seen, after one ordinary step has created what the first use of a
     /// state creates (rotary tables, say).
     seen: HashSet<u64>,
+    /// Steps replayed so far.
+    replayed: u64,
 }
 
 pub(super) fn enabled_by_env() -> bool {
@@ -357,20 +361,34 @@ unsafe fn retype_kernel_edges(
 }
 
 impl CudaBackend {
-    /// The device word holding the position of the step being recorded,
-    /// registering `kv_len` (a KV cache it appends to); 0 (no word) when
+    /// The device word holding the position of the step being recorded;
+    /// 0 (no word) when nothing is being recorded.
+    pub(super) fn recorded_position(&self) -> u64 {
+        self.capture
+            .lock()
+            .unwrap()
+            .as_ref()
+            .map_or(0, |capture| capture.position)
+    }
+
+    /// The device word holding the cache row of the position of the step
+    /// being recorded (the position, or a sliding window's row word),
+    /// registering `cache` as one the step appends to; 0 (no word) when
     /// nothing is being recorded.
-    pub(super) fn recorded_position(&self, kv_len: Option<&Arc<AtomicUsize>>) -> u64 {
+    pub(super) fn recorded_row(&self, cache: &KvCache) -> u64 {
         let mut capture = self.capture.lock().unwrap();
         match capture.as_mut() {
             None => 0,
             Some(capture) => {
-                if let Some(len) = kv_len {
-                    capture.kv_lens.push(len.clone());
-                }
-                capture.position
+                capture.kv_lens.push(cache.len_counter().clone());
+                cache.row_word(self).unwrap_or(capture.position)
             }
         }
+    }
+
+    /// Decode steps replayed since the backend was created.
+    pub fn replayed_steps(&self) -> u64 {
+        self.recordings.lock().unwrap().replayed
     }
 
     /// `len` values of device memory for a temporary of the step being
@@ -396,18 +414,17 @@ impl CudaBackend {
         kv: &mut [&mut KvCache],
         linear: &[&DeltaNetState],
     ) -> Result<Option<u64>> {
-        // A sliding window's rows move as it lets go of old positions.
-        if !self.graphs_enabled || kv.iter().any(|c| c.windowed()) {
+        if !self.graphs_enabled {
             return Ok(None);
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();
         for cache in kv.iter_mut() {
-            self.kv_reserve(cache, 1)?;
+            self.kv_prepare_step(cache)?;
             for word in cache.identity(self) {
                 key.update(&word.to_le_bytes());
             }
             // The step's attention kernels depend on the context's length.
-            key.update(&[u8::from(self.grouped_decode(cache.held() + 1))]);
+            key.update(&[u8::from(self.grouped_decode(cache.attended_next()))]);
         }
         for state in linear {
             key.update(&state.conv.device_ptr(&self.stream).0.to_le_bytes());
@@ -416,8 +433,18 @@ impl CudaBackend {
         Ok(Some(key.digest()))
     }
 
-    /// Sets a recording's token and position words. Memsets, not copies:
-    /// they need no host buffer and are queued like kernels.
+    /// Sets a device word a recorded step reads. A memset, not a copy: it
+    /// needs no host buffer and is queued like a kernel.
+    pub(super) fn set_word(&self, word: &mut CudaSlice<u32>, value: u32, op: &str) -> Result<()> {
+        let (ptr, _sync) = word.device_ptr_mut(&self.stream);
+        // SAFETY: one 32-bit word at a live device allocation, on the
+        // backend's stream.
+        ok(op, unsafe {
+            cudarc::driver::sys::cuMemsetD32Async(ptr, value, 1, self.stream.cu_stream()).result()
+        })
+    }
+
+    /// Sets a recording's token and position words.
     fn set_step_inputs(
         &self,
         token_word: &mut CudaSlice<u32>,
@@ -428,16 +455,8 @@ impl CudaBackend {
         let op = "setting a recorded step's inputs";
         let position = u32::try_from(position)
             .unwrap_or_else(|_| panic!("{op}: position {position} exceeds 32 bits"));
-        for (word, value) in [(token_word, token), (position_word, position)] {
-            let (ptr, _sync) = word.device_ptr_mut(&self.stream);
-            // SAFETY: one 32-bit word at a live device allocation, on the
-            // backend's stream.
-            ok(op, unsafe {
-                cudarc::driver::sys::cuMemsetD32Async(ptr, value, 1, self.stream.cu_stream())
-                    .result()
-            })?;
-        }
-        Ok(())
+        self.set_word(token_word, token, op)?;
+        self.set_word(position_word, position, op)
     }
 
     /// A fresh device copy of a recording's logits.
@@ -465,7 +484,9 @@ impl CudaBackend {
         for len in &recording.kv_lens {
             len.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(Some(self.copy_logits(&recording.logits)?))
+        let logits = self.copy_logits(&recording.logits)?;
+        recordings.replayed += 1;
+        Ok(Some(logits))
     }
 
     pub(super) fn record(

@@ -113,13 +113,7 @@ impl CudaBackend {
             }
         };
         let (codes, scales, biases) = table.matrix().sections();
-        let dtype: i32 = match l.dtype {
-            DType::F32 => 0,
-            DType::Bf16 => 1,
-            DType::Q8 => 2,
-            DType::Q4 => 3,
-            DType::Q3 | DType::Q2 | DType::Mxfp4 => unreachable!("refused by load_weight"),
-        };
+        let dtype = table.matrix().dtype_code();
         let (n, rows, cols) = (
             int(tokens.len(), "tokens"),
             int(l.rows, "embedding rows"),

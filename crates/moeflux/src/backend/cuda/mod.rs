@@ -24,7 +24,7 @@
 //!
 //! The host code mirrors the kernels: each kernel file's launches live in
 //! the module of the same family beside it (`linear.rs` for linear.cu,
-//! `norm.rs`, `elementwise.rs`, `attention.rs`, `delta_net.rs` for
+//! `norm.rs`, `elementwise.rs`, `attention.rs`, `mla.rs`, `delta_net.rs` for
 //! gated_delta_net.cu and gdn_chunked.cu, `routing.rs` and `experts.rs`
 //! for moe.cu, `gemm.rs`, `prefill.rs` for moe_prefill.cu). This file holds
 //! the backend, its construction, the device helpers and the
@@ -60,6 +60,7 @@ mod gemm;
 mod geometry;
 mod graph;
 mod linear;
+mod mla;
 mod norm;
 mod pinned;
 mod prefill;
@@ -339,11 +340,15 @@ impl CudaBackend {
         let kernels = compile::load(&ctx).map_err(|e| device_error(ordinal, "kernels", e))?;
         let flash_shared =
             attention::flash_attention_shared_bytes(attention::FLASH_MAX_HEAD_DIM) as i32;
-        for kernel in [&kernels.flash_attention_128, &kernels.flash_attention_256] {
+        for (kernel, bytes) in [
+            (&kernels.flash_attention_128, flash_shared),
+            (&kernels.flash_attention_256, flash_shared),
+            (&kernels.mla_attention, mla::MLA_MAX_SHARED_BYTES as i32),
+        ] {
             kernel
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    flash_shared,
+                    bytes,
                 )
                 .map_err(|e| fail("allowing the attention kernels their shared memory", e))?;
         }
@@ -510,6 +515,19 @@ impl Drop for CudaBackend {
 }
 
 impl<'a> Matrix<'a> {
+    /// The storage type as the kernels number it (`DT_*` in common.cuh).
+    fn dtype_code(&self) -> i32 {
+        match self.layout.dtype {
+            DType::F32 => 0,
+            DType::Bf16 => 1,
+            DType::Q8 => 2,
+            DType::Q4 => 3,
+            DType::Q3 => 4,
+            DType::Q2 => 5,
+            DType::Mxfp4 => 6,
+        }
+    }
+
     /// Views of the codes (or plain values), scales and biases; the
     /// unquantized types have no scales or biases and pass the values
     /// again in their place.
@@ -663,19 +681,15 @@ impl Backend for CudaBackend {
 
     fn mla_attention(
         &self,
-        _cache: &mut KvCache,
-        _q: &Tensor,
-        _latent: &Tensor,
-        _k_rot: &Tensor,
-        _kv_b: &Weight,
-        _mla: &MlaConfig,
-        _heads: usize,
+        cache: &mut KvCache,
+        q: &Tensor,
+        latent: &Tensor,
+        k_rot: &Tensor,
+        kv_b: &Weight,
+        mla: &MlaConfig,
+        heads: usize,
     ) -> Result<Tensor> {
-        Err(Error::invalid(
-            "--device cuda",
-            "multi-head latent attention (DeepSeek-V3, Kimi K2) has no CUDA kernels yet; \
-             run these models with --device cpu",
-        ))
+        CudaBackend::mla_attention(self, cache, q, latent, k_rot, kv_b, mla, heads)
     }
 
     fn silu_mul(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {

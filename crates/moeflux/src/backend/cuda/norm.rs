@@ -71,7 +71,7 @@ impl CudaBackend {
             rope.rotary_dim
         );
         let op = "qk_norm_rope";
-        let position = self.recorded_position(None);
+        let position = self.recorded_position();
         let frequencies = self.rope_frequencies(rope)?;
         let scale = rope.attention_factor();
         let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);

@@ -1,14 +1,15 @@
-//! The MoE router's softmax and top-k (moe.cu's route kernels), and the
-//! [`Routing`] they leave on the device.
+//! The MoE routers (moe.cu's route kernels: the plain softmax's, and
+//! `route_general` for every other [`RouterSpec`]), and the [`Routing`]
+//! they leave on the device, so that no router needs a host round trip.
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::geometry::ROUTE_THREADS;
 use super::{CudaBackend, MAX_SHARED_BYTES, Tensor, Weight, block_per_item, int, ok};
-use crate::config::RouterSpec;
-use crate::error::Result;
+use crate::config::{RouterSpec, ScoreFunction};
+use crate::error::{Error, Result};
 
 /// Tokens (warps) per block of the one-warp router (its kernels take any
 /// number of warps per block).
@@ -51,9 +52,10 @@ impl Routing {
 }
 
 impl CudaBackend {
-    /// A plain softmax router (Qwen3's) runs in moe.cu's kernels; the
-    /// others, on the host from downloaded logits (their kernels are still
-    /// to be written).
+    /// A plain softmax router (Qwen3's) runs in moe.cu's one-warp or
+    /// one-block softmax kernels; every other (the grouped sigmoid router
+    /// of GLM-4.5 and DeepSeek-V3, gpt-oss's softmax over the chosen) in
+    /// `route_general`.
     pub(super) fn route(
         &self,
         logits: &Tensor,
@@ -61,7 +63,7 @@ impl CudaBackend {
         correction_bias: Option<&Weight>,
     ) -> Result<Routing> {
         if !spec.is_plain_softmax() {
-            return self.route_on_host(logits, spec, correction_bias);
+            return self.route_general(logits, spec, correction_bias);
         }
         let (top_k, normalize) = (spec.top_k, spec.renormalize);
         let (n, experts) = (logits.rows, logits.cols);
@@ -115,28 +117,92 @@ impl CudaBackend {
         })
     }
 
-    fn route_on_host(
+    fn route_general(
         &self,
         logits: &Tensor,
         spec: &RouterSpec,
         correction_bias: Option<&Weight>,
     ) -> Result<Routing> {
-        let op = "route (host)";
-        let host = self.download(op, &logits.data, logits.rows * logits.cols)?;
-        let bias = match correction_bias {
+        let op = "route";
+        let (n, experts, top_k) = (logits.rows, logits.cols, spec.top_k);
+        assert!(
+            top_k >= 1 && top_k <= experts,
+            "route: top-{top_k} of {experts} experts"
+        );
+        // Per warp (token): scores, choices and group scores, then the
+        // chosen flags.
+        let per_warp = 13 * experts;
+        if per_warp > MAX_SHARED_BYTES {
+            return Err(Error::invalid(
+                "--device cuda",
+                format!(
+                    "a router over {experts} experts exceeds the CUDA router's {} experts; \
+                     run this model with --device cpu",
+                    MAX_SHARED_BYTES / 13
+                ),
+            ));
+        }
+        let warps = (MAX_SHARED_BYTES / per_warp).clamp(1, ROUTE_WARPS);
+        let (groups, keep) = spec.groups.map_or((0, 0), |g| (g.count, g.keep));
+        assert!(
+            groups == 0 || (experts.is_multiple_of(groups) && keep <= groups),
+            "route: {experts} experts in {groups} groups, {keep} kept"
+        );
+        let bias = match correction_bias.filter(|_| spec.correction_bias) {
             Some(w) => {
-                let bytes = self.download(op, &w.data, w.data.len())?;
-                Some(bytemuck::pod_collect_to_vec::<u8, f32>(&bytes))
+                assert_eq!(
+                    w.vector_len(op),
+                    experts,
+                    "route: one correction bias per expert"
+                );
+                w.data.device_ptr(&self.stream).0
             }
-            None => None,
+            None => 0,
         };
-        let routing = crate::backend::cpu::moe::route(&host, logits.cols, spec, bias.as_deref());
+        let score: i32 = match spec.score {
+            ScoreFunction::Softmax => 0,
+            ScoreFunction::Sigmoid => 1,
+            ScoreFunction::SoftmaxOfChosen => 2,
+        };
+        let (n_i, experts_i, top_k_i, groups_i, keep_i, renormalize) = (
+            int(n, "tokens"),
+            int(experts, "experts"),
+            int(top_k, "top-k"),
+            int(groups, "groups"),
+            int(keep, "groups kept"),
+            i32::from(spec.renormalize),
+        );
+        let mut ids = self.alloc::<u32>(op, n * top_k)?;
+        let mut weights = self.alloc::<f32>(op, n * top_k)?;
+        let config = LaunchConfig {
+            grid_dim: (n.div_ceil(warps).max(1) as u32, 1, 1),
+            block_dim: ((warps * 32) as u32, 1, 1),
+            shared_mem_bytes: (warps * per_warp) as u32,
+        };
+        launch!(
+            self,
+            op,
+            &self.kernels.route_general,
+            config,
+            &logits.data,
+            &bias,
+            &mut ids,
+            &mut weights,
+            &n_i,
+            &experts_i,
+            &top_k_i,
+            &score,
+            &groups_i,
+            &keep_i,
+            &renormalize,
+            &spec.scaling
+        );
         Ok(Routing {
-            top_k: routing.top_k,
-            rows: logits.rows,
-            experts: self.upload(op, &routing.experts)?,
-            weights: self.upload(op, &routing.weights)?,
-            host_experts: OnceLock::from(routing.experts),
+            top_k,
+            rows: n,
+            experts: ids,
+            weights,
+            host_experts: OnceLock::new(),
         })
     }
 

@@ -21,8 +21,11 @@ const MIN_KV_POSITIONS: usize = 256;
 /// row `r` holds position `first + r`. `first` is 0 unless the shape has a
 /// sliding window, whose cache lets go of the positions no later query
 /// sees when it next makes room, so it stays within a few windows and
-/// chunks; such a cache is never recorded in a decode graph (its rows
-/// move).
+/// chunks. It moves the rows it keeps to the front of its own buffers
+/// when they hold them and the room asked for, so a recorded decode step
+/// stays valid: such a step reads the row of its new position from the
+/// cache's `row` word, which [`CudaBackend::kv_prepare_step`] sets before
+/// every step (a sliding window's rows are not its positions).
 ///
 /// Growth: when an append does not fit, the capacity at least doubles (to
 /// at least `MIN_KV_POSITIONS`) and the valid rows move to the new
@@ -38,6 +41,10 @@ const MIN_KV_POSITIONS: usize = 256;
 /// 2]`) and `tickets` (a zeroed word per head, back to zero after each
 /// step): the cache's own, so sequences decoded together and layers never
 /// share them.
+///
+/// A latent cache (multi-head latent attention, `shape.latent`) holds only
+/// `keys`, each row a position's latent and rotary key; its decode steps
+/// take their partials from a temporary (mla.rs), and use the tickets.
 pub struct KvCache {
     shape: AttentionShape,
     len: Arc<AtomicUsize>,
@@ -47,6 +54,8 @@ pub struct KvCache {
     values: CudaSlice<f32>,
     partials: CudaSlice<f32>,
     tickets: CudaSlice<u32>,
+    /// A sliding window's row of its next position, on the device.
+    row: Option<CudaSlice<u32>>,
 }
 
 impl KvCache {
@@ -64,9 +73,25 @@ impl KvCache {
         self.len() - self.first
     }
 
-    /// Whether the cache has a sliding window (and so is not recorded).
+    /// Whether the cache has a sliding window.
     pub(super) fn windowed(&self) -> bool {
         self.shape.window.is_some()
+    }
+
+    /// Positions the next query attends to.
+    pub(super) fn attended_next(&self) -> usize {
+        let seen = self.held() + 1;
+        self.shape.window.map_or(seen, |w| w.min(seen))
+    }
+
+    /// The device word of a sliding window's next row (see [`KvCache`]).
+    pub(super) fn row_word(&self, backend: &CudaBackend) -> Option<u64> {
+        self.row.as_ref().map(|w| w.device_ptr(&backend.stream).0)
+    }
+
+    /// The geometry the cache was made for.
+    pub(super) fn shape(&self) -> AttentionShape {
+        self.shape
     }
 
     pub fn is_empty(&self) -> bool {
@@ -130,7 +155,10 @@ fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
 impl CudaBackend {
     pub(super) fn kv_new(&self, shape: AttentionShape) -> Result<KvCache> {
         let op = "new KV cache";
-        let partials = shape.num_heads * DECODE_ATTN_MAX_SPLITS * (shape.head_dim + 2);
+        let partials = match shape.latent {
+            true => 0,
+            false => shape.num_heads * DECODE_ATTN_MAX_SPLITS * (shape.head_dim + 2),
+        };
         Ok(KvCache {
             shape,
             len: Arc::new(AtomicUsize::new(0)),
@@ -140,7 +168,22 @@ impl CudaBackend {
             values: self.alloc(op, 0)?,
             partials: self.alloc(op, partials)?,
             tickets: self.zeros(op, shape.num_heads)?,
+            row: match shape.window {
+                Some(_) => Some(self.zeros(op, 1)?),
+                None => None,
+            },
         })
+    }
+
+    /// Before a decode step that may be recorded or replayed: room for its
+    /// position, and a sliding window's row word set to where it goes.
+    pub(super) fn kv_prepare_step(&self, cache: &mut KvCache) -> Result<()> {
+        self.kv_reserve(cache, 1)?;
+        let row = u32::try_from(cache.held()).expect("a KV cache's rows fit 32 bits");
+        if let Some(word) = cache.row.as_mut() {
+            self.set_word(word, row, "preparing a decode step")?;
+        }
+        Ok(())
     }
 
     /// Makes room for `extra` more positions (see [`KvCache`] on growth;
@@ -153,6 +196,9 @@ impl CudaBackend {
         let first = len - cache.shape.retained(len).min(cache.held());
         let dropped = first - cache.first;
         let needed = cache.held() - dropped + extra;
+        if cache.windowed() && needed <= cache.capacity {
+            return self.kv_compact(cache, first);
+        }
         let capacity = match cache.windowed() {
             true => (2 * needed).max(MIN_KV_POSITIONS),
             false => needed.max(2 * cache.capacity).max(MIN_KV_POSITIONS),
@@ -171,16 +217,43 @@ impl CudaBackend {
             Ok(new)
         };
         let keys = grow(&cache.keys)?;
-        let values = grow(&cache.values)?;
+        if !cache.shape.latent {
+            cache.values = grow(&cache.values)?;
+        }
         cache.keys = keys;
-        cache.values = values;
         cache.capacity = capacity;
         cache.first = first;
         Ok(())
     }
 
+    /// Moves a sliding window's rows from position `first` on to the front
+    /// of its buffers (through a temporary: the ranges may overlap).
+    fn kv_compact(&self, cache: &mut KvCache, first: usize) -> Result<()> {
+        let op = "moving a sliding window's rows";
+        let width = cache.width();
+        let from = (first - cache.first) * width;
+        let valid = (cache.len() - first) * width;
+        if valid > 0 {
+            let mut kept = self.alloc::<f32>(op, valid)?;
+            for buffer in [&mut cache.keys, &mut cache.values] {
+                ok(
+                    op,
+                    self.stream
+                        .memcpy_dtod(&buffer.slice(from..from + valid), &mut kept),
+                )?;
+                ok(
+                    op,
+                    self.stream
+                        .memcpy_dtod(&kept, &mut buffer.slice_mut(..valid)),
+                )?;
+            }
+        }
+        cache.first = first;
+        Ok(())
+    }
+
     /// Appends `n` rows of keys and values (`[n, width]` each). While a
-    /// decode step is being recorded the rows go where the step's position
+    /// decode step is being recorded the rows go where the step's row word
     /// (on the device) says, so that replays append too.
     pub(super) fn kv_append(
         &self,
@@ -189,10 +262,14 @@ impl CudaBackend {
         values: &CudaSlice<f32>,
         n: usize,
     ) -> Result<()> {
+        assert!(
+            !cache.shape.latent,
+            "kv_append: a latent cache holds no values"
+        );
         let len = cache.len();
         self.kv_reserve(cache, n)?;
         let width = cache.width();
-        let position = self.recorded_position(Some(cache.len_counter()));
+        let position = self.recorded_row(cache);
         let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(cache.held()));
         launch!(
             self,
@@ -212,16 +289,17 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Makes room for one more position and claims it for a key and value
-    /// that the caller's kernel stores itself (the one-token attention
-    /// kernel does): returns the position, and the device word of a
-    /// recorded step's position as [`CudaBackend::kv_append`] registers it.
-    pub(super) fn kv_claim_one(&self, cache: &mut KvCache) -> Result<(usize, u64)> {
+    /// Makes room for `n` more positions and claims them for keys and
+    /// values (or latents) that the caller's kernel stores itself (the
+    /// one-token attention kernel and multi-head latent attention do):
+    /// returns the cache row of the first, and the device word of a
+    /// recorded step's row as [`CudaBackend::kv_append`] registers it.
+    pub(super) fn kv_claim(&self, cache: &mut KvCache, n: usize) -> Result<(usize, u64)> {
         let len = cache.len();
-        self.kv_reserve(cache, 1)?;
-        let position = self.recorded_position(Some(cache.len_counter()));
+        self.kv_reserve(cache, n)?;
+        let position = self.recorded_row(cache);
         let row = cache.held();
-        cache.set_len(len + 1);
+        cache.set_len(len + n);
         Ok((row, position))
     }
 
@@ -269,14 +347,18 @@ impl CudaBackend {
         Ok(HostKv {
             first,
             keys: download(&cache.keys)?,
-            values: download(&cache.values)?,
+            values: match cache.shape.latent {
+                true => Vec::new(),
+                false => download(&cache.values)?,
+            },
         })
     }
 
     pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
         let width = shape.num_kv_heads * shape.head_dim;
+        let values = if shape.latent { 0 } else { host.keys.len() };
         assert!(
-            host.keys.len() == host.values.len() && host.keys.len().is_multiple_of(width),
+            host.values.len() == values && host.keys.len().is_multiple_of(width),
             "KV import: {} keys and {} values are not whole rows of {width}",
             host.keys.len(),
             host.values.len()
@@ -292,11 +374,13 @@ impl CudaBackend {
                 self.stream
                     .memcpy_htod(&host.keys, &mut cache.keys.slice_mut(..n)),
             )?;
-            ok(
-                "loading a KV cache",
-                self.stream
-                    .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
-            )?;
+            if !shape.latent {
+                ok(
+                    "loading a KV cache",
+                    self.stream
+                        .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
+                )?;
+            }
         }
         cache.set_len(host.first + len);
         Ok(cache)

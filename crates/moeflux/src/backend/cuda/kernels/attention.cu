@@ -727,6 +727,64 @@ ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8, 8, 
 // consecutive keys hit different banks (16-byte reads stay aligned).
 #define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
 
+// Lane `lane`'s staged key `my_key` (`dim` values, 16-byte aligned)
+// against each of a warp's ROWS query rows (`warp_q`, `dim` apart): the
+// dot products, into `score`.
+template <int ROWS>
+__device__ __forceinline__ void score_staged_key(const float* my_key, const float* warp_q,
+                                                 int dim, float* score) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) score[r] = 0.0f;
+    for (int d = 0; d < dim; d += 4) {
+        const float4 kq = *(const float4*)(my_key + d);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const float4 qq = *(const float4*)(warp_q + r * dim + d);
+            score[r] = fmaf(qq.x, kq.x, score[r]);
+            score[r] = fmaf(qq.y, kq.y, score[r]);
+            score[r] = fmaf(qq.z, kq.z, score[r]);
+            score[r] = fmaf(qq.w, kq.w, score[r]);
+        }
+    }
+}
+
+// A warp's ROWS rows before their first tile: no maximum, nothing summed.
+template <int ROWS, int PER_LANE>
+__device__ __forceinline__ void start_online_softmax(float* running_max, float* lane_total,
+                                                     float (*acc)[PER_LANE]) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        running_max[r] = NEG_INF;
+        lane_total[r] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) acc[r][k] = 0.0f;
+    }
+}
+
+// One staged tile's step of the online softmax of a warp's ROWS rows, lane
+// `lane` holding its key's scaled scores `s` (-inf where a row does not
+// see it): each row's running maximum, the lanes' sums and weighted values
+// (`acc`) rescaled to it, and the key's probabilities into `warp_p`
+// ([key][ROWS]). A tile a row cannot see leaves it unchanged (its maximum
+// stays -inf).
+template <int ROWS, int PER_LANE>
+__device__ __forceinline__ void online_softmax_tile(const float* s, float* running_max,
+                                                    float* lane_total, float (*acc)[PER_LANE],
+                                                    float* warp_p, int lane) {
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const float new_max = fmaxf(running_max[r], warp_max(s[r]));
+        const bool none = new_max == NEG_INF;
+        const float rescale = none ? 1.0f : expf(running_max[r] - new_max);
+        const float p = none ? 0.0f : expf(s[r] - new_max);
+        lane_total[r] = lane_total[r] * rescale + p;
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) acc[r][k] *= rescale;
+        running_max[r] = new_max;
+        warp_p[lane * ROWS + r] = p;
+    }
+}
+
 template <int PER_LANE>
 __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
                                              const float* values, float* out, int n,
@@ -774,13 +832,7 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
     float running_max[FA_ROWS_PER_WARP];
     float lane_total[FA_ROWS_PER_WARP];
     float acc[FA_ROWS_PER_WARP][PER_LANE];
-#pragma unroll
-    for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-        running_max[r] = NEG_INF;
-        lane_total[r] = 0.0f;
-#pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) acc[r][k] = 0.0f;
-    }
+    start_online_softmax<FA_ROWS_PER_WARP, PER_LANE>(running_max, lane_total, acc);
     const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * head_dim;
     float* warp_p = p_tile + warp * FA_KEYS * FA_ROWS_PER_WARP;
 
@@ -802,38 +854,17 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
         }
         __syncthreads();
 
-        // Lane `lane` scores key j0 + lane against each of the warp's rows.
+        // Lane `lane` scores key j0 + lane against each of the warp's rows
+        // (before its window's first key, a row's maximum is still -inf).
         float score[FA_ROWS_PER_WARP];
-#pragma unroll
-        for (int r = 0; r < FA_ROWS_PER_WARP; ++r) score[r] = 0.0f;
-        const float* my_key = k_tile + lane * key_stride;
-        for (int d = 0; d < head_dim; d += 4) {
-            float4 kq = *(const float4*)(my_key + d);
-#pragma unroll
-            for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-                float4 qq = *(const float4*)(warp_q + r * head_dim + d);
-                score[r] = fmaf(qq.x, kq.x, score[r]);
-                score[r] = fmaf(qq.y, kq.y, score[r]);
-                score[r] = fmaf(qq.z, kq.z, score[r]);
-                score[r] = fmaf(qq.w, kq.w, score[r]);
-            }
-        }
+        score_staged_key<FA_ROWS_PER_WARP>(k_tile + lane * key_stride, warp_q, head_dim, score);
 #pragma unroll
         for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
             bool seen = j0 + lane < visible[r] && j0 + lane >= oldest[r];
-            float s = seen ? score[r] * scale : NEG_INF;
-            // A tile a row cannot see leaves it unchanged (before its
-            // window's first key, its maximum is still -inf).
-            float new_max = fmaxf(running_max[r], warp_max(s));
-            bool none = new_max == NEG_INF;
-            float rescale = none ? 1.0f : expf(running_max[r] - new_max);
-            float p = none ? 0.0f : expf(s - new_max);
-            lane_total[r] = lane_total[r] * rescale + p;
-#pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) acc[r][k] *= rescale;
-            running_max[r] = new_max;
-            warp_p[lane * FA_ROWS_PER_WARP + r] = p;
+            score[r] = seen ? score[r] * scale : NEG_INF;
         }
+        online_softmax_tile<FA_ROWS_PER_WARP, PER_LANE>(score, running_max, lane_total, acc, warp_p,
+                                                        lane);
         __syncwarp();
         for (int j = 0; j < tile; ++j) {
             float4 p_lo = *(const float4*)(warp_p + j * FA_ROWS_PER_WARP);

@@ -202,6 +202,175 @@ ROUTE_WARP_KERNEL(route_warp_4, 4)
 ROUTE_WARP_KERNEL(route_warp_8, 8)
 ROUTE_WARP_KERNEL(route_warp_16, 16)
 
+// ---- Routers other than the plain softmax ---------------------------
+//
+// One warp per token, its experts' scores and choices in shared memory
+// (as many experts as the block's shared memory holds; routing.rs sizes
+// it), following the CPU's `route` (backend/cpu/moe.rs) step for step:
+//   1. scores from the logits: a softmax over every expert, each expert's
+//      sigmoid, or the logits themselves (SCORE_SOFTMAX_OF_CHOSEN, whose
+//      weights are the softmax of the chosen logits);
+//   2. the choice: score + `bias` (the correction bias; null: none);
+//   3. with `groups` (0: none), the experts fall into that many equal
+//      groups, each scored by the sum of its two best choices (its best
+//      alone in groups of one), and every group but the `keep_groups`
+//      best (ties to the lower group) is masked to -inf;
+//   4. top_k by choice, ties to the lower index (masked experts last);
+//   5. the chosen experts' scores as weights (softmax of them for
+//      SCORE_SOFTMAX_OF_CHOSEN), divided by their sum when `renormalize`
+//      (plus 1e-20 for sigmoid scores, as transformers adds), times
+//      `scaling`.
+// Comparisons are of floats, which equal the CPU's total order for every
+// value a router produces (no NaN; no -0, whose sigmoid and softmax are
+// positive). Dynamic shared memory: per warp, 3 · num_experts floats
+// (scores, choices, group scores) and then num_experts bytes (chosen).
+
+#define SCORE_SOFTMAX 0
+#define SCORE_SIGMOID 1
+#define SCORE_SOFTMAX_OF_CHOSEN 2
+
+// The top two of the multiset {first, second, other_first, other_second},
+// each pair ordered (first ≥ second).
+__device__ __forceinline__ void merge_top_two(float* first, float* second, float other_first,
+                                              float other_second) {
+    if (other_first > *first) {
+        *second = fmaxf(*first, other_second);
+        *first = other_first;
+    } else {
+        *second = fmaxf(*second, other_first);
+    }
+}
+
+extern "C" __global__ void route_general(const float* logits, const float* bias, u32* experts,
+                                         float* weights, int n, int num_experts, int top_k,
+                                         int score, int groups, int keep_groups,
+                                         int renormalize, float scaling) {
+    await_inputs();
+    extern __shared__ float route_shared[];
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    float* scores = route_shared + (i64)warp * 3 * num_experts;
+    float* choice = scores + num_experts;
+    float* group_score = choice + num_experts;
+    u8* chosen = (u8*)(route_shared + (i64)warps * 3 * num_experts) + (i64)warp * num_experts;
+    const i64 t = (i64)blockIdx.x * warps + warp;
+    if (t >= n) return;
+    const float* row = logits + t * num_experts;
+
+    // 1 and 2.
+    float max_logit = NEG_INF, total = 0.0f;
+    if (score == SCORE_SOFTMAX) {
+        for (int e = lane; e < num_experts; e += WARP_SIZE) max_logit = fmaxf(max_logit, row[e]);
+        max_logit = warp_max(max_logit);
+        for (int e = lane; e < num_experts; e += WARP_SIZE) total += expf(row[e] - max_logit);
+        total = warp_sum(total);
+    }
+    for (int e = lane; e < num_experts; e += WARP_SIZE) {
+        const float x = row[e];
+        const float s = score == SCORE_SOFTMAX   ? expf(x - max_logit) / total
+                        : score == SCORE_SIGMOID ? 1.0f / (1.0f + expf(-x))
+                                                 : x;
+        scores[e] = s;
+        choice[e] = bias ? s + bias[e] : s;
+        chosen[e] = 0;
+    }
+    __syncwarp();
+
+    // 3.
+    if (groups > 0) {
+        const int size = num_experts / groups;
+        for (int g = 0; g < groups; ++g) {
+            float first = NEG_INF, second = NEG_INF;
+            for (int i = lane; i < size; i += WARP_SIZE) {
+                const float c = choice[g * size + i];
+                if (c > first) {
+                    second = first;
+                    first = c;
+                } else if (c > second) {
+                    second = c;
+                }
+            }
+            for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+                const float other_first = __shfl_xor_sync(FULL_MASK, first, offset);
+                const float other_second = __shfl_xor_sync(FULL_MASK, second, offset);
+                merge_top_two(&first, &second, other_first, other_second);
+            }
+            if (lane == 0) group_score[g] = size < 2 ? first : first + second;
+        }
+        __syncwarp();
+        for (int g = lane; g < groups; g += WARP_SIZE) {
+            const float mine = group_score[g];
+            int ahead = 0;
+            for (int o = 0; o < groups; ++o) {
+                const float other = group_score[o];
+                ahead += other > mine || (other == mine && o < g);
+            }
+            if (ahead >= keep_groups)
+                for (int i = 0; i < size; ++i) choice[g * size + i] = NEG_INF;
+        }
+        __syncwarp();
+    }
+
+    // 4.
+    const int none = 0x7fffffff;
+    u32* out_experts = experts + t * top_k;
+    float* out_weights = weights + t * top_k;
+    for (int k = 0; k < top_k; ++k) {
+        float value = NEG_INF;
+        int index = none;
+        for (int e = lane; e < num_experts; e += WARP_SIZE) {
+            const float c = choice[e];
+            if (!chosen[e] && (c > value || (c == value && e < index))) {
+                value = c;
+                index = e;
+            }
+        }
+        for (int offset = WARP_SIZE / 2; offset > 0; offset >>= 1) {
+            const float other_value = __shfl_xor_sync(FULL_MASK, value, offset);
+            const int other_index = __shfl_xor_sync(FULL_MASK, index, offset);
+            if (other_value > value || (other_value == value && other_index < index)) {
+                value = other_value;
+                index = other_index;
+            }
+        }
+        // Only NaN choices leave nothing chosen: take the first free one.
+        for (int e = 0; index == none && e < num_experts; ++e) {
+            if (!chosen[e]) index = e;
+        }
+        if (lane == 0) {
+            chosen[index] = 1;
+            out_experts[k] = (u32)index;
+        }
+        __syncwarp();
+    }
+
+    // 5.
+    if (lane == 0) {
+        float max_chosen = NEG_INF;
+        if (score == SCORE_SOFTMAX_OF_CHOSEN)
+            for (int k = 0; k < top_k; ++k) max_chosen = fmaxf(max_chosen, scores[out_experts[k]]);
+        float sum = 0.0f;
+        for (int k = 0; k < top_k; ++k) {
+            float p = scores[out_experts[k]];
+            if (score == SCORE_SOFTMAX_OF_CHOSEN) p = expf(p - max_chosen);
+            out_weights[k] = p;
+            sum += p;
+        }
+        if (score == SCORE_SOFTMAX_OF_CHOSEN) {
+            const float chosen_total = sum;
+            sum = 0.0f;
+            for (int k = 0; k < top_k; ++k) {
+                out_weights[k] /= chosen_total;
+                sum += out_weights[k];
+            }
+        }
+        float scale = scaling;
+        if (renormalize) scale /= sum + (score == SCORE_SIGMOID ? 1e-20f : 0.0f);
+        for (int k = 0; k < top_k; ++k) out_weights[k] *= scale;
+    }
+}
+
 // xs[i] = x[slots[i] / top_k]: the rows of the tokens routed to one expert
 // (a slot is token · top_k + rank).
 extern "C" __global__ void gather_rows(const float* x, const u32* slots, float* xs, int m,
