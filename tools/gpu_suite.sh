@@ -52,6 +52,11 @@
 #                             layers) and gpt-oss-120b (all 36, decode
 #                             three times more). SHAPES_TESTS=0 skips the
 #                             tests
+#   tools/gpu_suite.sh widths q2 q3 q4 ...
+#                             on the GPU machine: the synthetic qwen3-30b-a3b
+#                             (48 layers, q4 outside the experts) with its
+#                             routed experts at each width (q2, q3, q4, q8,
+#                             bf16, mxfp4), resident: decode and pp512, twice
 #
 # The GPU machine needs this checkout (fixtures included) and the built
 # folder; the binaries are stripped of debug info to keep that small.
@@ -394,6 +399,25 @@ shapes() {
     rm -rf "$dir"
 }
 
+# Routed experts at each width given, the rest q4, resident: one synthetic
+# model at a time, then removed.
+widths() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    local moeflux="$SUITE/moeflux" dir=/tmp/moeflux-widths width round
+    for width in "$@"; do
+        rm -rf "$dir"
+        "$moeflux" synth --preset qwen3-30b-a3b --quant q4 --expert-quant "$width" -o "$dir" --force \
+            >"$OUT/synth-$width.log" 2>&1
+        for round in 1 2; do
+            "$moeflux" bench -m "$dir" --device cuda -n 128 --warmup 16 >"$OUT/bench-$width-$round.log" 2>&1
+            echo "--- experts $width, round $round"
+            grep -E '^prefill|^decode|^weights read|^achieved|^memory|rror' "$OUT/bench-$width-$round.log"
+        done
+    done
+    rm -rf "$dir"
+}
+
 case "${1:-build}" in
 build) build ;;
 run) run ;;
@@ -405,12 +429,16 @@ presets)
     shift
     presets "$@"
     ;;
+widths)
+    shift
+    widths "$@"
+    ;;
 shapes)
     shift
     shapes "$@"
     ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]|widths WIDTH...]" >&2
     exit 2
     ;;
 esac

@@ -404,7 +404,8 @@ impl TensorSource for RandomWeights {
             bytes
         };
         match layout.dtype {
-            DType::Q4 | DType::Q8 => {
+            // Every bit pattern is a valid code, in bit planes too.
+            DType::Q4 | DType::Q8 | DType::Q3 | DType::Q2 => {
                 let levels = ((1u32 << layout.dtype.bits().unwrap()) - 1) as f32;
                 let groups = n * layout.groups_per_row();
                 let repeat = |v: f32| bf16::from_f32(v).to_le_bytes().repeat(groups);
@@ -425,6 +426,16 @@ impl TensorSource for RandomWeights {
                 Some(EncodedRows {
                     codes,
                     ..Default::default()
+                })
+            }
+            // Random codes, each block's exponent putting ±6 near the
+            // half-width.
+            DType::Mxfp4 => {
+                let e = (127.0 + (half_width / 6.0).log2().round()).clamp(1.0, 254.0) as u8;
+                Some(EncodedRows {
+                    codes: random_bytes(n * layout.row_bytes),
+                    scales: vec![e; n * layout.cols / crate::quant::mxfp4::BLOCK],
+                    biases: Vec::new(),
                 })
             }
             DType::F32 => None,

@@ -4,7 +4,7 @@
 //! Tolerances:
 //! - whole models, CUDA against CPU on the same converted weights: relative
 //!   L2 error of the logits ≤ 1e-3 at every position, for bf16, q8 and q4
-//!   alike: both backends dequantize the same stored codes to the same f32
+//!   alike, and for q3 and q2 routed experts: both backends dequantize the same stored codes to the same f32
 //!   weights and accumulate in f32, so quantization cancels out and only
 //!   the summation order differs (the error the bf16 bound was set for);
 //! - whole models against transformers: the CPU suite's bounds (bf16 1e-3;
@@ -329,6 +329,60 @@ fn tiny_expert_caches_give_identical_results() {
     }
 }
 
+/// Routed experts at q3, q2 and MXFP4 (the rest at q8, convert's default
+/// beside the first two) on every fixture: CUDA's logits of a prompt in chunks of 64 and 7
+/// (the grouped prefill kernels and, for the odd rows, the decode ones)
+/// and of decoding token by token (the fused decode kernels) within the
+/// 1e-3 of [`check_fixtures`] of the CPU's.
+#[test]
+fn low_bit_expert_logits_match_cpu() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        for experts in [DType::Q3, DType::Q2, DType::Mxfp4] {
+            let converted = convert_fixture_with(name, DType::Q8, experts);
+            let tokens = Reference::load(name).tokens("tokens_long");
+            let cpu = open(&converted.dir, ModelOptions::default());
+            let vocab = cpu.config().vocab_size;
+            let want = cpu
+                .session()
+                .forward(&tokens, LogitsWanted::All)
+                .unwrap()
+                .data;
+            for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
+                let gpu = open_cuda(&converted.dir, chunked(chunk), cuda().expect("a device"));
+                let got = gpu
+                    .session()
+                    .forward(&tokens, LogitsWanted::All)
+                    .unwrap()
+                    .data;
+                let mut session = gpu.session();
+                let mut decoded = session
+                    .forward(&tokens[..1], LogitsWanted::All)
+                    .unwrap()
+                    .data;
+                for &t in &tokens[1..] {
+                    decoded.extend(session.decode(t).unwrap());
+                }
+                let (prefill, decode) = (
+                    max_error(&got, &want, vocab),
+                    max_error(&decoded, &want, vocab),
+                );
+                println!(
+                    "{name:<22} {} experts (chunk {chunk:>2}): prefill {prefill:.2e}, decode {decode:.2e} against the CPU",
+                    experts.name()
+                );
+                assert!(
+                    prefill <= 1e-3 && decode <= 1e-3,
+                    "{name} {} experts: CUDA differs from the CPU by {prefill:.3e} (prefill, chunk {chunk}) and {decode:.3e} (decode)",
+                    experts.name()
+                );
+            }
+        }
+    }
+}
+
 /// Experts uploaded before the first token (every layer complete: decode
 /// never returns to the host) against experts streamed through a VRAM
 /// cache that holds nothing: the same kernels, so the same logits.
@@ -338,8 +392,12 @@ fn resident_and_streamed_experts_give_identical_results() {
         return;
     }
     for &name in FIXTURES {
-        for quant in [DType::Q4, DType::Bf16] {
-            let converted = convert_fixture(name, quant);
+        for (rest, quant) in [
+            (DType::Q4, DType::Q4),
+            (DType::Bf16, DType::Bf16),
+            (DType::Q8, DType::Q3),
+        ] {
+            let converted = convert_fixture_with(name, rest, quant);
             let tokens = Reference::load(name).tokens("tokens_long");
             let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
             resident
@@ -699,7 +757,7 @@ fn norm_fused_into_one_token_products_matches_separate_launches() {
 /// The routed experts of many tokens (the grouped tensor-core kernels of
 /// moe_prefill.cu) on experts all resident (one launch over the layer's
 /// table), streamed through an empty VRAM cache (a few experts per launch)
-/// and half cached (both) agree exactly, for q4, q8 and bf16, on the
+/// and half cached (both) agree exactly, for q4, q8, bf16, q3, q2 and MXFP4, on the
 /// qwen3_5_moe fixture and the larger synthetic layer of the conformance
 /// suite (whose `grouped_experts_of_many_tokens_match_reference` holds the
 /// resident ones to the CPU reference).
@@ -707,10 +765,16 @@ fn norm_fused_into_one_token_products_matches_separate_launches() {
 fn grouped_prefill_experts_agree_however_cached() {
     let Some(resident_gpu) = cuda() else { return };
     let synthetic = synthetic_moe_checkpoint();
-    for quant in [DType::Q4, DType::Q8, DType::Bf16] {
+    for (rest, quant) in EXPERT_RECIPES {
         for (model, converted) in [
-            ("qwen3_5_moe", convert_fixture("qwen3_5_moe", quant)),
-            ("synthetic", convert_checkpoint(synthetic.path(), quant)),
+            (
+                "qwen3_5_moe",
+                convert_fixture_with("qwen3_5_moe", rest, quant),
+            ),
+            (
+                "synthetic",
+                convert_checkpoint_with(synthetic.path(), rest, Some(quant)),
+            ),
         ] {
             let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
             let store = whole_store(&dir);

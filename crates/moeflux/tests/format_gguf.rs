@@ -6,9 +6,9 @@
 //! and compared by logits, the bundled model's tokenizer rebuilt from a
 //! vocabulary-only GGUF, and a corpus of malformed files.
 //!
-//! Fuzzing the header parser (a cargo-fuzz target calling
-//! `GgufFile::validate` on arbitrary bytes, run in CI) is a later step;
-//! `gguf_headers_survive_byte_flips` is its deterministic stand-in.
+//! tests/fuzz_headers.rs fuzzes the header parser (`GgufFile::validate`)
+//! for a few seconds in every run; `gguf_headers_survive_byte_flips` is a
+//! deterministic check beside it.
 
 mod common;
 mod format_support;

@@ -1,4 +1,5 @@
-//! `moeflux convert <INPUT> -o <OUT> --quant q4|q8|bf16|keep-nearest`
+//! `moeflux convert <INPUT> -o <OUT> --quant q4|q8|bf16|keep-nearest
+//! --expert-quant q2|q3|q4|q8|bf16|mxfp4`
 
 use std::path::PathBuf;
 
@@ -28,6 +29,42 @@ impl Quant {
     }
 }
 
+/// The routed experts' precision (convert and synth).
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExpertQuant {
+    Q2,
+    Q3,
+    Q4,
+    Q8,
+    Bf16,
+    /// MXFP4 (gpt-oss's experts kept as they are; others rounded to it).
+    Mxfp4,
+}
+
+impl ExpertQuant {
+    pub fn dtype(self) -> DType {
+        match self {
+            ExpertQuant::Q2 => DType::Q2,
+            ExpertQuant::Q3 => DType::Q3,
+            ExpertQuant::Q4 => DType::Q4,
+            ExpertQuant::Q8 => DType::Q8,
+            ExpertQuant::Bf16 => DType::Bf16,
+            ExpertQuant::Mxfp4 => DType::Mxfp4,
+        }
+    }
+
+    /// The precision of the other matrices when `--quant` is not given:
+    /// q8 beside experts below 4 bits (attention, routers and shared
+    /// experts are a small part of the bytes and carry every token), else
+    /// q4.
+    pub fn default_rest(expert: Option<ExpertQuant>) -> DType {
+        match expert {
+            Some(ExpertQuant::Q2 | ExpertQuant::Q3) => DType::Q8,
+            _ => DType::Q4,
+        }
+    }
+}
+
 /// convert's precisions: one for every matrix, or each matrix's nearest.
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum ConvertQuant {
@@ -49,9 +86,13 @@ pub struct Args {
     /// The model directory to create.
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
-    /// Weight precision.
-    #[arg(long, value_enum, default_value = "q4")]
-    quant: ConvertQuant,
+    /// Weight precision of every matrix but the routed experts' (default
+    /// q4; q8 when --expert-quant is q2 or q3).
+    #[arg(long, value_enum)]
+    quant: Option<ConvertQuant>,
+    /// Precision of the routed experts (default: as --quant).
+    #[arg(long, value_enum)]
+    expert_quant: Option<ExpertQuant>,
     /// Replace the output directory if it exists.
     #[arg(long)]
     force: bool,
@@ -104,11 +145,13 @@ impl Progress for Bar {
 
 pub fn run(args: Args) -> Result<()> {
     let (quant, keep_nearest) = match args.quant {
-        ConvertQuant::Q4 => (DType::Q4, false),
-        ConvertQuant::Q8 => (DType::Q8, false),
-        ConvertQuant::Bf16 => (DType::Bf16, false),
-        ConvertQuant::KeepNearest => (DType::Q4, true),
+        None => (ExpertQuant::default_rest(args.expert_quant), false),
+        Some(ConvertQuant::Q4) => (DType::Q4, false),
+        Some(ConvertQuant::Q8) => (DType::Q8, false),
+        Some(ConvertQuant::Bf16) => (DType::Bf16, false),
+        Some(ConvertQuant::KeepNearest) => (DType::Q4, true),
     };
+    let expert_quant = args.expert_quant.map(ExpertQuant::dtype);
     if args.input.is_dir()
         && args.input.join("config.json").is_file()
         && !args.input.join(TOKENIZER_FILE).is_file()
@@ -123,6 +166,7 @@ pub fn run(args: Args) -> Result<()> {
     let interrupt = crate::interrupt::install()?;
     let options = ConvertOptions {
         quant,
+        expert_quant,
         overwrite: args.force,
         cancel: Some(interrupt.flag().clone()),
     };
@@ -169,7 +213,7 @@ pub fn run(args: Args) -> Result<()> {
             summary_quant(&args.output).unwrap_or("mixed")
         )
     } else {
-        quant.name().to_string()
+        precision_label(quant, expert_quant)
     };
     println!(
         "wrote {} ({}, {}): {} dense tensors ({}), {} MoE layers of experts ({})",
@@ -184,9 +228,43 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// `q4`, or `q2 experts, q8 elsewhere`.
+pub fn precision_label(quant: DType, expert_quant: Option<DType>) -> String {
+    match expert_quant.filter(|&e| e != quant) {
+        Some(e) => format!("{} experts, {} elsewhere", e.name(), quant.name()),
+        None => quant.name().to_string(),
+    }
+}
+
 /// The manifest's `quantization` of a written model.
 fn summary_quant(dir: &std::path::Path) -> Option<&'static str> {
     let manifest =
         moeflux::format::Manifest::read(&dir.join(moeflux::format::MANIFEST_FILE)).ok()?;
     Some(manifest.quantization.name())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without `--quant`, experts below 4 bits come with q8 elsewhere,
+    /// any other expert width with q4.
+    #[test]
+    fn the_rest_defaults_to_q8_beside_experts_below_four_bits() {
+        for (experts, rest) in [
+            (None, DType::Q4),
+            (Some(ExpertQuant::Q2), DType::Q8),
+            (Some(ExpertQuant::Q3), DType::Q8),
+            (Some(ExpertQuant::Q4), DType::Q4),
+            (Some(ExpertQuant::Mxfp4), DType::Q4),
+            (Some(ExpertQuant::Bf16), DType::Q4),
+        ] {
+            assert_eq!(ExpertQuant::default_rest(experts), rest);
+        }
+        assert_eq!(
+            precision_label(DType::Q8, Some(DType::Q2)),
+            "q2 experts, q8 elsewhere"
+        );
+        assert_eq!(precision_label(DType::Q4, Some(DType::Q4)), "q4");
+    }
 }

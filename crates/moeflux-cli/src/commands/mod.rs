@@ -115,7 +115,8 @@ pub struct ModelArgs {
     /// size; 0 uploads from the expert cache's pageable memory).
     #[arg(long)]
     pub pinned_cache_mb: Option<u64>,
-    /// How the CPU multiplies activations by q4 and q8 weights: f32 (exact)
+    /// How the CPU multiplies activations by q2, q3, q4 and q8 weights (MXFP4
+    /// always takes f32): f32 (exact)
     /// or int8 (quantized per group of 64 inputs: faster decode, slightly
     /// less accurate; see docs/PERFORMANCE.md).
     #[arg(long, value_enum, default_value = "f32")]

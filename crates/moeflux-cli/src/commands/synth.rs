@@ -7,7 +7,7 @@ use moeflux::convert::ConvertOptions;
 use moeflux::synth::{PRESETS, preset, preset_config, synthesize};
 use moeflux::util::human_bytes;
 
-use super::convert::{Quant, progress_bar};
+use super::convert::{ExpertQuant, Quant, precision_label, progress_bar};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -20,9 +20,13 @@ pub struct Args {
     /// Include the model's multi-token-prediction layer (for --draft mtp).
     #[arg(long)]
     mtp: bool,
-    /// Weight precision.
-    #[arg(long, value_enum, default_value = "q4")]
-    quant: Quant,
+    /// Weight precision of every matrix but the routed experts' (default
+    /// q4; q8 when --expert-quant is q2 or q3).
+    #[arg(long, value_enum)]
+    quant: Option<Quant>,
+    /// Precision of the routed experts (default: as --quant).
+    #[arg(long, value_enum)]
+    expert_quant: Option<ExpertQuant>,
     /// The model directory to create.
     #[arg(short = 'o', long = "output", required_unless_present = "list")]
     output: Option<PathBuf>,
@@ -46,8 +50,13 @@ pub fn run(args: Args) -> Result<()> {
     };
     let config = preset_config(preset(&name)?, args.layers, args.mtp)?;
     let interrupt = crate::interrupt::install()?;
+    let quant = args.quant.map_or_else(
+        || ExpertQuant::default_rest(args.expert_quant),
+        Quant::dtype,
+    );
     let options = ConvertOptions {
-        quant: args.quant.dtype(),
+        quant,
+        expert_quant: args.expert_quant.map(ExpertQuant::dtype),
         overwrite: args.force,
         cancel: Some(interrupt.flag().clone()),
     };
@@ -58,7 +67,7 @@ pub fn run(args: Args) -> Result<()> {
     println!(
         "wrote synthetic {} ({}, {} layers{}, random weights) to {}: dense {}, experts {}",
         name,
-        args.quant.dtype().name(),
+        precision_label(quant, options.expert_quant),
         summary.config.num_layers(),
         match summary.config.mtp {
             Some(_) => " + a multi-token-prediction layer",

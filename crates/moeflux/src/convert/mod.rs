@@ -87,8 +87,14 @@ pub trait TensorSource: Sync {
 /// How [`convert`] writes the model.
 #[derive(Clone, Debug)]
 pub struct ConvertOptions {
-    /// `Q4`, `Q8` or `Bf16`.
+    /// `Q4`, `Q8` or `Bf16`: every matrix but the routed experts'.
     pub quant: DType,
+    /// The routed experts' precision, `Q2`, `Q3`, `Q4`, `Q8`, `Bf16` or
+    /// `Mxfp4` (gpt-oss's experts kept as they are: MXFP4 values encode
+    /// back exactly; others are rounded to it); `None`: as `quant`. Experts are most of a model's bytes, so they
+    /// take the fewest bits: flash-moe ran Qwen3.5-397B with 2-bit experts
+    /// and the rest at 8 bits.
+    pub expert_quant: Option<DType>,
     /// Replace an existing output directory (only an empty one, or a
     /// model moeflux wrote holding nothing else).
     pub overwrite: bool,
@@ -101,6 +107,7 @@ impl Default for ConvertOptions {
     fn default() -> Self {
         ConvertOptions {
             quant: DType::Q4,
+            expert_quant: None,
             overwrite: false,
             cancel: None,
         }
@@ -108,6 +115,28 @@ impl Default for ConvertOptions {
 }
 
 impl ConvertOptions {
+    /// The routed experts' precision.
+    pub fn experts(&self) -> DType {
+        self.expert_quant.unwrap_or(self.quant)
+    }
+
+    /// Refuses precisions the converter does not write.
+    fn check(&self) -> Result<()> {
+        if !matches!(self.quant, DType::Q4 | DType::Q8 | DType::Bf16) {
+            return Err(Error::invalid("--quant", "must be q4, q8 or bf16"));
+        }
+        if !matches!(
+            self.experts(),
+            DType::Q2 | DType::Q3 | DType::Q4 | DType::Q8 | DType::Bf16 | DType::Mxfp4
+        ) {
+            return Err(Error::invalid(
+                "--expert-quant",
+                "must be q2, q3, q4, q8, bf16 or mxfp4",
+            ));
+        }
+        Ok(())
+    }
+
     fn check_cancel(&self) -> Result<()> {
         match &self.cancel {
             Some(flag) if flag.load(Ordering::Relaxed) => Err(Error::Interrupted),
@@ -226,7 +255,7 @@ pub(crate) fn convert_locked(
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
     let s = CheckpointSource::open(input)?;
-    let dtypes = Dtypes::uniform(&s.plan, options.quant);
+    let dtypes = Dtypes::recipe(&s.plan, options);
     let side = SideFiles {
         dir: s.side_dir.as_deref(),
         generated: &s.generated,

@@ -41,7 +41,7 @@ pub(crate) fn write_model(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
-    let dtypes = Dtypes::uniform(&plan, options.quant);
+    let dtypes = Dtypes::recipe(&plan, options);
     write_model_with(
         source,
         plan,
@@ -68,9 +68,7 @@ pub(super) fn write_model_with(
     options: &ConvertOptions,
     progress: &dyn Progress,
 ) -> Result<ConvertSummary> {
-    if !matches!(options.quant, DType::Q4 | DType::Q8 | DType::Bf16) {
-        return Err(Error::invalid("--quant", "must be q4, q8 or bf16"));
-    }
+    options.check()?;
     output::check_output(output, options.overwrite)?;
     let existed = output.exists();
     let mut lock = OutputLock::acquire(output, options.cancel.as_deref(), &|o| {

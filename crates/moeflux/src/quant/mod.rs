@@ -7,12 +7,18 @@
 //!
 //! ```text
 //! codes   rows × cols·bits/8 bytes; 4-bit codes packed eight to a
-//!         little-endian u32, lowest nibble first
+//!         little-endian u32, lowest nibble first; 2- and 3-bit codes
+//!         in bit planes per group of 64 ([`lowbit`])
 //! scales  rows × cols/64 bf16
 //! biases  rows × cols/64 bf16
 //! ```
 //!
 //! The same layout is used in the dense weight file and inside expert blobs.
+//! q2 and q3 exist for routed experts, whose bulk dominates a model's size;
+//! so does MXFP4 ([`mxfp4`]), gpt-oss's experts kept as they are stored.
+
+pub mod lowbit;
+pub mod mxfp4;
 
 use half::bf16;
 use serde::{Deserialize, Serialize};
@@ -34,6 +40,9 @@ pub enum DType {
     Bf16,
     Q8,
     Q4,
+    Q3,
+    Q2,
+    Mxfp4,
 }
 
 impl DType {
@@ -43,26 +52,47 @@ impl DType {
             DType::Bf16 => "bf16",
             DType::Q8 => "q8",
             DType::Q4 => "q4",
+            DType::Q3 => "q3",
+            DType::Q2 => "q2",
+            DType::Mxfp4 => "mxfp4",
         }
     }
 
     pub fn parse(s: &str) -> Option<DType> {
-        [DType::F32, DType::Bf16, DType::Q8, DType::Q4]
-            .into_iter()
-            .find(|d| d.name() == s)
+        [
+            DType::F32,
+            DType::Bf16,
+            DType::Q8,
+            DType::Q4,
+            DType::Q3,
+            DType::Q2,
+            DType::Mxfp4,
+        ]
+        .into_iter()
+        .find(|d| d.name() == s)
     }
 
-    /// Code width of a quantized type.
+    /// Code width of an affine quantized type (`q·scale + bias`; MXFP4's
+    /// codes are not affine and have none).
     pub fn bits(self) -> Option<u32> {
         match self {
+            DType::Q2 => Some(2),
+            DType::Q3 => Some(3),
             DType::Q4 => Some(4),
             DType::Q8 => Some(8),
             _ => None,
         }
     }
 
+    /// Codes with a scales section, in whole groups of 64 inputs.
     pub fn is_quantized(self) -> bool {
-        self.bits().is_some()
+        self.bits().is_some() || self == DType::Mxfp4
+    }
+
+    /// q2, q3 and MXFP4: encodings for routed experts, which the CUDA
+    /// backend takes nowhere else (every CPU product takes them).
+    pub fn experts_only(self) -> bool {
+        matches!(self, DType::Q2 | DType::Q3 | DType::Mxfp4)
     }
 }
 
@@ -84,6 +114,16 @@ impl MatrixLayout {
     /// dimension is not a multiple of [`GROUP_SIZE`].
     pub fn new(dtype: DType, rows: usize, cols: usize) -> Option<MatrixLayout> {
         let (row_bytes, scales_offset, biases_offset, end) = match dtype.bits() {
+            None if dtype == DType::Mxfp4 => {
+                if !cols.is_multiple_of(GROUP_SIZE) {
+                    return None;
+                }
+                // Exponent bytes in place of scales, no biases.
+                let row_bytes = cols / 2;
+                let scales = align_up(rows * row_bytes, ALIGN);
+                let end = scales + rows * cols / mxfp4::BLOCK;
+                (row_bytes, scales, end, end)
+            }
             None => {
                 let width = if dtype == DType::F32 { 4 } else { 2 };
                 let bytes = rows * cols * width;
@@ -168,6 +208,21 @@ impl<'a> MatrixView<'a> {
         let l = &self.layout;
         let raw = &self.bytes[row * l.row_bytes..(row + 1) * l.row_bytes];
         match l.dtype {
+            DType::Mxfp4 => {
+                let blocks = l.cols / mxfp4::BLOCK;
+                let exponents = &self.bytes[l.scales_offset + row * blocks..][..blocks];
+                for ((codes, out), &e) in raw
+                    .chunks_exact(mxfp4::BLOCK / 2)
+                    .zip(out.chunks_exact_mut(mxfp4::BLOCK))
+                    .zip(exponents)
+                {
+                    let table = mxfp4::block_table(e);
+                    for (pair, &byte) in out.chunks_exact_mut(2).zip(codes) {
+                        pair[0] = table[(byte & 15) as usize];
+                        pair[1] = table[(byte >> 4) as usize];
+                    }
+                }
+            }
             DType::F32 => out.copy_from_slice(bytemuck::cast_slice(raw)),
             DType::Bf16 => {
                 let src: &[bf16] = bytemuck::cast_slice(raw);
@@ -199,6 +254,20 @@ impl<'a> MatrixView<'a> {
                     for (pair, &byte) in out.chunks_exact_mut(2).zip(codes) {
                         pair[0] = (byte & 0x0f) as f32 * s + b;
                         pair[1] = (byte >> 4) as f32 * s + b;
+                    }
+                }
+            }
+            DType::Q3 | DType::Q2 => {
+                let bits = l.dtype.bits().expect("quantized");
+                let (scales, biases) = self.group_params(row);
+                for (g, (codes, out)) in raw
+                    .chunks_exact(lowbit::group_bytes(bits))
+                    .zip(out.chunks_exact_mut(GROUP_SIZE))
+                    .enumerate()
+                {
+                    let (s, b) = (scales[g].to_f32(), biases[g].to_f32());
+                    for (c, o) in out.iter_mut().enumerate() {
+                        *o = lowbit::code_at(bits, codes, c) as f32 * s + b;
                     }
                 }
             }
@@ -238,22 +307,39 @@ impl RowEncoder {
                     .flat_map(|&v| bf16::from_f32(v).to_bits().to_le_bytes())
                     .collect();
             }
-            DType::Q8 | DType::Q4 => {
+            DType::Mxfp4 => {
+                let mut codes = [0u8; mxfp4::BLOCK / 2];
+                for block in values.chunks_exact(mxfp4::BLOCK) {
+                    out.scales.push(mxfp4::encode_block(block, &mut codes));
+                    out.codes.extend_from_slice(&codes);
+                }
+            }
+            DType::Q8 | DType::Q4 | DType::Q3 | DType::Q2 => {
                 let bits = l.dtype.bits().unwrap();
                 let groups = values.len() / GROUP_SIZE;
                 out.codes.reserve(values.len() * bits as usize / 8);
                 out.scales.reserve(groups * 2);
                 out.biases.reserve(groups * 2);
                 let mut codes = [0u8; GROUP_SIZE];
+                let mut packed = [0u8; lowbit::group_bytes(3)];
                 for group in values.chunks_exact(GROUP_SIZE) {
-                    let (scale, bias) = quantize_group(group, bits, &mut codes);
+                    let (scale, bias) = if bits < 4 {
+                        lowbit::quantize_group_lowbit(group, bits, &mut codes)
+                    } else {
+                        quantize_group(group, bits, &mut codes)
+                    };
                     out.scales.extend(scale.to_bits().to_le_bytes());
                     out.biases.extend(bias.to_bits().to_le_bytes());
-                    if bits == 8 {
-                        out.codes.extend_from_slice(&codes);
-                    } else {
-                        out.codes
-                            .extend(codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4)));
+                    match bits {
+                        8 => out.codes.extend_from_slice(&codes),
+                        4 => out
+                            .codes
+                            .extend(codes.chunks_exact(2).map(|p| p[0] | (p[1] << 4))),
+                        _ => {
+                            let packed = &mut packed[..lowbit::group_bytes(bits)];
+                            lowbit::pack_group(bits, &codes, packed);
+                            out.codes.extend_from_slice(packed);
+                        }
                     }
                 }
             }
@@ -267,7 +353,9 @@ impl RowEncoder {
     }
 }
 
-/// Quantizes one group: `scale = (max - min) / (2^bits - 1)` and
+/// Quantizes one group (q4 and q8, as MLX does, so MLX checkpoints copy
+/// bit for bit; q2 and q3 search further, [`lowbit::quantize_group_lowbit`]):
+/// `scale = (max - min) / (2^bits - 1)` and
 /// `bias = min`, both rounded to bf16, then codes
 /// `round_half_even((w - bias) / scale)` clamped to the code range. The
 /// reference script `tools/make_fixtures.py` applies the same arithmetic.
@@ -348,6 +436,38 @@ mod tests {
                             (a - b).abs() <= tol,
                             "{dtype:?} row {r} group {g}: {a} vs {b}"
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// q2 and q3 matrices read back as their groups' encodings: every
+    /// weight is `q·scale + bias` of the code and parameters the group
+    /// quantizer chose, and rows are 16 and 24 bytes a group.
+    #[test]
+    fn low_bit_matrices_read_back_their_encoding() {
+        for (dtype, group_bytes) in [(DType::Q2, 16), (DType::Q3, 24)] {
+            let bits = dtype.bits().unwrap();
+            let (rows, cols) = (3, 320);
+            let values = pseudo_random(rows * cols, 19);
+            let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
+            assert_eq!(layout.row_bytes, cols / GROUP_SIZE * group_bytes);
+            let bytes = crate::util::AlignedBuf::from_slice(
+                &RowEncoder::new(layout).encode_matrix(&values),
+            );
+            let view = MatrixView::new(layout, &bytes);
+            let mut row = vec![0f32; cols];
+            for r in 0..rows {
+                view.dequantize_row(r, &mut row);
+                for (got, want) in row
+                    .chunks(GROUP_SIZE)
+                    .zip(values[r * cols..(r + 1) * cols].chunks(GROUP_SIZE))
+                {
+                    let mut codes = [0u8; GROUP_SIZE];
+                    let (s, b) = lowbit::quantize_group_lowbit(want, bits, &mut codes);
+                    for (&g, &q) in got.iter().zip(&codes) {
+                        assert_eq!(g, q as f32 * s.to_f32() + b.to_f32(), "{dtype:?}");
                     }
                 }
             }

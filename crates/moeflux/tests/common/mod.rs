@@ -54,10 +54,20 @@ pub struct Converted {
 }
 
 pub fn convert_checkpoint(checkpoint: &Path, quant: DType) -> Converted {
+    convert_checkpoint_with(checkpoint, quant, None)
+}
+
+/// [`convert_checkpoint`] with the routed experts at `expert_quant`.
+pub fn convert_checkpoint_with(
+    checkpoint: &Path,
+    quant: DType,
+    expert_quant: Option<DType>,
+) -> Converted {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("model");
     let options = ConvertOptions {
         quant,
+        expert_quant,
         ..ConvertOptions::default()
     };
     convert(checkpoint, &dir, &options, &NoProgress)
@@ -67,6 +77,24 @@ pub fn convert_checkpoint(checkpoint: &Path, quant: DType) -> Converted {
 
 pub fn convert_fixture(name: &str, quant: DType) -> Converted {
     convert_checkpoint(&fixtures_root().join(name).join("hf"), quant)
+}
+
+/// The expert precisions the conformance suite runs routed experts at,
+/// each with the precision of the rest: q4, q8 and bf16 throughout, and
+/// q3 and q2 experts beside q8 (convert's default for them), and MXFP4
+/// experts.
+pub const EXPERT_RECIPES: [(DType, DType); 6] = [
+    (DType::Q4, DType::Q4),
+    (DType::Q8, DType::Q8),
+    (DType::Bf16, DType::Bf16),
+    (DType::Q8, DType::Q3),
+    (DType::Q8, DType::Q2),
+    (DType::Q8, DType::Mxfp4),
+];
+
+/// A fixture converted with its routed experts at `experts`.
+pub fn convert_fixture_with(name: &str, quant: DType, experts: DType) -> Converted {
+    convert_checkpoint_with(&fixtures_root().join(name).join("hf"), quant, Some(experts))
 }
 
 pub fn open(dir: &Path, options: ModelOptions) -> Arc<Model> {

@@ -62,7 +62,9 @@ pub use super::backends::{Conformance, reference};
 pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
 #[allow(unused_imports)]
 pub use super::ops_latent::{mla_attention, routers};
-use super::{Converted, convert_checkpoint, convert_fixture};
+use super::{
+    Converted, EXPERT_RECIPES, convert_checkpoint_with, convert_fixture, convert_fixture_with,
+};
 
 /// Makes a module `$name` of tests, one per operation of the suite, each
 /// running it on the backend `$make()` returns (a closure returning
@@ -1473,11 +1475,18 @@ pub fn whole_store(dir: &ModelDir) -> ExpertStore {
 }
 
 /// Routed experts of one token (CUDA's fused decode kernels) and of nine,
-/// bf16 and q4, on the qwen3_5_moe fixture; `routed_experts_add` too.
+/// bf16, q4, q3, q2 and MXFP4, on the qwen3_5_moe fixture;
+/// `routed_experts_add` too.
 pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
     let r = reference();
-    for quant in [DType::Bf16, DType::Q4] {
-        let converted = convert_fixture("qwen3_5_moe", quant);
+    for (rest, quant) in [
+        (DType::Bf16, DType::Bf16),
+        (DType::Q4, DType::Q4),
+        (DType::Q8, DType::Q3),
+        (DType::Q8, DType::Q2),
+        (DType::Q8, DType::Mxfp4),
+    ] {
+        let converted = convert_fixture_with("qwen3_5_moe", rest, quant);
         let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
         let store = whole_store(&dir);
         let cfg = dir.config();
@@ -1627,16 +1636,22 @@ pub fn grouped_expert_inputs(n: usize, hidden: usize, experts: usize) -> (Vec<f3
 pub const GROUPED_TOKENS: [usize; 4] = [17, 40, 130, 512];
 
 /// The routed experts of many tokens (CUDA's grouped tensor-core kernels)
-/// with every expert prepared (resident on a GPU), for q4, q8 and bf16, on
-/// the qwen3_5_moe fixture and on the larger [`synthetic_moe_checkpoint`],
-/// within [`expert_error_bounds`].
+/// with every expert prepared (resident on a GPU), for the experts of
+/// [`EXPERT_RECIPES`], on the qwen3_5_moe fixture and on the larger
+/// [`synthetic_moe_checkpoint`], within [`expert_error_bounds`].
 pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
     let r = reference();
     let synthetic = synthetic_moe_checkpoint();
-    for quant in [DType::Q4, DType::Q8, DType::Bf16] {
+    for (rest, quant) in EXPERT_RECIPES {
         for (model, converted) in [
-            ("qwen3_5_moe", convert_fixture("qwen3_5_moe", quant)),
-            ("synthetic", convert_checkpoint(synthetic.path(), quant)),
+            (
+                "qwen3_5_moe",
+                convert_fixture_with("qwen3_5_moe", rest, quant),
+            ),
+            (
+                "synthetic",
+                convert_checkpoint_with(synthetic.path(), rest, Some(quant)),
+            ),
         ] {
             let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
             let store = whole_store(&dir);

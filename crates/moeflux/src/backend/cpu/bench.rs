@@ -30,11 +30,18 @@ fn matrix(dtype: DType, rows: usize, cols: usize, seed: u64) -> (MatrixLayout, A
             .to_le_bytes()
     };
     let params = match dtype {
-        DType::Q4 | DType::Q8 => layout.scales_offset..layout.total_bytes,
+        d if d.is_quantized() => layout.scales_offset..layout.total_bytes,
         _ => 0..layout.scales_offset,
     };
     for pair in bytes[params].chunks_exact_mut(2) {
         pair.copy_from_slice(&small(next()));
+    }
+    if dtype == DType::Mxfp4 {
+        // Exponents near 2^0, as trained weights have: subnormal weights
+        // would time the FPU's slow path.
+        for e in &mut bytes[layout.scales_offset..layout.biases_offset] {
+            *e = 120 + (next() % 8) as u8;
+        }
     }
     (layout, bytes)
 }
@@ -52,6 +59,11 @@ fn matmul_throughput() {
             (DType::Q4, Activations::Int8),
             (DType::Q8, Activations::F32),
             (DType::Q8, Activations::Int8),
+            (DType::Q3, Activations::F32),
+            (DType::Q3, Activations::Int8),
+            (DType::Q2, Activations::F32),
+            (DType::Q2, Activations::Int8),
+            (DType::Mxfp4, Activations::F32),
             (DType::Bf16, Activations::F32),
         ];
         for (dtype, activations) in modes {

@@ -10,12 +10,13 @@
 
 use rayon::prelude::*;
 
-use super::simd::{Acts, FloatRows, Int8Acts, Isa, QuantRows};
-use crate::quant::{DType, MatrixView};
+use super::simd::{Acts, FloatRows, Int8Acts, Isa, Mxfp4Rows, QuantRows};
+use crate::quant::{DType, MatrixView, mxfp4};
 
 pub use super::simd::dot;
 
-/// How products with quantized (q4, q8) weights take their activations.
+/// How products with quantized (q2, q3, q4, q8) weights take their
+/// activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Activations {
     /// As f32: exact to f32 rounding against the dequantized weights.
@@ -23,7 +24,8 @@ pub enum Activations {
     F32,
     /// Quantized to int8 per group of 64 inputs, with integer dot products
     /// (see `simd::Int8Acts`): faster, at the accuracy cost of rounding
-    /// every activation to one of 255 levels of its group.
+    /// every activation to one of 255 levels of its group. MXFP4 rows, not
+    /// affine, take f32 activations still.
     Int8,
 }
 
@@ -74,11 +76,20 @@ impl<'a> Inputs<'a> {
     fn new(isa: Isa, p: &Product<'a>) -> Inputs<'a> {
         let cols = p.w.cols();
         assert_eq!(p.x.len(), p.n * cols, "matmul: input is not [n, cols]");
-        match (p.activations, p.w.layout.dtype.bits()) {
-            (Activations::Int8, Some(bits)) => {
-                Inputs::Int8(Int8Acts::new(isa, p.x, p.n, cols, bits))
-            }
+        match Inputs::layout(p) {
+            (true, Some(bits)) => Inputs::Int8(Int8Acts::new(isa, p.x, p.n, cols, bits)),
             (_, bits) => Inputs::Float(Acts::new(isa, p.x, p.n, cols, bits)),
+        }
+    }
+
+    /// How a product takes its inputs: int8 or not, and laid out for rows
+    /// of which code width (MXFP4's codes are packed as 4-bit ones).
+    fn layout(p: &Product<'_>) -> (bool, Option<u32>) {
+        let dtype = p.w.layout.dtype;
+        match dtype.bits() {
+            Some(bits) => (p.activations == Activations::Int8, Some(bits)),
+            None if dtype == DType::Mxfp4 => (false, Some(4)),
+            None => (false, None),
         }
     }
 }
@@ -94,6 +105,20 @@ fn block(
 ) {
     let l = &w.layout;
     let data = &w.bytes[first * l.row_bytes..(first + len) * l.row_bytes];
+    if l.dtype == DType::Mxfp4 {
+        let Inputs::Float(acts) = inputs else {
+            unreachable!("MXFP4 rows take f32 inputs")
+        };
+        let blocks = w.cols() / mxfp4::BLOCK;
+        let rows = Mxfp4Rows {
+            rows: len,
+            codes: data,
+            row_bytes: l.row_bytes,
+            exponents: &w.bytes[l.scales_offset + first * blocks..][..len * blocks],
+        };
+        isa.mxfp4_rows(&rows, acts, out);
+        return;
+    }
     match l.dtype.bits() {
         Some(bits) => {
             let groups = l.groups_per_row();
@@ -141,10 +166,7 @@ pub fn matmul_many_with(isa: Isa, products: &[Product<'_>]) -> Vec<Vec<f32>> {
     let mut input_of = Vec::with_capacity(products.len());
     for (i, p) in products.iter().enumerate() {
         let same = |q: &Product<'_>| {
-            std::ptr::eq(q.x, p.x)
-                && q.n == p.n
-                && q.activations == p.activations
-                && q.w.layout.dtype.bits() == p.w.layout.dtype.bits()
+            std::ptr::eq(q.x, p.x) && q.n == p.n && Inputs::layout(q) == Inputs::layout(p)
         };
         match products[..i].iter().position(same) {
             Some(j) => input_of.push(input_of[j]),
@@ -232,7 +254,15 @@ mod tests {
             (64, 66, 320),
         ];
         for isa in Isa::available() {
-            for dtype in [DType::F32, DType::Bf16, DType::Q8, DType::Q4] {
+            for dtype in [
+                DType::F32,
+                DType::Bf16,
+                DType::Q8,
+                DType::Q4,
+                DType::Q3,
+                DType::Q2,
+                DType::Mxfp4,
+            ] {
                 for &(n, rows, cols) in &shapes {
                     // Unquantized types also take widths of no whole group.
                     let cols = if dtype.is_quantized() { cols } else { cols + 3 };
@@ -247,6 +277,8 @@ mod tests {
     fn matmul_splits_large_matrices_correctly() {
         for isa in Isa::available() {
             check(isa, DType::Q4, 1, 4100, 256);
+            check(isa, DType::Q3, 2, 2050, 128);
+            check(isa, DType::Mxfp4, 2, 2050, 128);
             check(isa, DType::Bf16, 3, 1030, 200);
         }
     }
@@ -295,7 +327,7 @@ mod tests {
             (5, 130, 1088),
         ];
         for isa in Isa::available() {
-            for dtype in [DType::Q8, DType::Q4] {
+            for dtype in [DType::Q8, DType::Q4, DType::Q3, DType::Q2] {
                 for &(n, rows, cols) in &shapes {
                     check_int8(isa, dtype, n, rows, cols);
                 }
@@ -372,6 +404,12 @@ mod tests {
                 (DType::Q4, Activations::F32),
                 (DType::Q8, Activations::Int8),
                 (DType::Q4, Activations::Int8),
+                (DType::Q3, Activations::F32),
+                (DType::Q2, Activations::F32),
+                (DType::Q3, Activations::Int8),
+                (DType::Q2, Activations::Int8),
+                (DType::Mxfp4, Activations::F32),
+                (DType::Mxfp4, Activations::Int8),
             ] {
                 let w = values(rows * cols, 5);
                 let x = values(n * cols, 6);
@@ -388,6 +426,25 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    /// MXFP4's codes are not affine, so its products take f32 activations
+    /// even when int8 ones are asked: the same numbers either way.
+    #[test]
+    fn mxfp4_products_ignore_int8_activations() {
+        let (rows, cols, n) = (9, 128, 3);
+        let layout = MatrixLayout::new(DType::Mxfp4, rows, cols).unwrap();
+        let bytes =
+            AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&values(rows * cols, 3)));
+        let view = MatrixView::new(layout, &bytes);
+        let x = values(n * cols, 4);
+        for isa in Isa::available() {
+            assert_eq!(
+                matmul_with(isa, &x, n, &view, Activations::Int8),
+                matmul_with(isa, &x, n, &view, Activations::F32),
+                "{isa:?}"
+            );
         }
     }
 }

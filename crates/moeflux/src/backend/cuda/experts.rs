@@ -304,6 +304,12 @@ impl CudaBackend {
             DType::Bf16 => (&self.kernels.moe_gate_up_bf16, &self.kernels.moe_down_bf16),
             DType::Q8 => (&self.kernels.moe_gate_up_q8, &self.kernels.moe_down_q8),
             DType::Q4 => (&self.kernels.moe_gate_up_q4, &self.kernels.moe_down_q4),
+            DType::Q3 => (&self.kernels.moe_gate_up_q3, &self.kernels.moe_down_q3),
+            DType::Q2 => (&self.kernels.moe_gate_up_q2, &self.kernels.moe_down_q2),
+            DType::Mxfp4 => (
+                &self.kernels.moe_gate_up_mxfp4,
+                &self.kernels.moe_down_mxfp4,
+            ),
         };
         let vec = super::linear::vector_cols(gate.dtype);
         assert!(
@@ -528,6 +534,16 @@ impl CudaBackend {
             .blob_layout(layer)
             .expect("routed experts of an MoE layer");
         if !self.prefill_kernels_fit(blob.gate.1, blob.down.1)? {
+            if blob.gate.1.dtype.experts_only() {
+                return Err(crate::error::Error::invalid(
+                    "--device",
+                    format!(
+                        "{} experts of many tokens need the tensor-core kernels of sm_80 or \
+                         later; run on the CPU or convert the experts to q4",
+                        blob.gate.1.dtype.name()
+                    ),
+                ));
+            }
             return Ok(None);
         }
         let (n, hidden, top_k) = (x.rows, x.cols, routing.top_k);

@@ -60,6 +60,7 @@ impl CudaBackend {
                 ("linear bf16 (tensor cores)", &self.kernels.linear_tc_bf16)
             }
             DType::Bf16 | DType::F32 => return Ok(None),
+            DType::Q3 | DType::Q2 | DType::Mxfp4 => unreachable!("refused by load_weight"),
         };
         let (major, _) = ok(op, self.ctx.compute_capability())?;
         if major < 8 {

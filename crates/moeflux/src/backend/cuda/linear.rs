@@ -79,10 +79,13 @@ const TC_VECTOR_BLOCKS_PER_SM: usize = 2;
 /// them.
 pub(super) fn vector_cols(dtype: DType) -> usize {
     match dtype {
-        DType::Q4 => 8,
+        DType::Q4 | DType::Mxfp4 => 8,
         DType::Q8 => 4,
         DType::Bf16 => 2,
         DType::F32 => 1,
+        // Sixteen columns a 32-bit word of the bit planes (q3 adds the
+        // group's high bits); experts only.
+        DType::Q3 | DType::Q2 => 16,
     }
 }
 
@@ -229,6 +232,7 @@ impl CudaBackend {
             (DType::Q8, false) => ("linear q8", &self.kernels.linear_q8_t8),
             (DType::Q4, true) => ("linear q4", &self.kernels.linear_q4_t1),
             (DType::Q4, false) => ("linear q4", &self.kernels.linear_q4_t8),
+            (DType::Q3 | DType::Q2 | DType::Mxfp4, _) => unreachable!("refused by load_weight"),
         };
         let tile = if single { 1 } else { 8 };
         let token_tiles = n.div_ceil(tile);
@@ -405,6 +409,7 @@ impl CudaBackend {
                     &k.linear_vector_q4_rows_normed,
                 ],
             ),
+            DType::Q3 | DType::Q2 | DType::Mxfp4 => unreachable!("refused by load_weight"),
         };
         let kernel = kernels[usize::from(whole_rows) + 2 * usize::from(norm.is_some())];
         let rows_per_block = if whole_rows { WHOLE_ROWS } else { VEC_ROWS };

@@ -522,6 +522,9 @@ impl<'a> Matrix<'a> {
             DType::Bf16 => 1,
             DType::Q8 => 2,
             DType::Q4 => 3,
+            DType::Q3 => 4,
+            DType::Q2 => 5,
+            DType::Mxfp4 => 6,
         }
     }
 
@@ -567,6 +570,18 @@ impl Backend for CudaBackend {
     }
 
     fn load_weight(&self, tensor: &TensorData, _role: TensorRole) -> Result<Weight> {
+        if tensor.layout.dtype.experts_only() {
+            return Err(Error::tensor(
+                &tensor.entry.file,
+                &tensor.name,
+                format!(
+                    "stored as {}: the CUDA backend takes q2, q3 and mxfp4 weights only in \
+                     routed experts; convert again with --quant q4, q8 or bf16 for the other \
+                     matrices",
+                    tensor.layout.dtype.name()
+                ),
+            ));
+        }
         let bytes = tensor.bytes();
         let fail = |e: DriverError| {
             device_error(self.ordinal, format!("uploading tensor {}", tensor.name), e)

@@ -100,7 +100,7 @@ impl CudaBackend {
     ) -> Result<bool> {
         let widths_fit = match gate.dtype {
             // Quantized widths are whole 64-column groups by construction.
-            DType::Q4 | DType::Q8 => true,
+            DType::Q4 | DType::Q8 | DType::Q3 | DType::Q2 | DType::Mxfp4 => true,
             DType::Bf16 => gate.cols.is_multiple_of(8) && down.cols.is_multiple_of(8),
             DType::F32 => false,
         };
@@ -146,6 +146,18 @@ impl CudaBackend {
             DType::Bf16 => (
                 &self.kernels.moe_prefill_gate_up_bf16,
                 &self.kernels.moe_prefill_down_bf16,
+            ),
+            DType::Q3 => (
+                &self.kernels.moe_prefill_gate_up_q3,
+                &self.kernels.moe_prefill_down_q3,
+            ),
+            DType::Q2 => (
+                &self.kernels.moe_prefill_gate_up_q2,
+                &self.kernels.moe_prefill_down_q2,
+            ),
+            DType::Mxfp4 => (
+                &self.kernels.moe_prefill_gate_up_mxfp4,
+                &self.kernels.moe_prefill_down_mxfp4,
             ),
             DType::F32 => unreachable!("f32 experts take the per-expert path"),
         };

@@ -24,7 +24,7 @@ const MIN_KV_POSITIONS: usize = 256;
 /// chunks. It moves the rows it keeps to the front of its own buffers
 /// when they hold them and the room asked for, so a recorded decode step
 /// stays valid: such a step reads the row of its new position from the
-/// cache's `row` word, which [`CudaBackend::kv_prepare_step`] sets before
+/// cache's `row` word, which `CudaBackend::kv_prepare_step` sets before
 /// every step (a sliding window's rows are not its positions).
 ///
 /// Growth: when an append does not fit, the capacity at least doubles (to

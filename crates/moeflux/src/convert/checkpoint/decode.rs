@@ -229,7 +229,10 @@ impl Store for Checkpoint {
                 ..
             } => {
                 let (_, sd, _) = self.raw(t, scales);
-                Some(*bits as u32) == dtype.bits()
+                // MLX packs 4 and 8 bits as q4 and q8 do; its 2- and
+                // 3-bit codes are packed otherwise and get re-encoded.
+                matches!(dtype, DType::Q4 | DType::Q8)
+                    && Some(*bits as u32) == dtype.bits()
                     && *group == GROUP_SIZE
                     && matches!(sd, Dtype::BF16 | Dtype::F16)
             }

@@ -47,6 +47,7 @@ use super::view::Views;
 use crate::error::{Error, Result};
 use names::hf_views;
 use quantized::{QuantConfig, attach_companions};
+pub use shards::validate_safetensors;
 use shards::{check_index_agrees, open_shard, shard_files};
 
 struct Shard {

@@ -26,7 +26,19 @@ pub(super) fn open_shard(path: &Path) -> Result<Shard> {
     // SAFETY: the checkpoint is only read; it must not change while the
     // conversion runs.
     let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, "memory-mapping", e))?;
-    let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+    let (data_start, tensors) = read_header(path, &map)?;
+    Ok(Shard {
+        path: path.to_path_buf(),
+        map,
+        data_start,
+        tensors,
+    })
+}
+
+/// A safetensors file's header: where the data starts and each tensor's
+/// place, every tensor's data within the file.
+fn read_header(path: &Path, bytes: &[u8]) -> Result<(usize, BTreeMap<String, TensorInfo>)> {
+    let (header_len, metadata) = SafeTensors::read_metadata(bytes).map_err(|e| {
         Error::bad_file(
             path,
             format!("not a valid safetensors file ({e}); it may be truncated or corrupt"),
@@ -39,7 +51,7 @@ pub(super) fn open_shard(path: &Path) -> Result<Shard> {
         .map(|(name, info)| (name, info.clone()))
         .collect();
     for (name, info) in &tensors {
-        if data_start + info.data_offsets.1 > map.len() {
+        if data_start.saturating_add(info.data_offsets.1) > bytes.len() {
             return Err(Error::tensor(
                 path,
                 name,
@@ -47,12 +59,14 @@ pub(super) fn open_shard(path: &Path) -> Result<Shard> {
             ));
         }
     }
-    Ok(Shard {
-        path: path.to_path_buf(),
-        map,
-        data_start,
-        tensors,
-    })
+    Ok((data_start, tensors))
+}
+
+/// Reads and checks a safetensors file held in memory as a conversion
+/// opens each shard (`path` names it in errors): the entry point for
+/// fuzzing the header reading.
+pub fn validate_safetensors(bytes: &[u8], path: &Path) -> Result<()> {
+    read_header(path, bytes).map(|_| ())
 }
 
 /// The shard files of a checkpoint directory.

@@ -1,15 +1,19 @@
 //! AVX2 + FMA kernels: 8 lanes, each code converted and dequantized with
 //! one FMA. The int8 kernels multiply codes by activations with
 //! `vpmaddubsw` (unsigned × signed bytes, pairs summed to 16 bits) and
-//! widen with `vpmaddwd`.
+//! widen with `vpmaddwd`. q2 and q3 codes come out of their bit planes by
+//! variable shifts; q3's high bits are spread over the lanes by a shift
+//! per lane (f32 kernels) or a byte shuffle and compare (int8 kernels).
 
 use std::arch::x86_64::*;
 
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows,
-    float_rows_with, int8_rows_with, quant_rows_with,
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, Mxfp4Rows, QuantRows,
+    float_rows_with, int8_rows_with, mxfp4_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit::PLANE_BYTES;
+use crate::quant::mxfp4::{BLOCK, exponent_scale};
 
 struct Avx2;
 
@@ -91,6 +95,44 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
                 let p = row.add(g * bytes).wrapping_add(PREFETCH_BYTES);
                 _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
             }
+            if BITS < 4 {
+                // Bit planes: runs of 8 bytes, shift `2·plane` giving columns
+                // 16·plane + 8k .. + 8; q3 adds bit 2 from the group's high bits.
+                let high: [u64; R] = std::array::from_fn(|r| {
+                    if BITS == 3 {
+                        (codes[r].add(g * bytes + PLANE_BYTES) as *const u64).read_unaligned()
+                    } else {
+                        0
+                    }
+                });
+                let lane_bits = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+                for k in 0..2 {
+                    let planes: [__m256i; R] = std::array::from_fn(|r| {
+                        let p = codes[r].add(g * bytes + k * 8) as *const __m128i;
+                        _mm256_cvtepu8_epi32(_mm_loadl_epi64(p))
+                    });
+                    for plane in 0..4 {
+                        let wk = std::array::from_fn(|r| {
+                            let shift = _mm256_set1_epi32(2 * plane as i32);
+                            let mut q = _mm256_and_si256(
+                                _mm256_srlv_epi32(planes[r], shift),
+                                _mm256_set1_epi32(3),
+                            );
+                            if BITS == 3 {
+                                let byte = ((high[r] >> (16 * plane + 8 * k)) & 0xff) as i32;
+                                let bit = _mm256_and_si256(
+                                    _mm256_srlv_epi32(_mm256_set1_epi32(byte), lane_bits),
+                                    _mm256_set1_epi32(1),
+                                );
+                                q = _mm256_or_si256(q, _mm256_slli_epi32::<2>(bit));
+                            }
+                            dequantize(q, r)
+                        });
+                        accumulate::<R, T>(&mut acc, &wk, xg.add(16 * plane + 8 * k), cols);
+                    }
+                }
+                continue;
+            }
             // Runs of 8 code bytes: 16 inputs for 4 bits (low nibbles, then
             // high ones), 8 for 8 bits.
             for k in 0..bytes / 8 {
@@ -115,11 +157,12 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
-/// `Σ (q - o)·x̂` of one group of 32 code bytes against its 64
-/// activations `x` (`[evens, odds]` for 4 bits), in 8 lanes. `q` is the
-/// low nibbles then the high ones (4 bits), or the codes minus 128 with
-/// their absolute values in `abs` (8 bits: `vpmaddubsw` takes the signs
-/// from the activations, and its 16-bit pair sums stay below 2·128·127).
+/// `Σ (q - o)·x̂` of one group's 64 codes against its 64 activations `x`
+/// (`[evens, odds]` for 4 bits), in 8 lanes. `q` is the low nibbles then
+/// the high ones (4 bits), the codes in column order (2 and 3 bits), or
+/// the codes minus 128 with their absolute values in `abs` (8 bits:
+/// `vpmaddubsw` takes the signs from the activations, and its 16-bit pair
+/// sums stay below 2·128·127).
 #[inline]
 #[target_feature(enable = "avx2")]
 unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *const i8) -> __m256i {
@@ -131,7 +174,7 @@ unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *con
             _mm256_loadu_si256(x.add(32) as *const __m256i),
         ]
     };
-    if BITS == 4 {
+    if BITS != 8 {
         // At most 4·15·127 per 16-bit lane.
         let pairs = _mm256_add_epi16(
             _mm256_maddubs_epi16(q[0], xs[0]),
@@ -145,6 +188,43 @@ unsafe fn group_dot<const BITS: u32>(q: [__m256i; 2], abs: [__m256i; 2], x: *con
         };
         _mm256_add_epi32(half(0), half(1))
     }
+}
+
+/// The 64 codes of a q2 or q3 group at `p` as bytes in column order:
+/// the 16 plane bytes in both halves of a register, shifted by 0 and 2
+/// (columns 0–31), then 4 and 6 (32–63); q3's high bits spread to bytes by
+/// a shuffle (bit `i` of the mask to byte `i`) and a compare.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn low_bit_codes<const BITS: u32>(p: *const u8) -> [__m256i; 2] {
+    let three = _mm256_set1_epi8(3);
+    // SAFETY: the caller passes a whole group.
+    let planes = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(p as *const __m128i) });
+    let mut q = [
+        _mm256_and_si256(
+            _mm256_srlv_epi64(planes, _mm256_setr_epi64x(0, 0, 2, 2)),
+            three,
+        ),
+        _mm256_and_si256(
+            _mm256_srlv_epi64(planes, _mm256_setr_epi64x(4, 4, 6, 6)),
+            three,
+        ),
+    ];
+    if BITS == 3 {
+        // SAFETY: as above (a q3 group has 8 bytes after its planes).
+        let high = unsafe { (p.add(PLANE_BYTES) as *const u64).read_unaligned() };
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        for (q, half) in q.iter_mut().zip([high as u32, (high >> 32) as u32]) {
+            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(half as i32), spread);
+            let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bits), bits);
+            *q = _mm256_or_si256(*q, _mm256_and_si256(set, _mm256_set1_epi8(4)));
+        }
+    }
+    q
 }
 
 #[inline]
@@ -173,14 +253,18 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
             for (r, acc) in acc.iter_mut().enumerate() {
                 let p = codes[r].add(g * group_bytes);
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                let first = _mm256_loadu_si256(p as *const __m256i);
                 let (q, abs) = if BITS == 4 {
+                    let first = _mm256_loadu_si256(p as *const __m256i);
                     let q = [
                         _mm256_and_si256(first, nibble),
                         _mm256_and_si256(_mm256_srli_epi16::<4>(first), nibble),
                     ];
                     (q, q)
+                } else if BITS < 4 {
+                    let q = low_bit_codes::<BITS>(p);
+                    (q, q)
                 } else {
+                    let first = _mm256_loadu_si256(p as *const __m256i);
                     let flip = _mm256_set1_epi8(-128);
                     let q = [
                         _mm256_xor_si256(first, flip),
@@ -205,6 +289,57 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                     *a = _mm256_fmadd_ps(b, _mm256_loadu_ps(x.sums.as_ptr().add(token)), *a);
                     *a = _mm256_fmadd_ps(s, _mm256_loadu_ps(x.offsets.as_ptr().add(token)), *a);
                 }
+            }
+        }
+    }
+    sums(&acc)
+}
+
+/// MXFP4 rows: a code's magnitude from the block's 8 non-negative values
+/// (`vpermps` reads the low 3 bits), its sign bit 3 moved to the float's.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+    w: &Mxfp4Rows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+) -> [[f32; T]; R] {
+    let (cols, blocks) = (x.cols, x.cols / BLOCK);
+    let magnitudes = _mm256_setr_ps(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist (with
+    // their exponents); prefetches may point past them.
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xs = x.x.as_ptr().add(t0 * cols);
+        for b in 0..blocks {
+            let table: [__m256; R] = std::array::from_fn(|r| {
+                let e = *w.exponents.get_unchecked(rows[r] * blocks + b);
+                _mm256_mul_ps(magnitudes, _mm256_set1_ps(exponent_scale(e)))
+            });
+            let value = |q: __m256i, r: usize| {
+                let magnitude = _mm256_permutevar8x32_ps(table[r], q);
+                let sign = _mm256_slli_epi32::<28>(_mm256_and_si256(q, _mm256_set1_epi32(8)));
+                _mm256_castsi256_ps(_mm256_xor_si256(_mm256_castps_si256(magnitude), sign))
+            };
+            for &row in &codes {
+                let p = row.add(b * BLOCK / 2).wrapping_add(PREFETCH_BYTES);
+                _mm_prefetch::<_MM_HINT_T0>(p as *const i8);
+            }
+            let xb = xs.add(b * BLOCK);
+            // Runs of 8 code bytes: 16 inputs, low nibbles then high ones.
+            for k in 0..2 {
+                let q: [__m256i; R] = std::array::from_fn(|r| {
+                    let p = codes[r].add(b * BLOCK / 2 + k * 8) as *const __m128i;
+                    _mm256_cvtepu8_epi32(_mm_loadl_epi64(p))
+                });
+                let lo = std::array::from_fn(|r| {
+                    value(_mm256_and_si256(q[r], _mm256_set1_epi32(15)), r)
+                });
+                accumulate::<R, T>(&mut acc, &lo, xb.add(k * 16), cols);
+                let hi = std::array::from_fn(|r| value(_mm256_srli_epi32::<4>(q[r]), r));
+                accumulate::<R, T>(&mut acc, &hi, xb.add(k * 16 + 8), cols);
             }
         }
     }
@@ -263,6 +398,17 @@ impl Kernels for Avx2 {
     }
 
     #[inline(always)]
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0) }
+    }
+
+    #[inline(always)]
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
         rows: [usize; R],
@@ -272,6 +418,12 @@ impl Kernels for Avx2 {
         // SAFETY: forwarded.
         unsafe { float_tile::<BF16, R, T>(w, rows, x, t0) }
     }
+}
+
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { mxfp4_rows_with::<Avx2>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 #[target_feature(enable = "avx2,fma")]

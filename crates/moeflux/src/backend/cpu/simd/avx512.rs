@@ -1,6 +1,7 @@
 //! AVX-512 kernels (F, BW, VL): 16 lanes. A 4-bit group is dequantized
 //! through a 16-entry table of its values (`vpermps`), cheaper than
-//! converting each code. The int8 kernels also need VNNI: one `vpdpbusd`
+//! converting each code; so are q2 and q3 groups, 16 columns per shift of
+//! their bit planes, q3's high bits entering as a lane mask. The int8 kernels also need VNNI: one `vpdpbusd`
 //! takes 64 code × activation products (an 8-bit group, or the low or
 //! high nibbles of two 4-bit groups).
 
@@ -9,10 +10,13 @@ use std::arch::x86_64::*;
 use half::bf16;
 
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, PARAMS_AHEAD, QuantRows, float_rows_with,
-    mean_code, prefetch, prefetch_first_params, quant_rows_with, tile, tile_count, with_tile,
+    Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, Mxfp4Rows, PARAMS_AHEAD, QuantRows,
+    float_rows_with, mean_code, mxfp4_rows_with, prefetch, prefetch_first_params, quant_rows_with,
+    tile, tile_count, tile_tokens, with_bits, with_tile,
 };
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit::PLANE_BYTES;
+use crate::quant::mxfp4::{BLOCK, exponent_scale};
 
 struct Avx512;
 
@@ -113,6 +117,38 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
                     });
                     accumulate::<R, T>(&mut acc, &hi, xg.add(h * 32 + 16), cols);
                 }
+            } else if BITS < 4 {
+                // The group's 4 or 8 values, as for 4 bits; shift `2·plane`
+                // of the planes gives columns 16·plane .. + 16.
+                let table: [__m512; R] = std::array::from_fn(|r| _mm512_fmadd_ps(iota, s[r], b[r]));
+                let bytes = GROUP_SIZE * BITS as usize / 8;
+                let mut planes = [_mm512_setzero_si512(); R];
+                let mut high = [0u64; R];
+                for r in 0..R {
+                    let p = codes[r].add(g * bytes);
+                    if g % 2 == 0 {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                    }
+                    planes[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+                    if BITS == 3 {
+                        high[r] = (p.add(PLANE_BYTES) as *const u64).read_unaligned();
+                    }
+                }
+                for plane in 0..4 {
+                    let wk = std::array::from_fn(|r| {
+                        let shift = _mm512_set1_epi32(2 * plane as i32);
+                        let mut q = _mm512_and_si512(
+                            _mm512_srlv_epi32(planes[r], shift),
+                            _mm512_set1_epi32(3),
+                        );
+                        if BITS == 3 {
+                            let mask = (high[r] >> (16 * plane)) as __mmask16;
+                            q = _mm512_mask_or_epi32(q, mask, q, _mm512_set1_epi32(4));
+                        }
+                        _mm512_permutexvar_ps(q, table[r])
+                    });
+                    accumulate::<R, T>(&mut acc, &wk, xg.add(16 * plane), cols);
+                }
             } else {
                 for k in 0..4 {
                     let wk = std::array::from_fn(|r| {
@@ -126,6 +162,51 @@ unsafe fn quant_tile<const BITS: u32, const R: usize, const T: usize>(
                     accumulate::<R, T>(&mut acc, &wk, xg.add(k * 16), cols);
                 }
             }
+        }
+    }
+    sums(&acc)
+}
+
+/// MXFP4 rows: as 4-bit ones, each block of 32 through the table of its
+/// 16 values (the driver's).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+    w: &Mxfp4Rows<'_>,
+    rows: [usize; R],
+    x: &Acts<'_>,
+    t0: usize,
+) -> [[f32; T]; R] {
+    let (cols, blocks) = (x.cols, x.cols / BLOCK);
+    let values = _mm512_setr_ps(
+        0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+    );
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows and tokens exist (with
+    // their exponents); prefetches may point past them.
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xs = x.x.as_ptr().add(t0 * cols);
+        for b in 0..blocks {
+            let table: [__m512; R] = std::array::from_fn(|r| {
+                let e = *w.exponents.get_unchecked(rows[r] * blocks + b);
+                _mm512_mul_ps(values, _mm512_set1_ps(exponent_scale(e)))
+            });
+            let mut codes16 = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let p = codes[r].add(b * BLOCK / 2);
+                if b % 4 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                }
+                codes16[r] = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
+            }
+            let xb = xs.add(b * BLOCK);
+            let lo = std::array::from_fn(|r| _mm512_permutexvar_ps(codes16[r], table[r]));
+            accumulate::<R, T>(&mut acc, &lo, xb, cols);
+            let hi = std::array::from_fn(|r| {
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes16[r]), table[r])
+            });
+            accumulate::<R, T>(&mut acc, &hi, xb.add(16), cols);
         }
     }
     sums(&acc)
@@ -169,6 +250,8 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     // the order of the activations.
     let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
     let nibble = _mm512_set1_epi8(15);
+    let plane_shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6);
+    let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
     let mean = _mm512_set1_ps(mean_code(BITS));
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     // SAFETY: the caller checked that the rows and tokens exist (with their
@@ -233,6 +316,17 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                     let q = if BITS == 4 {
                         let both = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
                         _mm512_and_si512(_mm512_srlv_epi16(both, shifts), nibble)
+                    } else if BITS < 4 {
+                        // The planes in every 128-bit lane, shifted 0, 2,
+                        // 4, 6: the codes in column order.
+                        let planes = _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i));
+                        let q = _mm512_and_si512(_mm512_srlv_epi64(planes, plane_shifts), three);
+                        if BITS == 3 {
+                            let high = (p.add(PLANE_BYTES) as *const u64).read_unaligned();
+                            _mm512_or_si512(q, _mm512_maskz_mov_epi8(high, four))
+                        } else {
+                            q
+                        }
                     } else {
                         _mm512_loadu_si512(p as *const __m512i)
                     };
@@ -318,6 +412,17 @@ impl Kernels for Avx512 {
     }
 
     #[inline(always)]
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        // SAFETY: forwarded.
+        unsafe { mxfp4_tile::<R, T>(w, rows, x, t0) }
+    }
+
+    #[inline(always)]
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
         rows: [usize; R],
@@ -327,6 +432,12 @@ impl Kernels for Avx512 {
         // SAFETY: forwarded.
         unsafe { float_tile::<BF16, R, T>(w, rows, x, t0) }
     }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+pub unsafe fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { mxfp4_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
@@ -349,27 +460,10 @@ pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
             prefetch(w.scales.as_ptr().wrapping_add(ahead));
             prefetch(w.biases.as_ptr().wrapping_add(ahead));
         }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = MAX_TOKENS.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bits == 4 {
-                        int8_tile::<4, R, T>(w, tile, x, t0)
-                    } else {
-                        int8_tile::<8, R, T>(w, tile, x, t0)
-                    }
-                };
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+        tile_tokens!(n, MAX_TOKENS, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            with_bits!(w.bits, |B| unsafe { int8_tile::<B, R, T>(w, tile, x, t0) })
+        });
     }
 }
 

@@ -5,7 +5,9 @@
 //! Products with quantized rows dequantize each weight exactly as
 //! [`crate::quant`] defines it (`q·scale + bias`, where `q·scale` is exact
 //! so one FMA rounds like the reference's multiply then add) and
-//! accumulate `w·x` in f32: the default, exact to f32 rounding.
+//! accumulate `w·x` in f32: the default, exact to f32 rounding. q2 and
+//! q3 rows unpack 16 consecutive columns per shift of their bit planes
+//! (see [`crate::quant::lowbit`]), so their inputs keep their order.
 //!
 //! The int8 kernels ([`Isa::int8_rows`]) instead quantize each token's
 //! activations to int8 per weight group ([`Int8Acts`]) and take integer
@@ -36,6 +38,7 @@ use std::sync::OnceLock;
 use half::bf16;
 
 use crate::quant::GROUP_SIZE;
+use crate::quant::mxfp4::BLOCK;
 
 /// An instruction set the kernels are written for. Values come only from
 /// [`Isa::get`] and [`Isa::available`], which check the CPU: the kernels'
@@ -140,6 +143,24 @@ impl Isa {
         }
     }
 
+    /// As [`Isa::quant_rows`] for MXFP4 rows (inputs laid out as for 4-bit
+    /// rows: the codes are packed alike).
+    pub fn mxfp4_rows(self, w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+        assert_eq!(x.run, self.q4_run(), "inputs laid out for another ISA");
+        assert!(out.len() >= w.rows * x.n);
+        w.check(x.cols);
+        match self {
+            Isa::Scalar => scalar::mxfp4_rows(w, x, out),
+            // SAFETY (all arms): as in `quant_rows`, bounds checked above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => unsafe { avx2::mxfp4_rows(w, x, out) },
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => unsafe { avx512::mxfp4_rows(w, x, out) },
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => unsafe { neon::mxfp4_rows(w, x, out) },
+        }
+    }
+
     /// As [`Isa::quant_rows`] for f32 or bf16 rows.
     pub fn float_rows(self, w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
         let n = x.n;
@@ -217,8 +238,8 @@ impl Isa {
     }
 }
 
-/// Rows of a q4 or q8 matrix (see [`crate::quant`]), starting at the first
-/// row of the block.
+/// Rows of a q2, q3, q4 or q8 matrix (see [`crate::quant`]), starting at
+/// the first row of the block.
 pub struct QuantRows<'a> {
     pub bits: u32,
     pub rows: usize,
@@ -231,10 +252,29 @@ pub struct QuantRows<'a> {
 impl QuantRows<'_> {
     fn check(&self, cols: usize) {
         let groups = cols / GROUP_SIZE;
-        assert!(self.bits == 4 || self.bits == 8);
+        assert!(matches!(self.bits, 2 | 3 | 4 | 8));
         assert_eq!(self.row_bytes, cols * self.bits as usize / 8);
         assert!(self.codes.len() >= self.rows * self.row_bytes);
         assert!(self.scales.len() >= self.rows * groups && self.biases.len() >= self.rows * groups);
+    }
+}
+
+/// Rows of an MXFP4 matrix (see [`crate::quant::mxfp4`]), starting at the
+/// first row of the block.
+pub struct Mxfp4Rows<'a> {
+    pub rows: usize,
+    pub codes: &'a [u8],
+    pub row_bytes: usize,
+    /// `cols / 32` exponent bytes per row.
+    pub exponents: &'a [u8],
+}
+
+impl Mxfp4Rows<'_> {
+    fn check(&self, cols: usize) {
+        assert!(cols.is_multiple_of(GROUP_SIZE));
+        assert_eq!(self.row_bytes, cols / 2);
+        assert!(self.codes.len() >= self.rows * self.row_bytes);
+        assert!(self.exponents.len() >= self.rows * cols / BLOCK);
     }
 }
 
@@ -367,7 +407,7 @@ fn mean_code(bits: u32) -> f32 {
 }
 
 impl Int8Acts {
-    /// For rows of `bits` bits (4 or 8) and `isa`'s int8 kernels.
+    /// For rows of `bits` bits (2, 3, 4 or 8) and `isa`'s int8 kernels.
     pub fn new(isa: Isa, x: &[f32], n: usize, cols: usize, bits: u32) -> Int8Acts {
         assert!(x.len() >= n * cols && cols.is_multiple_of(GROUP_SIZE));
         let kernels = isa.int8_kernels();
@@ -384,7 +424,7 @@ impl Int8Acts {
             offsets: vec![0.0; n * stride],
             stride,
         };
-        let offset = if bits == 4 { 0 } else { kernels.q8_offset() };
+        let offset = if bits == 8 { kernels.q8_offset() } else { 0 };
         let shift = mean_code(bits) - offset as f32;
         isa.vectorize(
             #[inline(always)]
@@ -540,6 +580,16 @@ trait Kernels {
         biases: &[f32],
     ) -> [[f32; T]; R];
 
+    /// MXFP4 rows `rows` against tokens `t0..t0 + T`: each block of 32
+    /// through its values, `E2M1` times the block's power of two (one
+    /// multiply a block, in registers).
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R];
+
     /// Rows `rows` against tokens `t0..t0 + T`.
     unsafe fn float_tile<const BF16: bool, const R: usize, const T: usize>(
         w: &FloatRows<'_>,
@@ -651,6 +701,63 @@ macro_rules! with_tile {
 #[cfg(target_arch = "x86_64")]
 use with_tile;
 
+/// Calls `$body` with `const $b` bound to the code width `$bits` (2, 3, 4
+/// or 8, as [`QuantRows::check`] allows): kernels are instantiated per
+/// width.
+macro_rules! with_bits {
+    ($bits:expr, |$b:ident| $body:expr) => {
+        match $bits {
+            2 => {
+                const $b: u32 = 2;
+                $body
+            }
+            3 => {
+                const $b: u32 = 3;
+                $body
+            }
+            4 => {
+                const $b: u32 = 4;
+                $body
+            }
+            8 => {
+                const $b: u32 = 8;
+                $body
+            }
+            other => unreachable!("{other}-bit codes"),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+use with_bits;
+
+/// Walks the tokens of one tile of rows (`$tile`, its first `$rows`
+/// entries) in tiles of at most `$max_tokens`: `$kernel`, an expression of
+/// `const $r`, `const $t`, the first token `$t0` and the tile's rows as an
+/// array `$tile_rows`, gives each tile's `[[f32; T]; R]`, stored into
+/// `$out` (row-major by weight row, `$n` tokens).
+macro_rules! tile_tokens {
+    ($n:expr, $max_tokens:expr, $tile:expr, $rows:expr, $out:expr,
+        |$r:ident, $t:ident, $t0:ident, $tile_rows:ident| $kernel:expr) => {{
+        let n = $n;
+        let mut $t0 = 0;
+        while $t0 < n {
+            let tokens = $max_tokens.min(n - $t0);
+            with_tile!($rows, tokens, |$r, $t| {
+                let mut rows_of = [0; $r];
+                rows_of.copy_from_slice(&$tile[..$r]);
+                let $tile_rows = rows_of;
+                let acc = $kernel;
+                for (&r, acc) in $tile_rows.iter().zip(&acc) {
+                    $out[r * n + $t0..][..$t].copy_from_slice(acc);
+                }
+            });
+            $t0 += tokens;
+        }
+    }};
+}
+#[cfg(target_arch = "x86_64")]
+use tile_tokens;
+
 /// The tiles of a block of `rows` rows: `max_rows` rows at a time taken
 /// from `max_rows` equal stretches of the block (so each tile row reads
 /// one long sequential stream, which hardware prefetchers follow, rather
@@ -735,27 +842,30 @@ unsafe fn quant_rows_with<K: Kernels>(
             widen_bf16(&w.scales[r * g..(r + 1) * g], &mut scales[i * g..]);
             widen_bf16(&w.biases[r * g..(r + 1) * g], &mut biases[i * g..]);
         }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bits == 4 {
-                        K::quant_tile::<4, R, T>(w, tile, x, t0, &scales, &biases)
-                    } else {
-                        K::quant_tile::<8, R, T>(w, tile, x, t0, &scales, &biases)
-                    }
-                };
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+        tile_tokens!(n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            with_bits!(w.bits, |B| unsafe {
+                K::quant_tile::<B, R, T>(w, tile, x, t0, &scales, &biases)
+            })
+        });
+    }
+}
+
+/// [`quant_rows_with`] for MXFP4 rows.
+#[inline(always)]
+unsafe fn mxfp4_rows_with<K: Kernels>(
+    w: &Mxfp4Rows<'_>,
+    x: &Acts<'_>,
+    out: &mut [f32],
+    max_rows: usize,
+    max_tokens: usize,
+) {
+    for i in 0..tile_count(w.rows, max_rows) {
+        let (tile, rows) = tile(i, w.rows, max_rows);
+        tile_tokens!(x.n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            unsafe { K::mxfp4_tile::<R, T>(w, tile, x, t0) }
+        });
     }
 }
 
@@ -790,41 +900,26 @@ unsafe fn int8_rows_with<K: Int8Kernel>(
                 *b += mean * s;
             }
         }
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                for (i, p) in products.chunks_exact_mut(T * stride).take(R).enumerate() {
-                    let s = &scales[i * stride..][..stride];
-                    for (t, p) in p.chunks_exact_mut(stride).enumerate() {
-                        let d = &x.scales[(t0 + t) * stride..][..stride];
-                        for ((p, &s), &d) in p.iter_mut().zip(s).zip(d) {
-                            *p = s * d;
-                        }
+        tile_tokens!(n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            for (i, p) in products.chunks_exact_mut(T * stride).take(R).enumerate() {
+                let s = &scales[i * stride..][..stride];
+                for (t, p) in p.chunks_exact_mut(stride).enumerate() {
+                    let d = &x.scales[(t0 + t) * stride..][..stride];
+                    for ((p, &s), &d) in p.iter_mut().zip(s).zip(d) {
+                        *p = s * d;
                     }
                 }
-                let params = Int8Params {
-                    scales: &scales,
-                    biases: &biases,
-                    products: &products,
-                };
-                // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bits == 4 {
-                        K::int8_tile::<4, R, T>(w, tile, x, t0, &params)
-                    } else {
-                        K::int8_tile::<8, R, T>(w, tile, x, t0, &params)
-                    }
-                };
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
-                }
-            });
-            t0 += tokens;
-        }
+            }
+            let params = Int8Params {
+                scales: &scales,
+                biases: &biases,
+                products: &products,
+            };
+            // SAFETY: forwarded from the caller.
+            with_bits!(w.bits, |B| unsafe {
+                K::int8_tile::<B, R, T>(w, tile, x, t0, &params)
+            })
+        });
     }
 }
 
@@ -840,27 +935,16 @@ unsafe fn float_rows_with<K: Kernels>(
     let n = x.n;
     for i in 0..tile_count(w.rows, max_rows) {
         let (tile, rows) = tile(i, w.rows, max_rows);
-        let mut t0 = 0;
-        while t0 < n {
-            let tokens = max_tokens.min(n - t0);
-            with_tile!(rows, tokens, |R, T| {
-                let mut rows_of = [0; R];
-                rows_of.copy_from_slice(&tile[..R]);
-                let tile = rows_of;
-                // SAFETY: forwarded from the caller.
-                let acc = unsafe {
-                    if w.bf16 {
-                        K::float_tile::<true, R, T>(w, tile, x, t0)
-                    } else {
-                        K::float_tile::<false, R, T>(w, tile, x, t0)
-                    }
-                };
-                for (&r, acc) in tile.iter().zip(&acc) {
-                    out[r * n + t0..][..T].copy_from_slice(acc);
+        tile_tokens!(n, max_tokens, tile, rows, out, |R, T, t0, tile| {
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                if w.bf16 {
+                    K::float_tile::<true, R, T>(w, tile, x, t0)
+                } else {
+                    K::float_tile::<false, R, T>(w, tile, x, t0)
                 }
-            });
-            t0 += tokens;
-        }
+            }
+        });
     }
 }
 

@@ -1,10 +1,17 @@
 //! NEON kernels (baseline on aarch64): 4 lanes, each code widened,
-//! converted and dequantized with one FMA.
+//! converted and dequantized with one FMA. q2 and q3 groups unpack 16
+//! columns per shift of their bit planes; q3's high bits become bytes by a
+//! bit test against each lane's bit.
 
 use std::arch::aarch64::*;
 
-use super::{Acts, FloatRows, Kernels, QuantRows, float_rows_with, quant_rows_with};
+use super::{
+    Acts, FloatRows, Kernels, Mxfp4Rows, QuantRows, float_rows_with, mxfp4_rows_with,
+    quant_rows_with,
+};
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit::PLANE_BYTES;
+use crate::quant::mxfp4::{BLOCK, exponent_scale};
 
 struct Neon;
 
@@ -72,6 +79,52 @@ impl Kernels for Neon {
                     [vfmaq_f32(b[r], lo, s[r]), vfmaq_f32(b[r], hi, s[r])]
                 };
                 let xg = xs.add(g * GROUP_SIZE);
+                if BITS < 4 {
+                    let planes: [uint8x16_t; R] =
+                        std::array::from_fn(|r| vld1q_u8(codes[r].add(g * bytes)));
+                    let high: [u64; R] = std::array::from_fn(|r| {
+                        if BITS == 3 {
+                            (codes[r].add(g * bytes + PLANE_BYTES) as *const u64).read_unaligned()
+                        } else {
+                            0
+                        }
+                    });
+                    let lane_bits = vld1q_u8(
+                        [1u8, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128].as_ptr(),
+                    );
+                    // Shift `2·plane` of the planes: columns 16·plane .. + 16.
+                    for plane in 0..4 {
+                        let parts: [[[float32x4_t; 2]; R]; 2] = {
+                            let q: [uint8x16_t; R] = std::array::from_fn(|r| {
+                                let shift = vdupq_n_s8(-2 * plane as i8);
+                                let mut q = vandq_u8(vshlq_u8(planes[r], shift), vdupq_n_u8(3));
+                                if BITS == 3 {
+                                    let bits = (high[r] >> (16 * plane)) as u16;
+                                    let spread = vcombine_u8(
+                                        vdup_n_u8(bits as u8),
+                                        vdup_n_u8((bits >> 8) as u8),
+                                    );
+                                    let set = vtstq_u8(spread, lane_bits);
+                                    q = vorrq_u8(q, vandq_u8(set, vdupq_n_u8(4)));
+                                }
+                                q
+                            });
+                            [
+                                std::array::from_fn(|r| dequantize(vmovl_u8(vget_low_u8(q[r])), r)),
+                                std::array::from_fn(|r| dequantize(vmovl_high_u8(q[r]), r)),
+                            ]
+                        };
+                        for (p, part) in parts.iter().enumerate() {
+                            let halves: [[float32x4_t; R]; 2] =
+                                std::array::from_fn(|h| part.map(|row| row[h]));
+                            for (half, wv) in halves.iter().enumerate() {
+                                let at = xg.add(16 * plane + p * 8 + half * 4);
+                                accumulate::<R, T>(&mut acc, wv, at, cols);
+                            }
+                        }
+                    }
+                    continue;
+                }
                 // Runs of 8 code bytes: 16 inputs for 4 bits (low nibbles,
                 // then high ones), 8 for 8 bits.
                 for k in 0..bytes / 8 {
@@ -97,6 +150,70 @@ impl Kernels for Neon {
                             std::array::from_fn(|h| part.map(|row| row[h]));
                         for (half, wv) in halves.iter().enumerate() {
                             let at = xg.add(k * width + p * 8 + half * 4);
+                            accumulate::<R, T>(&mut acc, wv, at, cols);
+                        }
+                    }
+                }
+            }
+            sums(&acc)
+        }
+    }
+
+    /// MXFP4 rows: twice a code's magnitude (0 to 12) from a byte table,
+    /// widened, converted and scaled by half the block's power of two
+    /// (exact), its sign bit 3 moved to the float's.
+    #[inline(always)]
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        let (cols, blocks) = (x.cols, x.cols / BLOCK);
+        // SAFETY: the caller checked that the rows and tokens exist (with
+        // their exponents).
+        unsafe {
+            let mut acc = [[vdupq_n_f32(0.0); T]; R];
+            let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+            let xs = x.x.as_ptr().add(t0 * cols);
+            let doubled = vld1q_u8([0u8, 1, 2, 3, 4, 6, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0].as_ptr());
+            for b in 0..blocks {
+                // Half the block's power of two (twice the magnitudes above).
+                let half: [f32; R] = std::array::from_fn(|r| {
+                    0.5 * exponent_scale(w.exponents[rows[r] * blocks + b])
+                });
+                let values = |q: uint8x8_t, r: usize| -> [float32x4_t; 2] {
+                    let magnitude = vmovl_u8(vqtbl1_u8(doubled, vand_u8(q, vdup_n_u8(7))));
+                    let sign = vmovl_u8(vand_u8(q, vdup_n_u8(8)));
+                    let part = |m: uint32x4_t, s: uint32x4_t| {
+                        let v = vmulq_n_f32(vcvtq_f32_u32(m), half[r]);
+                        vreinterpretq_f32_u32(veorq_u32(
+                            vreinterpretq_u32_f32(v),
+                            vshlq_n_u32::<28>(s),
+                        ))
+                    };
+                    [
+                        part(
+                            vmovl_u16(vget_low_u16(magnitude)),
+                            vmovl_u16(vget_low_u16(sign)),
+                        ),
+                        part(vmovl_high_u16(magnitude), vmovl_high_u16(sign)),
+                    ]
+                };
+                let xb = xs.add(b * BLOCK);
+                // Runs of 8 code bytes: 16 inputs, low nibbles then high.
+                for k in 0..2 {
+                    let bytes: [uint8x8_t; R] =
+                        std::array::from_fn(|r| vld1_u8(codes[r].add(b * BLOCK / 2 + k * 8)));
+                    let parts: [[[float32x4_t; 2]; R]; 2] = [
+                        std::array::from_fn(|r| values(vand_u8(bytes[r], vdup_n_u8(15)), r)),
+                        std::array::from_fn(|r| values(vshr_n_u8::<4>(bytes[r]), r)),
+                    ];
+                    for (p, part) in parts.iter().enumerate() {
+                        let halves: [[float32x4_t; R]; 2] =
+                            std::array::from_fn(|h| part.map(|row| row[h]));
+                        for (h, wv) in halves.iter().enumerate() {
+                            let at = xb.add(k * 16 + p * 8 + h * 4);
                             accumulate::<R, T>(&mut acc, wv, at, cols);
                         }
                     }
@@ -146,6 +263,11 @@ impl Kernels for Neon {
 pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: forwarded.
     unsafe { quant_rows_with::<Neon>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+pub unsafe fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: forwarded.
+    unsafe { mxfp4_rows_with::<Neon>(w, x, out, MAX_ROWS, MAX_TOKENS) }
 }
 
 pub unsafe fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {

@@ -2,12 +2,27 @@
 //! vector kernels compute (in another summation order).
 
 use super::{
-    Acts, FloatRows, Int8Acts, Int8Kernel, Int8Params, Kernels, QuantRows, dot, float_rows_with,
-    int8_rows_with, quant_rows_with,
+    Acts, FloatRows, Int8Acts, Int8Kernel, Int8Params, Kernels, Mxfp4Rows, QuantRows, dot,
+    float_rows_with, int8_rows_with, mxfp4_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;
+use crate::quant::lowbit;
+use crate::quant::mxfp4::{BLOCK, E2M1, exponent_scale};
 
 struct Scalar;
+
+/// The code of column `c` of a row of `BITS`-bit codes.
+#[inline(always)]
+fn code<const BITS: u32>(codes: &[u8], c: usize) -> u8 {
+    match BITS {
+        8 => codes[c],
+        4 => (codes[c / 2] >> (4 * (c % 2))) & 15,
+        _ => {
+            let group = &codes[c / GROUP_SIZE * lowbit::group_bytes(BITS)..];
+            lowbit::code_at(BITS, group, c % GROUP_SIZE)
+        }
+    }
+}
 
 impl Int8Kernel for Scalar {
     unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
@@ -38,10 +53,12 @@ impl Int8Kernel for Scalar {
                             })
                             .sum()
                     } else {
-                        codes[g * GROUP_SIZE..][..GROUP_SIZE]
-                            .iter()
-                            .zip(xg)
-                            .map(|(&q, &v)| q as i32 * v as i32)
+                        // 8, 3 or 2 bits: inputs in their order.
+                        xg.iter()
+                            .enumerate()
+                            .map(|(c, &v)| {
+                                code::<BITS>(codes, g * GROUP_SIZE + c) as i32 * v as i32
+                            })
                             .sum()
                     };
                     acc += params.products[(i * T + t) * x.stride + g] * dot as f32;
@@ -74,13 +91,32 @@ impl Kernels for Scalar {
         for (i, (&r, out)) in rows.iter().zip(&mut out).enumerate() {
             let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
             for (c, v) in row.iter_mut().enumerate() {
-                let q = if BITS == 4 {
-                    (codes[c / 2] >> (4 * (c % 2))) & 15
-                } else {
-                    codes[c]
-                };
+                let q = code::<BITS>(codes, c);
                 let g = i * groups + c / GROUP_SIZE;
                 *v = q as f32 * scales[g] + biases[g];
+            }
+            for (t, out) in out.iter_mut().enumerate() {
+                *out = dot(&row, &x.x[(t0 + t) * cols..][..cols]);
+            }
+        }
+        out
+    }
+
+    unsafe fn mxfp4_tile<const R: usize, const T: usize>(
+        w: &Mxfp4Rows<'_>,
+        rows: [usize; R],
+        x: &Acts<'_>,
+        t0: usize,
+    ) -> [[f32; T]; R] {
+        let (cols, blocks) = (x.cols, x.cols / BLOCK);
+        let mut row = vec![0f32; cols];
+        let mut out = [[0f32; T]; R];
+        for (&r, out) in rows.iter().zip(&mut out) {
+            let codes = &w.codes[r * w.row_bytes..][..w.row_bytes];
+            let exponents = &w.exponents[r * blocks..][..blocks];
+            for (c, v) in row.iter_mut().enumerate() {
+                let q = (codes[c / 2] >> (4 * (c % 2))) & 15;
+                *v = E2M1[q as usize] * exponent_scale(exponents[c / BLOCK]);
             }
             for (t, out) in out.iter_mut().enumerate() {
                 *out = dot(&row, &x.x[(t0 + t) * cols..][..cols]);
@@ -113,6 +149,11 @@ impl Kernels for Scalar {
 pub fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: the scalar kernels index with bounds checks.
     unsafe { quant_rows_with::<Scalar>(w, x, out, 1, 4) }
+}
+
+pub fn mxfp4_rows(w: &Mxfp4Rows<'_>, x: &Acts<'_>, out: &mut [f32]) {
+    // SAFETY: as above.
+    unsafe { mxfp4_rows_with::<Scalar>(w, x, out, 1, 4) }
 }
 
 pub fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {

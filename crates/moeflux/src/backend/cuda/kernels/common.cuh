@@ -21,8 +21,20 @@ typedef unsigned char u8;
 #define DT_BF16 1
 #define DT_Q8 2
 #define DT_Q4 3
-// Input weights sharing one scale and bias in q8 and q4.
+// q3 and q2 (routed experts only): per group of 64, 16 bytes of bit
+// planes (byte j: columns j, j+16, j+32, j+48 in bits 0-1, 2-3, 4-5, 6-7),
+// then for q3 a little-endian u64 whose bit c is bit 2 of column c.
+#define DT_Q3 4
+#define DT_Q2 5
+// MXFP4 (routed experts only): e2m1 codes packed as q4's, and in place of
+// scales one e8m0 exponent byte per 32 columns (two per group of 64).
+#define DT_MXFP4 6
+#define MXFP4_BLOCK 32
+// Input weights sharing one scale and bias in the quantized types.
 #define GROUP_SIZE 64
+// Bytes of one group of q3 and q2 codes.
+#define Q3_GROUP_BYTES 24
+#define Q2_GROUP_BYTES 16
 
 // Programmatic dependent launch (decode graphs, graph.rs): every kernel
 // calls this before touching memory. It waits until the kernels this one
@@ -38,6 +50,19 @@ __device__ __forceinline__ void await_inputs() {
 
 __device__ __forceinline__ float bf16_to_float(u16 v) {
     return __int_as_float(((u32)v) << 16);
+}
+
+// The e2m1 value of a 4-bit code: bit 3 the sign, bits 1-2 the exponent,
+// bit 0 the mantissa (0, 0.5, 1, 1.5, 2, 3, 4, 6).
+__device__ __forceinline__ float e2m1_value(u32 q) {
+    const u32 e = (q >> 1) & 3u, m = q & 1u;
+    const float magnitude = e == 0 ? 0.5f * (float)m : __uint_as_float(((126u + e) << 23) | (m << 22));
+    return (q & 8u) ? -magnitude : magnitude;
+}
+
+// 2^(e - 127) of an e8m0 exponent byte (0: 2^-127, below f32's normal range).
+__device__ __forceinline__ float e8m0_scale(u32 e) {
+    return __uint_as_float(e == 0 ? 0x00400000u : e << 23);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
@@ -98,15 +123,26 @@ __device__ __forceinline__ float dequantize(const u8* codes, const u16* scales,
     i64 at = row * cols + col;
     if (dtype == DT_F32) return ((const float*)codes)[at];
     if (dtype == DT_BF16) return bf16_to_float(((const u16*)codes)[at]);
+    if (dtype == DT_MXFP4) {
+        u8 pair = codes[at / 2];
+        u32 q = (col & 1) ? (u32)(pair >> 4) : (u32)(pair & 15);
+        const u8* exponents = (const u8*)scales;
+        return e2m1_value(q) * e8m0_scale(exponents[at / MXFP4_BLOCK]);
+    }
     i64 group = row * (cols / GROUP_SIZE) + col / GROUP_SIZE;
     float scale = bf16_to_float(scales[group]);
     float bias = bf16_to_float(biases[group]);
     u32 q;
     if (dtype == DT_Q8) {
         q = codes[at];
-    } else {
+    } else if (dtype == DT_Q4) {
         u8 pair = codes[at / 2];
         q = (col & 1) ? (u32)(pair >> 4) : (u32)(pair & 15);
+    } else {
+        const u8* g = codes + group * (dtype == DT_Q3 ? Q3_GROUP_BYTES : Q2_GROUP_BYTES);
+        int c = col % GROUP_SIZE;
+        q = (g[c % 16] >> (2 * (c / 16))) & 3u;
+        if (dtype == DT_Q3) q |= ((g[16 + c / 8] >> (c % 8)) & 1u) << 2;
     }
     return fmaf((float)q, scale, bias);
 }

@@ -130,8 +130,15 @@ LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
 // in a fixed order and the warp's sum is a fixed butterfly: the result
 // depends only on the row and x.
 
-// Columns one 32-bit word of a row holds.
-#define WORD_COLS(DT) ((DT) == DT_Q4 ? 8 : (DT) == DT_Q8 ? 4 : (DT) == DT_BF16 ? 2 : 1)
+// Columns one 32-bit word of a row holds. A word of q2 or q3 bit planes
+// holds 16 columns: byte k at shift 2s is column 16s + 4·(word % 4) + k
+// of the group; q3 words come with their 16 high bits (PackedWord).
+#define WORD_COLS(DT)                                                                 \
+    ((DT) == DT_Q2 || (DT) == DT_Q3        ? 16                                        \
+     : (DT) == DT_Q4 || (DT) == DT_MXFP4 ? 8                                         \
+     : (DT) == DT_Q8                     ? 4                                         \
+     : (DT) == DT_BF16                   ? 2                                         \
+                                         : 1)
 // Words per lane in flight per row, by kernel, and the blocks per SM the
 // compiler keeps registers for (1: no constraint). Tunable for experiments
 // through MOEFLUX_CUDA_DEFINES (compile.rs).
@@ -150,8 +157,32 @@ LINEAR_KERNEL(linear_q4_t8, DT_Q4, 8)
 
 // Bytes of a stored row of `cols` values.
 __device__ __forceinline__ i64 row_bytes(int dt, int cols) {
-    return dt == DT_Q4 ? cols / 2 : dt == DT_Q8 ? cols : dt == DT_BF16 ? 2 * (i64)cols
-                                                                        : 4 * (i64)cols;
+    return dt == DT_Q2   ? cols / 4
+           : dt == DT_Q3 ? (i64)cols * 3 / 8
+           : dt == DT_Q4 || dt == DT_MXFP4 ? cols / 2
+           : dt == DT_Q8 ? cols
+           : dt == DT_BF16 ? 2 * (i64)cols
+                           : 4 * (i64)cols;
+}
+
+// What a lane loads per word: the 32-bit word, and for q3 also the 16
+// high bits of its columns (bit 4s + k: byte k at shift 2s).
+template <int DT>
+struct PackedWord {
+    typedef u32 T;
+};
+template <>
+struct PackedWord<DT_Q3> {
+    typedef uint2 T;
+};
+
+// The high bits of plane word `sub` (0-3) of a q3 group from the group's
+// u64 of high bits (h0: columns 0-31, h1: 32-63): columns 16s + 4 sub + k
+// to bit 4s + k.
+__device__ __forceinline__ u32 q3_word_high(u32 h0, u32 h1, int sub) {
+    u32 a = (h0 >> (4 * sub)) & 0x000F000Fu;  // planes 0 and 1
+    u32 b = (h1 >> (4 * sub)) & 0x000F000Fu;  // planes 2 and 3
+    return ((a | (a >> 12)) & 0xFFu) | (((b | (b >> 12)) & 0xFFu) << 8);
 }
 
 // A word of a weight row: read once, so not kept in L1.
@@ -210,6 +241,17 @@ __device__ __forceinline__ void word_x(const float* x, int word, float (&v)[WORD
         v[1] = a.y;
         v[2] = a.z;
         v[3] = a.w;
+    } else if (DT == DT_Q2 || DT == DT_Q3) {
+        // Columns 16s + 4·(word % 4) .. + 4 of the word's group, s = 0..3.
+        const float* g = x + (i64)(word / 4) * GROUP_SIZE + 4 * (word % 4);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+            float4 a = *(const float4*)(g + 16 * s);
+            v[4 * s] = a.x;
+            v[4 * s + 1] = a.y;
+            v[4 * s + 2] = a.z;
+            v[4 * s + 3] = a.w;
+        }
     } else {
         float4 a = *(const float4*)(x + c0);
         float4 c = *(const float4*)(x + c0 + 4);
@@ -224,11 +266,57 @@ __device__ __forceinline__ void word_x(const float* x, int word, float (&v)[WORD
     }
 }
 
+// The low 32 bits of a packed word (the word itself but for q3).
+__device__ __forceinline__ u32 plane_word(u32 w) { return w; }
+__device__ __forceinline__ u32 plane_word(uint2 w) { return w.x; }
+__device__ __forceinline__ u32 high_word(u32) { return 0u; }
+__device__ __forceinline__ u32 high_word(uint2 w) { return w.y; }
+
 // acc += word w of `row` · its x values v.
 template <int DT>
-__device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word,
-                                         const float (&v)[WORD_COLS(DT)], float& acc) {
+__device__ __forceinline__ void dot_word(const WeightRow& row, typename PackedWord<DT>::T packed,
+                                         int word, const float (&v)[WORD_COLS(DT)], float& acc) {
     const int c0 = word * WORD_COLS(DT);
+    const u32 w = plane_word(packed);
+    if (DT == DT_Q2 || DT == DT_Q3) {
+        // w·x = s·Σ q·x + b·Σ x over the word's 16 columns, q exact
+        // (byte_value): the affine map once per word, no offset whose
+        // cancellation would cost accuracy at 4 or 8 levels.
+        int group = word / 4;
+        float s = bf16_to_float(row.scales[group]);
+        float b = bf16_to_float(row.biases[group]);
+        u32 high = high_word(packed);
+        float dot = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            u32 q = (w >> (2 * p)) & 0x03030303u;
+            if (DT == DT_Q3) {
+                u32 h = (high >> (4 * p)) & 15u;
+                q |= ((h & 1u) << 2) | ((h & 2u) << 9) | ((h & 4u) << 16) | ((h & 8u) << 23);
+            }
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                dot = fmaf(byte_value(q, k), v[4 * p + k], dot);
+                sum += v[4 * p + k];
+            }
+        }
+        acc = fmaf(s, dot, fmaf(b, sum, acc));
+        return;
+    }
+    if (DT == DT_MXFP4) {
+        // Columns c0..c0+7 (low nibble first) of one block of 32: the
+        // e2m1 values' dot, then the block's power of two (exact).
+        const u8* exponents = (const u8*)row.scales;
+        float dot = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            u32 byte = (w >> (8 * k)) & 0xffu;
+            dot = fmaf(e2m1_value(byte & 15u), v[2 * k], dot);
+            dot = fmaf(e2m1_value(byte >> 4), v[2 * k + 1], dot);
+        }
+        acc = fmaf(e8m0_scale(exponents[c0 / MXFP4_BLOCK]), dot, acc);
+        return;
+    }
     if (DT == DT_F32) {
         acc = fmaf(__uint_as_float(w), v[0], acc);
     } else if (DT == DT_BF16) {
@@ -268,17 +356,35 @@ __device__ __forceinline__ void dot_word(const WeightRow& row, u32 w, int word,
     }
 }
 
+// Word `w` of a row (q3: its plane word, at byte 24·(w / 4) + 4·(w % 4),
+// and the high bits of its columns from the group's last 8 bytes).
+template <int DT>
+__device__ __forceinline__ typename PackedWord<DT>::T load_word(const u8* codes, int w) {
+    return load_streaming(codes + 4 * (i64)w);
+}
+
+template <>
+__device__ __forceinline__ uint2 load_word<DT_Q3>(const u8* codes, int w) {
+    const u8* group = codes + (i64)(w / 4) * Q3_GROUP_BYTES;
+    int sub = w % 4;
+    u32 plane = load_streaming(group + 4 * sub);
+    u32 h0 = load_streaming(group + 16);
+    u32 h1 = load_streaming(group + 20);
+    return make_uint2(plane, q3_word_high(h0, h1, sub));
+}
+
 // One batch of a lane's words: U words of each of R rows from word `base`
 // on, a warp's lanes taking consecutive words (zero past `end`).
-template <int R, int U>
+template <int DT, int R, int U>
 __device__ __forceinline__ void load_words(const WeightRow* rows, int base, int end,
-                                           u32 (&packed)[U][R]) {
+                                           typename PackedWord<DT>::T (&packed)[U][R]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
         int w = base + u * WARP_SIZE;
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            packed[u][i] = w < end ? load_streaming(rows[i].codes + 4 * (i64)w) : 0u;
+            packed[u][i] = w < end ? load_word<DT>(rows[i].codes, w)
+                                   : typename PackedWord<DT>::T();
         }
     }
 }
@@ -301,7 +407,8 @@ struct FusedNorm {
 // are read and their squares added to `squares`.
 template <int DT, int R, int U, bool SHARED_X, bool NORMED>
 __device__ __forceinline__ void dot_words(const WeightRow* rows, const float* const* xs,
-                                          int base, int end, const u32 (&packed)[U][R],
+                                          int base, int end,
+                                          const typename PackedWord<DT>::T (&packed)[U][R],
                                           float* acc, const FusedNorm& norm, float& squares) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -342,8 +449,8 @@ __device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* con
                                          float* squares = nullptr) {
     float lane_squares = 0.0f;
     for (int base = begin + lane; base < end; base += U * WARP_SIZE) {
-        u32 packed[U][R];
-        load_words<R, U>(rows, base, end, packed);
+        typename PackedWord<DT>::T packed[U][R];
+        load_words<DT, R, U>(rows, base, end, packed);
         dot_words<DT, R, U, SHARED_X, NORMED>(rows, xs, base, end, packed, acc, norm,
                                                lane_squares);
     }

@@ -57,20 +57,91 @@ struct MoeMatrices {
 
 #if __CUDA_ARCH__ >= 800
 
+// The bf16 pair (q_a - centre, q_b - centre) of two codes at bits 0-1 or
+// 0-2 (q_a) and 16-18 (q_b) of `v`: as q4_pair, 128 + q from the bits
+// under an exponent of 2^7, then one exact fma subtracting 128 + centre.
+template <int DT>
+__device__ __forceinline__ u32 low_bit_pair(u32 v) {
+    const u32 minus = DT == DT_Q2 ? 0xc302c302u : 0xc304c304u;  // -(128 + centre)
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+        : "=r"(r)
+        : "r"(v | 0x43004300u), "r"(0x3f803f80u), "r"(minus));
+    return r;
+}
+
+// A q2 or q3 group (its plane bytes `planes`, q3's high bits `high`) as 64
+// bf16 centred codes in the shared column order: run m of 8 columns
+// (8m .. 8m + 7) is plane m / 2 of bytes 8·(m % 2) .. + 7, and its pairs
+// (c + k, c + k + 4) are byte k of the run's two words.
+template <int DT>
+__device__ __forceinline__ void store_low_bit_group(u16* dst, uint4 planes, uint2 high) {
+    const u32 words[4] = {planes.x, planes.y, planes.z, planes.w};
+    const u64 h = ((u64)high.y << 32) | high.x;
+#pragma unroll
+    for (int m = 0; m < 8; ++m) {
+        const int plane = m / 2;
+        const u32 a = words[2 * (m % 2)], b = words[2 * (m % 2) + 1];
+        const u32 hbits = (u32)(h >> (8 * m)) & 0xffu;  // columns 8m .. 8m + 7
+        u32 out[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            // Byte k of a in bits 0-15, byte k of b in bits 16-31.
+            const u32 pair = __byte_perm(a, b, k | (k << 4) | ((k + 4) << 8) | ((k + 4) << 12));
+            u32 q = (pair >> (2 * plane)) & 0x00030003u;
+            if (DT == DT_Q3) q |= (((hbits >> k) & 1u) << 2) | (((hbits >> (k + 4)) & 1u) << 18);
+            out[k] = low_bit_pair<DT>(q);
+        }
+        store16(dst + 8 * m, make_uint4(out[0], out[1], out[2], out[3]));
+    }
+}
+
+// A block of 32 MXFP4 codes (a 16-byte load) as bf16 values in the shared
+// column order: each word is a run of 8 columns, nibble j column c + j, and
+// the pairs (c + k, c + k + 4) its nibbles k and k + 4. e2m1 · 2^k has two
+// significant bits, so the bf16 is the f32's upper half, exactly.
+__device__ __forceinline__ void store_mxfp4_block(u16* dst, uint4 codes, float scale) {
+    const u32 words[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+    for (int run = 0; run < 4; ++run) {
+        u32 out[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float a = e2m1_value((words[run] >> (4 * k)) & 15u) * scale;
+            const float b = e2m1_value((words[run] >> (4 * k + 16)) & 15u) * scale;
+            out[k] = bf16x2_exact(a, b);
+        }
+        store16(dst + 8 * run, make_uint4(out[0], out[1], out[2], out[3]));
+    }
+}
+
 // One stage in flight between global and shared memory (gemm.cu's
 // GemmStage for this block shape, with gathered input rows).
 template <int DT>
 struct MoeStage {
-    static constexpr int ROW_VECS = DT == DT_Q4 ? 2 : DT == DT_Q8 ? 4 : 8;
+    static constexpr bool LOW_BIT = DT == DT_Q2 || DT == DT_Q3;
+    // 16-byte vectors of a row's stage; a q3 stage is its 16 plane bytes
+    // (read as two 8-byte halves: q3 groups are 8-byte aligned) and
+    // `high`, the group's 8 bytes of high bits.
+    // MXFP4 rows are values (exact in bf16), like bf16 ones: a vector is
+    // one block of 32 codes, `exponents` its power of two.
+    static constexpr int ROW_VECS = LOW_BIT ? 1 : DT == DT_Q4 || DT == DT_MXFP4 ? 2
+                                                : DT == DT_Q8                   ? 4
+                                                                                : 8;
     static constexpr int VECS = MP_BM * ROW_VECS / MP_THREADS;
     static constexpr int VEC_COLS = GEMM_BK / ROW_VECS;
-    static constexpr float CENTRE = DT == DT_Q4 ? 8.0f : 128.0f;
-    static constexpr bool QUANTIZED = DT == DT_Q4 || DT == DT_Q8;
+    static constexpr float CENTRE = DT == DT_Q2   ? 2.0f
+                                    : DT == DT_Q3 ? 4.0f
+                                    : DT == DT_Q4 ? 8.0f
+                                                  : 128.0f;
+    static constexpr bool QUANTIZED = LOW_BIT || DT == DT_Q4 || DT == DT_Q8;
     // Runs of 8 activations per thread: slots tid/8 + 16·j, columns
     // 8·(tid%8)..+7 of the stage.
     static constexpr int RUNS = MP_BN * 8 / MP_THREADS;
 
     uint4 w[VECS];
+    uint2 high[VECS];
+    u8 exponents[VECS];
     float4 x[RUNS][2];
     u16 scale, bias;  // shared row tid's, quantized only
 
@@ -80,8 +151,8 @@ struct MoeStage {
                                          const int* in_row, int rows, int cols, int r0,
                                          int k0) {
         const int tid = threadIdx.x;
-        const i64 row_bytes = DT == DT_Q4 ? cols / 2 : DT == DT_Q8 ? cols : 2 * (i64)cols;
-        const int k0_bytes = DT == DT_Q4 ? k0 / 2 : DT == DT_Q8 ? k0 : 2 * k0;
+        const i64 row_bytes = ::row_bytes(DT, cols);
+        const int k0_bytes = (int)::row_bytes(DT, k0);
 #pragma unroll
         for (int j = 0; j < VECS; ++j) {
             const int i = tid + j * MP_THREADS;
@@ -90,8 +161,23 @@ struct MoeStage {
             const int r = r0 + row - (second ? split : 0);
             const u8* codes = second ? m.codes[1] : m.codes[0];
             const bool inside = r < rows && k0 + part * VEC_COLS < cols;
-            w[j] = inside ? *(const uint4*)(codes + r * row_bytes + k0_bytes + part * 16)
-                          : make_uint4(0, 0, 0, 0);
+            const u8* p = codes + r * row_bytes + k0_bytes + part * 16;
+            if (DT == DT_Q3) {
+                const uint2 zero = make_uint2(0, 0);
+                const uint2 a = inside ? *(const uint2*)p : zero;
+                const uint2 b = inside ? *(const uint2*)(p + 8) : zero;
+                high[j] = inside ? *(const uint2*)(p + 16) : zero;
+                w[j] = make_uint4(a.x, a.y, b.x, b.y);
+            } else {
+                w[j] = inside ? *(const uint4*)p : make_uint4(0, 0, 0, 0);
+                high[j] = make_uint2(0, 0);
+            }
+            if (DT == DT_MXFP4) {
+                const u8* e = (const u8*)(second ? m.scales[1] : m.scales[0]);
+                exponents[j] =
+                    inside ? e[(i64)r * (cols / MXFP4_BLOCK) + (k0 + part * VEC_COLS) / MXFP4_BLOCK]
+                           : 0;
+            }
         }
 #pragma unroll
         for (int j = 0; j < RUNS; ++j) {
@@ -127,7 +213,13 @@ struct MoeStage {
             const int i = tid + j * MP_THREADS;
             const int row = i / ROW_VECS, part = i % ROW_VECS;
             u16* dst = &sm.w[row][part * VEC_COLS];
-            store_weight_chunk<DT>(dst, w[j]);
+            if (LOW_BIT) {
+                store_low_bit_group<DT>(dst, w[j], high[j]);
+            } else if (DT == DT_MXFP4) {
+                store_mxfp4_block(dst, w[j], e8m0_scale(exponents[j]));
+            } else {
+                store_weight_chunk<DT>(dst, w[j]);
+            }
         }
 #pragma unroll
         for (int j = 0; j < RUNS; ++j) {
@@ -281,6 +373,42 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_bf16(MOE_PREFILL_PARAMS) {
     await_inputs();
     moe_prefill_tc<DT_BF16, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_q3(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_Q3, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_q2(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_Q2, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_q3(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_Q3, false>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_q2(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_Q2, false>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_gate_up_mxfp4(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_MXFP4, true>(MOE_PREFILL_ARGS);
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
+    moe_prefill_down_mxfp4(MOE_PREFILL_PARAMS) {
+    await_inputs();
+    moe_prefill_tc<DT_MXFP4, false>(MOE_PREFILL_ARGS);
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
