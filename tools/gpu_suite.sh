@@ -400,11 +400,12 @@ shapes() {
 }
 
 # Routed experts at each width given, the rest q4, resident: one synthetic
-# model at a time, then removed.
+# model at a time, in memory (/dev/shm: written fast, nothing left to write
+# back while it runs), then removed.
 widths() {
     : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    local moeflux="$SUITE/moeflux" dir=/tmp/moeflux-widths width round
+    local moeflux="$SUITE/moeflux" dir=/dev/shm/moeflux-widths width round
     for width in "$@"; do
         rm -rf "$dir"
         "$moeflux" synth --preset qwen3-30b-a3b --quant q4 --expert-quant "$width" -o "$dir" --force \
