@@ -5,7 +5,8 @@
 
 mod common;
 
-use common::{Events, TestServer, start};
+use common::{Events, TestServer, start, start_on};
+use moeflux::ModelOptions;
 use serde_json::{Value, json};
 
 /// A prompt whose greedy continuation repeats some of its own phrases
@@ -63,7 +64,7 @@ async fn drafted_requests_answer_as_plain_decoding_alone_and_in_a_batch() {
     assert_eq!(want_lp.len(), TOKENS);
     assert_eq!(server.metric("moeflux_draft_checks_total").await, 0.0);
 
-    for draft in [json!("lookup"), json!("off")] {
+    for draft in [json!("lookup"), json!("mtp"), json!("off")] {
         let (text, lp) = greedy(&server, Some(draft.clone()), None).await;
         assert_eq!(text, want, "draft {draft}");
         let diff = max_difference(&lp, &want_lp);
@@ -149,8 +150,6 @@ async fn bad_drafting_fields_are_refused_naming_them() {
             "draft_tokens",
         ),
         (json!({"draft": 4}), "draft"),
-        // The bundled model has no multi-token-prediction head.
-        (json!({"draft": "mtp"}), "draft"),
     ];
     for (fields, param) in cases {
         let mut body = json!({"prompt": "Emma", "max_tokens": 4});
@@ -161,4 +160,28 @@ async fn bad_drafting_fields_are_refused_naming_them() {
         assert_eq!(status, 400, "{body}: {answer}");
         assert_eq!(answer["error"]["param"], param, "{body}: {answer}");
     }
+}
+
+/// A model opened without its multi-token-prediction head refuses
+/// requests that draft with it, naming the field, and serves the others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drafting_with_a_head_the_model_lacks_is_refused() {
+    let without = ModelOptions {
+        mtp_head: false,
+        ..ModelOptions::default()
+    };
+    let server = start_on(common::bundled_with(&without), |_| {}).await;
+    let body = json!({"prompt": "Emma", "max_tokens": 4, "draft": "mtp"});
+    let (status, answer) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 400, "{answer}");
+    assert_eq!(answer["error"]["param"], "draft", "{answer}");
+    assert!(
+        answer["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("multi-token-prediction head")),
+        "{answer}"
+    );
+    let body = json!({"prompt": "Emma", "max_tokens": 4, "draft": "lookup"});
+    let (status, answer) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{answer}");
 }

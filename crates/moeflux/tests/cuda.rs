@@ -403,10 +403,12 @@ fn resident_and_streamed_experts_give_identical_results() {
             resident
                 .prepare_experts(&moeflux::util::NoProgress)
                 .unwrap();
-            let moe_layers = resident.config().moe_layers().count() as u64;
+            // The decoder's MoE layers and, opened with it, the
+            // multi-token-prediction head's.
+            let expert_layers = resident.config().expert_layers().count() as u64;
             assert_eq!(
                 resident.backend().expert_cache_stats().complete_layers,
-                moe_layers,
+                expert_layers,
                 "{name}: every layer resident after prepare_experts"
             );
             let streamed = open_cuda(

@@ -337,8 +337,6 @@ fn read_bf16(name: &str, tensor: &str) -> Vec<u8> {
 /// drafts as the share its training measured on held-out text
 /// (`reference.json`'s `mtp.acceptance.first_draft_kept`).
 #[test]
-#[ignore = "the bundled model gains its multi-token-prediction head from \
-            tools/train_bundled_model.py --mtp; drop this line once it has"]
 fn bundled_model_drafts_with_its_trained_head() {
     let (dir, prompt) = bundled_prompt();
     let model = open(&dir, ModelOptions::default());

@@ -19,14 +19,26 @@ pub struct TestServer {
 }
 
 pub fn bundled() -> (PathBuf, Arc<Model>) {
+    bundled_with(&ModelOptions::default())
+}
+
+/// The bundled model opened with `options`.
+pub fn bundled_with(options: &ModelOptions) -> (PathBuf, Arc<Model>) {
     let dir = moeflux::bundled::model_dir(&moeflux::util::NoProgress).unwrap();
-    let model = Arc::new(Model::open(&dir, &ModelOptions::default()).unwrap());
+    let model = Arc::new(Model::open(&dir, options).unwrap());
     (dir, model)
 }
 
 /// Starts a server on the current runtime; `adjust` changes the options.
 pub async fn start(adjust: impl FnOnce(&mut ServerOptions)) -> TestServer {
-    let (dir, model) = bundled();
+    start_on(bundled(), adjust).await
+}
+
+/// Starts a server on `model` (its directory and the opened model).
+pub async fn start_on(
+    (dir, model): (PathBuf, Arc<Model>),
+    adjust: impl FnOnce(&mut ServerOptions),
+) -> TestServer {
     let mut options = ServerOptions::for_model(&model, moeflux::bundled::NAME);
     options.limits.context = 1024;
     adjust(&mut options);
