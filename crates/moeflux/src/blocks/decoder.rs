@@ -10,7 +10,7 @@ use super::gated_delta_net::GatedDeltaNet;
 use super::mla::LatentAttention;
 use super::moe::{Mlp, SparseMoe};
 use crate::arch::names;
-use crate::backend::{Backend, RmsNorm};
+use crate::backend::{Backend, KvType, RmsNorm};
 use crate::config::{FeedForwardKind, LayerKind};
 use crate::error::Result;
 use crate::experts::{ExpertStore, Prefetch};
@@ -125,16 +125,25 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Empty caches for a new sequence.
-    pub fn new_state(&self, b: &B, cfg: &crate::config::ModelConfig) -> Result<Vec<LayerState<B>>> {
+    /// Empty caches for a new sequence, keys and values stored as `kv`
+    /// (a latent cache in f32).
+    pub fn new_state(
+        &self,
+        b: &B,
+        cfg: &crate::config::ModelConfig,
+        kv: KvType,
+    ) -> Result<Vec<LayerState<B>>> {
         self.layers
             .iter()
             .enumerate()
             .map(|(i, layer)| {
                 Ok(match layer.mixer {
-                    Mixer::Attention(_) | Mixer::Latent(_) => {
-                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i))?)
+                    Mixer::Attention(_) => {
+                        LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i), kv)?)
                     }
+                    Mixer::Latent(_) => LayerState::Attention(
+                        b.new_kv_cache(attention::shape(cfg, i), KvType::F32)?,
+                    ),
                     Mixer::DeltaNet(_) => LayerState::DeltaNet(
                         b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated"))?,
                     ),

@@ -19,8 +19,8 @@ pub use crate::blocks::batch::Phase;
 pub use batch::{BatchItem, forward_batch};
 pub use session::{RewindPoint, Session, SessionOptions};
 
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, KvType};
 use crate::blocks::Weights;
 use crate::blocks::batch::ForwardBatch;
 use crate::blocks::decoder::{Decoder, LayerState};
@@ -73,6 +73,11 @@ pub struct ModelOptions {
     /// Bytes all sessions together may hold in KV caches; `None` is no
     /// limit beyond each session's context length.
     pub kv_limit_bytes: Option<u64>,
+    /// How sessions' KV caches store keys and values unless a session's
+    /// options say otherwise; `None`: the backend's default
+    /// ([`Backend::default_kv_type`]), or f32 where the model cannot use
+    /// it. Refused at open where the model cannot store it.
+    pub kv_type: Option<KvType>,
 }
 
 impl Default for ModelOptions {
@@ -85,6 +90,7 @@ impl Default for ModelOptions {
             prefill_chunk: None,
             verify_checksums: true,
             kv_limit_bytes: None,
+            kv_type: None,
         }
     }
 }
@@ -116,6 +122,7 @@ pub struct Model<B: Backend = CpuBackend> {
     prefill_chunk: usize,
     fingerprint: u64,
     kv: KvBudget,
+    kv_type: KvType,
     options: ModelOptions,
 }
 
@@ -155,7 +162,6 @@ impl Logits {
 struct KvBudget {
     limit: Option<u64>,
     used: AtomicU64,
-    bytes_per_position: u64,
 }
 
 impl KvBudget {
@@ -235,6 +241,10 @@ impl<B: Backend> Model<B> {
                 verify_checksums: options.verify_checksums,
             },
         )?;
+        let kv_type = dir
+            .config()
+            .kv_type(options.kv_type, backend.default_kv_type())
+            .map_err(|why| Error::invalid("KV cache type (--kv-type)", why))?;
         let store = ExpertStore::open(
             &dir,
             StoreOptions {
@@ -257,8 +267,8 @@ impl<B: Backend> Model<B> {
             kv: KvBudget {
                 limit: options.kv_limit_bytes,
                 used: AtomicU64::new(0),
-                bytes_per_position: dir.config().kv_bytes_per_position(),
             },
+            kv_type,
             dir,
             backend,
             decoder,
@@ -329,17 +339,25 @@ impl<B: Backend> Model<B> {
         self.kv.used.load(Ordering::Relaxed)
     }
 
-    /// Bytes of KV cache one position of a session takes.
+    /// How sessions' KV caches store keys and values unless a session's
+    /// options say otherwise.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
+    /// Bytes of KV cache one position of a session takes with the model's
+    /// KV type.
     pub fn kv_bytes_per_position(&self) -> u64 {
-        self.kv.bytes_per_position
+        self.config().kv_bytes_per_position(self.kv_type)
     }
 
     /// The context a session gets by default: the model's
     /// (`max_position_embeddings`), bounded so that one session's KV cache
-    /// takes at most half the memory free now on the backend.
+    /// (of the model's KV type) takes at most half the memory free now on
+    /// the backend.
     pub fn default_context(&self) -> usize {
         let model = self.config().max_position_embeddings;
-        match (self.backend.state_memory(), self.kv.bytes_per_position) {
+        match (self.backend.state_memory(), self.kv_bytes_per_position()) {
             (Some(free), per) if per > 0 => model.min((free / 2 / per).max(1) as usize),
             _ => model,
         }
@@ -401,8 +419,9 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    fn new_layer_states(&self) -> Result<Vec<LayerState<B>>> {
-        self.decoder.new_state(&self.backend, self.config())
+    /// Empty layer states of a sequence whose KV caches store `kv`.
+    fn new_layer_states(&self, kv: KvType) -> Result<Vec<LayerState<B>>> {
+        self.decoder.new_state(&self.backend, self.config(), kv)
     }
 
     /// Runs a batch through the decoder, `states[i]` holding sequence

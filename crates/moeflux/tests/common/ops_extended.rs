@@ -10,7 +10,7 @@
 //! experts 1e-5 of the output's scale against both (f32 activations).
 
 use moeflux::backend::cpu::{KvCache as CpuKv, Routing as CpuRouting};
-use moeflux::backend::{AttentionShape, Backend, ExpertFfn};
+use moeflux::backend::{AttentionShape, Backend, ExpertFfn, KvRows, KvType};
 use moeflux::config::{ExpertActivation, RouterSpec, ScoreFunction};
 use moeflux::experts::ExpertStore;
 use moeflux::format::{ModelDir, OpenOptions, TensorRole};
@@ -18,7 +18,8 @@ use moeflux::quant::DType;
 
 use super::convert_fixture;
 use super::ops::{
-    Activations, Conformance, TestWeights, assert_close, both, host, reference, values, whole_store,
+    Activations, Conformance, TestWeights, assert_close, both, head_dim_for, host, reference,
+    values, whole_store,
 };
 
 /// `x += bias` on every row, for a row count and width the kernels do not
@@ -55,11 +56,47 @@ fn direct_attention(
     values: &[f32],
 ) -> Vec<f32> {
     let hd = shape.head_dim;
+    let kv_width = shape.num_kv_heads * hd;
+    let mut out = vec![0f32; q.len()];
+    for row in direct_probabilities(shape, sinks, q, keys) {
+        let out = &mut out[row.at..][..hd];
+        for (j, p) in row.probabilities.iter().enumerate() {
+            let value = &values[(row.first + j) * kv_width + row.column..][..hd];
+            for (o, &v) in out.iter_mut().zip(value) {
+                *o += (p * v as f64) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// One query head's softmax over the positions it sees.
+pub struct DirectRow {
+    /// Where its output starts in `[tokens, heads·head_dim]`.
+    pub at: usize,
+    /// The column of its KV head in a cache row.
+    pub column: usize,
+    /// The first position it sees.
+    pub first: usize,
+    /// Each seen position's probability, in f64 (the sink's share is the
+    /// rest).
+    pub probabilities: Vec<f64>,
+}
+
+/// The probabilities of [`direct_attention`], each query head of each of
+/// the last `q.len() / (heads·head_dim)` positions of `keys`.
+pub fn direct_probabilities(
+    shape: AttentionShape,
+    sinks: Option<&[f32]>,
+    q: &[f32],
+    keys: &[f32],
+) -> Vec<DirectRow> {
+    let hd = shape.head_dim;
     let (q_width, kv_width) = (shape.num_heads * hd, shape.num_kv_heads * hd);
     let (n, len) = (q.len() / q_width, keys.len() / kv_width);
     let group = shape.num_heads / shape.num_kv_heads;
     let scale = 1.0 / (hd as f64).sqrt();
-    let mut out = vec![0f32; q.len()];
+    let mut rows = Vec::with_capacity(n * shape.num_heads);
     for t in 0..n {
         let position = len - n + t;
         let first = shape.window.map_or(0, |w| (position + 1).saturating_sub(w));
@@ -85,28 +122,34 @@ fn direct_attention(
                 .fold(f64::NEG_INFINITY, f64::max);
             let total: f64 = logits.iter().map(|l| (l - max).exp()).sum::<f64>()
                 + sink.map_or(0.0, |s| (s - max).exp());
-            for (j, l) in (first..=position).zip(&logits) {
-                let p = (l - max).exp() / total;
-                let value = &values[j * kv_width + column..][..hd];
-                for (o, &v) in out[t * q_width + h * hd..][..hd].iter_mut().zip(value) {
-                    *o += (p * v as f64) as f32;
-                }
-            }
+            rows.push(DirectRow {
+                at: t * q_width + h * hd,
+                column,
+                first,
+                probabilities: logits.iter().map(|l| (l - max).exp() / total).collect(),
+            });
         }
     }
-    out
+    rows
 }
 
 /// Sliding windows of 8 and 3 positions with and without sinks, and sinks
 /// over a whole cache: chunks of one token and of several (longer than the
 /// window), 304 positions in all, each against the reference and the
-/// direct computation; the
-/// cache holds only the window's last positions (exported as such), and a
-/// cache imported from the reference's export, or copied, continues as the
-/// reference does.
+/// direct computation (over the keys and values as the cache's type holds
+/// them); the cache holds only the window's last positions (exported as
+/// such), and a cache imported from the reference's export, or copied,
+/// continues as the reference does. Every KV type (heads of 64 for q8,
+/// else 40).
 pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
+    for kv in KvType::ALL {
+        attention_with_sinks_and_window_of_type(b, kv);
+    }
+}
+
+fn attention_with_sinks_and_window_of_type<B: Conformance>(b: &B, kv: KvType) {
     let r = reference();
-    let (heads, kv_heads, head_dim) = (6, 2, 40);
+    let (heads, kv_heads, head_dim) = (6, 2, head_dim_for(kv, 40, 64));
     // Sinks on the scale of the logits, so that they take a clear share.
     let sink_values: Vec<f32> = values(heads, 5).iter().map(|v| 2.0 * v).collect();
     let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], sink_values.clone())]);
@@ -127,11 +170,12 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
             false => (None, None, None),
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let mut cache_r = r.new_kv_cache(shape).unwrap();
-        let mut cache_b = b.new_kv_cache(shape).unwrap();
+        let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
+        let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
         // Every key and value so far, for the direct computation.
         let mut history = (Vec::new(), Vec::new());
-        let what = format!("attention window {window:?} sinks {with_sinks}");
+        let what = format!("{kv} attention window {window:?} sinks {with_sinks}");
+        let held_as = |x: &[f32]| KvRows::encode(kv, x);
         let step = |n: usize,
                     seed: u64,
                     cache_r: &mut CpuKv,
@@ -149,7 +193,13 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
                 .attention(cache_r, &q_r, &k_r, &v_r, shape, sinks_r)
                 .unwrap()
                 .data;
-            let direct = direct_attention(shape, sinks_host, &q, all_keys, all_values);
+            let direct = direct_attention(
+                shape,
+                sinks_host,
+                &q,
+                &held_as(all_keys).decode(),
+                &held_as(all_values).decode(),
+            );
             assert_close(
                 &format!("{what}: reference, chunk of {n}"),
                 &want,
@@ -179,7 +229,7 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
         assert_eq!(want.first, len - held, "{what}: first position held");
         assert_eq!(
             want.keys,
-            history.0[(len - held) * kv_width..],
+            held_as(&history.0[(len - held) * kv_width..]),
             "{what}: the reference holds the window's newest keys"
         );
         assert_eq!(
