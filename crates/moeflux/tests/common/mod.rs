@@ -8,6 +8,7 @@ pub mod batch;
 pub mod faulty;
 pub mod ops;
 pub mod ops_extended;
+pub mod ops_kv;
 pub mod ops_latent;
 pub mod speculative;
 

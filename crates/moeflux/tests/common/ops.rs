@@ -32,7 +32,12 @@
 //!   caches within 2e-5, the values exactly;
 //! - routing weights, `silu_mul`, `mul_sigmoid`: 1e-6; `add_assign` 1e-7;
 //! - exact where no arithmetic reorders: embedding rows, row and column
-//!   copies, exported keys and values, the experts chosen.
+//!   copies, exported keys and values, the experts chosen;
+//! - KV cache types: the attention operations run on caches of every
+//!   [`KvType`], each against the reference's cache of the same type
+//!   (which holds the same rows bit for bit) within the bounds above;
+//!   bf16 and q8 against the f32 reference within a bound that follows
+//!   from their rounding (common/ops_kv.rs).
 //!
 //! The model-level checks ([`super::batch`]) run per backend as well:
 //! batched sequences against each alone within the backend's
@@ -63,6 +68,8 @@ use moeflux::{Model, ModelOptions};
 pub use super::backends::{Conformance, reference};
 #[allow(unused_imports)]
 pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
+#[allow(unused_imports)]
+pub use super::ops_kv::kv_types_stay_within_their_rounding;
 #[allow(unused_imports)]
 pub use super::ops_latent::{mla_attention, routers};
 use super::{Converted, convert_checkpoint, convert_fixture};
@@ -105,6 +112,7 @@ macro_rules! backend_tests {
             clamped_biased_experts_match_reference => clamped_biased_experts,
             latent_attention_matches_reference_across_chunks_truncation_and_import => mla_attention,
             grouped_sigmoid_and_chosen_softmax_routers_match_reference => routers,
+            kv_types_stay_within_their_rounding_of_f32_attention => kv_types_stay_within_their_rounding,
         ], [
             batched_sequences_equal_each_sequence_alone => batched_equals_alone,
             a_device_failure_fails_only_its_batch_and_the_process_goes_on => device_failure_contained,

@@ -48,7 +48,7 @@ pub fn add_bias<B: Conformance>(b: &B, _: Activations) {
 /// `[positions, kv_width]`), transformers' eager attention in f64: the
 /// queries at the last `n` positions, each over its window, with the sink
 /// logit in the softmax's denominator.
-fn direct_attention(
+pub fn direct_attention(
     shape: AttentionShape,
     sinks: Option<&[f32]>,
     q: &[f32],
