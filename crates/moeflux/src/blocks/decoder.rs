@@ -125,8 +125,8 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Empty caches for a new sequence, keys and values stored as `kv`
-    /// (a latent cache in f32).
+    /// Empty caches for a new sequence, keys and values stored as `kv` (a
+    /// latent cache only in f32: the backend refuses another type).
     pub fn new_state(
         &self,
         b: &B,
@@ -138,12 +138,9 @@ impl<B: Backend> Decoder<B> {
             .enumerate()
             .map(|(i, layer)| {
                 Ok(match layer.mixer {
-                    Mixer::Attention(_) => {
+                    Mixer::Attention(_) | Mixer::Latent(_) => {
                         LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i), kv)?)
                     }
-                    Mixer::Latent(_) => LayerState::Attention(
-                        b.new_kv_cache(attention::shape(cfg, i), KvType::F32)?,
-                    ),
                     Mixer::DeltaNet(_) => LayerState::DeltaNet(
                         b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated"))?,
                     ),

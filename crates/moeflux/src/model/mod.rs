@@ -419,8 +419,12 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    /// Empty layer states of a sequence whose KV caches store `kv`.
+    /// Empty layer states of a sequence whose KV caches store `kv`, or why
+    /// this model cannot store it.
     fn new_layer_states(&self, kv: KvType) -> Result<Vec<LayerState<B>>> {
+        self.config()
+            .kv_type(Some(kv), kv)
+            .map_err(|why| Error::invalid("KV cache type (SessionOptions::kv_type)", why))?;
         self.decoder.new_state(&self.backend, self.config(), kv)
     }
 
