@@ -34,20 +34,25 @@ fn generate(model: &Path, extra: &[&str]) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn a_saved_generation_continues_where_it_stopped() {
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5_moe/hf");
-    let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
+/// The fixture `name` converted into `tmp`.
+fn converted(name: &str, tmp: &Path) -> std::path::PathBuf {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(name)
+        .join("hf");
+    let model = tmp.join("model");
     moeflux()
-        .args([
-            "convert",
-            fixture.to_str().unwrap(),
-            "-o",
-            model.to_str().unwrap(),
-        ])
+        .args(["convert", fixture.to_str().unwrap(), "-o"])
+        .arg(&model)
         .assert()
         .success();
+    model
+}
+
+#[test]
+fn a_saved_generation_continues_where_it_stopped() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = converted("qwen3_5_moe", tmp.path());
     let state = tmp.path().join("run.state");
     let state = state.to_str().unwrap();
 
@@ -86,18 +91,8 @@ fn a_saved_generation_continues_where_it_stopped() {
 /// to pass.
 #[test]
 fn a_state_continues_only_with_its_kv_type() {
-    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_moe/hf");
     let tmp = tempfile::tempdir().unwrap();
-    let model = tmp.path().join("model");
-    moeflux()
-        .args([
-            "convert",
-            fixture.to_str().unwrap(),
-            "-o",
-            model.to_str().unwrap(),
-        ])
-        .assert()
-        .success();
+    let model = converted("qwen3_moe", tmp.path());
     for kv in ["bf16", "q8"] {
         let state = tmp.path().join(format!("{kv}.state"));
         let state = state.to_str().unwrap();

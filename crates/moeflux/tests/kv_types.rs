@@ -41,13 +41,6 @@ fn max_rel_error(got: &[f32], want: &[f32], vocab: usize) -> f64 {
     row_errors(got, want, vocab).into_iter().fold(0.0, f64::max)
 }
 
-fn expect_error(result: moeflux::Result<impl std::fmt::Debug>, parts: &[&str]) {
-    let err = result.expect_err("expected an error").to_string();
-    for part in parts {
-        assert!(err.contains(part), "error should mention `{part}`: {err}");
-    }
-}
-
 /// Save and load continue bit for bit; truncation and a restored
 /// checkpoint continue as a fresh prefill of the same tokens (1e-6, as for
 /// f32: every row is rounded alone, whatever the chunk); the KV budget

@@ -192,14 +192,14 @@ fn hub_style_sharded_per_expert_checkpoint_converts_to_the_same_model() {
 
 /// The bf16 and q8 KV cache types round every cached key and value (bf16
 /// to 8 significant bits; q8 to half a step of 1/127 of its block's
-/// largest magnitude), which moves attention's output by about 1e-3 (bf16)
-/// to 4e-3 (q8) of its scale (common/ops_kv.rs) and the fixtures' logits by
-/// as much. Against the references the f32 cache is held to (bf16 weights:
-/// transformers; q4: transformers on the same quantized weights) the
-/// relative logit error reaches 1.6e-3 with bf16 (1.0e-3 to 1.6e-3 on
-/// seven fixtures of nine, beyond the 1e-3 the f32 cache is held to: f32
-/// stays the default) and 5.4e-3 with q8. Their own tolerances, per prompt
-/// and chunking:
+/// largest magnitude), which moves attention's output by up to 2e-3
+/// (bf16) and 4e-3 (q8) on random inputs (common/ops_kv.rs) and the
+/// fixtures' logits by as much. Against the references the f32 cache is
+/// held to (bf16 weights: transformers; q4: transformers on the same
+/// quantized weights) the relative logit error reaches 1.6e-3 with bf16
+/// (above the 1e-3 the f32 cache is held to on five of the seven fixtures
+/// that store it: f32 stays the default) and 5.4e-3 with q8. Their own
+/// tolerances, per prompt and chunking:
 /// - bf16: max ≤ 3e-3; q8: max ≤ 1.2e-2;
 /// - the same top-1 token at ≥ 85% of positions (one miss in 7 is 86%:
 ///   q8 flips a near tie once).
@@ -224,19 +224,8 @@ fn kv_type_logits_are_close_to_transformers() {
                 };
                 let chunkings = [moeflux::model::DEFAULT_PREFILL_CHUNK, 7].map(open);
                 let [Ok(first), Ok(second)] = chunkings else {
-                    let refused = Model::open(
-                        &converted.dir,
-                        &ModelOptions {
-                            kv_type: Some(kv),
-                            ..ModelOptions::default()
-                        },
-                    )
-                    .err()
-                    .expect("refused");
-                    assert!(
-                        refused.to_string().contains("latent cache in f32"),
-                        "{name}: {refused}"
-                    );
+                    // The refusal's message: tests/kv_types.rs.
+                    assert!(name.starts_with("deepseek"), "{name} refused {kv}");
                     continue;
                 };
                 for length in ["short", "long"] {

@@ -168,11 +168,6 @@ impl<B: Backend> Session<B> {
         self.kv_type
     }
 
-    /// Bytes of KV cache one position of the session takes.
-    pub fn kv_bytes_per_position(&self) -> u64 {
-        self.kv_bytes_per_position
-    }
-
     /// Tokens the session can still take before its context is full.
     pub fn remaining(&self) -> usize {
         self.capacity - self.position()
@@ -821,13 +816,8 @@ impl<B: Backend> Session<B> {
         } else {
             &self.layers
         };
-        state::encode(
-            &self.model,
-            self.kv_type,
-            layers,
-            &self.tokens,
-            self.logits.as_deref(),
-        )
+        let logits = self.logits.as_deref();
+        state::encode(&self.model, self.kv_type, layers, &self.tokens, logits)
     }
 
     /// Writes [`Session::save_state`] to a file (through a temporary name).

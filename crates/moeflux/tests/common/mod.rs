@@ -138,3 +138,12 @@ pub fn top1_agreement(got: &[f32], want: &[f32], cols: usize) -> f64 {
         .count();
     same as f64 / rows as f64
 }
+
+/// Asserts that `result` is an error whose message mentions every one of
+/// `parts`.
+pub fn expect_error(result: moeflux::Result<impl std::fmt::Debug>, parts: &[&str]) {
+    let err = result.expect_err("expected an error").to_string();
+    for part in parts {
+        assert!(err.contains(part), "error should mention `{part}`: {err}");
+    }
+}

@@ -9,7 +9,9 @@
 //! scale against the reference and 1e-5 against the f64 computation; the
 //! experts 1e-5 of the output's scale against both (f32 activations).
 
-use moeflux::backend::cpu::{KvCache as CpuKv, Routing as CpuRouting};
+use moeflux::backend::cpu::{
+    CpuBackend, KvCache as CpuKv, Routing as CpuRouting, Weight as CpuWeight,
+};
 use moeflux::backend::{AttentionShape, Backend, ExpertFfn, KvRows, KvType};
 use moeflux::config::{ExpertActivation, RouterSpec, ScoreFunction};
 use moeflux::experts::ExpertStore;
@@ -133,6 +135,35 @@ pub fn direct_probabilities(
     rows
 }
 
+/// Sink logits of `heads` query heads on the scale of the logits (so that
+/// they take a clear share), on the reference, on a backend and on the
+/// host.
+pub struct TestSinks<B: Backend> {
+    reference: CpuWeight,
+    backend: B::Weight,
+    host: Vec<f32>,
+}
+
+impl<B: Backend> TestSinks<B> {
+    pub fn new(r: &CpuBackend, b: &B, heads: usize, seed: u64) -> TestSinks<B> {
+        let host: Vec<f32> = values(heads, seed).iter().map(|v| 2.0 * v).collect();
+        let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], host.clone())]);
+        TestSinks {
+            reference: weights.load(r, "test.sinks", &[heads]),
+            backend: weights.load(b, "test.sinks", &[heads]),
+            host,
+        }
+    }
+
+    /// The sinks on the reference, the backend and the host, or none.
+    pub fn given(&self, given: bool) -> (Option<&CpuWeight>, Option<&B::Weight>, Option<&[f32]>) {
+        match given {
+            true => (Some(&self.reference), Some(&self.backend), Some(&self.host)),
+            false => (None, None, None),
+        }
+    }
+}
+
 /// Sliding windows of 8 and 3 positions with and without sinks, and sinks
 /// over a whole cache: chunks of one token and of several (longer than the
 /// window), 304 positions in all, each against the reference and the
@@ -150,9 +181,7 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
 fn attention_with_sinks_and_window_of_type<B: Conformance>(b: &B, kv: KvType) {
     let r = reference();
     let (heads, kv_heads, head_dim) = (6, 2, head_dim_for(kv, 40, 64));
-    // Sinks on the scale of the logits, so that they take a clear share.
-    let sink_values: Vec<f32> = values(heads, 5).iter().map(|v| 2.0 * v).collect();
-    let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], sink_values.clone())]);
+    let sinks = TestSinks::new(&r, b, heads, 5);
     for (window, with_sinks) in [(Some(8), true), (Some(3), false), (None, true)] {
         let shape = AttentionShape {
             num_heads: heads,
@@ -161,14 +190,7 @@ fn attention_with_sinks_and_window_of_type<B: Conformance>(b: &B, kv: KvType) {
             window,
             latent: false,
         };
-        let (sinks_r, sinks_b) = (
-            weights.load(&r, "test.sinks", &[heads]),
-            weights.load(b, "test.sinks", &[heads]),
-        );
-        let (sinks_r, sinks_b, sinks_host) = match with_sinks {
-            true => (Some(&sinks_r), Some(&sinks_b), Some(sink_values.as_slice())),
-            false => (None, None, None),
-        };
+        let (sinks_r, sinks_b, sinks_host) = sinks.given(with_sinks);
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
         let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
         let mut cache_b = b.new_kv_cache(shape, kv).unwrap();

@@ -19,13 +19,11 @@
 //!   value and no error), plus the 1e-5 above.
 
 use moeflux::backend::{AttentionShape, Backend, HostKv, KvRows, KvType};
-use moeflux::quant::DType;
 
 use super::ops::{
-    Activations, Conformance, TestWeights, assert_close, assert_within, both, host, reference,
-    values,
+    Activations, Conformance, assert_close, assert_within, both, host, reference, values,
 };
-use super::ops_extended::{direct_attention, direct_probabilities};
+use super::ops_extended::{TestSinks, direct_attention, direct_probabilities};
 
 /// A case: heads, KV heads, head size, window, sinks, positions imported
 /// before the chunks, the chunks.
@@ -68,16 +66,8 @@ fn check_type<B: Conformance>(b: &B, kv: KvType, case: Case) {
         latent: false,
     };
     let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-    let sink_values: Vec<f32> = values(heads, 6).iter().map(|v| 2.0 * v).collect();
-    let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], sink_values.clone())]);
-    let (sinks_r, sinks_b) = (
-        weights.load(&r, "test.sinks", &[heads]),
-        weights.load(b, "test.sinks", &[heads]),
-    );
-    let (sinks_r, sinks_b, sinks_host) = match with_sinks {
-        true => (Some(&sinks_r), Some(&sinks_b), Some(sink_values.as_slice())),
-        false => (None, None, None),
-    };
+    let sinks = TestSinks::new(&r, b, heads, 6);
+    let (sinks_r, sinks_b, sinks_host) = sinks.given(with_sinks);
     let mut keys = values(history * kv_width, 51);
     let mut vals = values(history * kv_width, 52);
     let imported = |as_type: KvType| HostKv {

@@ -159,28 +159,19 @@ pub fn attend(
     out
 }
 
-/// A cache's keys or values, read as attention needs them. `at` is the
-/// index of a head row's first value (a multiple of [`Q8_BLOCK`] for q8),
-/// and the slices are whole head rows.
+/// A cache's keys or values, a head row at a time in f32: `at` is the
+/// index of the row's first value (a multiple of [`Q8_BLOCK`] for q8).
 trait Rows {
-    /// `query · row`, the row of `query.len()` values at `at`.
-    fn dot(&self, query: &[f32], at: usize) -> f32;
-    /// `out += w · row`, the row of `out.len()` values at `at`.
-    fn add_scaled(&self, w: f32, at: usize, out: &mut [f32]);
+    /// The `scratch.len()` values at `at`: borrowed where the cache holds
+    /// f32, else decoded into `scratch` (once per position, whatever the
+    /// number of query heads that read it).
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32];
 }
 
 impl Rows for [f32] {
     #[inline(always)]
-    fn dot(&self, query: &[f32], at: usize) -> f32 {
-        dot(query, &self[at..][..query.len()])
-    }
-
-    #[inline(always)]
-    fn add_scaled(&self, w: f32, at: usize, out: &mut [f32]) {
-        let len = out.len();
-        for (o, &v) in out.iter_mut().zip(&self[at..][..len]) {
-            *o += w * v;
-        }
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        &self[at..][..scratch.len()]
     }
 }
 
@@ -189,29 +180,17 @@ struct Bf16Rows<'a>(&'a [u16]);
 
 impl Rows for Bf16Rows<'_> {
     #[inline(always)]
-    fn dot(&self, query: &[f32], at: usize) -> f32 {
-        let mut row = [0f32; Q8_BLOCK];
-        let mut sum = 0f32;
-        for (q, bits) in query.chunks(Q8_BLOCK).zip(self.0[at..].chunks(Q8_BLOCK)) {
-            let row = &mut row[..q.len()];
-            for (r, &b) in row.iter_mut().zip(bits) {
-                *r = bf16_value(b);
-            }
-            sum += dot(q, row);
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        let len = scratch.len();
+        for (x, &bits) in scratch.iter_mut().zip(&self.0[at..][..len]) {
+            *x = bf16_value(bits);
         }
-        sum
-    }
-
-    #[inline(always)]
-    fn add_scaled(&self, w: f32, at: usize, out: &mut [f32]) {
-        let len = out.len();
-        for (o, &b) in out.iter_mut().zip(&self.0[at..][..len]) {
-            *o += w * bf16_value(b);
-        }
+        scratch
     }
 }
 
-/// q8 codes and a scale per [`Q8_BLOCK`] of them.
+/// q8 codes and a scale per [`Q8_BLOCK`] of them: each value its code
+/// times its block's scale.
 struct Q8Rows<'a> {
     codes: &'a [i8],
     scales: &'a [f32],
@@ -219,31 +198,16 @@ struct Q8Rows<'a> {
 
 impl Rows for Q8Rows<'_> {
     #[inline(always)]
-    fn dot(&self, query: &[f32], at: usize) -> f32 {
-        let mut row = [0f32; Q8_BLOCK];
-        let mut sum = 0f32;
-        let codes = self.codes[at..][..query.len()].chunks_exact(Q8_BLOCK);
-        let scales = &self.scales[at / Q8_BLOCK..];
-        for ((q, codes), &scale) in query.chunks_exact(Q8_BLOCK).zip(codes).zip(scales) {
-            for (r, &c) in row.iter_mut().zip(codes) {
-                *r = c as f32;
-            }
-            sum += scale * dot(q, &row);
-        }
-        sum
-    }
-
-    #[inline(always)]
-    fn add_scaled(&self, w: f32, at: usize, out: &mut [f32]) {
-        let len = out.len();
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        let len = scratch.len();
         let codes = self.codes[at..][..len].chunks_exact(Q8_BLOCK);
         let scales = &self.scales[at / Q8_BLOCK..];
-        for ((out, codes), &scale) in out.chunks_exact_mut(Q8_BLOCK).zip(codes).zip(scales) {
-            let ws = w * scale;
-            for (o, &c) in out.iter_mut().zip(codes) {
-                *o += ws * c as f32;
+        for ((x, codes), &scale) in scratch.chunks_exact_mut(Q8_BLOCK).zip(codes).zip(scales) {
+            for (x, &c) in x.iter_mut().zip(codes) {
+                *x = c as f32 * scale;
             }
         }
+        scratch
     }
 }
 
@@ -279,12 +243,14 @@ impl HeadGroup<'_> {
         let heads = self.queries.len() / hd;
         let at = |j: usize| (self.visible.start + j) * self.width + self.offset;
         let n = self.visible.len();
+        let mut decoded = vec![0f32; hd];
         // scores[h * n + j]
         scores.clear();
         scores.resize(heads * n, 0.0);
         for j in 0..n {
+            let key = keys.row(at(j), &mut decoded);
             for (h, query) in self.queries.chunks_exact(hd).enumerate() {
-                scores[h * n + j] = keys.dot(query, at(j)) * self.scale;
+                scores[h * n + j] = dot(query, key) * self.scale;
             }
         }
         let mut inv = vec![0f32; heads];
@@ -303,8 +269,12 @@ impl HeadGroup<'_> {
             inv[h] = 1.0 / total;
         }
         for j in 0..n {
+            let value = values.row(at(j), &mut decoded);
             for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-                values.add_scaled(scores[h * n + j] * inv[h], at(j), out);
+                let w = scores[h * n + j] * inv[h];
+                for (o, &v) in out.iter_mut().zip(value) {
+                    *o += w * v;
+                }
             }
         }
     }
