@@ -25,10 +25,13 @@
 #                             with a quarter of the experts' bytes in VRAM)
 #   tools/gpu_suite.sh longctx
 #                             on the GPU machine: the CUDA tests, then the
-#                             synthetic qwen3-30b-a3b's decode after 128 to
-#                             16384 positions of context, with the grouped
-#                             decode kernels and without, against a baseline
-#                             binary when carried, interleaved
+#                             synthetic qwen3-30b-a3b's decode after 128,
+#                             2048, 8192 and 16384 positions of context with
+#                             each KV cache type (f32, bf16, q8), against a
+#                             baseline binary (f32) when carried,
+#                             interleaved; LONGCTX_TESTS=0 skips the tests,
+#                             LONGCTX_CONTEXTS, LONGCTX_TYPES and
+#                             LONGCTX_ROUNDS (2) choose the runs
 #   tools/gpu_suite.sh serve  on the GPU machine: `moeflux serve` on the
 #                             synthetic qwen3-30b-a3b under 16 and 64
 #                             streaming clients (tools/serve_bench.py: 256
@@ -261,26 +264,29 @@ longctx() {
     MOEFLUX_CACHE=$(mktemp -d)
     export MOEFLUX_CACHE
     local moeflux="$SUITE/moeflux" base="$SUITE/moeflux-base" synthetic=/tmp/moeflux-synth-q30
-    local context round variant binary settings
+    local context round variant binary options
     if [[ "${LONGCTX_TESTS:-1}" == 1 ]]; then
         timeout 300 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
-        grep -E '^test result|FAILED|long decode|decode after' "$OUT/cuda-tests.log" | head -n 40
+        grep -E '^test result|FAILED|long decode|decode after|KV' "$OUT/cuda-tests.log" | head -n 60
         grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
     fi
     [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
-    # Variants (binary, then environment): this build as it is, and with a
-    # block per query head at every length; the baseline
-    # ($SUITE/moeflux-base, when carried) as it is.
-    local variants=("$moeflux" "$moeflux MOEFLUX_CUDA_GROUPED_DECODE_MIN=1000000000")
+    # Variants (binary, then its options): this build with each KV cache
+    # type; the baseline ($SUITE/moeflux-base, when carried: f32) as it is.
+    local variants=()
+    for kv in ${LONGCTX_TYPES:-f32 bf16 q8}; do
+        variants+=("$moeflux --kv-type $kv")
+    done
     [[ -x "$base" ]] && variants=("$base" "${variants[@]}")
-    for context in ${LONGCTX_CONTEXTS:-128 1024 2048 8192 16384}; do
-        for round in 1 2; do
+    for context in ${LONGCTX_CONTEXTS:-128 2048 8192 16384}; do
+        for round in $(seq "${LONGCTX_ROUNDS:-2}"); do
             for variant in "${variants[@]}"; do
-                read -r binary settings <<<"$variant"
-                echo "--- decode after $context positions, $(basename "$binary") ${settings:-}, round $round"
-                env ${settings:-} "$binary" bench -m "$synthetic" --device cuda \
+                read -r binary options <<<"$variant"
+                echo "--- decode after $context positions, $(basename "$binary") ${options:-}, round $round"
+                # shellcheck disable=SC2086 # the options are separate words
+                "$binary" bench -m "$synthetic" --device cuda ${options:-} \
                     -n 64 --warmup 8 --prefill 0 --no-ceilings --prompt-len "$context" 2>&1 |
-                    grep -E '^decode|rror' || true
+                    grep -E '^decode|KV cache|rror' || true
             done
         done
     done

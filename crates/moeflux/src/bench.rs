@@ -83,6 +83,9 @@ pub struct BenchReport {
     pub quantization: String,
     pub layers: usize,
     pub backend: String,
+    /// How the KV cache stores keys and values, and its bytes a position.
+    pub kv_type: String,
+    pub kv_bytes_per_position: u64,
     pub threads: usize,
     pub expert_cache_bytes: u64,
     pub cache_policy: CachePolicy,
@@ -253,6 +256,8 @@ pub fn run<B: Backend>(
         quantization: manifest.quantization.name().into(),
         layers: cfg.num_layers(),
         backend: model.backend().name(),
+        kv_type: model.kv_type().name().into(),
+        kv_bytes_per_position: model.kv_bytes_per_position(),
         threads: rayon::current_num_threads(),
         expert_cache_bytes: model.expert_cache_budget(),
         cache_policy: model.experts().cache_policy(),

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use serde_json::Value;
 
+use crate::backend::KvType;
 use crate::error::{Error, Result};
 use crate::rope::Yarn;
 
@@ -338,38 +339,61 @@ impl ModelConfig {
             .chain(self.mtp.as_ref().map(|m| &m.layer))
     }
 
-    /// Bytes of KV cache one position of a sequence takes: keys and values
-    /// of every full-attention layer, in f32 (Gated DeltaNet and
-    /// sliding-window layers hold a bounded state instead).
-    pub fn kv_bytes_per_position(&self) -> u64 {
+    /// Bytes of KV cache one position of a sequence takes with keys and
+    /// values stored as `kv`: every full-attention layer's (Gated DeltaNet
+    /// and sliding-window layers hold a bounded state instead).
+    pub fn kv_bytes_per_position(&self, kv: KvType) -> u64 {
         let attention_layers = self
             .layers
             .iter()
             .filter(|l| l.kind == LayerKind::FullAttention)
             .count() as u64;
-        attention_layers * self.kv_bytes_per_position_and_layer()
+        attention_layers * self.kv_bytes_per_position_and_layer(kv)
     }
 
-    /// Bytes one attention layer caches per position: keys and values in
-    /// f32, or MLA's latent and rotary key alone.
-    pub fn kv_bytes_per_position_and_layer(&self) -> u64 {
+    /// Bytes one attention layer caches per position: keys and values as
+    /// `kv`, or MLA's latent and rotary key alone (always f32).
+    pub fn kv_bytes_per_position_and_layer(&self, kv: KvType) -> u64 {
         match &self.mla {
             Some(m) => m.latent_width() as u64 * 4,
-            None => 2 * (self.attention.num_kv_heads * self.attention.head_dim) as u64 * 4,
+            None => 2 * kv.row_bytes(self.attention.num_kv_heads * self.attention.head_dim) as u64,
         }
     }
 
-    /// Bytes of KV cache a sequence's sliding-window layers hold at most,
-    /// whatever its length (the window's newest positions, in f32).
-    pub fn kv_bytes_of_windows(&self) -> u64 {
+    /// Bytes of KV cache a sequence's sliding-window layers hold at most
+    /// with keys and values stored as `kv`, whatever its length (the
+    /// window's newest positions).
+    pub fn kv_bytes_of_windows(&self, kv: KvType) -> u64 {
         let sliding = self
             .layers
             .iter()
             .filter(|l| l.kind == LayerKind::SlidingAttention)
             .count() as u64;
-        let width = (self.attention.num_kv_heads * self.attention.head_dim) as u64;
+        let row = kv.row_bytes(self.attention.num_kv_heads * self.attention.head_dim) as u64;
         let window = self.attention.sliding_window.unwrap_or(0) as u64;
-        sliding * 2 * width * 4 * window.saturating_sub(1)
+        sliding * 2 * row * window.saturating_sub(1)
+    }
+
+    /// The KV type a model of this configuration uses when `requested`
+    /// names one (`None`: `default`, or f32 where `default` does not fit),
+    /// or why it cannot: multi-head latent attention keeps its latent cache
+    /// in f32, and q8 needs heads of whole blocks.
+    pub fn kv_type(
+        &self,
+        requested: Option<KvType>,
+        default: KvType,
+    ) -> std::result::Result<KvType, String> {
+        let unfit = |kv: KvType| match (&self.mla, kv) {
+            (Some(_), KvType::F32) | (None, _) => kv.unsupported_head_dim(self.attention.head_dim),
+            (Some(_), _) => Some(format!(
+                "multi-head latent attention keeps its latent cache in f32, not {kv}: use f32"
+            )),
+        };
+        match requested {
+            Some(kv) => unfit(kv).map_or(Ok(kv), Err),
+            None if unfit(default).is_none() => Ok(default),
+            None => Ok(KvType::F32),
+        }
     }
 
     /// Checks relations between fields that the forward pass relies on.

@@ -458,6 +458,7 @@ impl TensorSource for RandomWeights {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::KvType;
 
     /// Every preset parses, whole and cut (a cut keeps its per-layer lists
     /// as long as its layers), and plans on a synthetic index with an
@@ -542,14 +543,20 @@ mod tests {
     }
 
     /// DeepSeek-V3's and Kimi K2's KV cache keeps 512 latent and 64 rotary
-    /// values a position and layer (in f32), not 2 · heads · 192.
+    /// values a position and layer (in f32, whatever the KV type), not
+    /// 2 · heads · 192; a bf16 or q8 KV type is refused for them.
     #[test]
     fn mla_presets_cache_the_latent_alone() {
         for name in ["deepseek-v3-671b", "kimi-k2-1t"] {
             let config = preset_config(preset(name).unwrap(), None, false).unwrap();
             let cfg = ModelConfig::from_hf_json(&config, Path::new(name)).unwrap();
-            assert_eq!(cfg.kv_bytes_per_position_and_layer(), 576 * 4, "{name}");
-            assert_eq!(cfg.kv_bytes_per_position(), 61 * 576 * 4, "{name}");
+            for kv in KvType::ALL {
+                assert_eq!(cfg.kv_bytes_per_position_and_layer(kv), 576 * 4, "{name}");
+                assert_eq!(cfg.kv_bytes_per_position(kv), 61 * 576 * 4, "{name}");
+            }
+            assert_eq!(cfg.kv_type(None, KvType::Bf16), Ok(KvType::F32), "{name}");
+            let refused = cfg.kv_type(Some(KvType::Q8), KvType::F32).unwrap_err();
+            assert!(refused.contains("latent cache in f32"), "{refused}");
         }
     }
 }

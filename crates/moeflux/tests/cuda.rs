@@ -36,7 +36,7 @@ use common::ops::{
 use common::*;
 use moeflux::backend::cpu::CpuBackend;
 use moeflux::backend::cuda::{CudaBackend, CudaOptions};
-use moeflux::backend::{Backend, ExpertFfn, RmsNorm};
+use moeflux::backend::{Backend, ExpertFfn, KvType, RmsNorm};
 use moeflux::config::RouterSpec;
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::quant::DType;
@@ -53,6 +53,19 @@ fn chunked(prefill_chunk: usize) -> ModelOptions {
         prefill_chunk: Some(prefill_chunk),
         ..ModelOptions::default()
     }
+}
+
+fn with_kv(kv: KvType) -> ModelOptions {
+    ModelOptions {
+        kv_type: Some(kv),
+        ..ModelOptions::default()
+    }
+}
+
+/// Whether fixture `name` stores a `kv` cache (multi-head latent attention
+/// keeps f32 only).
+fn stores(name: &str, kv: KvType) -> bool {
+    kv == KvType::F32 || !name.starts_with("deepseek")
 }
 
 fn max_error(got: &[f32], want: &[f32], vocab: usize) -> f64 {
@@ -135,6 +148,8 @@ fn greedy_continuation_matches_transformers_generate() {
     }
 }
 
+/// For every KV type: the flash prefill kernels and the one-token decode
+/// kernels round each row of keys and values alike.
 #[test]
 fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
@@ -143,22 +158,70 @@ fn prefill_logits_equal_token_by_token_decode() {
     for &name in FIXTURES {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
-        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
-        let prefill = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
-        let mut session = gpu.session();
-        let decoded: Vec<f32> = tokens
-            .iter()
-            .flat_map(|&t| session.decode(t).unwrap())
-            .collect();
-        let max = max_error(&decoded, &prefill.data, prefill.vocab);
-        println!(
-            "{name:<22} CUDA prefill vs decode over {} tokens: max rel err {max:.2e}",
-            tokens.len()
-        );
-        assert!(
-            max <= 1e-4,
-            "{name}: prefill and decode differ by {max:.3e}"
-        );
+        for kv in KvType::ALL.into_iter().filter(|&kv| stores(name, kv)) {
+            let gpu = open_cuda(&converted.dir, with_kv(kv), cuda().unwrap());
+            let prefill = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+            let mut session = gpu.session();
+            let decoded: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&t| session.decode(t).unwrap())
+                .collect();
+            let max = max_error(&decoded, &prefill.data, prefill.vocab);
+            println!(
+                "{name:<22} {kv:<4} KV cache, CUDA prefill vs decode over {} tokens: max rel err {max:.2e}",
+                tokens.len()
+            );
+            assert!(
+                max <= 1e-4,
+                "{name} ({kv}): prefill and decode differ by {max:.3e}"
+            );
+        }
+    }
+}
+
+/// bf16 and q8 KV caches on CUDA against the CPU's of the same type
+/// (≤ 1e-3, as for f32: both round each key and value to the same bits)
+/// and against transformers within the types' own bounds
+/// (transformers_parity.rs: bf16 3e-3, q8 1.2e-2; bf16 and q4 weights).
+#[test]
+fn kv_type_logits_match_cpu_and_transformers() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        for (quant, suffix) in [(DType::Bf16, ""), (DType::Q4, "_q4")] {
+            let converted = convert_fixture(name, quant);
+            let reference = Reference::load(name);
+            for (kv, tolerance) in [(KvType::Bf16, 3e-3), (KvType::Q8, 1.2e-2)] {
+                if !stores(name, kv) {
+                    continue;
+                }
+                let cpu = open(&converted.dir, with_kv(kv));
+                let gpu = open_cuda(&converted.dir, with_kv(kv), cuda().expect("a device"));
+                for length in ["short", "long"] {
+                    let tokens = reference.tokens(&format!("tokens_{length}"));
+                    let (_, vocab, want) = reference.logits(&format!("logits_{length}{suffix}"));
+                    let got = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+                    let on_cpu = cpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+                    let vs_cpu = max_error(&got.data, &on_cpu.data, vocab);
+                    let vs_reference = max_error(&got.data, &want, vocab);
+                    let top1 = top1_agreement(&got.data, &want, vocab);
+                    println!(
+                        "{name:<22} {:<4} weights, {kv:<4} KV {length:<5}: cuda vs cpu {vs_cpu:.2e}, vs ref{suffix} {vs_reference:.2e}, top-1 {:.0}%",
+                        quant.name(),
+                        100.0 * top1
+                    );
+                    assert!(
+                        vs_cpu <= 1e-3,
+                        "{name} {kv}: CUDA differs from the CPU by {vs_cpu:.3e} ({length})"
+                    );
+                    assert!(
+                        vs_reference <= tolerance && top1 >= 0.85,
+                        "{name} {kv}: CUDA differs from transformers by {vs_reference:.3e}, top-1 {top1} ({length})"
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -172,14 +235,19 @@ fn prefill_logits_equal_token_by_token_decode() {
 /// prompt of 130 gives a sliding window's cache room for 260 positions,
 /// so at 260 it moves its rows to the front of its buffers between
 /// replays of the recording made at 257.
+/// Every KV type: the recorded steps take its kernels.
 #[test]
 fn recorded_decode_steps_equal_prefill_on_every_fixture() {
     if cuda().is_none() {
         return;
     }
-    for &name in FIXTURES {
+    for (&name, kv) in FIXTURES
+        .iter()
+        .flat_map(|name| KvType::ALL.map(|kv| (name, kv)))
+        .filter(|(name, kv)| stores(name, *kv))
+    {
         let converted = convert_fixture(name, DType::Q4);
-        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        let gpu = open_cuda(&converted.dir, with_kv(kv), cuda().unwrap());
         gpu.prepare_experts(&moeflux::util::NoProgress).unwrap();
         let context = gpu.config().max_position_embeddings.min(300);
         let tokens: Vec<u32> = Reference::load(name)
@@ -201,11 +269,11 @@ fn recorded_decode_steps_equal_prefill_on_every_fixture() {
         let steps = (context - prompt) as u64;
         let max = max_error(&decoded, &all.data[prompt * all.vocab..], all.vocab);
         println!(
-            "{name:<22} {steps} recorded decode steps ({replayed} replayed) against prefill: max rel err {max:.2e}"
+            "{name:<22} {kv:<4} KV cache, {steps} recorded decode steps ({replayed} replayed) against prefill: max rel err {max:.2e}"
         );
         assert!(
             max <= 1e-4,
-            "{name}: recorded decode and prefill differ by {max:.3e}"
+            "{name} ({kv}): recorded decode and prefill differ by {max:.3e}"
         );
         let unrecorded = if context > 256 { 4 } else { 2 };
         assert_eq!(
@@ -578,18 +646,22 @@ fn streamed_expert_statistics_are_consistent() {
 
 /// Saving and loading state, truncation and checkpoints exercise the
 /// export, import, truncate and copy operations (sliding windows' caches
-/// and latent caches included); a state saved on CUDA also continues on
-/// the CPU.
+/// and latent caches included), for every KV type; a state saved on CUDA
+/// also continues on the CPU.
 #[test]
 fn sessions_save_truncate_and_restore_on_cuda() {
     if cuda().is_none() {
         return;
     }
-    for name in ["qwen3_5_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"] {
+    for (name, kv) in ["qwen3_5_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+        .into_iter()
+        .flat_map(|name| KvType::ALL.map(|kv| (name, kv)))
+        .filter(|(name, kv)| stores(name, *kv))
+    {
         let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
-        let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
-        let cpu = open(&converted.dir, ModelOptions::default());
+        let gpu = open_cuda(&converted.dir, with_kv(kv), cuda().unwrap());
+        let cpu = open(&converted.dir, with_kv(kv));
         let (prefix, rest) = tokens.split_at(37);
         let decode_all = |session: &mut moeflux::Session<CudaBackend>, tokens: &[u32]| {
             tokens
@@ -621,7 +693,9 @@ fn sessions_save_truncate_and_restore_on_cuda() {
             .flat_map(|&t| on_cpu.decode(t).unwrap())
             .collect();
         let err = max_error(&continued, &want, vocab);
-        println!("{name:<22} CUDA state continued on the CPU: max rel err {err:.2e}");
+        println!(
+            "{name:<22} {kv:<4} KV cache, CUDA state continued on the CPU: max rel err {err:.2e}"
+        );
         assert!(
             err <= 1e-3,
             "{name}: CUDA state continued on the CPU differs by {err:.3e}"

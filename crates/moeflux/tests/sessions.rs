@@ -239,13 +239,6 @@ fn sessions_interleaved_on_threads_match_running_alone() {
     assert_eq!(together, alone);
 }
 
-fn expect_error(result: moeflux::Result<impl std::fmt::Debug>, parts: &[&str]) {
-    let err = result.expect_err("expected an error").to_string();
-    for part in parts {
-        assert!(err.contains(part), "error should mention `{part}`: {err}");
-    }
-}
-
 #[test]
 fn corrupt_state_is_refused() {
     let (_c, model, tokens) = model("qwen3_5_moe");

@@ -15,6 +15,7 @@
 mod common;
 
 use common::*;
+use moeflux::backend::KvType;
 use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
 use moeflux::quant::DType;
 use moeflux::{LogitsWanted, Model, ModelOptions};
@@ -186,5 +187,72 @@ fn hub_style_sharded_per_expert_checkpoint_converts_to_the_same_model() {
         let (err, _) = max_error(&model, &tokens, &want, vocab);
         println!("{name} hub sharded bf16 {length}: max rel err {err:.2e}");
         assert!(err <= 1e-3, "hub checkpoint: relative error {err:.3e}");
+    }
+}
+
+/// The bf16 and q8 KV cache types round every cached key and value (bf16
+/// to 8 significant bits; q8 to half a step of 1/127 of its block's
+/// largest magnitude), which moves attention's output by up to 2e-3
+/// (bf16) and 4e-3 (q8) on random inputs (common/ops_kv.rs) and the
+/// fixtures' logits by as much. Against the references the f32 cache is
+/// held to (bf16 weights: transformers; q4: transformers on the same
+/// quantized weights) the relative logit error reaches 1.6e-3 with bf16
+/// (above the 1e-3 the f32 cache is held to on five of the seven fixtures
+/// that store it: f32 stays the default) and 5.4e-3 with q8. Their own
+/// tolerances, per prompt and chunking:
+/// - bf16: max ≤ 3e-3; q8: max ≤ 1.2e-2;
+/// - the same top-1 token at ≥ 85% of positions (one miss in 7 is 86%:
+///   q8 flips a near tie once).
+///
+/// Both prefill chunkings give the same logits bit for bit: each row is
+/// rounded alone. Multi-head latent attention refuses both types (its
+/// latent cache stays f32). Printed: the q8-weight models too, whose
+/// reference is the unquantized model (the weights' error dominates).
+#[test]
+fn kv_type_logits_are_close_to_transformers() {
+    for name in FIXTURES {
+        for (quant, suffix) in [(DType::Bf16, ""), (DType::Q4, "_q4"), (DType::Q8, "")] {
+            let converted = convert_fixture(name, quant);
+            let reference = Reference::load(name);
+            for (kv, tolerance) in [(KvType::Bf16, 3e-3), (KvType::Q8, 1.2e-2)] {
+                let open = |chunk| {
+                    let options = ModelOptions {
+                        kv_type: Some(kv),
+                        ..options(chunk)
+                    };
+                    Model::open(&converted.dir, &options).map(Arc::new)
+                };
+                let chunkings = [moeflux::model::DEFAULT_PREFILL_CHUNK, 7].map(open);
+                let [Ok(first), Ok(second)] = chunkings else {
+                    // The refusal's message: tests/kv_types.rs.
+                    assert!(name.starts_with("deepseek"), "{name} refused {kv}");
+                    continue;
+                };
+                for length in ["short", "long"] {
+                    let tokens = reference.tokens(&format!("tokens_{length}"));
+                    let (_, vocab, want) = reference.logits(&format!("logits_{length}{suffix}"));
+                    let [a, b] = [&first, &second]
+                        .map(|model| model.session().forward(&tokens, LogitsWanted::All).unwrap());
+                    assert_eq!(a.data, b.data, "{name} {kv}: prefill chunks disagree");
+                    let errors = row_errors(&a.data, &want, vocab);
+                    let max = errors.iter().copied().fold(0.0, f64::max);
+                    let top1 = top1_agreement(&a.data, &want, vocab);
+                    println!(
+                        "{name:<22} {:<4} weights, {kv:<4} KV cache, vs ref{suffix:<3} {length:<5} ({} tokens): max rel err {max:.2e}, top-1 {:.0}%",
+                        quant.name(),
+                        tokens.len(),
+                        top1 * 100.0
+                    );
+                    if quant != DType::Q8 {
+                        assert!(
+                            max <= tolerance && top1 >= 0.85,
+                            "{name} {} weights, {kv} KV {length}: max rel err {max:.3e} (bound \
+                             {tolerance:.0e}), top-1 {top1}",
+                            quant.name()
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -189,6 +189,14 @@ fn print_table(r: &BenchReport) {
     );
     row("backend", r.backend.clone());
     row(
+        "KV cache",
+        format!(
+            "{}, {} a position",
+            r.kv_type,
+            human_bytes(r.kv_bytes_per_position)
+        ),
+    );
+    row(
         "dense / expert bytes",
         format!(
             "{} / {}",

@@ -5,12 +5,17 @@ use moeflux::config::{ExpertActivation, FeedForwardKind, LayerKind, LayerSpec, S
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::util::human_bytes;
 
-use super::ModelPath;
+use super::{KvTypeArg, ModelPath};
+use moeflux::backend::KvType;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelPath,
+    /// The KV cache type whose size the context line gives (f32 unless
+    /// given; every type's size per layer is listed below it).
+    #[arg(long, value_enum)]
+    kv_type: Option<KvTypeArg>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -132,25 +137,36 @@ pub fn run(args: Args) -> Result<()> {
             String::new()
         },
     );
-    let windows = match c.kv_bytes_of_windows() {
+    let requested = args.kv_type.map(KvTypeArg::kv_type);
+    let kv = c
+        .kv_type(requested, KvType::F32)
+        .map_err(|why| anyhow::anyhow!("--kv-type: {why}"))?;
+    let windows = match c.kv_bytes_of_windows(kv) {
         0 => String::new(),
         bytes => format!(" + {} for the sliding windows", human_bytes(bytes)),
     };
     println!(
-        "context        {} positions; KV cache {} per position{windows}",
+        "context        {} positions; KV cache {} per position in {kv}{windows}",
         c.max_position_embeddings,
-        human_bytes(c.kv_bytes_per_position())
+        human_bytes(c.kv_bytes_per_position(kv))
     );
-    println!(
-        "KV cache       {} bytes per position and attention layer ({})",
-        c.kv_bytes_per_position_and_layer(),
-        match &c.mla {
-            Some(m) => format!(
-                "latent {} + rotary key {}, f32",
-                m.kv_lora_rank, m.qk_rope_head_dim
-            ),
-            None => "keys and values, f32".into(),
+    let per_layer = match &c.mla {
+        Some(m) => format!(
+            "latent {} + rotary key {}, f32",
+            m.kv_lora_rank, m.qk_rope_head_dim
+        ),
+        None => {
+            let others: Vec<String> = [KvType::Bf16, KvType::Q8]
+                .into_iter()
+                .filter(|&t| c.kv_type(Some(t), KvType::F32).is_ok())
+                .map(|t| format!("{t} {}", c.kv_bytes_per_position_and_layer(t)))
+                .collect();
+            format!("keys and values, f32; {}", others.join(", "))
         }
+    };
+    println!(
+        "KV cache       {} bytes per position and attention layer ({per_layer})",
+        c.kv_bytes_per_position_and_layer(KvType::F32),
     );
     if let Some(m) = &c.mla {
         println!(

@@ -27,9 +27,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use moeflux::backend::Backend;
 use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
 use moeflux::backend::cuda::{CudaBackend, CudaOptions, device_count};
+use moeflux::backend::{Backend, KvType};
 use moeflux::experts::{CachePolicy, IoMode, Prefetch};
 use moeflux::format::{MANIFEST_FILE, Manifest};
 use moeflux::sampling::{Sampler, SamplerConfig};
@@ -121,6 +121,12 @@ pub struct ModelArgs {
     /// less accurate; see docs/PERFORMANCE.md).
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: ActivationsArg,
+    /// How the KV cache stores keys and values: f32 (exact), bf16 (half the
+    /// bytes) or q8 (int8 with a scale per 32 values, 28% of f32's bytes);
+    /// default: the device's (see docs/PERFORMANCE.md). Multi-head latent
+    /// attention keeps its latent cache in f32.
+    #[arg(long, value_enum)]
+    pub kv_type: Option<KvTypeArg>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -165,6 +171,23 @@ pub enum IoArg {
 pub enum ActivationsArg {
     F32,
     Int8,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum KvTypeArg {
+    F32,
+    Bf16,
+    Q8,
+}
+
+impl KvTypeArg {
+    pub fn kv_type(self) -> KvType {
+        match self {
+            KvTypeArg::F32 => KvType::F32,
+            KvTypeArg::Bf16 => KvType::Bf16,
+            KvTypeArg::Q8 => KvType::Q8,
+        }
+    }
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -268,6 +291,7 @@ impl ModelArgs {
             verify_checksums: !self.no_verify,
             mtp_head: files.mtp_head,
             kv_limit_bytes: None,
+            kv_type: self.kv_type.map(KvTypeArg::kv_type),
         };
         let opened = match self.cuda_backend()? {
             Some(cuda) => {
@@ -355,7 +379,8 @@ fn describe<B: Backend>(model: &Model<B>, dir: &std::path::Path, options: &Model
     let manifest = model.dir().manifest();
     let experts = model.experts();
     eprintln!(
-        "moeflux: {} ({}, {}{}) on {}; expert cache {} of {} ({}, {} reads, prefetch: {})",
+        "moeflux: {} ({}, {}{}) on {}; expert cache {} of {} ({}, {} reads, prefetch: {}); \
+         KV cache {}, {} a position",
         dir.display(),
         model.config().architecture.name(),
         manifest.quantization.name(),
@@ -381,6 +406,8 @@ fn describe<B: Backend>(model: &Model<B>, dir: &std::path::Path, options: &Model
             Prefetch::Router => "router prediction",
             Prefetch::PreviousToken => "previous token's experts",
         },
+        model.kv_type(),
+        human_bytes(model.kv_bytes_per_position()),
     );
 }
 

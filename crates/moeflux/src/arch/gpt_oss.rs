@@ -227,6 +227,7 @@ mod tests {
 
     use serde_json::json;
 
+    use crate::backend::KvType;
     use crate::config::{ExpertActivation, LayerKind, ModelConfig, ScoreFunction};
 
     fn config(overrides: serde_json::Value) -> crate::error::Result<ModelConfig> {
@@ -260,12 +261,16 @@ mod tests {
                 alpha: 1.702
             }
         );
-        // Two full layers: keys and values of 2 heads of 32, f32.
-        assert_eq!(c.kv_bytes_per_position(), 2 * 2 * 64 * 4);
+        // Two full layers: keys and values of 2 heads of 32, f32; bf16
+        // half of it; q8 a byte a value and an f32 scale per 32.
+        assert_eq!(c.kv_bytes_per_position(KvType::F32), 2 * 2 * 64 * 4);
+        assert_eq!(c.kv_bytes_per_position(KvType::Bf16), 2 * 2 * 64 * 2);
+        assert_eq!(c.kv_bytes_per_position(KvType::Q8), 2 * 2 * (64 + 2 * 4));
         // Two sliding layers hold at most the 7 positions before a query.
-        assert_eq!(c.kv_bytes_of_windows(), 2 * 2 * 64 * 4 * 7);
+        assert_eq!(c.kv_bytes_of_windows(KvType::F32), 2 * 2 * 64 * 4 * 7);
+        assert_eq!(c.kv_bytes_of_windows(KvType::Bf16), 2 * 2 * 64 * 2 * 7);
         let full = config(json!({"layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"]})).unwrap();
-        assert_eq!(full.kv_bytes_of_windows(), 0);
+        assert_eq!(full.kv_bytes_of_windows(KvType::F32), 0);
     }
 
     #[test]

@@ -13,9 +13,11 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod kv;
 
 mod stats;
 
+pub use kv::{KvRows, KvType};
 pub use stats::DeviceExpertStats;
 
 /// Tokens processed together in one prefill step, unless the backend
@@ -118,13 +120,15 @@ impl<B: Backend> Clone for GatedDeltaNetParams<'_, B> {
 
 impl<B: Backend> Copy for GatedDeltaNetParams<'_, B> {}
 
-/// A KV cache in host memory (for saving and loading session state).
+/// A KV cache in host memory (for saving and loading session state), in
+/// the cache's own encoding: keys and values each `[positions held,
+/// kv_heads·head_dim]` (a latent cache: its rows as keys, no values).
 pub struct HostKv {
     /// The position of the first row (nonzero once a sliding window has
     /// dropped older positions).
     pub first: usize,
-    pub keys: Vec<f32>,
-    pub values: Vec<f32>,
+    pub keys: KvRows,
+    pub values: KvRows,
 }
 
 /// What a layer's routed experts compute around their three products.
@@ -185,15 +189,24 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// matrix takes exact activations).
     fn load_weight(&self, tensor: &TensorData, role: TensorRole) -> Result<Self::Weight>;
 
-    fn new_kv_cache(&self, shape: AttentionShape) -> Result<Self::KvCache>;
+    /// An empty cache storing keys and values as `kv` says (a latent
+    /// cache only in f32).
+    fn new_kv_cache(&self, shape: AttentionShape, kv: KvType) -> Result<Self::KvCache>;
+    /// The KV type a model opened on this backend uses unless its options
+    /// name one: the fastest that keeps the transformers fixtures within
+    /// their tolerances.
+    fn default_kv_type(&self) -> KvType {
+        KvType::F32
+    }
     fn kv_len(&self, cache: &Self::KvCache) -> usize;
     /// Drops every position at or after `len`, which must not be before
     /// the first position the cache holds (a sliding window's cache is
     /// rewound through copies instead, [`Backend::kv_copy`]).
     fn kv_truncate(&self, cache: &mut Self::KvCache, len: usize);
     /// Keys and values in host memory, each `[positions held,
-    /// kv_heads·head_dim]`.
+    /// kv_heads·head_dim]` in the cache's encoding.
     fn kv_export(&self, cache: &Self::KvCache) -> Result<HostKv>;
+    /// A cache holding `host`, of `host`'s KV type.
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<Self::KvCache>;
     /// An independent copy of a cache (a sliding window's, for a
     /// checkpoint).
@@ -415,19 +428,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
         rope: Rope,
         shape: AttentionShape,
     ) -> Result<Self::Tensor> {
-        let outs: Vec<Self::Tensor> = caches
-            .iter_mut()
-            .enumerate()
-            .map(|(i, cache)| {
-                let rows = i..i + 1;
-                let row = |x: &Self::Tensor| self.gather_rows(x, std::slice::from_ref(&rows));
-                let start = self.kv_len(cache);
-                let (q, k) =
-                    self.qk_norm_rope(row(&q)?, row(&k)?, q_norm, k_norm, norm, rope, start)?;
-                self.attention(cache, &q, &k, &row(v)?, shape, None)
-            })
-            .collect::<Result<_>>()?;
-        self.concat_rows(&outs)
+        attention_decode_each(self, caches, q, k, v, q_norm, k_norm, norm, rope, shape)
     }
 
     /// `out +=` [`Backend::routed_experts`] (a GPU adds as it computes).
@@ -534,4 +535,70 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn forks_on_host(&self) -> bool {
         false
     }
+}
+
+/// [`Backend::attention_decode_many`] one sequence at a time: each row's
+/// query and key prepared at its own position, then [`Backend::attention`]
+/// over its cache.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_decode_each<B: Backend>(
+    b: &B,
+    caches: &mut [&mut B::KvCache],
+    q: B::Tensor,
+    k: B::Tensor,
+    v: &B::Tensor,
+    q_norm: &B::Weight,
+    k_norm: &B::Weight,
+    norm: RmsNorm,
+    rope: Rope,
+    shape: AttentionShape,
+) -> Result<B::Tensor> {
+    let outs: Vec<B::Tensor> = caches
+        .iter_mut()
+        .enumerate()
+        .map(|(i, cache)| {
+            let rows = i..i + 1;
+            let row = |x: &B::Tensor| b.gather_rows(x, std::slice::from_ref(&rows));
+            let start = b.kv_len(cache);
+            let (q, k) = b.qk_norm_rope(row(&q)?, row(&k)?, q_norm, k_norm, norm, rope, start)?;
+            b.attention(cache, &q, &k, &row(v)?, shape, None)
+        })
+        .collect::<Result<_>>()?;
+    b.concat_rows(&outs)
+}
+
+/// Whether a cache of `shape` can hold keys and values of type `kv`: a
+/// latent cache only in f32, q8 only heads of whole blocks.
+pub(crate) fn check_kv_type(shape: AttentionShape, kv: KvType) -> Result<()> {
+    if shape.latent && kv != KvType::F32 {
+        return Err(crate::Error::invalid(
+            "KV cache type",
+            format!(
+                "multi-head latent attention keeps its latent cache in f32, not {kv}: \
+                 use f32 (--kv-type f32)"
+            ),
+        ));
+    }
+    match kv.unsupported_head_dim(shape.head_dim) {
+        Some(why) => Err(crate::Error::invalid("KV cache type", why)),
+        None => Ok(()),
+    }
+}
+
+/// Panics unless `host`'s keys and values are whole rows of `shape`'s
+/// width and share one type (a latent cache: keys only): an import of
+/// another cache's export, which cannot be otherwise.
+pub(crate) fn check_host_kv(shape: AttentionShape, host: &HostKv) {
+    let width = shape.num_kv_heads * shape.head_dim;
+    let values = if shape.latent { 0 } else { host.keys.len() };
+    assert!(
+        host.values.len() == values
+            && host.keys.len().is_multiple_of(width)
+            && (shape.latent || host.values.kv_type() == host.keys.kv_type()),
+        "KV import: {} keys and {} values ({} and {}) are not whole rows of {width}",
+        host.keys.len(),
+        host.values.len(),
+        host.keys.kv_type(),
+        host.values.kv_type()
+    );
 }

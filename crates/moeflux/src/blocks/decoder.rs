@@ -13,7 +13,7 @@ use super::mla::LatentAttention;
 use super::moe::{Mlp, SparseMoe};
 use super::mtp::{MtpHead, MtpOutput, MtpRows, MtpShared};
 use crate::arch::names;
-use crate::backend::{Backend, RmsNorm};
+use crate::backend::{Backend, KvType, RmsNorm};
 use crate::config::{FeedForwardKind, LayerKind, LayerSpec, ModelConfig};
 use crate::error::Result;
 use crate::experts::{ExpertStore, Prefetch};
@@ -76,10 +76,16 @@ impl<B: Backend> Layer<B> {
     }
 
     /// This layer's (layer `i`'s) empty state for a new sequence.
-    pub(super) fn new_state(&self, b: &B, cfg: &ModelConfig, i: usize) -> Result<LayerState<B>> {
+    pub(super) fn new_state(
+        &self,
+        b: &B,
+        cfg: &ModelConfig,
+        i: usize,
+        kv: KvType,
+    ) -> Result<LayerState<B>> {
         Ok(match self.mixer {
             Mixer::Attention(_) | Mixer::Latent(_) => {
-                LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i))?)
+                LayerState::Attention(b.new_kv_cache(attention::shape(cfg, i), kv)?)
             }
             Mixer::DeltaNet(_) => LayerState::DeltaNet(
                 b.new_delta_net_state(cfg.linear_attention.as_ref().expect("validated"))?,
@@ -247,12 +253,13 @@ impl<B: Backend> Decoder<B> {
         Ok(())
     }
 
-    /// Empty caches for a new sequence.
-    pub fn new_state(&self, b: &B, cfg: &ModelConfig) -> Result<Vec<LayerState<B>>> {
+    /// Empty caches for a new sequence, keys and values stored as `kv` (a
+    /// latent cache only in f32: the backend refuses another type).
+    pub fn new_state(&self, b: &B, cfg: &ModelConfig, kv: KvType) -> Result<Vec<LayerState<B>>> {
         self.layers
             .iter()
             .enumerate()
-            .map(|(i, layer)| layer.new_state(b, cfg, i))
+            .map(|(i, layer)| layer.new_state(b, cfg, i, kv))
             .collect()
     }
 

@@ -18,7 +18,7 @@ use std::slice::from_ref;
 use super::Weights;
 use super::decoder::{Layer, LayerState};
 use crate::arch::names;
-use crate::backend::{Backend, RmsNorm};
+use crate::backend::{Backend, KvType, RmsNorm};
 use crate::config::{ModelConfig, MtpConfig};
 use crate::error::Result;
 use crate::experts::ExpertStore;
@@ -98,8 +98,8 @@ impl<B: Backend> MtpHead<B> {
     }
 
     /// An empty KV cache of the head's layer, for a new sequence.
-    pub fn new_state(&self, b: &B, cfg: &ModelConfig) -> Result<LayerState<B>> {
-        self.layer.new_state(b, cfg, self.index)
+    pub fn new_state(&self, b: &B, cfg: &ModelConfig, kv: KvType) -> Result<LayerState<B>> {
+        self.layer.new_state(b, cfg, self.index, kv)
     }
 
     /// Runs `rows` through the head, appending them to `state` (the

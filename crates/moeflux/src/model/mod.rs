@@ -22,8 +22,8 @@ pub use batch::{BatchItem, forward_batch};
 pub use rewind::RewindPoint;
 pub use session::{Session, SessionOptions};
 
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, KvType};
 use crate::blocks::Weights;
 use crate::blocks::batch::ForwardBatch;
 use crate::blocks::decoder::{Decoder, DecoderOutput, LayerState};
@@ -81,6 +81,11 @@ pub struct ModelOptions {
     /// by default): what `--draft mtp` drafts with. Off, its weights take
     /// no memory on the backend and its experts none in the cache.
     pub mtp_head: bool,
+    /// How sessions' KV caches store keys and values unless a session's
+    /// options say otherwise; `None`: the backend's default
+    /// ([`Backend::default_kv_type`]), or f32 where the model cannot use
+    /// it. Refused at open where the model cannot store it.
+    pub kv_type: Option<KvType>,
 }
 
 impl Default for ModelOptions {
@@ -94,6 +99,7 @@ impl Default for ModelOptions {
             verify_checksums: true,
             kv_limit_bytes: None,
             mtp_head: true,
+            kv_type: None,
         }
     }
 }
@@ -125,6 +131,7 @@ pub struct Model<B: Backend = CpuBackend> {
     prefill_chunk: usize,
     fingerprint: u64,
     kv: KvBudget,
+    kv_type: KvType,
     options: ModelOptions,
 }
 
@@ -172,7 +179,6 @@ impl Logits {
 struct KvBudget {
     limit: Option<u64>,
     used: AtomicU64,
-    bytes_per_position: u64,
 }
 
 impl KvBudget {
@@ -253,6 +259,10 @@ impl<B: Backend> Model<B> {
                 mtp_head: options.mtp_head,
             },
         )?;
+        let kv_type = dir
+            .config()
+            .kv_type(options.kv_type, backend.default_kv_type())
+            .map_err(|why| Error::invalid("KV cache type (--kv-type)", why))?;
         let store = ExpertStore::open(
             &dir,
             StoreOptions {
@@ -275,8 +285,8 @@ impl<B: Backend> Model<B> {
             kv: KvBudget {
                 limit: options.kv_limit_bytes,
                 used: AtomicU64::new(0),
-                bytes_per_position: dir.config().kv_bytes_per_position(),
             },
+            kv_type,
             dir,
             backend,
             decoder,
@@ -347,17 +357,25 @@ impl<B: Backend> Model<B> {
         self.kv.used.load(Ordering::Relaxed)
     }
 
-    /// Bytes of KV cache one position of a session takes.
+    /// How sessions' KV caches store keys and values unless a session's
+    /// options say otherwise.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
+    }
+
+    /// Bytes of KV cache one position of a session takes with the model's
+    /// KV type.
     pub fn kv_bytes_per_position(&self) -> u64 {
-        self.kv.bytes_per_position
+        self.config().kv_bytes_per_position(self.kv_type)
     }
 
     /// The context a session gets by default: the model's
     /// (`max_position_embeddings`), bounded so that one session's KV cache
-    /// takes at most half the memory free now on the backend.
+    /// (of the model's KV type) takes at most half the memory free now on
+    /// the backend.
     pub fn default_context(&self) -> usize {
         let model = self.config().max_position_embeddings;
-        match (self.backend.state_memory(), self.kv.bytes_per_position) {
+        match (self.backend.state_memory(), self.kv_bytes_per_position()) {
             (Some(free), per) if per > 0 => model.min((free / 2 / per).max(1) as usize),
             _ => model,
         }
@@ -419,8 +437,13 @@ impl<B: Backend> Model<B> {
         })
     }
 
-    fn new_layer_states(&self) -> Result<Vec<LayerState<B>>> {
-        self.decoder.new_state(&self.backend, self.config())
+    /// Empty layer states of a sequence whose KV caches store `kv`, or why
+    /// this model cannot store it.
+    fn new_layer_states(&self, kv: KvType) -> Result<Vec<LayerState<B>>> {
+        self.config()
+            .kv_type(Some(kv), kv)
+            .map_err(|why| Error::invalid("KV cache type (SessionOptions::kv_type)", why))?;
+        self.decoder.new_state(&self.backend, self.config(), kv)
     }
 
     /// Runs a batch through the decoder, `states[i]` holding sequence
@@ -510,13 +533,14 @@ impl<B: Backend> Model<B> {
         self.decoder.mtp().is_some()
     }
 
-    /// An empty KV cache of the multi-token-prediction head's layer.
-    pub(crate) fn new_mtp_state(&self) -> Result<LayerState<B>> {
+    /// An empty KV cache of the multi-token-prediction head's layer, keys
+    /// and values stored as `kv`.
+    pub(crate) fn new_mtp_state(&self, kv: KvType) -> Result<LayerState<B>> {
         let mtp = self
             .decoder
             .mtp()
             .expect("asked of a model with an MTP head");
-        mtp.new_state(&self.backend, self.config())
+        mtp.new_state(&self.backend, self.config(), kv)
     }
 
     /// Runs rows of positions `first..` through the multi-token-prediction

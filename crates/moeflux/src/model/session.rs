@@ -16,8 +16,8 @@ use super::batch::{BatchItem, forward_batch, run_rounds};
 use super::hidden::HiddenStates;
 use super::state;
 use super::{Logits, LogitsWanted, Model};
-use crate::backend::Backend;
 use crate::backend::cpu::CpuBackend;
+use crate::backend::{Backend, KvType};
 use crate::blocks::batch::Phase;
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
@@ -47,6 +47,10 @@ pub struct SessionOptions {
     /// position 0; beyond it the least recently used one goes, never the
     /// newest.
     pub max_checkpoints: usize,
+    /// How the session's KV caches store keys and values; `None`: the
+    /// model's type ([`Model::kv_type`]). A type the model cannot store is
+    /// refused when the session first runs.
+    pub kv_type: Option<KvType>,
 }
 
 impl Default for SessionOptions {
@@ -54,6 +58,7 @@ impl Default for SessionOptions {
         SessionOptions {
             context: None,
             max_checkpoints: 4,
+            kv_type: None,
         }
     }
 }
@@ -103,6 +108,8 @@ pub struct Session<B: Backend = CpuBackend> {
     pub(super) checkpoints: Vec<Checkpoint<B>>,
     max_checkpoints: usize,
     clock: u64,
+    kv_type: KvType,
+    kv_bytes_per_position: u64,
     kv_reserved: u64,
     interrupt: Option<Arc<AtomicBool>>,
     /// The tokens' hidden states, while kept
@@ -115,7 +122,10 @@ impl<B: Backend> Session<B> {
     /// options). The context is `options.context`, at most the model's.
     pub fn new(model: Arc<Model<B>>, options: SessionOptions) -> Self {
         let context = model.config().max_position_embeddings;
+        let kv_type = options.kv_type.unwrap_or(model.kv_type());
         Session {
+            kv_type,
+            kv_bytes_per_position: model.config().kv_bytes_per_position(kv_type),
             layers: Vec::new(),
             capacity: options.context.unwrap_or(context).min(context),
             model,
@@ -143,6 +153,11 @@ impl<B: Backend> Session<B> {
     /// Most tokens the session can hold.
     pub fn capacity(&self) -> usize {
         self.capacity
+    }
+
+    /// How the session's KV caches store keys and values.
+    pub fn kv_type(&self) -> KvType {
+        self.kv_type
     }
 
     /// Tokens the session can still take before its context is full.
@@ -535,7 +550,7 @@ impl<B: Backend> Session<B> {
     /// device short of memory; a session costs nothing until then).
     pub(super) fn layers_mut(&mut self) -> Result<&mut [LayerState<B>]> {
         if self.layers.is_empty() {
-            self.layers = self.model.new_layer_states()?;
+            self.layers = self.model.new_layer_states(self.kv_type)?;
         }
         Ok(&mut self.layers)
     }
@@ -629,7 +644,7 @@ impl<B: Backend> Session<B> {
     /// Grows this session's share of the model's KV budget to cover
     /// `positions`.
     pub(super) fn reserve_kv(&mut self, positions: usize) -> Result<()> {
-        let needed = positions as u64 * self.model.kv.bytes_per_position;
+        let needed = positions as u64 * self.kv_bytes_per_position;
         if needed > self.kv_reserved {
             self.model.kv.reserve(needed - self.kv_reserved)?;
             self.kv_reserved = needed;
@@ -639,7 +654,7 @@ impl<B: Backend> Session<B> {
 
     /// Returns what the session no longer holds to the KV budget.
     pub(super) fn sync_kv(&mut self) {
-        let held = self.position() as u64 * self.model.kv.bytes_per_position;
+        let held = self.position() as u64 * self.kv_bytes_per_position;
         if held < self.kv_reserved {
             self.model.kv.release(self.kv_reserved - held);
             self.kv_reserved = held;
@@ -670,12 +685,13 @@ impl<B: Backend> Session<B> {
     pub fn save_state(&self) -> Result<Vec<u8>> {
         let fresh;
         let layers = if self.layers.is_empty() {
-            fresh = self.model.new_layer_states()?;
+            fresh = self.model.new_layer_states(self.kv_type)?;
             &fresh
         } else {
             &self.layers
         };
-        state::encode(&self.model, layers, &self.tokens, self.logits.as_deref())
+        let logits = self.logits.as_deref();
+        state::encode(&self.model, self.kv_type, layers, &self.tokens, logits)
     }
 
     /// Writes [`Session::save_state`] to a file (through a temporary name).
@@ -686,7 +702,8 @@ impl<B: Backend> Session<B> {
     /// Replaces the session's state with a saved one
     /// ([`Session::save_state`]); `source` names where the bytes came from,
     /// in errors. Checkpoints are dropped. A state saved from another
-    /// model, or damaged, is refused and the session left as it was.
+    /// model or with another KV type, or damaged, is refused and the
+    /// session left as it was.
     ///
     /// ```
     /// # use std::sync::Arc;
@@ -710,7 +727,7 @@ impl<B: Backend> Session<B> {
     /// # Ok::<(), moeflux::Error>(())
     /// ```
     pub fn load_state(&mut self, bytes: &[u8], source: &Path) -> Result<()> {
-        let loaded = state::decode(&self.model, bytes, source)?;
+        let loaded = state::decode(&self.model, self.kv_type, bytes, source)?;
         if loaded.tokens.len() > self.capacity {
             return Err(Error::bad_file(
                 source,

@@ -4,27 +4,31 @@
 //! "MFXSTATE"        8 bytes, magic
 //! version           u32
 //! model fingerprint u64   (Model::fingerprint: the state only fits these weights)
-//! header length     u32, then the JSON header (tokens, per-layer kinds and lengths)
-//! payload           f32 values: per layer, keys then values (attention) or the
-//!                   convolution history then the recurrent state (linear
-//!                   attention); then the last logits if the header says so
+//! header length     u32, then the JSON header (tokens, per-layer kinds, the
+//!                   KV type)
+//! payload           per layer, keys then values (attention) in the KV type's
+//!                   encoding (`KvRows::write_bytes`; a latent cache: its f32
+//!                   rows alone), or the convolution history then the
+//!                   recurrent state (linear attention) in f32; then the last
+//!                   logits in f32 if the header says so
 //! checksum          u64 xxHash3-64 of everything before it
 //! ```
 //!
-//! All integers and floats are little-endian.
+//! All integers and floats are little-endian. Version 1 had no KV type:
+//! its caches are f32, and it loads into f32 sessions.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use super::Model;
-use crate::backend::{Backend, HostDeltaNetState, HostKv};
+use crate::backend::{Backend, HostDeltaNetState, HostKv, KvRows, KvType};
 use crate::blocks::attention;
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"MFXSTATE";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -33,6 +37,10 @@ struct Header {
     /// Per layer: `"attention"` or `"linear"`.
     layers: Vec<String>,
     has_logits: bool,
+    /// How the attention layers' keys and values are stored (`f32`,
+    /// `bf16`, `q8`); absent in version 1, whose caches are f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    kv_type: Option<String>,
 }
 
 pub struct Loaded<B: Backend> {
@@ -43,6 +51,7 @@ pub struct Loaded<B: Backend> {
 
 pub fn encode<B: Backend>(
     model: &Model<B>,
+    kv: KvType,
     layers: &[LayerState<B>],
     tokens: &[u32],
     logits: Option<&[f32]>,
@@ -58,6 +67,7 @@ pub fn encode<B: Backend>(
             })
             .collect(),
         has_logits: logits.is_some(),
+        kv_type: Some(kv.name().to_string()),
     };
     let header = serde_json::to_vec(&header).expect("header serializes");
     let mut out = Vec::new();
@@ -66,38 +76,47 @@ pub fn encode<B: Backend>(
     out.extend_from_slice(&model.fingerprint().to_le_bytes());
     out.extend_from_slice(&(header.len() as u32).to_le_bytes());
     out.extend_from_slice(&header);
-    let mut put = |values: &[f32]| out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
+    let put =
+        |out: &mut Vec<u8>, values: &[f32]| out.extend(values.iter().flat_map(|v| v.to_le_bytes()));
     for layer in layers {
         match layer {
             LayerState::Attention(cache) => {
                 let host = b.kv_export(cache)?;
-                put(&host.keys);
-                put(&host.values);
+                host.keys.write_bytes(&mut out);
+                host.values.write_bytes(&mut out);
             }
             LayerState::DeltaNet(state) => {
                 let host = b.delta_net_export(state)?;
-                put(&host.conv);
-                put(&host.recurrent);
+                put(&mut out, &host.conv);
+                put(&mut out, &host.recurrent);
             }
         }
     }
     if let Some(logits) = logits {
-        put(logits);
+        put(&mut out, logits);
     }
     let checksum = xxhash_rust::xxh3::xxh3_64(&out);
     out.extend_from_slice(&checksum.to_le_bytes());
     Ok(out)
 }
 
-pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Result<Loaded<B>> {
+/// The state in `bytes`, into the layers of a session of `model` whose KV
+/// caches store `kv`.
+pub fn decode<B: Backend>(
+    model: &Model<B>,
+    kv: KvType,
+    bytes: &[u8],
+    source: &Path,
+) -> Result<Loaded<B>> {
     let bad = |msg: String| Error::bad_file(source, msg);
     if bytes.len() < 32 || &bytes[..8] != MAGIC {
         return Err(bad("not a moeflux session state file".into()));
     }
     let version = u32::from_le_bytes(bytes[8..12].try_into().unwrap());
-    if version != VERSION {
+    if !(1..=VERSION).contains(&version) {
         return Err(bad(format!(
-            "state format version {version} is not supported (this moeflux reads version {VERSION})"
+            "state format version {version} is not supported (this moeflux reads versions 1 \
+             to {VERSION})"
         )));
     }
     let (body, trailer) = bytes.split_at(bytes.len() - 8);
@@ -126,6 +145,20 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
         bytes: &body[24 + header_len..],
         source,
     };
+    let saved = match (&header.kv_type, version) {
+        (None, 1) => KvType::F32,
+        (None, _) => return Err(bad("the header names no KV type".into())),
+        (Some(name), _) => name
+            .parse::<KvType>()
+            .map_err(|e| bad(format!("KV type of the header: {e}")))?,
+    };
+    if saved != kv {
+        return Err(bad(format!(
+            "was saved from a session with a {saved} KV cache, and this session's is {kv}: \
+             load it into a session of KV type {saved} (--kv-type {saved}; \
+             ModelOptions::kv_type or SessionOptions::kv_type)"
+        )));
+    }
 
     let cfg = model.config();
     if header.layers.len() != cfg.num_layers() {
@@ -141,7 +174,7 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
     for (i, (kind, fresh)) in header
         .layers
         .iter()
-        .zip(model.new_layer_states()?)
+        .zip(model.new_layer_states(kv)?)
         .enumerate()
     {
         let state = match (kind.as_str(), fresh) {
@@ -153,13 +186,16 @@ pub fn decode<B: Backend>(model: &Model<B>, bytes: &[u8], source: &Path) -> Resu
                     shape.retained(positions),
                     shape.num_kv_heads * shape.head_dim,
                 );
-                let value_width = if cfg.mla.is_some() { 0 } else { width };
+                let (rows, value_width) = match shape.latent {
+                    true => (KvType::F32, 0),
+                    false => (kv, width),
+                };
                 LayerState::Attention(b.kv_import(
                     shape,
                     HostKv {
                         first: positions - held,
-                        keys: payload.take(held * width)?,
-                        values: payload.take(held * value_width)?,
+                        keys: payload.take_rows(rows, held * width)?,
+                        values: payload.take_rows(rows, held * value_width)?,
                     },
                 )?)
             }
@@ -217,6 +253,15 @@ struct Payload<'a> {
 }
 
 impl Payload<'_> {
+    /// `count` keys or values of type `kv`.
+    fn take_rows(&mut self, kv: KvType, count: usize) -> Result<KvRows> {
+        let (rows, rest) = KvRows::read_bytes(kv, count, self.bytes).ok_or_else(|| {
+            Error::bad_file(self.source, "payload is shorter than its header describes")
+        })?;
+        self.bytes = rest;
+        Ok(rows)
+    }
+
     fn take(&mut self, count: usize) -> Result<Vec<f32>> {
         let n = count * 4;
         if self.bytes.len() < n {

@@ -102,7 +102,7 @@ impl<B: Backend> MtpDrafter<B> {
                 if first_kept >= p {
                     return Ok(rows);
                 }
-                self.cache = Some((model.clone(), model.new_mtp_state()?));
+                self.cache = Some((model.clone(), model.new_mtp_state(session.kv_type())?));
                 self.base = first_kept;
                 0
             }

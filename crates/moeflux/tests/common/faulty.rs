@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 use moeflux::backend::{
     AttentionShape, Backend, DeviceExpertStats, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState,
-    HostKv, RmsNorm, Rope,
+    HostKv, KvType, RmsNorm, Rope,
 };
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::ExpertStore;
@@ -75,9 +75,13 @@ impl<B: Backend> Backend for Faulty<B> {
     fn load_weight(&self, tensor: &TensorData, role: TensorRole) -> Result<B::Weight> {
         self.inner.load_weight(tensor, role)
     }
-    fn new_kv_cache(&self, shape: AttentionShape) -> Result<B::KvCache> {
+    fn new_kv_cache(&self, shape: AttentionShape, kv: KvType) -> Result<B::KvCache> {
         self.check("new_kv_cache")?;
-        self.inner.new_kv_cache(shape)
+        self.inner.new_kv_cache(shape, kv)
+    }
+
+    fn default_kv_type(&self) -> KvType {
+        self.inner.default_kv_type()
     }
     fn kv_len(&self, cache: &B::KvCache) -> usize {
         self.inner.kv_len(cache)

@@ -8,6 +8,7 @@ pub mod batch;
 pub mod faulty;
 pub mod ops;
 pub mod ops_extended;
+pub mod ops_kv;
 pub mod ops_latent;
 pub mod speculative;
 
@@ -186,4 +187,13 @@ pub fn top1_agreement(got: &[f32], want: &[f32], cols: usize) -> f64 {
         .filter(|(g, w)| argmax(g) == argmax(w))
         .count();
     same as f64 / rows as f64
+}
+
+/// Asserts that `result` is an error whose message mentions every one of
+/// `parts`.
+pub fn expect_error(result: moeflux::Result<impl std::fmt::Debug>, parts: &[&str]) {
+    let err = result.expect_err("expected an error").to_string();
+    for part in parts {
+        assert!(err.contains(part), "error should mention `{part}`: {err}");
+    }
 }

@@ -32,7 +32,12 @@
 //!   caches within 2e-5, the values exactly;
 //! - routing weights, `silu_mul`, `mul_sigmoid`: 1e-6; `add_assign` 1e-7;
 //! - exact where no arithmetic reorders: embedding rows, row and column
-//!   copies, exported keys and values, the experts chosen.
+//!   copies, exported keys and values, the experts chosen;
+//! - KV cache types: the attention operations run on caches of every
+//!   [`KvType`], each against the reference's cache of the same type
+//!   (which holds the same rows bit for bit) within the bounds above;
+//!   bf16 and q8 against the f32 reference within a bound that follows
+//!   from their rounding (common/ops_kv.rs).
 //!
 //! The model-level checks ([`super::batch`]) run per backend as well:
 //! batched sequences against each alone within the backend's
@@ -50,7 +55,10 @@ use moeflux::backend::cpu::{
     CpuBackend, DeltaNetState as CpuDeltaNet, KvCache as CpuKv, Tensor as CpuTensor,
     Weight as CpuWeight,
 };
-use moeflux::backend::{AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, RmsNorm, Rope};
+use moeflux::backend::{
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostKv, KvRows, KvType, RmsNorm, Rope,
+    attention_decode_each,
+};
 use moeflux::config::{LinearAttentionConfig, RouterSpec};
 use moeflux::experts::{CachePolicy, ExpertStore, IoMode, StoreOptions};
 use moeflux::format::{ModelDir, OpenOptions, TensorRole};
@@ -60,6 +68,8 @@ use moeflux::{Model, ModelOptions};
 pub use super::backends::{Conformance, reference};
 #[allow(unused_imports)]
 pub use super::ops_extended::{add_bias, attention_with_sinks_and_window, clamped_biased_experts};
+#[allow(unused_imports)]
+pub use super::ops_kv::kv_types_stay_within_their_rounding;
 #[allow(unused_imports)]
 pub use super::ops_latent::{mla_attention, routers};
 use super::{
@@ -104,6 +114,7 @@ macro_rules! backend_tests {
             clamped_biased_experts_match_reference => clamped_biased_experts,
             latent_attention_matches_reference_across_chunks_truncation_and_import => mla_attention,
             grouped_sigmoid_and_chosen_softmax_routers_match_reference => routers,
+            kv_types_stay_within_their_rounding_of_f32_attention => kv_types_stay_within_their_rounding,
         ], [
             batched_sequences_equal_each_sequence_alone => batched_equals_alone,
             a_device_failure_fails_only_its_batch_and_the_process_goes_on => device_failure_contained,
@@ -925,11 +936,74 @@ pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
 // ---------------------------------------------------------------------
 // Attention and Gated DeltaNet.
 
+/// A head size every KV type stores: `head_dim`, or for q8 (whose blocks
+/// of 32 values do not straddle heads) `q8_head_dim`.
+pub fn head_dim_for(kv: KvType, head_dim: usize, q8_head_dim: usize) -> usize {
+    match kv {
+        KvType::Q8 if !head_dim.is_multiple_of(32) => q8_head_dim,
+        _ => head_dim,
+    }
+}
+
 /// Chunks of several tokens and of one; 309 positions, past the CUDA
 /// cache's first capacity of 256, so it grows; truncation; a cache
-/// imported from the reference's export.
+/// imported from the reference's export: for every KV type against the
+/// reference's cache of that type, which holds the same rows bit for bit
+/// (heads of 40, or 64 for q8, which refuses 40).
 pub fn attention<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
+    for kv in KvType::ALL {
+        let head_dim = head_dim_for(kv, 40, 64);
+        let shape = AttentionShape {
+            num_heads: 6,
+            num_kv_heads: 2,
+            head_dim,
+            window: None,
+            latent: false,
+        };
+        let (q_width, kv_width) = (6 * head_dim, 2 * head_dim);
+        let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
+        let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
+        let step = |n: usize, seed: u64, cache_r: &mut CpuKv, cache_b: &mut B::KvCache| {
+            let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
+            let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
+            let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
+            let want = r
+                .attention(cache_r, &q_r, &k_r, &v_r, shape, None)
+                .unwrap()
+                .data;
+            let got = host(
+                b,
+                &b.attention(cache_b, &q_b, &k_b, &v_b, shape, None).unwrap(),
+            );
+            assert_close(
+                &format!("{kv} attention chunk of {n} (seed {seed})"),
+                &got,
+                &want,
+                1e-5,
+            );
+        };
+        for (i, n) in [5, 1, 300, 3].into_iter().enumerate() {
+            step(n, 10 * i as u64, &mut cache_r, &mut cache_b);
+        }
+        assert_eq!(b.kv_len(&cache_b), 309);
+        let (exported, want) = (
+            b.kv_export(&cache_b).unwrap(),
+            r.kv_export(&cache_r).unwrap(),
+        );
+        assert_eq!(exported.keys.kv_type(), kv, "kv_export type");
+        assert_eq!(exported.keys, want.keys, "{kv} kv_export keys");
+        assert_eq!(exported.values, want.values, "{kv} kv_export values");
+
+        r.kv_truncate(&mut cache_r, 100);
+        b.kv_truncate(&mut cache_b, 100);
+        assert_eq!(b.kv_len(&cache_b), 100);
+        step(4, 77, &mut cache_r, &mut cache_b);
+
+        let mut imported = b.kv_import(shape, r.kv_export(&cache_r).unwrap()).unwrap();
+        assert_eq!(b.kv_len(&imported), 104);
+        step(2, 91, &mut cache_r, &mut imported);
+    }
     let shape = AttentionShape {
         num_heads: 6,
         num_kv_heads: 2,
@@ -937,86 +1011,61 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         window: None,
         latent: false,
     };
-    let (q_width, kv_width) = (6 * 40, 2 * 40);
-    let mut cache_r = r.new_kv_cache(shape).unwrap();
-    let mut cache_b = b.new_kv_cache(shape).unwrap();
-    let step = |n: usize, seed: u64, cache_r: &mut CpuKv, cache_b: &mut B::KvCache| {
-        let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
-        let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
-        let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
-        let want = r
-            .attention(cache_r, &q_r, &k_r, &v_r, shape, None)
-            .unwrap()
-            .data;
-        let got = host(
-            b,
-            &b.attention(cache_b, &q_b, &k_b, &v_b, shape, None).unwrap(),
-        );
-        assert_close(
-            &format!("attention chunk of {n} (seed {seed})"),
-            &got,
-            &want,
-            1e-5,
-        );
-    };
-    for (i, n) in [5, 1, 300, 3].into_iter().enumerate() {
-        step(n, 10 * i as u64, &mut cache_r, &mut cache_b);
-    }
-    assert_eq!(b.kv_len(&cache_b), 309);
-    let (exported, want) = (
-        b.kv_export(&cache_b).unwrap(),
-        r.kv_export(&cache_r).unwrap(),
-    );
-    assert_eq!(exported.keys, want.keys, "kv_export keys");
-    assert_eq!(exported.values, want.values, "kv_export values");
-
-    r.kv_truncate(&mut cache_r, 100);
-    b.kv_truncate(&mut cache_b, 100);
-    assert_eq!(b.kv_len(&cache_b), 100);
-    step(4, 77, &mut cache_r, &mut cache_b);
-
-    let mut imported = b.kv_import(shape, r.kv_export(&cache_r).unwrap()).unwrap();
-    assert_eq!(b.kv_len(&imported), 104);
-    step(2, 91, &mut cache_r, &mut imported);
+    let refused = b.new_kv_cache(shape, KvType::Q8).err().expect("q8 of 40");
+    assert!(refused.to_string().contains("multiple of 32"), "{refused}");
 }
 
 /// Prefill chunks (CUDA's tiled kernels from 16 tokens) with head
-/// dimensions of 128 and 256 (as in the real models) and 132, chunks that
-/// leave partial row and key tiles, and chunks after context.
+/// dimensions of 128 and 256 (as in the real models) and 132 (96 for q8),
+/// chunks that leave partial row and key tiles, and chunks after context,
+/// for every KV type.
 pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
-    for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (5, 5, 132)] {
-        let shape = AttentionShape {
-            num_heads: heads,
-            num_kv_heads: kv_heads,
-            head_dim,
-            window: None,
-            latent: false,
-        };
-        let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let mut cache_r = r.new_kv_cache(shape).unwrap();
-        let mut cache_b = b.new_kv_cache(shape).unwrap();
-        for (i, n) in [70, 16, 1, 45].into_iter().enumerate() {
-            let seed = 1000 + 10 * i as u64 + head_dim as u64;
-            let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
-            let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
-            let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
-            let want = r
-                .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
-                .unwrap()
-                .data;
-            let got = host(
-                b,
-                &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
-                    .unwrap(),
-            );
-            assert_close(
-                &format!("attention, head_dim {head_dim}, chunk of {n}"),
-                &got,
-                &want,
-                1e-5,
-            );
+    for kv in KvType::ALL {
+        for (heads, kv_heads, head_dim) in [(32, 4, 128), (16, 2, 256), (5, 5, 132)] {
+            let head_dim = head_dim_for(kv, head_dim, 96);
+            let shape = AttentionShape {
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim,
+                window: None,
+                latent: false,
+            };
+            let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
+            let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
+            let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
+            for (i, n) in [70, 16, 1, 45].into_iter().enumerate() {
+                let seed = 1000 + 10 * i as u64 + head_dim as u64;
+                let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
+                let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
+                let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
+                let want = r
+                    .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
+                    .unwrap()
+                    .data;
+                let got = host(
+                    b,
+                    &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
+                        .unwrap(),
+                );
+                assert_close(
+                    &format!("{kv} attention, head_dim {head_dim}, chunk of {n}"),
+                    &got,
+                    &want,
+                    1e-5,
+                );
+            }
         }
+    }
+}
+
+/// `len` rows of keys and values of `width` from the seeds `seed` and
+/// `seed + 1`, as a cache of type `kv` holds them.
+pub fn host_kv(kv: KvType, len: usize, width: usize, seed: u64) -> HostKv {
+    HostKv {
+        first: 0,
+        keys: KvRows::encode(kv, &values(len * width, seed)),
+        values: KvRows::encode(kv, &values(len * width, seed + 1)),
     }
 }
 
@@ -1052,11 +1101,97 @@ fn decode_qk_norms<B: Conformance>(
     ((qn_r, kn_r), (qn_b, kn_b))
 }
 
+/// Two decode steps of sequences of `kv` caches after `history` positions
+/// each, all at once ([`Backend::attention_decode_many`]) and one at a time
+/// on `b` itself ([`attention_decode_each`]): both prepare the same queries
+/// and keys, so the caches hold the same rows bit for bit and the outputs
+/// differ only by f32 rounding in another order (1e-5 of the output's
+/// scale). How far a type's rounding takes attention from the exact
+/// result is `kv_types_stay_within_their_rounding`'s.
+fn decode_many_equals_each<B: Conformance>(
+    b: &B,
+    shape: AttentionShape,
+    kv: KvType,
+    history: &[usize],
+) {
+    let r = reference();
+    let (heads, head_dim) = (shape.num_heads, shape.head_dim);
+    let (q_width, kv_width) = (heads * head_dim, shape.num_kv_heads * head_dim);
+    let (_, (q_norm, k_norm)) = decode_qk_norms(&r, b, head_dim);
+    let norm = RmsNorm {
+        eps: 1e-6,
+        unit_offset: true,
+    };
+    let rope = Rope::plain(head_dim, head_dim / 2, 1_000_000.0);
+    let caches = || -> Vec<B::KvCache> {
+        history
+            .iter()
+            .enumerate()
+            .map(|(s, &len)| {
+                let seed = 700 + 2 * s as u64;
+                b.kv_import(shape, host_kv(kv, len, kv_width, seed))
+                    .unwrap()
+            })
+            .collect()
+    };
+    let (mut together, mut alone) = (caches(), caches());
+    let n = history.len();
+    for round in 0..2u64 {
+        let seed = 900 + 10 * round;
+        let input = |cols: usize, seed: u64| b.upload(n, cols, &values(n * cols, seed));
+        let mut refs: Vec<&mut B::KvCache> = together.iter_mut().collect();
+        let (q, k, v) = (
+            input(q_width, seed),
+            input(kv_width, seed + 1),
+            input(kv_width, seed + 2),
+        );
+        let got = b
+            .attention_decode_many(&mut refs, q, k, &v, &q_norm, &k_norm, norm, rope, shape)
+            .unwrap();
+        let mut refs: Vec<&mut B::KvCache> = alone.iter_mut().collect();
+        let (q, k) = (input(q_width, seed), input(kv_width, seed + 1));
+        let want =
+            attention_decode_each(b, &mut refs, q, k, &v, &q_norm, &k_norm, norm, rope, shape)
+                .unwrap();
+        let (got, want) = (host(b, &got), host(b, &want));
+        for (s, (g, w)) in got.chunks(q_width).zip(want.chunks(q_width)).enumerate() {
+            assert_close(
+                &format!(
+                    "{kv} decode of {n} sequences together against alone, head_dim {head_dim}, \
+                     round {round}, sequence {s} after {} positions",
+                    history[s] + round as usize
+                ),
+                g,
+                w,
+                1e-5,
+            );
+        }
+    }
+    for (s, (t, a)) in together.iter().zip(&alone).enumerate() {
+        let (t, a) = (b.kv_export(t).unwrap(), b.kv_export(a).unwrap());
+        assert_eq!(t.keys, a.keys, "{kv} sequence {s}'s keys");
+        assert_eq!(t.values, a.values, "{kv} sequence {s}'s values");
+    }
+}
+
 /// Two decode steps of several sequences at once (one launch each on a
 /// GPU), each sequence at its own position (one with an empty cache), for
 /// the head dimensions of the real models and an odd one; afterwards every
-/// cache holds what the reference's holds.
+/// cache holds what the reference's holds. bf16 and q8 caches: against
+/// the same steps one sequence at a time ([`decode_many_equals_each`]).
 pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
+    for kv in [KvType::Bf16, KvType::Q8] {
+        for (heads, kv_heads, head_dim) in [(6, 2, 40), (16, 2, 128), (8, 1, 256)] {
+            let shape = AttentionShape {
+                num_heads: heads,
+                num_kv_heads: kv_heads,
+                head_dim: head_dim_for(kv, head_dim, 96),
+                window: None,
+                latent: false,
+            };
+            decode_many_equals_each(b, shape, kv, &[0, 1, 37, 300, 5]);
+        }
+    }
     let r = reference();
     for (heads, kv_heads, head_dim) in [(6, 2, 40), (16, 2, 128), (8, 1, 256)] {
         let shape = AttentionShape {
@@ -1077,10 +1212,10 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
         let mut caches_r = Vec::new();
         let mut caches_b = Vec::new();
         for (s, &len) in history.iter().enumerate() {
-            let host_kv = || moeflux::backend::HostKv {
+            let host_kv = || HostKv {
                 first: 0,
-                keys: values(len * kv_width, 100 + s as u64),
-                values: values(len * kv_width, 200 + s as u64),
+                keys: KvRows::F32(values(len * kv_width, 100 + s as u64)),
+                values: KvRows::F32(values(len * kv_width, 200 + s as u64)),
             };
             caches_r.push(r.kv_import(shape, host_kv()).unwrap());
             caches_b.push(b.kv_import(shape, host_kv()).unwrap());
@@ -1116,8 +1251,8 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
             let (got, want) = (b.kv_export(c_b).unwrap(), r.kv_export(c_r).unwrap());
             assert_close(
                 &format!("attention_decode_many head_dim {head_dim}: sequence {s}'s keys"),
-                &got.keys,
-                &want.keys,
+                &got.keys.decode(),
+                &want.keys.decode(),
                 2e-5,
             );
             assert_eq!(got.values, want.values, "sequence {s}'s values");
@@ -1132,8 +1267,18 @@ pub fn attention_decode_many<B: Conformance>(b: &B, _: Activations) {
 /// merges anew), one sequence at a time and several at once, for the head
 /// dimensions of the real models and an odd one, groups of 8 and 16 query
 /// heads per KV head, an odd group and none (a GPU's kernels differ by
-/// group). Bounds as `attention` and `attention_decode_many`.
+/// group); for every KV type (heads of 96 for q8 instead of 40), the
+/// several sequences of bf16 and q8 against the same steps one sequence at
+/// a time ([`decode_many_equals_each`]). Bounds as `attention` and
+/// `attention_decode_many`.
 pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
+    for kv in KvType::ALL {
+        long_context_decode_of_type(b, kv);
+    }
+    long_context_decode_with_sinks_and_windows(b);
+}
+
+fn long_context_decode_of_type<B: Conformance>(b: &B, kv: KvType) {
     let r = reference();
     for (heads, kv_heads, head_dim) in [
         (32, 4, 128),
@@ -1142,6 +1287,7 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
         (32, 2, 128),
         (4, 4, 64),
     ] {
+        let head_dim = head_dim_for(kv, head_dim, 96);
         let shape = AttentionShape {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -1150,15 +1296,14 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             latent: false,
         };
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let host_kv = |len: usize, seed: u64| moeflux::backend::HostKv {
-            first: 0,
-            keys: values(len * kv_width, seed),
-            values: values(len * kv_width, seed + 1),
-        };
         for (i, len) in [512, 513, 2047, 4700].into_iter().enumerate() {
             let seed = 3000 + 10 * i as u64 + head_dim as u64;
-            let mut cache_r = r.kv_import(shape, host_kv(len, seed)).unwrap();
-            let mut cache_b = b.kv_import(shape, host_kv(len, seed)).unwrap();
+            let mut cache_r = r
+                .kv_import(shape, host_kv(kv, len, kv_width, seed))
+                .unwrap();
+            let mut cache_b = b
+                .kv_import(shape, host_kv(kv, len, kv_width, seed))
+                .unwrap();
             for step in 0..3 {
                 let seed = seed + 100 * step;
                 let (q_r, q_b) = both(b, 1, q_width, values(q_width, seed + 2));
@@ -1175,7 +1320,7 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
                 );
                 assert_close(
                     &format!(
-                        "decode after {} positions, head_dim {head_dim}",
+                        "{kv} decode after {} positions, head_dim {head_dim}",
                         len + step as usize
                     ),
                     &got,
@@ -1197,22 +1342,27 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             );
         }
 
+        let history = [1500, 3, 4100];
+        if kv != KvType::F32 {
+            decode_many_equals_each(b, shape, kv, &history);
+            continue;
+        }
         let ((qn_r, kn_r), (qn_b, kn_b)) = decode_qk_norms(&r, b, head_dim);
         let norm = RmsNorm {
             eps: 1e-6,
             unit_offset: true,
         };
         let rope = Rope::plain(head_dim, head_dim, 1_000_000.0);
-        let history = [1500, 3, 4100];
         let mut caches_r = Vec::new();
         let mut caches_b = Vec::new();
         for (s, &len) in history.iter().enumerate() {
+            let seed = 500 + 2 * s as u64;
             caches_r.push(
-                r.kv_import(shape, host_kv(len, 500 + 2 * s as u64))
+                r.kv_import(shape, host_kv(kv, len, kv_width, seed))
                     .unwrap(),
             );
             caches_b.push(
-                b.kv_import(shape, host_kv(len, 500 + 2 * s as u64))
+                b.kv_import(shape, host_kv(kv, len, kv_width, seed))
                     .unwrap(),
             );
         }
@@ -1246,20 +1396,24 @@ pub fn long_context_decode<B: Conformance>(b: &B, _: Activations) {
             }
         }
     }
-    long_context_decode_with_sinks_and_windows(b);
 }
 
 /// Decode steps after long contexts with sink logits, with and without a
 /// sliding window (one short of a GPU's grouped kernels and one past), for
-/// gpt-oss's head shape and an odd one, against the reference.
+/// gpt-oss's head shape and an odd one (96 for q8), against the reference,
+/// for every KV type.
 fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
     let r = reference();
-    for (heads, kv_heads, head_dim, window) in [
-        (64, 8, 64, Some(3000)),
-        (64, 8, 64, None),
-        (6, 2, 40, Some(700)),
-        (64, 8, 64, Some(1500)),
-    ] {
+    for (kv, (heads, kv_heads, head_dim, window)) in KvType::ALL.into_iter().flat_map(|kv| {
+        [
+            (64, 8, 64, Some(3000)),
+            (64, 8, 64, None),
+            (6, 2, 40, Some(700)),
+            (64, 8, 64, Some(1500)),
+        ]
+        .map(|case| (kv, case))
+    }) {
+        let head_dim = head_dim_for(kv, head_dim, 96);
         let shape = AttentionShape {
             num_heads: heads,
             num_kv_heads: kv_heads,
@@ -1277,13 +1431,12 @@ fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
         );
         let len = 4700;
         let held = shape.retained(len);
-        let host_kv = || moeflux::backend::HostKv {
+        let window_kv = || HostKv {
             first: len - held,
-            keys: values(held * kv_width, 41),
-            values: values(held * kv_width, 42),
+            ..host_kv(kv, held, kv_width, 41)
         };
-        let mut cache_r = r.kv_import(shape, host_kv()).unwrap();
-        let mut cache_b = b.kv_import(shape, host_kv()).unwrap();
+        let mut cache_r = r.kv_import(shape, window_kv()).unwrap();
+        let mut cache_b = b.kv_import(shape, window_kv()).unwrap();
         for step in 0..3u64 {
             let seed = 60 + 10 * step;
             let (q_r, q_b) = both(b, 1, q_width, values(q_width, seed));
@@ -1298,7 +1451,8 @@ fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
                 .unwrap();
             assert_close(
                 &format!(
-                    "decode with sinks after {} positions, window {window:?}, head_dim {head_dim}",
+                    "{kv} decode with sinks after {} positions, window {window:?}, head_dim \
+                     {head_dim}",
                     len + step as usize
                 ),
                 &host(b, &got),

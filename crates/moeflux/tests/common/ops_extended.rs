@@ -9,8 +9,10 @@
 //! scale against the reference and 1e-5 against the f64 computation; the
 //! experts 1e-5 of the output's scale against both (f32 activations).
 
-use moeflux::backend::cpu::{KvCache as CpuKv, Routing as CpuRouting};
-use moeflux::backend::{AttentionShape, Backend, ExpertFfn};
+use moeflux::backend::cpu::{
+    CpuBackend, KvCache as CpuKv, Routing as CpuRouting, Weight as CpuWeight,
+};
+use moeflux::backend::{AttentionShape, Backend, ExpertFfn, KvRows, KvType};
 use moeflux::config::{ExpertActivation, RouterSpec, ScoreFunction};
 use moeflux::experts::ExpertStore;
 use moeflux::format::{ModelDir, OpenOptions, TensorRole};
@@ -18,7 +20,8 @@ use moeflux::quant::DType;
 
 use super::convert_fixture;
 use super::ops::{
-    Activations, Conformance, TestWeights, assert_close, both, host, reference, values, whole_store,
+    Activations, Conformance, TestWeights, assert_close, both, head_dim_for, host, reference,
+    values, whole_store,
 };
 
 /// `x += bias` on every row, for a row count and width the kernels do not
@@ -47,7 +50,7 @@ pub fn add_bias<B: Conformance>(b: &B, _: Activations) {
 /// `[positions, kv_width]`), transformers' eager attention in f64: the
 /// queries at the last `n` positions, each over its window, with the sink
 /// logit in the softmax's denominator.
-fn direct_attention(
+pub fn direct_attention(
     shape: AttentionShape,
     sinks: Option<&[f32]>,
     q: &[f32],
@@ -55,11 +58,47 @@ fn direct_attention(
     values: &[f32],
 ) -> Vec<f32> {
     let hd = shape.head_dim;
+    let kv_width = shape.num_kv_heads * hd;
+    let mut out = vec![0f32; q.len()];
+    for row in direct_probabilities(shape, sinks, q, keys) {
+        let out = &mut out[row.at..][..hd];
+        for (j, p) in row.probabilities.iter().enumerate() {
+            let value = &values[(row.first + j) * kv_width + row.column..][..hd];
+            for (o, &v) in out.iter_mut().zip(value) {
+                *o += (p * v as f64) as f32;
+            }
+        }
+    }
+    out
+}
+
+/// One query head's softmax over the positions it sees.
+pub struct DirectRow {
+    /// Where its output starts in `[tokens, heads·head_dim]`.
+    pub at: usize,
+    /// The column of its KV head in a cache row.
+    pub column: usize,
+    /// The first position it sees.
+    pub first: usize,
+    /// Each seen position's probability, in f64 (the sink's share is the
+    /// rest).
+    pub probabilities: Vec<f64>,
+}
+
+/// The probabilities of [`direct_attention`], each query head of each of
+/// the last `q.len() / (heads·head_dim)` positions of `keys`.
+pub fn direct_probabilities(
+    shape: AttentionShape,
+    sinks: Option<&[f32]>,
+    q: &[f32],
+    keys: &[f32],
+) -> Vec<DirectRow> {
+    let hd = shape.head_dim;
     let (q_width, kv_width) = (shape.num_heads * hd, shape.num_kv_heads * hd);
     let (n, len) = (q.len() / q_width, keys.len() / kv_width);
     let group = shape.num_heads / shape.num_kv_heads;
     let scale = 1.0 / (hd as f64).sqrt();
-    let mut out = vec![0f32; q.len()];
+    let mut rows = Vec::with_capacity(n * shape.num_heads);
     for t in 0..n {
         let position = len - n + t;
         let first = shape.window.map_or(0, |w| (position + 1).saturating_sub(w));
@@ -85,31 +124,64 @@ fn direct_attention(
                 .fold(f64::NEG_INFINITY, f64::max);
             let total: f64 = logits.iter().map(|l| (l - max).exp()).sum::<f64>()
                 + sink.map_or(0.0, |s| (s - max).exp());
-            for (j, l) in (first..=position).zip(&logits) {
-                let p = (l - max).exp() / total;
-                let value = &values[j * kv_width + column..][..hd];
-                for (o, &v) in out[t * q_width + h * hd..][..hd].iter_mut().zip(value) {
-                    *o += (p * v as f64) as f32;
-                }
-            }
+            rows.push(DirectRow {
+                at: t * q_width + h * hd,
+                column,
+                first,
+                probabilities: logits.iter().map(|l| (l - max).exp() / total).collect(),
+            });
         }
     }
-    out
+    rows
+}
+
+/// Sink logits of `heads` query heads on the scale of the logits (so that
+/// they take a clear share), on the reference, on a backend and on the
+/// host.
+pub struct TestSinks<B: Backend> {
+    reference: CpuWeight,
+    backend: B::Weight,
+    host: Vec<f32>,
+}
+
+impl<B: Backend> TestSinks<B> {
+    pub fn new(r: &CpuBackend, b: &B, heads: usize, seed: u64) -> TestSinks<B> {
+        let host: Vec<f32> = values(heads, seed).iter().map(|v| 2.0 * v).collect();
+        let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], host.clone())]);
+        TestSinks {
+            reference: weights.load(r, "test.sinks", &[heads]),
+            backend: weights.load(b, "test.sinks", &[heads]),
+            host,
+        }
+    }
+
+    /// The sinks on the reference, the backend and the host, or none.
+    pub fn given(&self, given: bool) -> (Option<&CpuWeight>, Option<&B::Weight>, Option<&[f32]>) {
+        match given {
+            true => (Some(&self.reference), Some(&self.backend), Some(&self.host)),
+            false => (None, None, None),
+        }
+    }
 }
 
 /// Sliding windows of 8 and 3 positions with and without sinks, and sinks
 /// over a whole cache: chunks of one token and of several (longer than the
 /// window), 304 positions in all, each against the reference and the
-/// direct computation; the
-/// cache holds only the window's last positions (exported as such), and a
-/// cache imported from the reference's export, or copied, continues as the
-/// reference does.
+/// direct computation (over the keys and values as the cache's type holds
+/// them); the cache holds only the window's last positions (exported as
+/// such), and a cache imported from the reference's export, or copied,
+/// continues as the reference does. Every KV type (heads of 64 for q8,
+/// else 40).
 pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
+    for kv in KvType::ALL {
+        attention_with_sinks_and_window_of_type(b, kv);
+    }
+}
+
+fn attention_with_sinks_and_window_of_type<B: Conformance>(b: &B, kv: KvType) {
     let r = reference();
-    let (heads, kv_heads, head_dim) = (6, 2, 40);
-    // Sinks on the scale of the logits, so that they take a clear share.
-    let sink_values: Vec<f32> = values(heads, 5).iter().map(|v| 2.0 * v).collect();
-    let weights = TestWeights::new(&[("test.sinks", DType::F32, vec![heads], sink_values.clone())]);
+    let (heads, kv_heads, head_dim) = (6, 2, head_dim_for(kv, 40, 64));
+    let sinks = TestSinks::new(&r, b, heads, 5);
     for (window, with_sinks) in [(Some(8), true), (Some(3), false), (None, true)] {
         let shape = AttentionShape {
             num_heads: heads,
@@ -118,20 +190,14 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
             window,
             latent: false,
         };
-        let (sinks_r, sinks_b) = (
-            weights.load(&r, "test.sinks", &[heads]),
-            weights.load(b, "test.sinks", &[heads]),
-        );
-        let (sinks_r, sinks_b, sinks_host) = match with_sinks {
-            true => (Some(&sinks_r), Some(&sinks_b), Some(sink_values.as_slice())),
-            false => (None, None, None),
-        };
+        let (sinks_r, sinks_b, sinks_host) = sinks.given(with_sinks);
         let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
-        let mut cache_r = r.new_kv_cache(shape).unwrap();
-        let mut cache_b = b.new_kv_cache(shape).unwrap();
+        let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
+        let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
         // Every key and value so far, for the direct computation.
         let mut history = (Vec::new(), Vec::new());
-        let what = format!("attention window {window:?} sinks {with_sinks}");
+        let what = format!("{kv} attention window {window:?} sinks {with_sinks}");
+        let held_as = |x: &[f32]| KvRows::encode(kv, x);
         let step = |n: usize,
                     seed: u64,
                     cache_r: &mut CpuKv,
@@ -149,7 +215,13 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
                 .attention(cache_r, &q_r, &k_r, &v_r, shape, sinks_r)
                 .unwrap()
                 .data;
-            let direct = direct_attention(shape, sinks_host, &q, all_keys, all_values);
+            let direct = direct_attention(
+                shape,
+                sinks_host,
+                &q,
+                &held_as(all_keys).decode(),
+                &held_as(all_values).decode(),
+            );
             assert_close(
                 &format!("{what}: reference, chunk of {n}"),
                 &want,
@@ -179,7 +251,7 @@ pub fn attention_with_sinks_and_window<B: Conformance>(b: &B, _: Activations) {
         assert_eq!(want.first, len - held, "{what}: first position held");
         assert_eq!(
             want.keys,
-            history.0[(len - held) * kv_width..],
+            held_as(&history.0[(len - held) * kv_width..]),
             "{what}: the reference holds the window's newest keys"
         );
         assert_eq!(

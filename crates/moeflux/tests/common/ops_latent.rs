@@ -14,7 +14,7 @@
 //! scaling against the f64 computation).
 
 use moeflux::backend::cpu::KvCache as CpuKv;
-use moeflux::backend::{AttentionShape, Backend};
+use moeflux::backend::{AttentionShape, Backend, KvType};
 use moeflux::config::{ExpertGroups, MlaConfig, RouterSpec, ScoreFunction};
 use moeflux::quant::DType;
 
@@ -189,8 +189,8 @@ pub fn mla_attention<B: Conformance>(b: &B, _: Activations) {
             window: None,
             latent: true,
         };
-        let mut cache_r = r.new_kv_cache(shape).unwrap();
-        let mut cache_b = b.new_kv_cache(shape).unwrap();
+        let mut cache_r = r.new_kv_cache(shape, KvType::F32).unwrap();
+        let mut cache_b = b.new_kv_cache(shape, KvType::F32).unwrap();
         // Every position's latent and rotary key so far, for the direct
         // computation.
         let (mut latents, mut k_rots) = (Vec::new(), Vec::new());

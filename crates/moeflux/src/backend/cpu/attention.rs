@@ -1,8 +1,12 @@
-//! Causal grouped-query attention over a growing KV cache.
+//! Causal grouped-query attention over a growing KV cache, its keys and
+//! values in any [`KvType`]: the loops read each cached row in its own
+//! encoding (f32, bf16 bits, or q8 codes with their blocks' scales) and
+//! compute in f32.
 
 use rayon::prelude::*;
 
 use super::simd::{Isa, dot};
+use crate::backend::kv::{KvRows, KvType, Q8_BLOCK, bf16_value};
 use crate::backend::{AttentionShape, Rope};
 use crate::config::MlaConfig;
 
@@ -14,17 +18,17 @@ pub struct KvCache {
     /// The position of the first row held (positions before it were
     /// dropped by a sliding window).
     pub first: usize,
-    pub keys: Vec<f32>,
-    pub values: Vec<f32>,
+    pub keys: KvRows,
+    pub values: KvRows,
 }
 
 impl KvCache {
-    pub fn new(shape: AttentionShape) -> Self {
+    pub fn new(shape: AttentionShape, kv: KvType) -> Self {
         KvCache {
             shape,
             first: 0,
-            keys: Vec::new(),
-            values: Vec::new(),
+            keys: KvRows::new(kv),
+            values: KvRows::new(kv),
         }
     }
 
@@ -63,9 +67,17 @@ impl KvCache {
         let keep = self.shape.retained(len);
         if keep < held {
             let drop = (held - keep) * self.width();
-            self.keys.drain(..drop);
-            self.values.drain(..drop);
+            self.keys.drop_front(drop);
+            self.values.drop_front(drop);
             self.first = len - keep;
+        }
+    }
+
+    /// The rows of a latent cache (always f32).
+    fn latent_rows(&mut self) -> &mut Vec<f32> {
+        match &mut self.keys {
+            KvRows::F32(rows) => rows,
+            other => panic!("a latent cache holds f32 rows, not {}", other.kv_type()),
         }
     }
 }
@@ -73,6 +85,8 @@ impl KvCache {
 /// Appends `k`, `v` (`n` rows) and attends each of the `n` queries to every
 /// cached position up to and including its own (within the window, if the
 /// shape has one), with a sink logit per query head when `sinks` is given.
+/// The new keys and values are stored first, so every query sees them as
+/// the cache holds them.
 pub fn attend(
     isa: Isa,
     cache: &mut KvCache,
@@ -84,8 +98,8 @@ pub fn attend(
 ) -> Vec<f32> {
     let s = cache.shape;
     let start = cache.len();
-    cache.keys.extend_from_slice(k);
-    cache.values.extend_from_slice(v);
+    cache.keys.push(k);
+    cache.values.push(v);
     let (hd, q_width) = (s.head_dim, s.num_heads * s.head_dim);
     let group = s.num_heads / s.num_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
@@ -109,15 +123,92 @@ pub fn attend(
                 visible: oldest - held.first..position + 1 - held.first,
                 sinks: sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]),
                 scale,
+                head_dim: hd,
+                width: s.num_kv_heads * hd,
             };
             isa.vectorize(
                 #[inline(always)]
-                || heads.attend(held, scores, out),
+                || match (&held.keys, &held.values) {
+                    (KvRows::F32(k), KvRows::F32(v)) => {
+                        heads.attend(k.as_slice(), v.as_slice(), scores, out)
+                    }
+                    (KvRows::Bf16(k), KvRows::Bf16(v)) => {
+                        heads.attend(&Bf16Rows(k), &Bf16Rows(v), scores, out)
+                    }
+                    (
+                        KvRows::Q8 { codes, scales },
+                        KvRows::Q8 {
+                            codes: v_codes,
+                            scales: v_scales,
+                        },
+                    ) => heads.attend(
+                        &Q8Rows { codes, scales },
+                        &Q8Rows {
+                            codes: v_codes,
+                            scales: v_scales,
+                        },
+                        scores,
+                        out,
+                    ),
+                    _ => unreachable!("a cache's keys and values share its type"),
+                },
             );
         },
     );
     cache.drop_outside_window();
     out
+}
+
+/// A cache's keys or values, a head row at a time in f32: `at` is the
+/// index of the row's first value (a multiple of [`Q8_BLOCK`] for q8).
+trait Rows {
+    /// The `scratch.len()` values at `at`: borrowed where the cache holds
+    /// f32, else decoded into `scratch` (once per position, whatever the
+    /// number of query heads that read it).
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32];
+}
+
+impl Rows for [f32] {
+    #[inline(always)]
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        &self[at..][..scratch.len()]
+    }
+}
+
+/// bf16 bits.
+struct Bf16Rows<'a>(&'a [u16]);
+
+impl Rows for Bf16Rows<'_> {
+    #[inline(always)]
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        let len = scratch.len();
+        for (x, &bits) in scratch.iter_mut().zip(&self.0[at..][..len]) {
+            *x = bf16_value(bits);
+        }
+        scratch
+    }
+}
+
+/// q8 codes and a scale per [`Q8_BLOCK`] of them: each value its code
+/// times its block's scale.
+struct Q8Rows<'a> {
+    codes: &'a [i8],
+    scales: &'a [f32],
+}
+
+impl Rows for Q8Rows<'_> {
+    #[inline(always)]
+    fn row<'a>(&'a self, at: usize, scratch: &'a mut [f32]) -> &'a [f32] {
+        let len = scratch.len();
+        let codes = self.codes[at..][..len].chunks_exact(Q8_BLOCK);
+        let scales = &self.scales[at / Q8_BLOCK..];
+        for ((x, codes), &scale) in scratch.chunks_exact_mut(Q8_BLOCK).zip(codes).zip(scales) {
+            for (x, &c) in x.iter_mut().zip(codes) {
+                *x = c as f32 * scale;
+            }
+        }
+        scratch
+    }
 }
 
 /// The query heads of one position that share a KV head.
@@ -131,6 +222,9 @@ struct HeadGroup<'a> {
     /// Each head's sink logit.
     sinks: Option<&'a [f32]>,
     scale: f32,
+    head_dim: usize,
+    /// Values of a cache row.
+    width: usize,
 }
 
 impl HeadGroup<'_> {
@@ -138,17 +232,23 @@ impl HeadGroup<'_> {
     /// (`[heads, head_dim]`); plain loops, vectorised by
     /// [`Isa::vectorize`].
     #[inline(always)]
-    fn attend(&self, cache: &KvCache, scores: &mut Vec<f32>, out: &mut [f32]) {
-        let hd = cache.shape.head_dim;
+    fn attend<K: Rows + ?Sized, V: Rows + ?Sized>(
+        &self,
+        keys: &K,
+        values: &V,
+        scores: &mut Vec<f32>,
+        out: &mut [f32],
+    ) {
+        let hd = self.head_dim;
         let heads = self.queries.len() / hd;
-        let width = cache.shape.num_kv_heads * hd;
-        let at = |j: usize| (self.visible.start + j) * width + self.offset;
+        let at = |j: usize| (self.visible.start + j) * self.width + self.offset;
         let n = self.visible.len();
+        let mut decoded = vec![0f32; hd];
         // scores[h * n + j]
         scores.clear();
         scores.resize(heads * n, 0.0);
         for j in 0..n {
-            let key = &cache.keys[at(j)..][..hd];
+            let key = keys.row(at(j), &mut decoded);
             for (h, query) in self.queries.chunks_exact(hd).enumerate() {
                 scores[h * n + j] = dot(query, key) * self.scale;
             }
@@ -169,7 +269,7 @@ impl HeadGroup<'_> {
             inv[h] = 1.0 / total;
         }
         for j in 0..n {
-            let value = &cache.values[at(j)..][..hd];
+            let value = values.row(at(j), &mut decoded);
             for (h, out) in out.chunks_exact_mut(hd).enumerate() {
                 let w = scores[h * n + j] * inv[h];
                 for (o, &v) in out.iter_mut().zip(value) {
@@ -207,11 +307,12 @@ pub fn attend_latent(
     );
     let n = latent.len() / lora;
     let start = cache.len();
+    let cached = cache.latent_rows();
     for t in 0..n {
-        cache.keys.extend_from_slice(&latent[t * lora..][..lora]);
-        cache.keys.extend_from_slice(&k_rot[t * rope..][..rope]);
+        cached.extend_from_slice(&latent[t * lora..][..lora]);
+        cached.extend_from_slice(&k_rot[t * rope..][..rope]);
     }
-    let cache = &*cache;
+    let cached = &*cached;
     let mut out = vec![0f32; n * heads * v];
     out.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
         let (t, h) = (i / heads, i % heads);
@@ -227,7 +328,7 @@ pub fn attend_latent(
         let visible = start + t + 1;
         let mut scores: Vec<f32> = (0..visible)
             .map(|j| {
-                let row = &cache.keys[j * width..][..width];
+                let row = &cached[j * width..][..width];
                 let s: f32 = q_latent
                     .iter()
                     .zip(&row[..lora])
@@ -250,7 +351,7 @@ pub fn attend_latent(
         let mut o_latent = vec![0f32; lora];
         for (j, &s) in scores.iter().enumerate() {
             let w = s / total;
-            let row = &cache.keys[j * width..][..lora];
+            let row = &cached[j * width..][..lora];
             o_latent.iter_mut().zip(row).for_each(|(o, &c)| *o += w * c);
         }
         for (o, w) in out.iter_mut().zip(w_v.chunks_exact(lora)) {
@@ -315,13 +416,16 @@ mod tests {
         let (heads, lora, rope, nope, v) = (3, 8, 4, 6, 5);
         let qk = rope + nope;
         let kv_b = values(heads * (nope + v) * lora, 1);
-        let mut cache = KvCache::new(AttentionShape {
-            num_heads: heads,
-            num_kv_heads: 1,
-            head_dim: lora + rope,
-            window: None,
-            latent: true,
-        });
+        let mut cache = KvCache::new(
+            AttentionShape {
+                num_heads: heads,
+                num_kv_heads: 1,
+                head_dim: lora + rope,
+                window: None,
+                latent: true,
+            },
+            KvType::F32,
+        );
         let (mut latents, mut k_rots) = (Vec::new(), Vec::new());
         for (step, n) in [(0u64, 3usize), (1, 2)] {
             let q = values(n * heads * qk, 10 + step);

@@ -294,3 +294,55 @@ fn decode_layers_throughput() {
         );
     }
 }
+
+/// A decode step's attention over 8192 cached positions of the
+/// qwen3-30b-a3b shape (32 query heads over 4 KV heads of 128) for each KV
+/// type: the cache's bytes read per step against the read bandwidth.
+/// `cargo test --release -p moeflux --lib attention_decode_throughput -- --ignored --nocapture`
+#[test]
+#[ignore = "benchmark"]
+fn attention_decode_throughput() {
+    use super::attention::{KvCache, attend};
+    use crate::backend::{AttentionShape, KvRows, KvType};
+
+    let shape = AttentionShape {
+        num_heads: 32,
+        num_kv_heads: 4,
+        head_dim: 128,
+        window: None,
+        latent: false,
+    };
+    let (positions, width) = (8192, 4 * 128);
+    let mut rng = crate::util::SplitMix64(7);
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect()
+    };
+    let (keys, vals) = (values(positions * width), values(positions * width));
+    let (q, k, v) = (values(32 * 128), values(width), values(width));
+    let big = vec![1f32; 128 << 20];
+    for isa in Isa::available() {
+        let ceiling = read_bandwidth(isa, &big);
+        println!("{isa:?}: read bandwidth {ceiling:.1} GB/s");
+        for kv in KvType::ALL {
+            let mut cache = KvCache {
+                shape,
+                first: 0,
+                keys: KvRows::encode(kv, &keys),
+                values: KvRows::encode(kv, &vals),
+            };
+            let secs = best_of(10, || {
+                std::hint::black_box(attend(isa, &mut cache, &q, &k, &v, 1, None));
+                cache.truncate(positions);
+            });
+            let bytes = 2 * positions * kv.row_bytes(width);
+            println!(
+                "  {kv:<4} after {positions} positions: {:.0} µs a step, {:.1} GB/s of cache ({:.0}% of the probe)",
+                secs * 1e6,
+                bytes as f64 / secs / 1e9,
+                100.0 * bytes as f64 / secs / 1e9 / ceiling
+            );
+        }
+    }
+}

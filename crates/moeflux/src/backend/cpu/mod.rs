@@ -14,8 +14,8 @@ use rayon::prelude::*;
 use std::ops::Range;
 
 use super::{
-    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
-    Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, KvType,
+    RmsNorm, Rope, check_host_kv, check_kv_type,
 };
 use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::Result;
@@ -198,8 +198,9 @@ impl Backend for CpuBackend {
         })
     }
 
-    fn new_kv_cache(&self, shape: AttentionShape) -> Result<KvCache> {
-        Ok(KvCache::new(shape))
+    fn new_kv_cache(&self, shape: AttentionShape, kv: KvType) -> Result<KvCache> {
+        check_kv_type(shape, kv)?;
+        Ok(KvCache::new(shape, kv))
     }
 
     fn kv_len(&self, cache: &KvCache) -> usize {
@@ -219,6 +220,8 @@ impl Backend for CpuBackend {
     }
 
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
+        check_kv_type(shape, host.keys.kv_type())?;
+        check_host_kv(shape, &host);
         Ok(KvCache {
             shape,
             first: host.first,

@@ -13,7 +13,7 @@ use super::geometry::{
     FA_WARPS, GD_WARPS,
 };
 use super::{CudaBackend, KvCache, Tensor, Weight, block_per_item, int, long};
-use crate::backend::{AttentionShape, RmsNorm, Rope};
+use crate::backend::{AttentionShape, KvType, RmsNorm, Rope, attention_decode_each};
 use crate::error::Result;
 
 /// Threads per block of the attention kernel.
@@ -104,8 +104,14 @@ impl CudaBackend {
         positions >= self.grouped_decode_min
     }
 
-    fn decode_kernel(&self, kernels: DecodeKernels, head_dim: usize, many: bool) -> &CudaFunction {
-        let k = &self.kernels;
+    fn decode_kernel(
+        &self,
+        kernels: DecodeKernels,
+        head_dim: usize,
+        many: bool,
+        kv: KvType,
+    ) -> &CudaFunction {
+        let k = self.kernels.kv(kv);
         match (kernels, head_dim, many) {
             (DecodeKernels::Grouped { max_group: 8 }, ..=128, false) => {
                 &k.attention_decode_grouped_128_g8
@@ -174,10 +180,11 @@ impl CudaBackend {
             int(head_dim, "head_dim"),
             long(start),
         );
+        let kernels = self.kernels.kv(cache.kv_type());
         if n >= FLASH_MIN_TOKENS && head_dim <= FLASH_MAX_HEAD_DIM && head_dim.is_multiple_of(4) {
             let kernel = match head_dim {
-                ..=128 => &self.kernels.flash_attention_128,
-                _ => &self.kernels.flash_attention_256,
+                ..=128 => &kernels.flash_attention_128,
+                _ => &kernels.flash_attention_256,
             };
             let rows = n * (heads / kv_heads);
             let config = LaunchConfig {
@@ -196,7 +203,9 @@ impl CudaBackend {
                 config,
                 &q.data,
                 cache.keys(),
+                cache.key_scales(),
                 cache.values(),
+                cache.value_scales(),
                 &mut out.data,
                 &n_i,
                 &heads_i,
@@ -213,11 +222,13 @@ impl CudaBackend {
             launch!(
                 self,
                 "attention",
-                &self.kernels.attention,
+                &kernels.attention,
                 block_per_item(n * heads, ATTENTION_THREADS, 0),
                 &q.data,
                 cache.keys(),
+                cache.key_scales(),
                 cache.values(),
+                cache.value_scales(),
                 &mut out.data,
                 &n_i,
                 &heads_i,
@@ -235,7 +246,7 @@ impl CudaBackend {
         // v and writes them into the cache.
         let attended = shape.window.map_or(start + 1, |w| w.min(start + 1));
         let kernels = DecodeKernels::choose(shape, attended, self.grouped_decode_min);
-        let kernel = self.decode_kernel(kernels, head_dim, false);
+        let kernel = self.decode_kernel(kernels, head_dim, false, cache.kv_type());
         let (new_k, new_v) = (
             k.data.device_ptr(&self.stream).0,
             v.data.device_ptr(&self.stream).0,
@@ -259,7 +270,9 @@ impl CudaBackend {
             config,
             &q.data,
             cache.keys(),
+            cache.key_scales(),
             cache.values(),
+            cache.value_scales(),
             &mut out.data,
             &n_i,
             &heads_i,
@@ -307,19 +320,30 @@ impl CudaBackend {
                 && v.cols == k.cols,
             "attention: {n} sequences' query, key and value shapes"
         );
+        let kv = caches.first().map_or(KvType::F32, |c| c.kv_type());
+        if caches.iter().any(|c| c.kv_type() != kv) {
+            // Sequences of several KV types: each in its own launches.
+            return attention_decode_each(self, caches, q, k, v, q_norm, k_norm, norm, rope, shape);
+        }
         let op = "attention (batched decode)";
         let starts = self.kv_claim_each(caches)?;
         let positions = self.upload(op, &starts)?;
         let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions))?;
-        let pointers = |part: fn(&KvCache) -> &CudaSlice<f32>| -> Vec<u64> {
+        let pointers = |part: fn(&KvCache) -> &CudaSlice<u8>| -> Vec<u64> {
             caches
                 .iter()
                 .map(|c| part(c).device_ptr(&self.stream).0)
                 .collect()
         };
         let keys = self.upload(op, &pointers(KvCache::keys))?;
+        let key_scales = self.upload(op, &pointers(KvCache::key_scales))?;
         let values = self.upload(op, &pointers(KvCache::values))?;
-        let partials = self.upload(op, &pointers(KvCache::partials))?;
+        let value_scales = self.upload(op, &pointers(KvCache::value_scales))?;
+        let partials: Vec<u64> = caches
+            .iter()
+            .map(|c| c.partials().device_ptr(&self.stream).0)
+            .collect();
+        let partials = self.upload(op, &partials)?;
         let tickets: Vec<u64> = caches
             .iter()
             .map(|c| c.tickets().device_ptr(&self.stream).0)
@@ -331,7 +355,7 @@ impl CudaBackend {
         let splits = self.decode_splits(blocks * n);
         let splits_i = int(splits, "splits");
         let mut out = self.tensor(op, n, heads * head_dim)?;
-        let kernel = self.decode_kernel(kernels, head_dim, true);
+        let kernel = self.decode_kernel(kernels, head_dim, true, kv);
         let config = LaunchConfig {
             grid_dim: (
                 u32::try_from(blocks).expect("attention: too many heads"),
@@ -354,7 +378,9 @@ impl CudaBackend {
             config,
             &q.data,
             &keys,
+            &key_scales,
             &values,
+            &value_scales,
             &mut out.data,
             &heads_i,
             &kv_heads_i,

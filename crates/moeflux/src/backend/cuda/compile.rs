@@ -20,14 +20,16 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule};
 use cudarc::nvrtc::{Ptx, result as nvrtc, sys as nvrtc_sys};
 
 use super::geometry;
+use crate::backend::KvType;
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 12] = [
+const SOURCES: [(&str, &str); 13] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("kv_cache.cu", include_str!("kernels/kv_cache.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("mla.cu", include_str!("kernels/mla.cu")),
     (
@@ -42,11 +44,14 @@ const SOURCES: [(&str, &str); 12] = [
 ];
 
 /// Declares the kernels the backend launches; each is looked up by its
-/// `extern "C"` name once, when the module loads.
+/// `extern "C"` name once, when the module loads. `Kernels::kv` holds the
+/// kernels that read or write a KV cache, one set per [`KvType`]
+/// ([`KvKernels`]).
 macro_rules! kernels {
     ($($name:ident),* $(,)?) => {
         pub(super) struct Kernels {
             $(pub $name: CudaFunction,)*
+            kv: [KvKernels; 3],
         }
 
         /// The kernels' names, for the test that they are all defined.
@@ -55,14 +60,48 @@ macro_rules! kernels {
 
         impl Kernels {
             fn load(module: &Arc<CudaModule>) -> Result<Kernels, String> {
+                let [f32, bf16, q8] = KvType::ALL.map(|kv| KvKernels::load(module, kv));
                 Ok(Kernels {
-                    $($name: module
-                        .load_function(stringify!($name))
-                        .map_err(|e| format!("kernel `{}` missing from the module: {e}", stringify!($name)))?,)*
+                    $($name: function(module, stringify!($name))?,)*
+                    kv: [f32?, bf16?, q8?],
+                })
+            }
+
+            /// The kernels over a KV cache of type `kv`.
+            pub fn kv(&self, kv: KvType) -> &KvKernels {
+                let index = KvType::ALL.iter().position(|&t| t == kv).expect("every type");
+                &self.kv[index]
+            }
+        }
+    };
+}
+
+/// Declares the kernels compiled once per KV cache encoding, each named
+/// with the type's name after it (`attention_decode_128_bf16`).
+macro_rules! kv_kernels {
+    ($($name:ident),* $(,)?) => {
+        pub(super) struct KvKernels {
+            $(pub $name: CudaFunction,)*
+        }
+
+        /// Their names without the type.
+        #[cfg(test)]
+        const KV_NAMES: &[&str] = &[$(stringify!($name)),*];
+
+        impl KvKernels {
+            fn load(module: &Arc<CudaModule>, kv: KvType) -> Result<KvKernels, String> {
+                Ok(KvKernels {
+                    $($name: function(module, &format!("{}_{kv}", stringify!($name)))?,)*
                 })
             }
         }
     };
+}
+
+fn function(module: &Arc<CudaModule>, name: &str) -> Result<CudaFunction, String> {
+    module
+        .load_function(name)
+        .map_err(|e| format!("kernel `{name}` missing from the module: {e}"))
 }
 
 kernels!(
@@ -105,22 +144,6 @@ kernels!(
     mul_sigmoid_rows,
     copy_cols,
     rope,
-    attention,
-    attention_decode_128,
-    attention_decode_batch_128,
-    attention_decode_batch_256,
-    attention_decode_batch_512,
-    attention_decode_256,
-    attention_decode_512,
-    attention_decode_grouped_128_g8,
-    attention_decode_grouped_128_g16,
-    attention_decode_grouped_256_g8,
-    attention_decode_batch_grouped_128_g8,
-    attention_decode_batch_grouped_128_g16,
-    attention_decode_batch_grouped_256_g8,
-    flash_attention_128,
-    flash_attention_256,
-    kv_store,
     mla_absorb_query,
     mla_attention,
     mla_value_out,
@@ -169,6 +192,25 @@ kernels!(
     moe_prefill_down_q2,
     moe_prefill_down_mxfp4,
     moe_prefill_combine,
+);
+
+kv_kernels!(
+    attention,
+    attention_decode_128,
+    attention_decode_256,
+    attention_decode_512,
+    attention_decode_batch_128,
+    attention_decode_batch_256,
+    attention_decode_batch_512,
+    attention_decode_grouped_128_g8,
+    attention_decode_grouped_128_g16,
+    attention_decode_grouped_256_g8,
+    attention_decode_batch_grouped_128_g8,
+    attention_decode_batch_grouped_128_g16,
+    attention_decode_batch_grouped_256_g8,
+    flash_attention_128,
+    flash_attention_256,
+    kv_store,
 );
 
 /// The program text: every file after a `#line` directive, so compiler
@@ -334,8 +376,13 @@ mod tests {
     #[test]
     fn every_declared_kernel_is_defined_in_the_sources() {
         let source = program();
-        for name in NAMES {
+        let typed = KV_NAMES
+            .iter()
+            .flat_map(|name| KvType::ALL.map(|kv| format!("{name}_{kv}")));
+        for name in NAMES.iter().map(|n| n.to_string()).chain(typed) {
             let defined = source.contains(&format!(" {name}("))
+                || source.contains(&format!("ATTENTION_KERNEL({name},"))
+                || source.contains(&format!("KV_STORE_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_VECTOR_KERNEL({name},"))
                 || source.contains(&format!("FLASH_ATTENTION_KERNEL({name},"))

@@ -51,6 +51,12 @@ geometry! {
     /// Most threads per block of the norm kernels (their launch bound).
     NORM_THREADS: u32 = 1024;
 
+    // ---- kv_cache.cu
+    /// Values of a head row sharing one q8 scale in a KV cache: one warp's
+    /// (the kernels quantize a block with a warp reduction); the host's
+    /// `kv::Q8_BLOCK`.
+    KV_Q8_BLOCK: usize = 32;
+
     // ---- attention.cu
     /// Warps per block of `attention` (a block per token and head).
     ATTN_WARPS: usize = 4;

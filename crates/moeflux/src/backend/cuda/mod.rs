@@ -86,8 +86,8 @@ pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
 
 use super::{
-    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, RmsNorm,
-    Rope,
+    AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, KvType,
+    RmsNorm, Rope, check_host_kv, check_kv_type,
 };
 use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::{Error, Result};
@@ -340,11 +340,14 @@ impl CudaBackend {
         let kernels = compile::load(&ctx).map_err(|e| device_error(ordinal, "kernels", e))?;
         let flash_shared =
             attention::flash_attention_shared_bytes(attention::FLASH_MAX_HEAD_DIM) as i32;
-        for (kernel, bytes) in [
-            (&kernels.flash_attention_128, flash_shared),
-            (&kernels.flash_attention_256, flash_shared),
-            (&kernels.mla_attention, mla::MLA_MAX_SHARED_BYTES as i32),
-        ] {
+        let flash = KvType::ALL.into_iter().flat_map(|kv| {
+            let k = kernels.kv(kv);
+            [&k.flash_attention_128, &k.flash_attention_256]
+        });
+        let shared = flash
+            .map(|kernel| (kernel, flash_shared))
+            .chain([(&kernels.mla_attention, mla::MLA_MAX_SHARED_BYTES as i32)]);
+        for (kernel, bytes) in shared {
             kernel
                 .set_attribute(
                     cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -599,8 +602,9 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn new_kv_cache(&self, shape: AttentionShape) -> Result<KvCache> {
-        self.kv_new(shape)
+    fn new_kv_cache(&self, shape: AttentionShape, kv: KvType) -> Result<KvCache> {
+        check_kv_type(shape, kv)?;
+        self.kv_new(shape, kv)
     }
 
     fn kv_len(&self, cache: &KvCache) -> usize {
@@ -616,6 +620,8 @@ impl Backend for CudaBackend {
     }
 
     fn kv_import(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
+        check_kv_type(shape, host.keys.kv_type())?;
+        check_host_kv(shape, &host);
         self.kv_from_host(shape, host)
     }
 

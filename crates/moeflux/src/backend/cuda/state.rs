@@ -9,7 +9,7 @@ use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::attention::DECODE_ATTN_MAX_SPLITS;
 use super::{CudaBackend, grid_stride, int, long, ok};
-use crate::backend::{AttentionShape, HostDeltaNetState, HostKv};
+use crate::backend::{AttentionShape, HostDeltaNetState, HostKv, KvRows, KvType};
 use crate::config::LinearAttentionConfig;
 use crate::error::Result;
 
@@ -17,15 +17,20 @@ use crate::error::Result;
 const MIN_KV_POSITIONS: usize = 256;
 
 /// Keys and values of every position seen so far, each `[capacity,
-/// kv_heads·head_dim]` of which the first `len - first` rows are valid:
-/// row `r` holds position `first + r`. `first` is 0 unless the shape has a
-/// sliding window, whose cache lets go of the positions no later query
-/// sees when it next makes room, so it stays within a few windows and
-/// chunks. It moves the rows it keeps to the front of its own buffers
-/// when they hold them and the room asked for, so a recorded decode step
-/// stays valid: such a step reads the row of its new position from the
-/// cache's `row` word, which `CudaBackend::kv_prepare_step` sets before
-/// every step (a sliding window's rows are not its positions).
+/// kv_heads·head_dim]` values in the cache's [`KvType`] of which the first
+/// `len - first` rows are valid: row `r` holds position `first + r`. They
+/// lie in four planes of bytes, each with rows of its own size: the keys'
+/// values (f32, bf16 bits or q8 codes), the keys' q8 scales, the values'
+/// values and the values' q8 scales (a plane whose rows have no bytes, the
+/// scales of the other types, is never read or written). `first` is 0
+/// unless the shape has a sliding window, whose cache lets go of the
+/// positions no later query sees when it next makes room, so it stays
+/// within a few windows and chunks. It moves the rows it keeps to the
+/// front of its own buffers when they hold them and the room asked for, so
+/// a recorded decode step stays valid: such a step reads the row of its
+/// new position from the cache's `row` word, which
+/// `CudaBackend::kv_prepare_step` sets before every step (a sliding
+/// window's rows are not its positions).
 ///
 /// Growth: when an append does not fit, the capacity at least doubles (to
 /// at least `MIN_KV_POSITIONS`) and the valid rows move to the new
@@ -42,16 +47,18 @@ const MIN_KV_POSITIONS: usize = 256;
 /// step): the cache's own, so sequences decoded together and layers never
 /// share them.
 ///
-/// A latent cache (multi-head latent attention, `shape.latent`) holds only
-/// `keys`, each row a position's latent and rotary key; its decode steps
-/// take their partials from a temporary (mla.rs), and use the tickets.
+/// A latent cache (multi-head latent attention, `shape.latent`, always
+/// f32) holds only keys, each row a position's latent and rotary key; its
+/// decode steps take their partials from a temporary (mla.rs), and use the
+/// tickets.
 pub struct KvCache {
     shape: AttentionShape,
+    kv: KvType,
     len: Arc<AtomicUsize>,
     first: usize,
     capacity: usize,
-    keys: CudaSlice<f32>,
-    values: CudaSlice<f32>,
+    /// The keys' values and scales, then the values' values and scales.
+    planes: [CudaSlice<u8>; 4],
     partials: CudaSlice<f32>,
     tickets: CudaSlice<u32>,
     /// A sliding window's row of its next position, on the device.
@@ -61,6 +68,11 @@ pub struct KvCache {
 impl KvCache {
     fn width(&self) -> usize {
         self.shape.num_kv_heads * self.shape.head_dim
+    }
+
+    /// Bytes of a row of each plane (0: a plane this cache does not use).
+    fn row_bytes(&self) -> [usize; 4] {
+        plane_row_bytes(self.shape, self.kv)
     }
 
     /// Positions seen so far.
@@ -94,6 +106,11 @@ impl KvCache {
         self.shape
     }
 
+    /// How the cache stores keys and values.
+    pub(super) fn kv_type(&self) -> KvType {
+        self.kv
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -105,10 +122,16 @@ impl KvCache {
     /// What a recorded step bakes in: the buffers' addresses and capacity,
     /// and the length counter it advances (which a recording keeps alive,
     /// so no other cache can have the same one).
-    pub(super) fn identity(&self, backend: &CudaBackend) -> [u64; 4] {
+    pub(super) fn identity(&self, backend: &CudaBackend) -> [u64; 6] {
+        let [keys, key_scales, values, value_scales] = self
+            .planes
+            .each_ref()
+            .map(|p| p.device_ptr(&backend.stream).0);
         [
-            self.keys.device_ptr(&backend.stream).0,
-            self.values.device_ptr(&backend.stream).0,
+            keys,
+            key_scales,
+            values,
+            value_scales,
             self.capacity as u64,
             Arc::as_ptr(&self.len) as u64,
         ]
@@ -119,12 +142,22 @@ impl KvCache {
         &self.len
     }
 
-    pub(super) fn keys(&self) -> &CudaSlice<f32> {
-        &self.keys
+    /// The keys' values (a latent cache's rows).
+    pub(super) fn keys(&self) -> &CudaSlice<u8> {
+        &self.planes[0]
     }
 
-    pub(super) fn values(&self) -> &CudaSlice<f32> {
-        &self.values
+    /// The keys' q8 scales (unused by the other types).
+    pub(super) fn key_scales(&self) -> &CudaSlice<u8> {
+        &self.planes[1]
+    }
+
+    pub(super) fn values(&self) -> &CudaSlice<u8> {
+        &self.planes[2]
+    }
+
+    pub(super) fn value_scales(&self) -> &CudaSlice<u8> {
+        &self.planes[3]
     }
 
     pub(super) fn partials(&self) -> &CudaSlice<f32> {
@@ -133,6 +166,17 @@ impl KvCache {
 
     pub(super) fn tickets(&self) -> &CudaSlice<u32> {
         &self.tickets
+    }
+}
+
+/// Bytes of a row of each plane of a cache of `shape` and `kv` (see
+/// [`KvCache`]): a latent cache has no values.
+fn plane_row_bytes(shape: AttentionShape, kv: KvType) -> [usize; 4] {
+    let width = shape.num_kv_heads * shape.head_dim;
+    let (data, scales) = (kv.value_bytes() * width, kv.scale_bytes(width));
+    match shape.latent {
+        true => [data, scales, 0, 0],
+        false => [data, scales, data, scales],
     }
 }
 
@@ -153,7 +197,7 @@ fn linear_sizes(cfg: &LinearAttentionConfig) -> (usize, usize) {
 }
 
 impl CudaBackend {
-    pub(super) fn kv_new(&self, shape: AttentionShape) -> Result<KvCache> {
+    pub(super) fn kv_new(&self, shape: AttentionShape, kv: KvType) -> Result<KvCache> {
         let op = "new KV cache";
         let partials = match shape.latent {
             true => 0,
@@ -161,11 +205,16 @@ impl CudaBackend {
         };
         Ok(KvCache {
             shape,
+            kv,
             len: Arc::new(AtomicUsize::new(0)),
             first: 0,
             capacity: 0,
-            keys: self.alloc(op, 0)?,
-            values: self.alloc(op, 0)?,
+            planes: [
+                self.alloc(op, 0)?,
+                self.alloc(op, 0)?,
+                self.alloc(op, 0)?,
+                self.alloc(op, 0)?,
+            ],
             partials: self.alloc(op, partials)?,
             tickets: self.zeros(op, shape.num_heads)?,
             row: match shape.window {
@@ -203,24 +252,28 @@ impl CudaBackend {
             true => (2 * needed).max(MIN_KV_POSITIONS),
             false => needed.max(2 * cache.capacity).max(MIN_KV_POSITIONS),
         };
-        let width = cache.width();
-        let (from, valid) = (dropped * width, (cache.held() - dropped) * width);
-        let grow = |old: &CudaSlice<f32>| {
-            let mut new = self.alloc::<f32>("growing a KV cache", capacity * width)?;
-            if valid > 0 {
+        let valid = cache.held() - dropped;
+        let op = "growing a KV cache";
+        // Every plane is allocated before any replaces the old: a failure
+        // leaves the cache as it was.
+        let mut grown = Vec::with_capacity(4);
+        for (old, &row) in cache.planes.iter().zip(&cache.row_bytes()) {
+            let mut new = self.alloc::<u8>(op, capacity * row)?;
+            if valid * row > 0 {
+                let from = dropped * row;
                 ok(
-                    "growing a KV cache",
-                    self.stream
-                        .memcpy_dtod(&old.slice(from..from + valid), &mut new.slice_mut(..valid)),
+                    op,
+                    self.stream.memcpy_dtod(
+                        &old.slice(from..from + valid * row),
+                        &mut new.slice_mut(..valid * row),
+                    ),
                 )?;
             }
-            Ok(new)
-        };
-        let keys = grow(&cache.keys)?;
-        if !cache.shape.latent {
-            cache.values = grow(&cache.values)?;
+            grown.push(new);
         }
-        cache.keys = keys;
+        cache.planes = grown
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("four planes"));
         cache.capacity = capacity;
         cache.first = first;
         Ok(())
@@ -230,21 +283,21 @@ impl CudaBackend {
     /// of its buffers (through a temporary: the ranges may overlap).
     fn kv_compact(&self, cache: &mut KvCache, first: usize) -> Result<()> {
         let op = "moving a sliding window's rows";
-        let width = cache.width();
-        let from = (first - cache.first) * width;
-        let valid = (cache.len() - first) * width;
-        if valid > 0 {
-            let mut kept = self.alloc::<f32>(op, valid)?;
-            for buffer in [&mut cache.keys, &mut cache.values] {
+        let (skip, valid) = (first - cache.first, cache.len() - first);
+        let rows = cache.row_bytes();
+        for (buffer, row) in cache.planes.iter_mut().zip(rows) {
+            let (from, bytes) = (skip * row, valid * row);
+            if bytes > 0 {
+                let mut kept = self.alloc::<u8>(op, bytes)?;
                 ok(
                     op,
                     self.stream
-                        .memcpy_dtod(&buffer.slice(from..from + valid), &mut kept),
+                        .memcpy_dtod(&buffer.slice(from..from + bytes), &mut kept),
                 )?;
                 ok(
                     op,
                     self.stream
-                        .memcpy_dtod(&kept, &mut buffer.slice_mut(..valid)),
+                        .memcpy_dtod(&kept, &mut buffer.slice_mut(..bytes)),
                 )?;
             }
         }
@@ -252,9 +305,10 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// Appends `n` rows of keys and values (`[n, width]` each). While a
-    /// decode step is being recorded the rows go where the step's row word
-    /// (on the device) says, so that replays append too.
+    /// Appends `n` rows of keys and values (`[n, width]` each, f32),
+    /// encoded as the cache's type. While a decode step is being recorded
+    /// the rows go where the step's row word (on the device) says, so that
+    /// replays append too.
     pub(super) fn kv_append(
         &self,
         cache: &mut KvCache,
@@ -271,13 +325,16 @@ impl CudaBackend {
         let width = cache.width();
         let position = self.recorded_row(cache);
         let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(cache.held()));
+        let [cache_keys, key_scales, cache_values, value_scales] = &mut cache.planes;
         launch!(
             self,
             "kv_store",
-            &self.kernels.kv_store,
+            &self.kernels.kv(cache.kv).kv_store,
             grid_stride(n * width),
-            &mut cache.keys,
-            &mut cache.values,
+            cache_keys,
+            key_scales,
+            cache_values,
+            value_scales,
             keys,
             values,
             &width_l,
@@ -329,60 +386,63 @@ impl CudaBackend {
     }
 
     /// The positions a later query can see (a sliding window's newest, as
-    /// the CPU holds them).
+    /// the CPU holds them), in the cache's encoding.
     pub(super) fn kv_to_host(&self, cache: &KvCache) -> Result<HostKv> {
         let len = cache.len();
         let first = len - cache.shape.retained(len).min(cache.held());
-        let width = cache.width();
-        let (from, valid) = ((first - cache.first) * width, (len - first) * width);
+        let (skip, valid) = (first - cache.first, len - first);
         let op = "saving a KV cache";
-        let download = |data: &CudaSlice<f32>| -> Result<Vec<f32>> {
-            if valid == 0 {
-                return Ok(Vec::new());
+        let rows = cache.row_bytes();
+        let mut bytes = [Vec::new(), Vec::new(), Vec::new(), Vec::new()];
+        for ((plane, row), out) in cache.planes.iter().zip(rows).zip(&mut bytes) {
+            if valid * row > 0 {
+                let from = skip * row;
+                *out = ok(
+                    op,
+                    self.stream
+                        .clone_dtoh(&plane.slice(from..from + valid * row)),
+                )?;
             }
-            let host = ok(op, self.stream.clone_dtoh(&data.slice(from..from + valid)))?;
-            ok(op, self.stream.synchronize())?;
-            Ok(host)
+        }
+        ok(op, self.stream.synchronize())?;
+        let [keys, key_scales, values, value_scales] = bytes;
+        let values_held = match cache.shape.latent {
+            true => 0,
+            false => valid * cache.width(),
         };
         Ok(HostKv {
             first,
-            keys: download(&cache.keys)?,
-            values: match cache.shape.latent {
-                true => Vec::new(),
-                false => download(&cache.values)?,
-            },
+            keys: host_rows(cache.kv, valid * cache.width(), keys, key_scales),
+            values: host_rows(cache.kv, values_held, values, value_scales),
         })
     }
 
     pub(super) fn kv_from_host(&self, shape: AttentionShape, host: HostKv) -> Result<KvCache> {
+        let kv = host.keys.kv_type();
         let width = shape.num_kv_heads * shape.head_dim;
-        let values = if shape.latent { 0 } else { host.keys.len() };
-        assert!(
-            host.values.len() == values && host.keys.len().is_multiple_of(width),
-            "KV import: {} keys and {} values are not whole rows of {width}",
-            host.keys.len(),
-            host.values.len()
-        );
-        let len = host.keys.len() / width;
-        let mut cache = self.kv_new(shape)?;
-        self.kv_reserve(&mut cache, len)?;
+        let held = host.keys.len() / width;
+        let mut cache = self.kv_new(shape, kv)?;
+        self.kv_reserve(&mut cache, held)?;
         cache.first = host.first;
-        let n = len * width;
-        if n > 0 {
-            ok(
-                "loading a KV cache",
-                self.stream
-                    .memcpy_htod(&host.keys, &mut cache.keys.slice_mut(..n)),
-            )?;
-            if !shape.latent {
+        let rows = cache.row_bytes();
+        let mut sides = [host.keys, host.values].into_iter().flat_map(|side| {
+            let mut bytes = Vec::new();
+            side.write_bytes(&mut bytes);
+            let scales = bytes.split_off(kv.value_bytes() * side.len());
+            [bytes, scales]
+        });
+        for (plane, row) in cache.planes.iter_mut().zip(rows) {
+            let bytes = sides.next().expect("four planes");
+            if row > 0 && !bytes.is_empty() {
+                assert_eq!(bytes.len(), held * row, "KV import: rows of the planes");
                 ok(
                     "loading a KV cache",
                     self.stream
-                        .memcpy_htod(&host.values, &mut cache.values.slice_mut(..n)),
+                        .memcpy_htod(&bytes, &mut plane.slice_mut(..bytes.len())),
                 )?;
             }
         }
-        cache.set_len(host.first + len);
+        cache.set_len(host.first + held);
         Ok(cache)
     }
 
@@ -446,4 +506,13 @@ impl CudaBackend {
             recurrent_len,
         })
     }
+}
+
+/// Rows of `len` values of type `kv` from a cache's planes: the values'
+/// bytes and their scales' (q8; empty for the other types).
+fn host_rows(kv: KvType, len: usize, mut values: Vec<u8>, scales: Vec<u8>) -> KvRows {
+    values.extend(scales);
+    KvRows::read_bytes(kv, len, &values)
+        .expect("a cache's planes hold whole rows")
+        .0
 }

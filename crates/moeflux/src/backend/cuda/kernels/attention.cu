@@ -1,5 +1,7 @@
 // Causal grouped-query attention over a KV cache `[capacity, kv_heads ·
-// head_dim]` that already holds the new keys and values.
+// head_dim]` that already holds the new keys and values, stored in any of
+// kv_cache.cu's encodings: every kernel here is compiled once per encoding
+// (KV) and reads the cache through KvSide, computing in f32.
 //
 // One block per (query token, head). Each of the block's W warps takes
 // every W-th visible position and keeps a running (online) softmax: its
@@ -24,13 +26,11 @@
 // also takes `window` (a query sees that many rows, its own included; 0:
 // every row before it) and `sinks` (a logit per query head that joins the
 // softmax's denominator with no value; null: none).
-extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
-    attention(const float* q, const float* keys, const float* values, float* out, int n,
-              int heads, int kv_heads, int head_dim, i64 start, const u32* position,
-              float scale, int window, const float* sinks) {
-    await_inputs();
+template <int KV>
+__device__ __forceinline__ void attend(const float* q, KvSide<KV> keys, KvSide<KV> values,
+                                       float* out, int n, int heads, int kv_heads, int head_dim,
+                                       i64 start, float scale, int window, const float* sinks) {
     const int W = ATTN_WARPS;
-    if (position) start = *position;
     __shared__ float warp_max_score[W];
     __shared__ float warp_total[W];
     __shared__ float warp_acc[W][ATTN_MAX_PER_LANE * WARP_SIZE];
@@ -44,8 +44,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         i64 t = item / heads;
         int h = (int)(item % heads);
         const float* query = q + t * q_width + (i64)h * head_dim;
-        const float* k_head = keys + (i64)(h / group) * head_dim;
-        const float* v_head = values + (i64)(h / group) * head_dim;
+        const i64 head_at = (i64)(h / group) * head_dim;
         i64 visible = start + t + 1;
         i64 oldest = window > 0 ? max((i64)0, visible - window) : 0;
 
@@ -60,23 +59,22 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
         float max_score = NEG_INF;
         float total = 0.0f;
         for (i64 j = oldest + warp; j < visible; j += W) {
-            const float* key = k_head + j * kv_width;
+            const i64 at = head_at + j * kv_width;
             float s = 0.0f;
 #pragma unroll
             for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
                 int d = lane + k * WARP_SIZE;
-                if (d < head_dim) s = fmaf(qv[k], key[d], s);
+                if (d < head_dim) s = fmaf(qv[k], keys.at(at + d), s);
             }
             s = warp_sum(s) * scale;
             float new_max = fmaxf(max_score, s);
             float rescale = expf(max_score - new_max);  // 0 for the first position
             float p = expf(s - new_max);
             total = total * rescale + p;
-            const float* value = v_head + j * kv_width;
 #pragma unroll
             for (int k = 0; k < ATTN_MAX_PER_LANE; ++k) {
                 int d = lane + k * WARP_SIZE;
-                if (d < head_dim) acc[k] = acc[k] * rescale + p * value[d];
+                if (d < head_dim) acc[k] = acc[k] * rescale + p * values.at(at + d);
             }
             max_score = new_max;
         }
@@ -110,6 +108,25 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
     }
 }
 
+// One kernel per encoding; `keys` and `values` are a cache side's data,
+// `key_scales` and `value_scales` its q8 scales (null for the other
+// encodings), as in every kernel below.
+#define ATTENTION_KERNEL(name, KV)                                                            \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)                      \
+        name(const float* q, const u8* keys, const float* key_scales, const u8* values,       \
+             const float* value_scales, float* out, int n, int heads, int kv_heads,           \
+             int head_dim, i64 start, const u32* position, float scale, int window,           \
+             const float* sinks) {                                                            \
+        await_inputs();                                                                       \
+        if (position) start = *position;                                                      \
+        attend<KV>(q, KvSide<KV>{keys, key_scales}, KvSide<KV>{values, value_scales}, out, n, \
+                   heads, kv_heads, head_dim, start, scale, window, sinks);                   \
+    }
+
+ATTENTION_KERNEL(attention_f32, KV_F32)
+ATTENTION_KERNEL(attention_bf16, KV_BF16)
+ATTENTION_KERNEL(attention_q8, KV_Q8)
+
 // ---- One token: positions in parallel, one round of loads per chunk ----
 //
 // A decode step has a block per head only, and walking positions one per
@@ -121,9 +138,10 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
 // in turn, lanes over dimensions, several values in flight per lane. The
 // maximum and the sum are the block's (every thread holds them), so the
 // warps' weighted sums only need adding at the end. The cache does not
-// yet hold the token's key and value: they are read from new_k and new_v,
-// and the first block of each KV head's group stores them into the cache
-// (no other block reads that position of the cache), saving a launch per
+// yet hold the token's key and value: each block takes them from new_k and
+// new_v into shared memory as the cache will hold them (kv_encode_row), and
+// the first block of each KV head's group stores them into the cache (no
+// other block reads that position of the cache), saving a launch per
 // layer.
 //
 // Long contexts (flash-decoding): a head alone is too little work for the
@@ -142,6 +160,75 @@ extern "C" __global__ void __launch_bounds__(ATTN_WARPS * WARP_SIZE)
 #define DECODE_VALUES_IN_FLIGHT(PER_LANE) ((PER_LANE) <= 8 ? 8 : 4)
 // 16-byte pieces of a key a thread loads before using them.
 #define DECODE_KEY_QUADS 16
+
+// `dot[g]` = query g (shared memory at `query + g · query_stride`, 16-byte
+// aligned) · the key of `head_dim` values at index `at` of `keys`, for each
+// of GROUP queries, the key read once: 16-byte loads, DECODE_KEY_QUADS in
+// flight, where whole loads cover the head (head_dim a multiple of
+// KV_PER_LOAD(KV)), else one value at a time. Either way each sum adds its
+// products in the order of the dimensions, so every path gives the same.
+template <int KV, int GROUP>
+__device__ __forceinline__ void dot_keys(const KvSide<KV>& keys, i64 at, const float* query,
+                                         int query_stride, int head_dim, float* dot) {
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) dot[g] = 0.0f;
+    if (head_dim % KV_PER_LOAD(KV) != 0) {
+        for (int d = 0; d < head_dim; ++d) {
+            const float x = keys.at(at + d);
+#pragma unroll
+            for (int g = 0; g < GROUP; ++g) dot[g] = fmaf(query[g * query_stride + d], x, dot[g]);
+        }
+        return;
+    }
+    const int loads = head_dim / KV_PER_LOAD(KV);
+    for (int b = 0; b < loads; b += DECODE_KEY_QUADS) {
+        uint4 raw[DECODE_KEY_QUADS];
+        float scales[DECODE_KEY_QUADS];
+#pragma unroll
+        for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
+            const i64 i = at + (i64)(b + u) * KV_PER_LOAD(KV);
+            raw[u] = b + u < loads ? keys.load(i) : make_uint4(0u, 0u, 0u, 0u);
+            scales[u] = b + u < loads ? keys.load_scale(i) : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
+            if (b + u < loads) {
+                float x[KV_PER_LOAD(KV)];
+                kv_unpack<KV>(raw[u], scales[u], x);
+#pragma unroll
+                for (int c = 0; c < KV_PER_LOAD(KV) / 4; ++c) {
+                    const int d = (b + u) * KV_PER_LOAD(KV) + 4 * c;
+#pragma unroll
+                    for (int g = 0; g < GROUP; ++g) {
+                        const float4 qq = *(const float4*)(query + g * query_stride + d);
+                        dot[g] = fmaf(qq.x, x[4 * c], dot[g]);
+                        dot[g] = fmaf(qq.y, x[4 * c + 1], dot[g]);
+                        dot[g] = fmaf(qq.z, x[4 * c + 2], dot[g]);
+                        dot[g] = fmaf(qq.w, x[4 * c + 3], dot[g]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// A KV head's new key and value (`new_k`, `new_v` at the head) as the cache
+// will hold them, into `fresh_k` and `fresh_v` (shared memory); stored at
+// cache row `row` too when `store`. The caller synchronises after.
+template <int KV>
+__device__ __forceinline__ void stage_fresh_row(const float* new_k, const float* new_v,
+                                                u8* keys, float* key_scales, u8* values,
+                                                float* value_scales, i64 row, i64 kv_width,
+                                                i64 head_at, int head_dim, bool store,
+                                                float* fresh_k, float* fresh_v) {
+    const i64 at = row * kv_width + head_at;
+    const i64 block = at / KV_Q8_BLOCK;
+    const bool q8 = KV == KV_Q8;
+    kv_encode_row<KV>(new_k, head_dim, fresh_k, store ? keys + at * KV_BYTES(KV) : nullptr,
+                      store && q8 ? key_scales + block : nullptr);
+    kv_encode_row<KV>(new_v, head_dim, fresh_v, store ? values + at * KV_BYTES(KV) : nullptr,
+                      store && q8 ? value_scales + block : nullptr);
+}
 
 // The rows [first, end) of split `split` when the rows [oldest, visible)
 // are split over at most `splits` blocks in whole chunks; returns the
@@ -248,37 +335,41 @@ __device__ void merge_decode_splits(const float* warp_acc, int stride, int head_
 }
 
 // Head dimensions up to PER_LANE · 32.
-template <int PER_LANE>
-__device__ __forceinline__ void attend_decode(const float* q, float* keys, float* values,
-                                              float* out, int heads, int kv_heads,
-                                              int head_dim, i64 start, const u32* position,
-                                              float scale, const float* new_k,
-                                              const float* new_v, int window,
-                                              const float* sinks, int splits,
+template <int PER_LANE, int KV>
+__device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* key_scales,
+                                              u8* values, float* value_scales, float* out,
+                                              int heads, int kv_heads, int head_dim, i64 start,
+                                              const u32* position, float scale,
+                                              const float* new_k, const float* new_v,
+                                              int window, const float* sinks, int splits,
                                               float* partials, u32* tickets) {
     if (position) start = *position;
     __shared__ float4 query4[PER_LANE * WARP_SIZE / 4];
+    __shared__ float4 fresh4[2][PER_LANE * WARP_SIZE / 4];
     __shared__ float weight[DECODE_ATTN_CHUNK];
     __shared__ float scratch[32];
     __shared__ float warp_acc[DECODE_ATTN_WARPS][PER_LANE * WARP_SIZE];
     float* query_s = (float*)query4;
+    float* fresh_k = (float*)fresh4[0];
+    float* fresh_v = (float*)fresh4[1];
     const int warp = threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int h = blockIdx.x;
     if (h >= heads) return;
     const int group = heads / kv_heads;
     const i64 kv_width = (i64)kv_heads * head_dim;
-    const float* k_head = keys + (i64)(h / group) * head_dim;
-    const float* v_head = values + (i64)(h / group) * head_dim;
-    const float* fresh_k = new_k + (i64)(h / group) * head_dim;
-    const float* fresh_v = new_v + (i64)(h / group) * head_dim;
+    const i64 head_at = (i64)(h / group) * head_dim;
+    const KvSide<KV> cached_k{keys, key_scales}, cached_v{values, value_scales};
+    const KvSide<KV_F32> fresh_key{(const u8*)fresh_k, nullptr};
     const i64 visible = start + 1;
     const int split = blockIdx.z;
     i64 first, end;
     const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
                                         DECODE_ATTN_CHUNK, &first, &end);
     if (split >= used) return;
-    const int quads = head_dim % 4 == 0 ? head_dim / 4 : 0;
+    stage_fresh_row<KV>(new_k + head_at, new_v + head_at, keys, key_scales, values, value_scales,
+                        start, kv_width, head_at, head_dim, h % group == 0 && split == 0,
+                        fresh_k, fresh_v);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
     __syncthreads();
 
@@ -294,30 +385,11 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
         float s = NEG_INF;
         if (threadIdx.x < chunk) {
             i64 j = c0 + threadIdx.x;
-            const float* key = j == visible - 1 ? fresh_k : k_head + j * kv_width;
-            float dot = 0.0f;
-            if (quads) {
-                for (int b = 0; b < quads; b += DECODE_KEY_QUADS) {
-                    float4 kq[DECODE_KEY_QUADS];
-#pragma unroll
-                    for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
-                        kq[u] = b + u < quads ? ((const float4*)key)[b + u]
-                                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                    }
-#pragma unroll
-                    for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
-                        if (b + u < quads) {
-                            float4 qq = query4[b + u];
-                            dot = fmaf(qq.x, kq[u].x, dot);
-                            dot = fmaf(qq.y, kq[u].y, dot);
-                            dot = fmaf(qq.z, kq[u].z, dot);
-                            dot = fmaf(qq.w, kq[u].w, dot);
-                        }
-                    }
-                }
-            } else {
-                for (int d = 0; d < head_dim; ++d) dot = fmaf(query_s[d], key[d], dot);
-            }
+            float dot;
+            if (j == visible - 1)
+                dot_keys<KV_F32, 1>(fresh_key, 0, query_s, 0, head_dim, &dot);
+            else
+                dot_keys<KV, 1>(cached_k, head_at + j * kv_width, query_s, 0, head_dim, &dot);
             s = dot * scale;
         }
         float new_max = fmaxf(running_max, block_max(s, scratch));
@@ -335,11 +407,14 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
             for (int u = 0; u < DECODE_VALUES_IN_FLIGHT(PER_LANE); ++u) {
                 int i = i0 + u * DECODE_ATTN_WARPS;
                 i64 j = c0 + i;
-                const float* value = j == visible - 1 ? fresh_v : v_head + j * kv_width;
+                const bool fresh = j == visible - 1;
+                const i64 at = head_at + j * kv_width;
 #pragma unroll
                 for (int k = 0; k < PER_LANE; ++k) {
                     int d = lane + k * WARP_SIZE;
-                    v[u][k] = i < chunk && d < head_dim ? value[d] : 0.0f;
+                    v[u][k] = i < chunk && d < head_dim
+                                  ? (fresh ? fresh_v[d] : cached_v.at(at + d))
+                                  : 0.0f;
                 }
             }
 #pragma unroll
@@ -373,14 +448,6 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
                             split, used, partials + (i64)h * splits * (head_dim + 2),
                             tickets + h, sink, o);
     }
-    if (h % group == 0 && split == 0) {
-        float* stored_k = keys + start * kv_width + (i64)(h / group) * head_dim;
-        float* stored_v = values + start * kv_width + (i64)(h / group) * head_dim;
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-            stored_k[d] = fresh_k[d];
-            stored_v[d] = fresh_v[d];
-        }
-    }
 }
 
 // Asks L2 for the keys and values of the first chunk of positions the
@@ -388,7 +455,9 @@ __device__ __forceinline__ void attend_decode(const float* q, float* keys, float
 // inputs: they were stored by earlier steps, which no kernel of this one
 // changes (the recorded position is written before the step starts). The
 // first block of each KV head's group asks.
-__device__ __forceinline__ void prefetch_kv_history(const float* keys, const float* values,
+template <int KV>
+__device__ __forceinline__ void prefetch_kv_history(const u8* keys, const float* key_scales,
+                                                    const u8* values, const float* value_scales,
                                                     int heads, int kv_heads, int head_dim,
                                                     i64 start, const u32* position,
                                                     int window, int splits) {
@@ -402,65 +471,84 @@ __device__ __forceinline__ void prefetch_kv_history(const float* keys, const flo
     // The newest position is not in the cache yet.
     const i64 rows = min(min(end, start) - first, (i64)DECODE_ATTN_CHUNK);
     const i64 kv_width = (i64)kv_heads * head_dim;
-    const int lines = (4 * head_dim + 127) / 128;
+    const int lines = (KV_BYTES(KV) * head_dim + 127) / 128;
     const i64 head = (i64)(blockIdx.x / group) * head_dim;
     for (i64 i = threadIdx.x; i < rows * lines; i += blockDim.x) {
         i64 at = (first + i / lines) * kv_width + head;
         int line = (int)(i % lines);
-        prefetch_l2((const u8*)(keys + at) + 128 * line);
-        prefetch_l2((const u8*)(values + at) + 128 * line);
+        prefetch_l2(keys + at * KV_BYTES(KV) + 128 * line);
+        prefetch_l2(values + at * KV_BYTES(KV) + 128 * line);
+        if (KV == KV_Q8 && line == 0) {
+            prefetch_l2(key_scales + at / KV_Q8_BLOCK);
+            prefetch_l2(value_scales + at / KV_Q8_BLOCK);
+        }
     }
 }
 
 // One kernel per bound on the head dimension (128, 256, 512), so a lane
-// keeps only the dimensions that exist. Same parameters as `attention`
-// (n is 1), then the splits: grid (heads, 1, splits); `partials` holds
-// [heads][splits][head_dim + 2] values and `tickets` a zeroed word per head.
-#define ATTENTION_DECODE_KERNEL(name, PER_LANE)                                              \
+// keeps only the dimensions that exist, and per encoding. Same parameters
+// as `attention` (n is 1), then the splits: grid (heads, 1, splits);
+// `partials` holds [heads][splits][head_dim + 2] values and `tickets` a
+// zeroed word per head.
+#define ATTENTION_DECODE_KERNEL(name, PER_LANE, KV)                                          \
     extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)              \
-        name(const float* q, float* keys, float* values, float* out, int n, int heads,       \
-             int kv_heads, int head_dim, i64 start, const u32* position, float scale,        \
-             const float* new_k, const float* new_v, int window, const float* sinks,         \
-             int splits, float* partials, u32* tickets) {                                    \
-        prefetch_kv_history(keys, values, heads, kv_heads, head_dim, start, position,        \
-                            window, splits);                                                 \
+        name(const float* q, u8* keys, float* key_scales, u8* values, float* value_scales,   \
+             float* out, int n, int heads, int kv_heads, int head_dim, i64 start,            \
+             const u32* position, float scale, const float* new_k, const float* new_v,       \
+             int window, const float* sinks, int splits, float* partials, u32* tickets) {    \
+        prefetch_kv_history<KV>(keys, key_scales, values, value_scales, heads, kv_heads,     \
+                                head_dim, start, position, window, splits);                  \
         await_inputs();                                                                      \
-        attend_decode<PER_LANE>(q, keys, values, out, heads, kv_heads, head_dim, start,      \
-                                position, scale, new_k, new_v, window, sinks, splits,        \
-                                partials, tickets);                                          \
+        attend_decode<PER_LANE, KV>(q, keys, key_scales, values, value_scales, out, heads,   \
+                                    kv_heads, head_dim, start, position, scale, new_k,       \
+                                    new_v, window, sinks, splits, partials, tickets);        \
     }
 
-ATTENTION_DECODE_KERNEL(attention_decode_128, 4)
-ATTENTION_DECODE_KERNEL(attention_decode_256, 8)
-ATTENTION_DECODE_KERNEL(attention_decode_512, 16)
+ATTENTION_DECODE_KERNEL(attention_decode_128_f32, 4, KV_F32)
+ATTENTION_DECODE_KERNEL(attention_decode_256_f32, 8, KV_F32)
+ATTENTION_DECODE_KERNEL(attention_decode_512_f32, 16, KV_F32)
+ATTENTION_DECODE_KERNEL(attention_decode_128_bf16, 4, KV_BF16)
+ATTENTION_DECODE_KERNEL(attention_decode_256_bf16, 8, KV_BF16)
+ATTENTION_DECODE_KERNEL(attention_decode_512_bf16, 16, KV_BF16)
+ATTENTION_DECODE_KERNEL(attention_decode_128_q8, 4, KV_Q8)
+ATTENTION_DECODE_KERNEL(attention_decode_256_q8, 8, KV_Q8)
+ATTENTION_DECODE_KERNEL(attention_decode_512_q8, 16, KV_Q8)
 
 // A decode step of several sequences at once: grid (heads, sequences,
 // splits); sequence s's query, key and value are row s of q, new_k and
-// new_v, its cache at keys[s] / values[s] with starts[s] positions before
-// this one, its partials and tickets at partials[s] / tickets[s]. Each
-// block does what attention_decode's does for its head, sequence and split
-// (without reading the history ahead: the caches' addresses are inputs).
-#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE)                                        \
+// new_v, its cache at keys[s] / values[s] (q8: its scales at key_scales[s]
+// / value_scales[s]; the arrays are null for the other encodings) with
+// starts[s] positions before this one, its partials and tickets at
+// partials[s] / tickets[s]. Each block does what attention_decode's does
+// for its head, sequence and split (without reading the history ahead: the
+// caches' addresses are inputs).
+#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE, KV)                                    \
     extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)              \
-        name(const float* q, const u64* keys, const u64* values, float* out, int heads,      \
-             int kv_heads, int head_dim, const i64* starts, float scale,                     \
-             const float* new_k, const float* new_v, int splits, const u64* partials,        \
-             const u64* tickets) {                                                           \
+        name(const float* q, const u64* keys, const u64* key_scales, const u64* values,      \
+             const u64* value_scales, float* out, int heads, int kv_heads, int head_dim,     \
+             const i64* starts, float scale, const float* new_k, const float* new_v,         \
+             int splits, const u64* partials, const u64* tickets) {                          \
         await_inputs();                                                                      \
         const int s = blockIdx.y;                                                            \
-        float* k = (float*)keys[s];                                                          \
-        float* v = (float*)values[s];                                                        \
         const i64 start = starts[s];                                                         \
         const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;      \
-        attend_decode<PER_LANE>(q + s * q_width, k, v, out + s * q_width, heads, kv_heads,   \
-                                head_dim, start, nullptr, scale, new_k + s * kv_width,       \
-                                new_v + s * kv_width, 0, nullptr, splits,                    \
-                                (float*)partials[s], (u32*)tickets[s]);                      \
+        attend_decode<PER_LANE, KV>(                                                         \
+            q + s * q_width, (u8*)keys[s], KV == KV_Q8 ? (float*)key_scales[s] : nullptr,    \
+            (u8*)values[s], KV == KV_Q8 ? (float*)value_scales[s] : nullptr,                 \
+            out + s * q_width, heads, kv_heads, head_dim, start, nullptr, scale,             \
+            new_k + s * kv_width, new_v + s * kv_width, 0, nullptr, splits,                  \
+            (float*)partials[s], (u32*)tickets[s]);                                          \
     }
 
-ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128, 4)
-ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256, 8)
-ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512, 16)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128_f32, 4, KV_F32)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256_f32, 8, KV_F32)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512_f32, 16, KV_F32)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128_bf16, 4, KV_BF16)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256_bf16, 8, KV_BF16)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512_bf16, 16, KV_BF16)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128_q8, 4, KV_Q8)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256_q8, 8, KV_Q8)
+ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512_q8, 16, KV_Q8)
 
 // ---- One token, a block per KV head: each key and value read once ----
 //
@@ -484,8 +572,9 @@ ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512, 16)
 #define GD_VALUES_IN_FLIGHT 8
 
 // Head dimensions up to PER_LANE · 32, groups up to GROUP query heads.
-template <int PER_LANE, int GROUP>
-__device__ __forceinline__ void attend_decode_grouped(const float* q, float* keys, float* values,
+template <int PER_LANE, int GROUP, int KV>
+__device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, float* key_scales,
+                                                      u8* values, float* value_scales,
                                                       float* out, int heads, int kv_heads,
                                                       int head_dim, i64 start, float scale,
                                                       const float* new_k, const float* new_v,
@@ -493,6 +582,7 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
                                                       int splits, float* partials,
                                                       u32* tickets) {
     __shared__ float4 query4[GROUP][PER_LANE * WARP_SIZE / 4];
+    __shared__ float4 fresh4[2][PER_LANE * WARP_SIZE / 4];
     __shared__ float weight[GROUP][GD_CHUNK];
     __shared__ float head_max[GROUP], head_total[GROUP], head_rescale[GROUP];
     __shared__ float reduce[GD_WARPS][PER_LANE * WARP_SIZE];
@@ -501,16 +591,19 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
     const int kv_head = blockIdx.x;
     const int group = heads / kv_heads;
     const i64 kv_width = (i64)kv_heads * head_dim;
-    const float* k_head = keys + (i64)kv_head * head_dim;
-    const float* v_head = values + (i64)kv_head * head_dim;
-    const float* fresh_k = new_k + (i64)kv_head * head_dim;
-    const float* fresh_v = new_v + (i64)kv_head * head_dim;
+    const i64 head_at = (i64)kv_head * head_dim;
+    const KvSide<KV> cached_k{keys, key_scales}, cached_v{values, value_scales};
+    float* fresh_k = (float*)fresh4[0];
+    float* fresh_v = (float*)fresh4[1];
+    const KvSide<KV_F32> fresh_key{(const u8*)fresh_k, nullptr};
     const i64 visible = start + 1;
     const int split = blockIdx.z;
     i64 first, end;
     const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
                                         GD_CHUNK, &first, &end);
     if (split >= used) return;
+    stage_fresh_row<KV>(new_k + head_at, new_v + head_at, keys, key_scales, values, value_scales,
+                        start, kv_width, head_at, head_dim, split == 0, fresh_k, fresh_v);
     const int quads = head_dim / 4;  // head_dim % 4 == 0 (checked on the host)
     const float* group_q = q + (i64)kv_head * group * head_dim;
     for (int i = threadIdx.x; i < GROUP * PER_LANE * WARP_SIZE / 4; i += blockDim.x) {
@@ -538,30 +631,19 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
         for (int g = 0; g < GROUP; ++g) dot[g] = 0.0f;
         if (threadIdx.x < chunk) {
             const i64 j = c0 + threadIdx.x;
-            // Its value is read in step 3, by another warp: ask L2 for it now.
-            if (j < visible - 1) {
-                const u8* value = (const u8*)(v_head + j * kv_width);
-                for (int line = 0; line < 4 * head_dim; line += 128) prefetch_l2(value + line);
-            }
-            const float4* key = (const float4*)(j == visible - 1 ? fresh_k : k_head + j * kv_width);
-            for (int b = 0; b < quads; b += DECODE_KEY_QUADS) {
-                float4 kq[DECODE_KEY_QUADS];
-#pragma unroll
-                for (int u = 0; u < DECODE_KEY_QUADS; ++u)
-                    kq[u] = b + u < quads ? key[b + u] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                for (int u = 0; u < DECODE_KEY_QUADS; ++u) {
-                    if (b + u < quads) {
-#pragma unroll
-                        for (int g = 0; g < GROUP; ++g) {
-                            float4 qq = query4[g][b + u];
-                            dot[g] = fmaf(qq.x, kq[u].x, dot[g]);
-                            dot[g] = fmaf(qq.y, kq[u].y, dot[g]);
-                            dot[g] = fmaf(qq.z, kq[u].z, dot[g]);
-                            dot[g] = fmaf(qq.w, kq[u].w, dot[g]);
-                        }
-                    }
-                }
+            const i64 at = head_at + j * kv_width;
+            const float* queries = (const float*)query4;
+            const int stride = PER_LANE * WARP_SIZE;
+            if (j == visible - 1) {
+                dot_keys<KV_F32, GROUP>(fresh_key, 0, queries, stride, head_dim, dot);
+            } else {
+                // Its value is read in step 3, by another warp: ask L2 for
+                // it now.
+                const u8* value = values + at * KV_BYTES(KV);
+                for (int line = 0; line < KV_BYTES(KV) * head_dim; line += 128)
+                    prefetch_l2(value + line);
+                if (KV == KV_Q8) prefetch_l2(value_scales + at / KV_Q8_BLOCK);
+                dot_keys<KV, GROUP>(cached_k, at, queries, stride, head_dim, dot);
             }
         }
 #pragma unroll
@@ -601,11 +683,14 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
             for (int u = 0; u < GD_VALUES_IN_FLIGHT; ++u) {
                 const int i = i0 + u * GD_WARPS;
                 const i64 j = c0 + i;
-                const float* value = j == visible - 1 ? fresh_v : v_head + j * kv_width;
+                const bool fresh = j == visible - 1;
+                const i64 at = head_at + j * kv_width;
 #pragma unroll
                 for (int k = 0; k < PER_LANE; ++k) {
                     const int d = lane + k * WARP_SIZE;
-                    v[u][k] = i < chunk && d < head_dim ? value[d] : 0.0f;
+                    v[u][k] = i < chunk && d < head_dim
+                                  ? (fresh ? fresh_v[d] : cached_v.at(at + d))
+                                  : 0.0f;
                 }
             }
 #pragma unroll
@@ -660,54 +745,61 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, float* key
                                       head_dim, sinks ? sinks[h0 + g] : NEG_INF,
                                       out + (i64)(h0 + g) * head_dim);
     }
-    if (split == 0) {
-        float* stored_k = keys + start * kv_width + (i64)kv_head * head_dim;
-        float* stored_v = values + start * kv_width + (i64)kv_head * head_dim;
-        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-            stored_k[d] = fresh_k[d];
-            stored_v[d] = fresh_v[d];
-        }
-    }
 }
 
 // Same parameters as attention_decode_*; grid (kv_heads, 1, splits).
-#define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP)                                \
+#define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP, KV)                            \
     extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
-        name(const float* q, float* keys, float* values, float* out, int n, int heads,        \
-             int kv_heads, int head_dim, i64 start, const u32* position, float scale,         \
-             const float* new_k, const float* new_v, int window, const float* sinks,          \
-             int splits, float* partials, u32* tickets) {                                     \
+        name(const float* q, u8* keys, float* key_scales, u8* values, float* value_scales,    \
+             float* out, int n, int heads, int kv_heads, int head_dim, i64 start,             \
+             const u32* position, float scale, const float* new_k, const float* new_v,        \
+             int window, const float* sinks, int splits, float* partials, u32* tickets) {     \
         await_inputs();                                                                       \
         if (position) start = *position;                                                      \
-        attend_decode_grouped<PER_LANE, GROUP>(q, keys, values, out, heads, kv_heads,         \
-                                               head_dim, start, scale, new_k, new_v, window,  \
-                                               sinks, splits, partials, tickets);             \
+        attend_decode_grouped<PER_LANE, GROUP, KV>(q, keys, key_scales, values, value_scales, \
+                                                   out, heads, kv_heads, head_dim, start,     \
+                                                   scale, new_k, new_v, window, sinks,        \
+                                                   splits, partials, tickets);                \
     }
 
-ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8, 4, 8)
-ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16, 4, 16)
-ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8, 8, 8)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8_f32, 4, 8, KV_F32)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16_f32, 4, 16, KV_F32)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8_f32, 8, 8, KV_F32)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8_bf16, 4, 8, KV_BF16)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16_bf16, 4, 16, KV_BF16)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8_bf16, 8, 8, KV_BF16)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8_q8, 4, 8, KV_Q8)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16_q8, 4, 16, KV_Q8)
+ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8_q8, 8, 8, KV_Q8)
 
 // Same parameters as attention_decode_batch_*; grid (kv_heads, sequences,
 // splits).
-#define ATTENTION_DECODE_BATCH_GROUPED_KERNEL(name, PER_LANE, GROUP)                          \
+#define ATTENTION_DECODE_BATCH_GROUPED_KERNEL(name, PER_LANE, GROUP, KV)                      \
     extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
-        name(const float* q, const u64* keys, const u64* values, float* out, int heads,       \
-             int kv_heads, int head_dim, const i64* starts, float scale,                      \
-             const float* new_k, const float* new_v, int splits, const u64* partials,         \
-             const u64* tickets) {                                                            \
+        name(const float* q, const u64* keys, const u64* key_scales, const u64* values,       \
+             const u64* value_scales, float* out, int heads, int kv_heads, int head_dim,      \
+             const i64* starts, float scale, const float* new_k, const float* new_v,          \
+             int splits, const u64* partials, const u64* tickets) {                           \
         await_inputs();                                                                       \
         const int s = blockIdx.y;                                                             \
         const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;       \
-        attend_decode_grouped<PER_LANE, GROUP>(                                               \
-            q + s * q_width, (float*)keys[s], (float*)values[s], out + s * q_width, heads,    \
-            kv_heads, head_dim, starts[s], scale, new_k + s * kv_width, new_v + s * kv_width, \
-            0, nullptr, splits, (float*)partials[s], (u32*)tickets[s]);                       \
+        attend_decode_grouped<PER_LANE, GROUP, KV>(                                           \
+            q + s * q_width, (u8*)keys[s], KV == KV_Q8 ? (float*)key_scales[s] : nullptr,     \
+            (u8*)values[s], KV == KV_Q8 ? (float*)value_scales[s] : nullptr,                  \
+            out + s * q_width, heads, kv_heads, head_dim, starts[s], scale,                   \
+            new_k + s * kv_width, new_v + s * kv_width, 0, nullptr, splits,                   \
+            (float*)partials[s], (u32*)tickets[s]);                                           \
     }
 
-ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8, 4, 8)
-ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16, 4, 16)
-ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8, 8, 8)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8_f32, 4, 8, KV_F32)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16_f32, 4, 16, KV_F32)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_f32, 8, 8, KV_F32)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8_bf16, 4, 8, KV_BF16)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16_bf16, 4, 16, KV_BF16)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_bf16, 8, 8, KV_BF16)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8_q8, 4, 8, KV_Q8)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16_q8, 4, 16, KV_Q8)
+ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_q8, 8, 8, KV_Q8)
 
 // ---- Prefill: a block per tile of query rows, keys and values shared ----
 //
@@ -785,11 +877,11 @@ __device__ __forceinline__ void online_softmax_tile(const float* s, float* runni
     }
 }
 
-template <int PER_LANE>
-__device__ __forceinline__ void flash_attend(const float* q, const float* keys,
-                                             const float* values, float* out, int n,
-                                             int heads, int kv_heads, int head_dim, i64 start,
-                                             float scale, int window, const float* sinks) {
+template <int PER_LANE, int KV>
+__device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, KvSide<KV> values,
+                                             float* out, int n, int heads, int kv_heads,
+                                             int head_dim, i64 start, float scale, int window,
+                                             const float* sinks) {
     extern __shared__ float4 fa_shared[];
     const int group = heads / kv_heads;
     const int key_stride = head_dim + FA_KEY_PAD;
@@ -845,9 +937,9 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
             float4 kq = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
             float4 vq = kq;
             if (key < tile) {
-                i64 at = (j0 + key) * kv_width + (i64)kv_head * head_dim;
-                kq = ((const float4*)(keys + at))[quad];
-                vq = ((const float4*)(values + at))[quad];
+                i64 at = (j0 + key) * kv_width + (i64)kv_head * head_dim + 4 * quad;
+                kq = keys.quad(at);
+                vq = values.quad(at);
             }
             *(float4*)(k_tile + key * key_stride + 4 * quad) = kq;
             ((float4*)v_tile)[i] = vq;
@@ -902,28 +994,20 @@ __device__ __forceinline__ void flash_attend(const float* q, const float* keys,
 
 // Grid: (ceil(n · heads / kv_heads / FA_ROWS), kv_heads), FA_WARPS warps,
 // dynamic shared memory from flash_attention_shared_bytes (Rust side).
-#define FLASH_ATTENTION_KERNEL(name, PER_LANE)                                            \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                    \
-        name(const float* q, const float* keys, const float* values, float* out, int n,   \
-             int heads, int kv_heads, int head_dim, i64 start, float scale, int window,   \
-             const float* sinks) {                                                        \
-        await_inputs();                                                                   \
-        flash_attend<PER_LANE>(q, keys, values, out, n, heads, kv_heads, head_dim, start, \
-                               scale, window, sinks);                                     \
+#define FLASH_ATTENTION_KERNEL(name, PER_LANE, KV)                                          \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                      \
+        name(const float* q, const u8* keys, const float* key_scales, const u8* values,     \
+             const float* value_scales, float* out, int n, int heads, int kv_heads,         \
+             int head_dim, i64 start, float scale, int window, const float* sinks) {        \
+        await_inputs();                                                                     \
+        flash_attend<PER_LANE, KV>(q, KvSide<KV>{keys, key_scales},                         \
+                                   KvSide<KV>{values, value_scales}, out, n, heads,         \
+                                   kv_heads, head_dim, start, scale, window, sinks);        \
     }
 
-FLASH_ATTENTION_KERNEL(flash_attention_128, 4)
-FLASH_ATTENTION_KERNEL(flash_attention_256, 8)
-
-// keys[start + t] = k[t], values[start + t] = v[t] for the n new rows of
-// `width`; `start` from `position` on the device when given.
-extern "C" __global__ void kv_store(float* keys, float* values, const float* k, const float* v,
-                                    i64 width, int n, i64 start, const u32* position) {
-    await_inputs();
-    if (position) start = *position;
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)n * width;
-         i += (i64)gridDim.x * blockDim.x) {
-        keys[start * width + i] = k[i];
-        values[start * width + i] = v[i];
-    }
-}
+FLASH_ATTENTION_KERNEL(flash_attention_128_f32, 4, KV_F32)
+FLASH_ATTENTION_KERNEL(flash_attention_256_f32, 8, KV_F32)
+FLASH_ATTENTION_KERNEL(flash_attention_128_bf16, 4, KV_BF16)
+FLASH_ATTENTION_KERNEL(flash_attention_256_bf16, 8, KV_BF16)
+FLASH_ATTENTION_KERNEL(flash_attention_128_q8, 4, KV_Q8)
+FLASH_ATTENTION_KERNEL(flash_attention_256_q8, 8, KV_Q8)
