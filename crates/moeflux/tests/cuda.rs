@@ -68,6 +68,22 @@ fn stores(name: &str, kv: KvType) -> bool {
     kv == KvType::F32 || !name.starts_with("deepseek")
 }
 
+/// The bound two computations of the same logits are held to with a `kv`
+/// cache, where `exact` is theirs with an f32 cache. bf16 and q8 round
+/// each key and value: where two kernels' f32 products differ by about
+/// 1e-6 (CUDA's and the CPU's, or prefill's tensor-core products and
+/// decode's one-token kernels), a value that close to a rounding boundary
+/// lands on neighbouring codes, one step apart (2^-8 of it for bf16,
+/// max|x|/127 of its block for q8). On the fixtures that moves the logits
+/// by up to 6.4e-4 (bf16) and 1.5e-3 (q8); both are held to 3e-3, the
+/// bf16 cache's own bound against transformers (transformers_parity.rs).
+fn rounded_kv_bound(kv: KvType, exact: f64) -> f64 {
+    match kv {
+        KvType::F32 => exact,
+        _ => 3e-3,
+    }
+}
+
 fn max_error(got: &[f32], want: &[f32], vocab: usize) -> f64 {
     row_errors(got, want, vocab).into_iter().fold(0.0, f64::max)
 }
@@ -149,7 +165,8 @@ fn greedy_continuation_matches_transformers_generate() {
 }
 
 /// For every KV type: the flash prefill kernels and the one-token decode
-/// kernels round each row of keys and values alike.
+/// kernels round each row of keys and values alike (1e-4 with an f32
+/// cache; [`rounded_kv_bound`] with a rounded one).
 #[test]
 fn prefill_logits_equal_token_by_token_decode() {
     if cuda().is_none() {
@@ -172,7 +189,7 @@ fn prefill_logits_equal_token_by_token_decode() {
                 tokens.len()
             );
             assert!(
-                max <= 1e-4,
+                max <= rounded_kv_bound(kv, 1e-4),
                 "{name} ({kv}): prefill and decode differ by {max:.3e}"
             );
         }
@@ -180,8 +197,8 @@ fn prefill_logits_equal_token_by_token_decode() {
 }
 
 /// bf16 and q8 KV caches on CUDA against the CPU's of the same type
-/// (≤ 1e-3, as for f32: both round each key and value to the same bits)
-/// and against transformers within the types' own bounds
+/// (within [`rounded_kv_bound`]: the two round keys and values alike, but
+/// from products a few 1e-7 apart) and against transformers within the types' own bounds
 /// (transformers_parity.rs: bf16 3e-3, q8 1.2e-2; bf16 and q4 weights).
 #[test]
 fn kv_type_logits_match_cpu_and_transformers() {
@@ -212,7 +229,7 @@ fn kv_type_logits_match_cpu_and_transformers() {
                         100.0 * top1
                     );
                     assert!(
-                        vs_cpu <= 1e-3,
+                        vs_cpu <= rounded_kv_bound(kv, 1e-3),
                         "{name} {kv}: CUDA differs from the CPU by {vs_cpu:.3e} ({length})"
                     );
                     assert!(
@@ -229,7 +246,8 @@ fn kv_type_logits_match_cpu_and_transformers() {
 /// with its experts resident (routers of every kind on the device, latent
 /// caches, sliding windows): a prompt, then token-by-token decode to 300
 /// positions (or the fixture's context) equal the whole sequence
-/// prefilled (≤ 1e-4, prefill against decode), and every step is a replay
+/// prefilled (≤ 1e-4 with an f32 cache, [`rounded_kv_bound`] with a
+/// rounded one), and every step is a replay
 /// but the first two over each set of state buffers (run, then recorded):
 /// after the prompt and where the full caches grow at 256 positions. A
 /// prompt of 130 gives a sliding window's cache room for 260 positions,
@@ -272,7 +290,7 @@ fn recorded_decode_steps_equal_prefill_on_every_fixture() {
             "{name:<22} {kv:<4} KV cache, {steps} recorded decode steps ({replayed} replayed) against prefill: max rel err {max:.2e}"
         );
         assert!(
-            max <= 1e-4,
+            max <= rounded_kv_bound(kv, 1e-4),
             "{name} ({kv}): recorded decode and prefill differ by {max:.3e}"
         );
         let unrecorded = if context > 256 { 4 } else { 2 };
