@@ -2,7 +2,7 @@
 //!
 //! [`router`] starts the engine thread (which owns the sessions and runs
 //! every running request in one [`moeflux::forward_batch`] per step; see
-//! `engine.rs`) and returns the axum router of the endpoints:
+//! `engine/`) and returns the axum router of the endpoints:
 //! `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`,
 //! `GET /health`, `GET /metrics`, `POST /tokenize` and `POST /detokenize`;
 //! and a chat page at `/`.

@@ -24,17 +24,17 @@ use std::time::{Duration, Instant};
 use llguidance::Matcher;
 use moeflux::backend::Backend;
 use moeflux::sampling::{Sampler, SamplerConfig, StopCondition};
-use moeflux::speculative::{DraftLength, DraftSettings, Drafter};
+use moeflux::speculative::DraftSettings;
 use moeflux::text::{FinishReason, StreamDecoder, TokenLogprob, Tokenizer};
-use moeflux::{
-    BatchItem, Logits, LogitsWanted, Model, Phase, RewindPoint, Session, SessionOptions,
-    forward_batch,
-};
+use moeflux::{BatchItem, LogitsWanted, Model, Phase, Session, SessionOptions, forward_batch};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::prefix::PrefixCache;
+use drafting::Drafting;
+
+mod drafting;
 
 /// The error a panic in the grammar library becomes.
 fn grammar_panicked() -> anyhow::Error {
@@ -215,18 +215,6 @@ struct Choice<'t, B: Backend> {
     drafting: Option<Drafting<B>>,
 }
 
-/// A sequence's drafter and the step it is checking.
-struct Drafting<B: Backend> {
-    drafter: Box<dyn Drafter<B>>,
-    length: DraftLength,
-    /// Tokens to draft next step.
-    k: usize,
-    /// This step's tokens: the next token, then the drafts.
-    run: Vec<u32>,
-    /// Where the session goes back to when a draft is rejected.
-    point: Option<RewindPoint<B>>,
-}
-
 /// A request in the batch.
 struct Running<'t, B: Backend> {
     job: Job,
@@ -237,33 +225,6 @@ struct Running<'t, B: Backend> {
     /// The client went away or the engine failed on it: removed after the
     /// step.
     gone: bool,
-}
-
-impl<B: Backend> Drafting<B> {
-    /// Drafts after `next` (at most `room` tokens) into this step's run,
-    /// with a rewind point when there are drafts.
-    fn draft(&mut self, session: &mut Session<B>, next: u32, room: usize) -> moeflux::Result<()> {
-        self.run.clear();
-        self.run.push(next);
-        self.point = None;
-        let k = self.k.min(room);
-        if k == 0 {
-            return Ok(());
-        }
-        let mut drafts = self.drafter.draft(session, next, k)?;
-        drafts.truncate(k);
-        if !drafts.is_empty() {
-            self.point = Some(session.rewind_point(drafts.len() + 1)?);
-            self.run.extend(drafts);
-        }
-        Ok(())
-    }
-
-    /// This step's run and rewind point, when it checked drafts.
-    fn take_check(&mut self) -> Option<(Vec<u32>, RewindPoint<B>)> {
-        let point = self.point.take()?;
-        Some((std::mem::take(&mut self.run), point))
-    }
 }
 
 struct Engine<'t, B: Backend> {
@@ -639,59 +600,6 @@ impl<'t, B: Backend> Engine<'t, B> {
                         self.next_token(r, c, logits.last(), None);
                     }
                 }
-            }
-        }
-    }
-
-    /// Chooses choice `c` of request `r`'s tokens from the logits after
-    /// each token of `run` (its next token and the drafts after it), as
-    /// long as the drafts are the tokens chosen, then rewinds the session
-    /// to the last row used: the tokens and the session are those of
-    /// decoding without drafts.
-    fn check_drafts(
-        &mut self,
-        r: usize,
-        c: usize,
-        run: &[u32],
-        point: RewindPoint<B>,
-        logits: &Logits,
-    ) {
-        let mut accepted = 0;
-        let mut used = 0;
-        for (row, draft) in run
-            .iter()
-            .skip(1)
-            .copied()
-            .map(Some)
-            .chain([None])
-            .enumerate()
-        {
-            used = row + 1;
-            let token = self.next_token(r, c, logits.row(row), draft);
-            let running = &self.running[r];
-            if token.is_some() && token == draft {
-                accepted += 1;
-            }
-            if running.gone || running.choices[c].done || token != draft {
-                break;
-            }
-        }
-        self.metrics.draft_checks.inc();
-        self.metrics.drafted_tokens.add(run.len() as u64 - 1);
-        self.metrics.accepted_drafts.add(accepted);
-        let running = &mut self.running[r];
-        if running.gone {
-            return;
-        }
-        let choice = &mut running.choices[c];
-        if let Some(d) = &mut choice.drafting {
-            d.k = d.length.next(run.len() - 1, accepted as usize, d.k);
-        }
-        if used < run.len() {
-            let kept = logits.row(used - 1).to_vec();
-            if let Err(err) = choice.session.rewind(point, used, kept) {
-                let error = ApiError::engine(format!("rewinding rejected drafts failed: {err}"));
-                self.fail(r, error);
             }
         }
     }
