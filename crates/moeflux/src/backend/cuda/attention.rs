@@ -175,6 +175,8 @@ impl CudaBackend {
             long(start),
         );
         if n >= FLASH_MIN_TOKENS && head_dim <= FLASH_MAX_HEAD_DIM && head_dim.is_multiple_of(4) {
+            // Its start is the host's: a recording could not move it on.
+            self.note_unrecordable();
             let kernel = match head_dim {
                 ..=128 => &self.kernels.flash_attention_128,
                 _ => &self.kernels.flash_attention_256,
@@ -309,22 +311,33 @@ impl CudaBackend {
         );
         let op = "attention (batched decode)";
         let starts = self.kv_claim_each(caches)?;
-        let positions = self.upload(op, &starts)?;
-        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions))?;
-        let pointers = |part: fn(&KvCache) -> &CudaSlice<f32>| -> Vec<u64> {
+        // A recorded step reads the positions from the device.
+        let recorded = self.recorded_positions(n);
+        let uploaded = match recorded {
+            Some(_) => None,
+            None => Some(self.upload(op, &starts)?),
+        };
+        let positions = recorded.unwrap_or_else(|| {
+            let uploaded = uploaded.as_ref().expect("uploaded without a recording");
+            uploaded.device_ptr(&self.stream).0
+        });
+        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, positions)?;
+        // Each cache's keys, values, partials and tickets, one table after
+        // another.
+        let mut pointers: Vec<u64> = Vec::with_capacity(4 * n);
+        let parts: [fn(&KvCache) -> &CudaSlice<f32>; 3] =
+            [KvCache::keys, KvCache::values, KvCache::partials];
+        for part in parts {
+            pointers.extend(caches.iter().map(|c| part(c).device_ptr(&self.stream).0));
+        }
+        pointers.extend(
             caches
                 .iter()
-                .map(|c| part(c).device_ptr(&self.stream).0)
-                .collect()
-        };
-        let keys = self.upload(op, &pointers(KvCache::keys))?;
-        let values = self.upload(op, &pointers(KvCache::values))?;
-        let partials = self.upload(op, &pointers(KvCache::partials))?;
-        let tickets: Vec<u64> = caches
-            .iter()
-            .map(|c| c.tickets().device_ptr(&self.stream).0)
-            .collect();
-        let tickets = self.upload(op, &tickets)?;
+                .map(|c| c.tickets().device_ptr(&self.stream).0),
+        );
+        let tables = self.device_table(op, &pointers)?;
+        let table = |i: usize| tables.slice(i * n..(i + 1) * n);
+        let (keys, values, partials, tickets) = (table(0), table(1), table(2), table(3));
         let longest = starts.iter().max().map_or(0, |&s| s as usize + 1);
         let kernels = DecodeKernels::choose(shape, longest, self.grouped_decode_min);
         let (blocks, threads) = kernels.blocks(shape);

@@ -23,7 +23,7 @@ use super::geometry;
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 12] = [
+const SOURCES: [(&str, &str); 13] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -39,6 +39,7 @@ const SOURCES: [(&str, &str); 12] = [
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("matvec_tc.cu", include_str!("kernels/matvec_tc.cu")),
     ("moe_prefill.cu", include_str!("kernels/moe_prefill.cu")),
+    ("moe_few.cu", include_str!("kernels/moe_few.cu")),
 ];
 
 /// Declares the kernels the backend launches; each is looked up by its
@@ -104,6 +105,7 @@ kernels!(
     mul_sigmoid,
     mul_sigmoid_rows,
     copy_cols,
+    fill_words,
     rope,
     attention,
     attention_decode_128,
@@ -169,6 +171,9 @@ kernels!(
     moe_prefill_down_q2,
     moe_prefill_down_mxfp4,
     moe_prefill_combine,
+    moe_group_slots,
+    moe_few_gate_up_q4,
+    moe_few_down_q4,
 );
 
 /// The program text: every file after a `#line` directive, so compiler
