@@ -458,14 +458,16 @@ pub trait Backend: Send + Sync + Sized + 'static {
 
     /// Names the recording of a step over one sequence's state (its KV
     /// caches and Gated DeltaNet states) that appends `rows` positions to
-    /// it, first making room for them (and telling a sliding window's
-    /// cache where they go); steps over the same state buffers get the
-    /// same key. `None`: this backend does not record such steps.
+    /// it, in a step of `sequences` sequences, first making room for them
+    /// (and telling a sliding window's cache where they go); steps over the
+    /// same state buffers get the same key. `None`: this backend does not
+    /// record such steps.
     fn step_key(
         &self,
         _kv: &mut [&mut Self::KvCache],
         _linear: &[&Self::DeltaNetState],
         _rows: usize,
+        _sequences: usize,
     ) -> Result<Option<u64>> {
         Ok(None)
     }

@@ -49,7 +49,8 @@ impl<B: Backend> Model<B> {
                     LayerState::DeltaNet(s) => linear.push(&*s),
                 }
             }
-            let Some(sequence) = b.step_key(&mut kv, &linear, segment.rows)? else {
+            let Some(sequence) = b.step_key(&mut kv, &linear, segment.rows, batch.sequences())?
+            else {
                 return Ok(None);
             };
             key.update(&sequence.to_le_bytes());

@@ -156,12 +156,18 @@ impl CudaBackend {
             );
         }
         // One token: the attention kernel stores its key and value itself.
-        // `start` is the cache row of the first new position.
+        // `start` is the cache row of the first new position; a recorded
+        // step reads it from a sliding window's row word, or else from the
+        // position word (the row of a cache without a window).
         let (start, position) = if n == 1 {
             self.kv_claim(cache, 1)?
         } else {
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (cache.held() - n, self.recorded_position())
+            let position = match self.recorded_position() {
+                0 => 0,
+                word => cache.row_word(self).unwrap_or(word),
+            };
+            (cache.held() - n, position)
         };
         let window = int(shape.window.unwrap_or(0), "window");
         let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);

@@ -32,9 +32,10 @@ impl CudaBackend {
     /// `values` in device memory. Up to [`TABLE_WORDS`] of them are
     /// written by a kernel from its arguments, which a recorded step
     /// repeats at every replay; more are copied from the host, which it
-    /// cannot.
+    /// cannot. Without several-token steps (`MOEFLUX_CUDA_BATCHED_STEPS=0`)
+    /// they are copied, as before those.
     pub(super) fn device_table(&self, op: &str, values: &[u64]) -> Result<CudaSlice<u64>> {
-        if values.len() > TABLE_WORDS {
+        if values.len() > TABLE_WORDS || !self.batched_steps {
             self.note_unrecordable();
             return self.upload(op, values);
         }

@@ -515,15 +515,19 @@ impl CudaBackend {
         }
     }
 
-    /// Names the state of one sequence of a step that appends `rows`
-    /// positions, after making room for them.
+    /// Names the state of one sequence of a step of `sequences` that
+    /// appends `rows` positions, after making room for them. Without
+    /// several-token steps (`MOEFLUX_CUDA_BATCHED_STEPS=0`) only one
+    /// sequence's one-token steps are keyed, as before them.
     pub(super) fn state_key(
         &self,
         kv: &mut [&mut KvCache],
         linear: &[&DeltaNetState],
         rows: usize,
+        sequences: usize,
     ) -> Result<Option<u64>> {
-        if !self.graphs_enabled || (rows > 1 && !self.batched_steps) {
+        let several = rows > 1 || sequences > 1;
+        if !self.graphs_enabled || (several && !self.batched_steps) {
             return Ok(None);
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();

@@ -851,8 +851,9 @@ impl Backend for CudaBackend {
         kv: &mut [&mut KvCache],
         linear: &[&DeltaNetState],
         rows: usize,
+        sequences: usize,
     ) -> Result<Option<u64>> {
-        self.state_key(kv, linear, rows)
+        self.state_key(kv, linear, rows, sequences)
     }
 
     fn replay_step(&self, key: u64, inputs: &StepInputs<'_>) -> Result<Option<Tensor>> {
