@@ -33,10 +33,10 @@ pub(super) const DEVICE_GROUPING_MAX_TOKENS: usize = 128;
 /// Bytes of dynamic shared memory moe_few.cu's kernels take for inputs of
 /// `cols` columns: the B table of [`FEW_SLOTS`] rows (four rows a column
 /// tile, 32 lanes × 8 bytes per step, four steps per 64-column group),
-/// then Σ x per row and group.
+/// then Σ x per row and group, then each row's input row (an i32).
 fn few_shared_bytes(cols: usize) -> usize {
     let groups = cols / GROUP_SIZE;
-    FEW_SLOTS / 4 * groups * 4 * 32 * 8 + 4 * FEW_SLOTS * groups
+    FEW_SLOTS / 4 * groups * 4 * 32 * 8 + 4 * FEW_SLOTS * groups + 4 * FEW_SLOTS
 }
 
 /// The most tiles `slots` slots over `experts` experts make, cut at

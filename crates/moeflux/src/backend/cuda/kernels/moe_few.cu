@@ -275,7 +275,9 @@ __device__ __forceinline__ bool few_tile(const u32* tiles, const u32* tile_count
 // Dynamic shared memory of the few-token kernels, for inputs of `cols`
 // columns (groups = cols / 64): the B table of FEW_SLOTS rows,
 // FEW_SLOTS / 4 · groups · 4 · 32 uint2, then FEW_SLOTS · groups floats of
-// Σ x (grouped.rs sizes it the same way).
+// Σ x, then the FEW_SLOTS input rows (ints); grouped.rs sizes it the same
+// way. No static shared memory: the host allows them the device's whole
+// opt-in limit as dynamic shared memory.
 
 // act[start + j, r] = expert_act(gate · x[slots[start + j] / top_k],
 // up · ...) for the slots j of each tile, rows r of gate and up. Grid:
@@ -289,12 +291,12 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ uint2 few_shared[];
-    __shared__ int in_row[FEW_SLOTS];
     FewTile tile;
     if (!few_tile(tiles, tile_count, tile)) return;
     const int groups = hidden / GROUP_SIZE;
     const int tiles_n = (tile.count + 3) / 4;
     float* sums = (float*)(few_shared + (FEW_SLOTS / 4) * groups * 4 * WARP_SIZE);
+    int* in_row = (int*)(sums + FEW_SLOTS * groups);
     if (threadIdx.x < FEW_SLOTS) {
         in_row[threadIdx.x] =
             threadIdx.x < tile.count ? (int)(slots[tile.start + threadIdx.x] / (u32)top_k) : 0;
@@ -357,12 +359,12 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     extern __shared__ uint2 few_shared[];
-    __shared__ int in_row[FEW_SLOTS];
     FewTile tile;
     if (!few_tile(tiles, tile_count, tile)) return;
     const int groups = inter / GROUP_SIZE;
     const int tiles_n = (tile.count + 3) / 4;
     float* sums = (float*)(few_shared + (FEW_SLOTS / 4) * groups * 4 * WARP_SIZE);
+    int* in_row = (int*)(sums + FEW_SLOTS * groups);
     if (threadIdx.x < FEW_SLOTS) in_row[threadIdx.x] = tile.start + threadIdx.x;
     __syncthreads();
     stage_few_rows(act, in_row, tile.count, inter, tiles_n, few_shared, sums);
