@@ -654,11 +654,13 @@ impl CudaBackend {
             invalid: false,
             arena: ok(op, Arena::new(&self.stream))?,
         }));
-        ok(
-            op,
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED),
-        )?;
+        let begun = self
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+        if begun.is_err() {
+            self.capture.lock().unwrap().take();
+        }
+        ok(op, begun)?;
         let computed = step().and_then(|out| {
             assert_eq!(
                 out.rows * out.cols,
@@ -670,10 +672,13 @@ impl CudaBackend {
         let Some(StepRun::Capture(capture)) = self.capture.lock().unwrap().take() else {
             unreachable!("set above")
         };
-        let graph = ok(
-            op,
-            StepGraph::end_capture(&self.stream, self.programmatic_launch),
-        )?;
+        let graph = StepGraph::end_capture(&self.stream, self.programmatic_launch);
+        if graph.is_err() {
+            // A capture the driver refused fails the same way every time:
+            // the key runs unrecorded from now.
+            self.recordings.lock().unwrap().unrecordable.insert(key);
+        }
+        let graph = ok(op, graph)?;
         computed?;
         if capture.invalid {
             // The probe should have ruled this out; the caller rolls the
