@@ -700,6 +700,7 @@ impl CudaBackend {
                     "moeflux: a recorded CUDA step kept device memory; steps are not replayed"
                 )
             });
+            self.recordings.lock().unwrap().unrecordable.insert(key);
             return Ok(out);
         }
         let mut recordings = self.recordings.lock().unwrap();
