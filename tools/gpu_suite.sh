@@ -17,12 +17,14 @@
 #                             (PERF_TESTS=0 skips the tests, PERF_NCU=0
 #                             Nsight Compute)
 #   tools/gpu_suite.sh batch  on the GPU machine: the CUDA tests, then the
-#                             synthetic qwen3-30b-a3b's single-sequence
-#                             decode against a baseline binary
-#                             ($SUITE/moeflux-base, when carried;
-#                             interleaved) and many sequences decoded
-#                             together (--sequences 16 and 64, resident and
-#                             with a quarter of the experts' bytes in VRAM)
+#                             synthetic qwen3-30b-a3b (in /dev/shm) decoding
+#                             16 and 64 sequences together and one sequence
+#                             alone, each with several-token steps grouped
+#                             on the device and recorded and with
+#                             MOEFLUX_CUDA_BATCHED_STEPS=0 (same binary,
+#                             interleaved), 16 sequences with a quarter of
+#                             the experts' bytes in VRAM, and a device-time
+#                             profile (BATCH_TESTS=0 skips the tests)
 #   tools/gpu_suite.sh longctx
 #                             on the GPU machine: the CUDA tests, then the
 #                             synthetic qwen3-30b-a3b's decode after 128,
@@ -194,65 +196,77 @@ perf() {
     fi
 }
 
-# Batched decode, and single-sequence decode against a baseline build.
+# Batched decode with steps of several tokens grouped on the device and
+# recorded (this build as it is) against the same binary with
+# MOEFLUX_CUDA_BATCHED_STEPS=0 (the host's grouping, unrecorded),
+# interleaved; single-sequence decode likewise. Sections that would run
+# past BATCH_BUDGET_S seconds (default 360) are skipped.
 batch() {
     : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1
     MOEFLUX_CACHE=$(mktemp -d)
     export MOEFLUX_CACHE
-    local moeflux="$SUITE/moeflux" base="$SUITE/moeflux-base" synthetic=/tmp/moeflux-synth-q30 quarter_mb n
+    local moeflux="$SUITE/moeflux" synthetic=/dev/shm/moeflux-synth-q30 quarter_mb n round variant
+    local budget=${BATCH_BUDGET_S:-360}
+    # time_left SECONDS: whether SECONDS more fit the budget (else says so).
+    time_left() {
+        ((SECONDS + $1 <= budget)) && return 0
+        echo "--- skipped at ${SECONDS} s (budget ${budget} s): $2"
+        return 1
+    }
+    # variant NAME ARGS...: `moeflux ARGS...` as NAME says: on (as built)
+    # or off (MOEFLUX_CUDA_BATCHED_STEPS=0).
+    variant() {
+        local name=$1
+        shift
+        case "$name" in
+        on) "$moeflux" "$@" ;;
+        off) MOEFLUX_CUDA_BATCHED_STEPS=0 "$moeflux" "$@" ;;
+        esac
+    }
     if [[ "${BATCH_TESTS:-1}" == 1 ]]; then
-        timeout 300 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
-        grep -E '^test result|FAILED|batched vs alone|prefill vs decode' "$OUT/cuda-tests.log" | head -n 40
+        timeout 240 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|batched vs alone|steps replayed|several sequences|few tokens|prefill vs decode' \
+            "$OUT/cuda-tests.log" | head -n 80 || true
         grep -A 4 'panicked' "$OUT/cuda-tests.log" | head -n 30 || true
+        echo "--- tests done at ${SECONDS} s"
     fi
     "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
-    # The baseline writes its own copy (the same weights), in its own format version.
-    local base_model="$synthetic"
-    if [[ -x "$base" ]]; then
-        base_model=/tmp/moeflux-synth-q30-base
-        "$base" synth --preset qwen3-30b-a3b -o "$base_model" --force >"$OUT/synth-base.log" 2>&1
-    fi
-    local decode=(bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
-    local base_decode=(bench -m "$base_model" --device cuda -n 128 --warmup 16 --prefill 0 --no-ceilings)
-    for round in $(seq "${DECODE_ROUNDS:-3}"); do
-        if [[ -x "$base" ]]; then
-            echo "--- base decode, round $round"
-            "$base" "${base_decode[@]}" 2>&1 | grep -E '^decode|rror' || true
-        fi
-        echo "--- decode, round $round"
-        "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
-    done
+    echo "--- synthetic model written at ${SECONDS} s"
+    # A round is every shape with the switch on and off, so a budget cut
+    # still leaves whole A/B pairs.
     for round in 1 2; do
-        if [[ -x "$base" ]]; then
-            echo "--- base pp512, round $round"
-            "$base" bench -m "$base_model" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
-        fi
-        echo "--- pp512, round $round"
-        "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|rror' || true
-    done
-    for n in 16 64; do
-        for round in 1 2; do
-            if [[ -x "$base" ]] && "$base" bench --help | grep -q -- --sequences; then
-                echo "--- base, $n sequences, resident, round $round"
-                "$base" bench -m "$base_model" --device cuda -n 16 --warmup 4 --prefill 0 --no-ceilings \
-                    --sequences "$n" 2>&1 | grep -E '^decode, |rror' || true
-            fi
-            echo "--- $n sequences, resident, round $round"
-            "$moeflux" bench -m "$synthetic" --device cuda -n 16 --warmup 4 --prefill 0 --no-ceilings \
-                --sequences "$n" >"$OUT/batch-$n.log" 2>&1 || true
-            grep -E '^decode, |rror' "$OUT/batch-$n.log"
+        for n in 16 64 1; do
+            for variant in on off; do
+                time_left 40 "$n sequences, $variant, round $round" || continue
+                echo "--- $n sequence(s), resident, batched steps $variant, round $round (${SECONDS} s)"
+                if ((n == 1)); then
+                    variant "$variant" bench -m "$synthetic" --device cuda -n 128 --warmup 16 --prefill 0 \
+                        --no-ceilings >"$OUT/decode-$variant-$round.log" 2>&1 || true
+                    grep -E '^decode|rror|panicked' "$OUT/decode-$variant-$round.log" || true
+                else
+                    variant "$variant" bench -m "$synthetic" --device cuda -n 16 --warmup 4 --prefill 0 \
+                        --no-ceilings --sequences "$n" >"$OUT/batch-$n-$variant-$round.log" 2>&1 || true
+                    grep -E '^decode, |union per step|rror|panicked' "$OUT/batch-$n-$variant-$round.log" || true
+                fi
+            done
         done
     done
-    echo "--- device time per operation, 16 sequences (profile)"
-    MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 1 --prefill 0 \
-        --no-ceilings --prompt-len 4 --sequences 16 2>&1 | grep -A 24 'CUDA profile' || true
     quarter_mb=$(python3 -c 'import json,sys; m=json.load(open(sys.argv[1]+"/manifest.json")); print(sum(l["blob"]["nbytes"]*l["num_experts"] for l in m["experts"])//4>>20)' "$synthetic")
-    echo "--- 16 sequences, a quarter of the experts in VRAM"
-    "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 4 --prefill 0 --no-ceilings \
-        --sequences 16 --gpu-expert-cache-mb "$quarter_mb" >"$OUT/batch-16-quarter.log" 2>&1 || true
-    grep -E '^decode|^PCIe|^VRAM|expert bytes per token|rror' "$OUT/batch-16-quarter.log"
+    if time_left 40 "16 sequences, a quarter of the experts in VRAM"; then
+        echo "--- 16 sequences, a quarter of the experts in VRAM (${SECONDS} s)"
+        "$moeflux" bench -m "$synthetic" --device cuda -n 8 --warmup 4 --prefill 0 --no-ceilings \
+            --sequences 16 --gpu-expert-cache-mb "$quarter_mb" >"$OUT/batch-16-quarter.log" 2>&1 || true
+        grep -E '^decode|^PCIe|^VRAM|expert bytes per token|rror' "$OUT/batch-16-quarter.log" || true
+    fi
+    if time_left 30 "the device-time profile of 16 sequences"; then
+        echo "--- device time per operation, 16 sequences, batched steps on (profile, graphs off; ${SECONDS} s)"
+        MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 1 --prefill 0 \
+            --no-ceilings --prompt-len 4 --sequences 16 2>&1 | grep -A 24 'CUDA profile' || true
+    fi
+    echo "--- done at ${SECONDS} s"
+    rm -rf "$synthetic"
 }
 
 # Decode after long contexts, split (flash-decoding) against one block per

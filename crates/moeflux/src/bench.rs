@@ -433,6 +433,12 @@ pub struct BatchDecode {
     /// Expert bytes uploaded to the device per generated token (a GPU
     /// streaming experts into its VRAM cache).
     pub device_upload_bytes_per_token: Option<f64>,
+    /// The union of the experts a step's tokens chose, per step: each
+    /// layer's distinct experts once (a device's count), the weights the
+    /// step must read at least.
+    pub union_expert_bytes_per_step: Option<f64>,
+    /// `union_expert_bytes_per_step` over the time of a step, in GB/s.
+    pub union_gb_s: Option<f64>,
 }
 
 /// `sequences` sessions, each prefilled with its own random prompt, warmed
@@ -487,10 +493,15 @@ fn batch_decode<B: Backend>(
     let seconds = start.elapsed().as_secs_f64();
     let tokens = (sequences * options.decode_tokens) as f64;
     let read = model.expert_stats().since(&store_before).bytes_read;
-    let uploaded = match (model.backend().device_expert_stats(), device_before) {
-        (Some(after), Some(before)) => Some(after.since(&before).uploaded_bytes as f64 / tokens),
+    let device = match (model.backend().device_expert_stats(), device_before) {
+        (Some(after), Some(before)) => Some(after.since(&before)),
         _ => None,
     };
+    let uploaded = device.map(|d| d.uploaded_bytes as f64 / tokens);
+    let steps = options.decode_tokens as f64;
+    let union = device
+        .filter(|d| d.batched_expert_bytes > 0)
+        .map(|d| d.batched_expert_bytes as f64 / steps);
     Ok(BatchDecode {
         sequences,
         steps: options.decode_tokens,
@@ -498,6 +509,8 @@ fn batch_decode<B: Backend>(
         step_ms: seconds * 1e3 / options.decode_tokens as f64,
         expert_bytes_read_per_token: read as f64 / tokens,
         device_upload_bytes_per_token: uploaded,
+        union_expert_bytes_per_step: union,
+        union_gb_s: union.map(|bytes| bytes * steps / seconds / 1e9),
     })
 }
 

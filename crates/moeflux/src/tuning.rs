@@ -6,6 +6,7 @@
 //! | `XDG_STATE_HOME` | where `moeflux chat` keeps its input history (`moeflux/chat_history`) | `~/.local/state` |
 //! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
+//! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of 2 to 128 tokens (several sequences decoding, a check of drafted tokens, a short prompt) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
 //! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
 //! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
 //! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
@@ -65,6 +66,12 @@ pub fn cpu_kernels() -> Option<String> {
 /// replayed.
 pub fn cuda_graphs() -> bool {
     switched_on("MOEFLUX_CUDA_GRAPHS")
+}
+
+/// `MOEFLUX_CUDA_BATCHED_STEPS`: whether steps of several tokens group
+/// their routed experts on the device and may be recorded.
+pub fn cuda_batched_steps() -> bool {
+    switched_on("MOEFLUX_CUDA_BATCHED_STEPS")
 }
 
 /// `MOEFLUX_CUDA_PDL`: whether kernels may launch while the one before

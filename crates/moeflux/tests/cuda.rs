@@ -302,6 +302,133 @@ fn recorded_decode_steps_equal_prefill_on_every_fixture() {
     }
 }
 
+/// Batched = alone (common/batch.rs) on every fixture, q4 and bf16, with
+/// every expert resident: steps of several tokens group their routed
+/// experts on the device (q4 experts in the few-token kernels), and the
+/// decode steps of several sequences (the greedy continuations) are
+/// recorded and replayed where the model's attention allows.
+#[test]
+fn batched_equals_alone_with_experts_resident() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        for quant in [DType::Q4, DType::Bf16] {
+            let converted = convert_fixture(name, quant);
+            let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+            gpu.prepare_experts(&moeflux::util::NoProgress).unwrap();
+            common::batch::check_batched_equals_alone(
+                &gpu,
+                &format!("{name} resident {}", quant.name()),
+                <CudaBackend as common::ops::Conformance>::BATCHED_BOUND,
+            );
+            println!(
+                "{name:<22} {}: {} steps replayed",
+                quant.name(),
+                gpu.backend().replayed_steps()
+            );
+        }
+    }
+}
+
+/// Whether a model's decode steps of several sequences can be recorded:
+/// its attention takes `attention_decode_many` (a q/k norm, no sinks, no
+/// sliding window, not latent), which reads each sequence's position from
+/// the device.
+fn records_several_sequences(cfg: &moeflux::config::ModelConfig) -> bool {
+    let a = &cfg.attention;
+    a.qk_norm
+        && !a.sinks
+        && cfg.mla.is_none()
+        && cfg
+            .layers
+            .iter()
+            .all(|l| l.kind != moeflux::config::LayerKind::SlidingAttention)
+}
+
+/// Recorded steps of several rows equal the same steps run unrecorded
+/// (bit for bit: the same kernels with the same arguments), on every
+/// fixture with its experts resident: five sequences decoding together
+/// (recorded where [`records_several_sequences`]), and one sequence
+/// appending a token and three drafts a step (recorded on every fixture),
+/// each replayed after its first two steps.
+#[test]
+fn recorded_steps_of_several_rows_equal_unrecorded_ones() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let run = |graphs: bool| {
+            let backend = cuda_with(CudaOptions {
+                graphs: Some(graphs),
+                ..CudaOptions::default()
+            })
+            .unwrap();
+            let gpu = open_cuda(&converted.dir, ModelOptions::default(), backend);
+            gpu.prepare_experts(&moeflux::util::NoProgress).unwrap();
+            let step = |sessions: &mut [moeflux::Session<CudaBackend>], rows: &[&[u32]]| {
+                let mut items: Vec<moeflux::BatchItem<'_, CudaBackend>> = sessions
+                    .iter_mut()
+                    .zip(rows)
+                    .map(|(session, tokens)| moeflux::BatchItem {
+                        session,
+                        tokens,
+                        wanted: LogitsWanted::All,
+                        phase: moeflux::Phase::Decode,
+                    })
+                    .collect();
+                moeflux::forward_batch(&mut items)
+                    .unwrap()
+                    .into_iter()
+                    .flat_map(|l| l.data)
+                    .collect::<Vec<f32>>()
+            };
+            let mut logits = Vec::new();
+            let mut sessions: Vec<_> = (0..5).map(|_| gpu.session()).collect();
+            for (i, session) in sessions.iter_mut().enumerate() {
+                session.prefill(&tokens[i..2 + 3 * i]).unwrap();
+            }
+            let before = gpu.backend().replayed_steps();
+            for t in 0..6 {
+                let rows: Vec<&[u32]> = (0..5).map(|i| &tokens[t + i..t + i + 1]).collect();
+                logits.extend(step(&mut sessions, &rows));
+            }
+            let several = gpu.backend().replayed_steps() - before;
+            let mut drafting = [gpu.session()];
+            drafting[0].prefill(&tokens[..7]).unwrap();
+            let before = gpu.backend().replayed_steps();
+            for t in 0..5 {
+                logits.extend(step(&mut drafting, &[&tokens[4 * t..4 * t + 4]]));
+            }
+            let drafted = gpu.backend().replayed_steps() - before;
+            (logits, several, drafted, gpu.config().clone())
+        };
+        let (recorded, several, drafted, cfg) = run(true);
+        let (unrecorded, none, _, _) = run(false);
+        println!(
+            "{name:<22} several sequences: {several} of 6 steps replayed; drafts: {drafted} of 5"
+        );
+        assert_eq!(none, 0, "{name}: a backend without graphs replayed steps");
+        assert!(
+            recorded == unrecorded,
+            "{name}: recorded steps differ from unrecorded ones by {:.3e}",
+            max_error(&recorded, &unrecorded, cfg.vocab_size)
+        );
+        let expected = if records_several_sequences(&cfg) {
+            4
+        } else {
+            0
+        };
+        assert_eq!(
+            several, expected,
+            "{name}: steps of five sequences replayed"
+        );
+        assert_eq!(drafted, 3, "{name}: steps of a token and drafts replayed");
+    }
+}
+
 /// Speculative decoding on CUDA: greedy output with drafts (of 1 to 4
 /// tokens, kept and rejected at every offset, and prompt lookup) equals
 /// plain decoding, and the rewound session's logits stay within the
@@ -365,6 +492,7 @@ fn tiny_expert_caches_give_identical_results() {
             unbounded.clone(),
             cuda_with(CudaOptions {
                 expert_cache_bytes: Some(u64::MAX),
+                ..CudaOptions::default()
             })
             .unwrap(),
         );
@@ -374,6 +502,7 @@ fn tiny_expert_caches_give_identical_results() {
         // the pinned host tier.
         let small_gpu = cuda_with(CudaOptions {
             expert_cache_bytes: Some(1),
+            ..CudaOptions::default()
         })
         .unwrap();
         small_gpu.set_pinned_cache_bytes(Some(0));
@@ -502,6 +631,7 @@ fn resident_and_streamed_experts_give_identical_results() {
                 ModelOptions::default(),
                 cuda_with(CudaOptions {
                     expert_cache_bytes: Some(1),
+                    ..CudaOptions::default()
                 })
                 .unwrap(),
             );
@@ -594,6 +724,7 @@ fn streamed_expert_statistics_are_consistent() {
             let what = format!("{name} (prefetch {prefetch:?}, pinned tier {pinned:?})");
             let backend = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(3 * expert_bytes),
+                ..CudaOptions::default()
             })
             .unwrap();
             backend.set_pinned_cache_bytes(pinned);
@@ -878,6 +1009,7 @@ fn grouped_prefill_experts_agree_however_cached() {
             let layer = cfg.moe_layers().next().expect("an MoE layer");
             let streamed_gpu = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(1),
+                ..CudaOptions::default()
             })
             .unwrap();
             // Half of one layer's experts: the second call finds some
@@ -885,6 +1017,7 @@ fn grouped_prefill_experts_agree_however_cached() {
             let layers = cfg.moe_layers().count() as u64;
             let half_gpu = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(store.total_expert_bytes() / layers / 2),
+                ..CudaOptions::default()
             })
             .unwrap();
             resident_gpu

@@ -259,6 +259,19 @@ fn print_table(r: &BenchReport) {
             moved += &format!(", {} uploaded to the device", human_bytes(up as u64));
         }
         row("  expert bytes per token (batched)", moved);
+        if let (Some(bytes), Some(gb_s)) = (b.union_expert_bytes_per_step, b.union_gb_s) {
+            let share = r
+                .memory_bandwidth_gb_s
+                .map(|m| format!(" = {:.0}% of memory bandwidth", 100.0 * gb_s / m))
+                .unwrap_or_default();
+            row(
+                "  experts chosen, union per step",
+                format!(
+                    "{} read at {gb_s:.1} GB/s{share}",
+                    human_bytes(bytes as u64)
+                ),
+            );
+        }
     }
     for c in &r.checks {
         row(

@@ -351,6 +351,7 @@ impl ModelArgs {
     fn cuda_backend(&self) -> Result<Option<CudaBackend>> {
         let options = CudaOptions {
             expert_cache_bytes: self.gpu_expert_cache_mb.map(|mb| mb << 20),
+            ..CudaOptions::default()
         };
         match self.device {
             Device::Cpu => Ok(None),

@@ -131,6 +131,18 @@ pub struct HostKv {
     pub values: KvRows,
 }
 
+/// What a recorded step reads that changes from one replay to the next
+/// (see [`Backend::step_key`]).
+pub struct StepInputs<'a> {
+    /// Every row's token, one sequence after another.
+    pub tokens: &'a [u32],
+    /// Each sequence's position before the step.
+    pub positions: &'a [usize],
+    /// Rows of logits the step returns, each `vocab` wide.
+    pub logit_rows: usize,
+    pub vocab: usize,
+}
+
 /// What a layer's routed experts compute around their three products.
 pub struct ExpertFfn<'a, B: Backend> {
     pub activation: ExpertActivation,
@@ -445,40 +457,36 @@ pub trait Backend: Send + Sync + Sized + 'static {
         self.add_assign(out, &y)
     }
 
-    /// Names the recording of a decode step over a sequence's state (its
-    /// KV caches and Gated DeltaNet states), first making room for one
-    /// more position (and telling a sliding window's cache where it goes);
-    /// steps over the same state buffers get the same key.
-    /// `None`: this backend does not record steps.
+    /// Names the recording of a step over one sequence's state (its KV
+    /// caches and Gated DeltaNet states) that appends `rows` positions to
+    /// it, in a step of `sequences` sequences, first making room for them
+    /// (and telling a sliding window's cache where they go); steps over the
+    /// same state buffers get the same key. `None`: this backend does not
+    /// record such steps.
     fn step_key(
         &self,
         _kv: &mut [&mut Self::KvCache],
         _linear: &[&Self::DeltaNetState],
+        _rows: usize,
+        _sequences: usize,
     ) -> Result<Option<u64>> {
         Ok(None)
     }
 
-    /// Replays the step recorded under `key` for `token` at `position`
-    /// (advancing the KV caches as the step would); `None` when nothing is
-    /// recorded under `key`.
-    fn replay_step(
-        &self,
-        _key: u64,
-        _token: u32,
-        _position: usize,
-    ) -> Result<Option<Self::Tensor>> {
+    /// Replays the step recorded under `key` (a step's key combines its
+    /// sequences' [`Backend::step_key`]s and the batch's shape) for
+    /// `inputs`, advancing the KV caches as the step would; `None` when
+    /// nothing is recorded under `key`.
+    fn replay_step(&self, _key: u64, _inputs: &StepInputs<'_>) -> Result<Option<Self::Tensor>> {
         Ok(None)
     }
 
-    /// Runs `step`, the decode step of `token` at `position` that returns
-    /// `logits_len` logits, and may record it under `key` for
-    /// [`Backend::replay_step`].
+    /// Runs `step`, the step of `inputs`, which returns their logits, and
+    /// may record it under `key` for [`Backend::replay_step`].
     fn record_step(
         &self,
         _key: u64,
-        _token: u32,
-        _position: usize,
-        _logits_len: usize,
+        _inputs: &StepInputs<'_>,
         step: &mut dyn FnMut() -> Result<Self::Tensor>,
     ) -> Result<Self::Tensor> {
         step()

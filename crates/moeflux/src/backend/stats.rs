@@ -35,6 +35,10 @@ pub struct DeviceExpertStats {
     pub pinned_misses: u64,
     pub pinned_bytes: u64,
     pub pinned_budget_bytes: u64,
+    /// Expert bytes the calls of several tokens used, each distinct expert
+    /// of a layer once per call: the weights a batched step must read at
+    /// least (the calls grouped on the device count these and no hits).
+    pub batched_expert_bytes: u64,
 }
 
 impl DeviceExpertStats {
@@ -52,6 +56,7 @@ impl DeviceExpertStats {
             evictions: self.evictions - earlier.evictions,
             pinned_hits: self.pinned_hits - earlier.pinned_hits,
             pinned_misses: self.pinned_misses - earlier.pinned_misses,
+            batched_expert_bytes: self.batched_expert_bytes - earlier.batched_expert_bytes,
             ..*self
         }
     }

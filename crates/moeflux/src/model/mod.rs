@@ -8,6 +8,7 @@
 
 mod batch;
 mod hidden;
+mod recorded;
 mod rewind;
 mod session;
 mod state;
@@ -476,55 +477,23 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// [`Decoder::forward`], except that a decode step of one sequence
-    /// whose experts the backend holds entirely may be recorded by the
-    /// backend and replayed on later steps (see [`Backend::step_key`]).
+    /// [`Decoder::forward`], except that a decode step whose experts the
+    /// backend holds entirely may be recorded by the backend and replayed
+    /// on later steps (see `recorded.rs`).
     fn forward_on_backend(
         &self,
         states: &mut [&mut [LayerState<B>]],
         batch: &ForwardBatch,
         keep_hidden: bool,
     ) -> Result<DecoderOutput<B>> {
-        let (b, store) = (&self.backend, &self.store);
-        if let ([token], [_], true) = (batch.tokens.as_slice(), &*states, batch.is_decode())
-            && !keep_hidden
-            && batch.logit_rows() == 1
-            && self.decoder.experts_all_resident(b, store)
-        {
-            let mut position = 0;
-            let key = {
-                let mut kv = Vec::new();
-                let mut linear = Vec::new();
-                for layer in states[0].iter_mut() {
-                    match layer {
-                        LayerState::Attention(cache) => {
-                            position = b.kv_len(cache);
-                            kv.push(cache);
-                        }
-                        LayerState::DeltaNet(s) => linear.push(&*s),
-                    }
-                }
-                b.step_key(&mut kv, &linear)?
-            };
-            if let Some(key) = key {
-                let logits = match b.replay_step(key, *token, position)? {
-                    Some(logits) => logits,
-                    None => {
-                        let vocab = self.config().vocab_size;
-                        b.record_step(key, *token, position, vocab, &mut || {
-                            self.decoder
-                                .forward(b, batch, states, store, false)
-                                .map(|out| out.logits.expect("one row of logits asked for"))
-                        })?
-                    }
-                };
-                return Ok(DecoderOutput {
-                    logits: Some(logits),
-                    hidden: None,
-                });
-            }
+        if !keep_hidden && let Some(logits) = self.recorded_step(states, batch)? {
+            return Ok(DecoderOutput {
+                logits: Some(logits),
+                hidden: None,
+            });
         }
-        self.decoder.forward(b, batch, states, store, keep_hidden)
+        self.decoder
+            .forward(&self.backend, batch, states, &self.store, keep_hidden)
     }
 
     /// Whether the model has a multi-token-prediction head (converted from

@@ -109,6 +109,7 @@ macro_rules! backend_tests {
             routing_matches_reference => routing,
             routed_experts_match_reference => routed_experts,
             grouped_experts_of_many_tokens_match_reference => grouped_experts,
+            experts_of_few_tokens_each_match_reference => few_token_experts,
             add_bias_matches_reference => add_bias,
             attention_with_sinks_and_window_matches_reference => attention_with_sinks_and_window,
             clamped_biased_experts_match_reference => clamped_biased_experts,
@@ -128,6 +129,7 @@ macro_rules! backend_tests {
             fused_products_match_reference => fused_products,
             routed_experts_match_reference => routed_experts,
             grouped_experts_of_many_tokens_match_reference => grouped_experts,
+            experts_of_few_tokens_each_match_reference => few_token_experts,
         ], []);
     };
     (@module $name:ident, $make:expr, $activations:ident,
@@ -1789,11 +1791,35 @@ pub fn grouped_expert_inputs(n: usize, hidden: usize, experts: usize) -> (Vec<f3
 /// The token counts of [`grouped_experts`].
 pub const GROUPED_TOKENS: [usize; 4] = [17, 40, 130, 512];
 
+/// The token counts of [`few_token_experts`]: a check of drafted tokens
+/// to a decode step of many sequences, a few slots per expert (CUDA groups
+/// them by expert on the device, q4 experts in its few-token kernels).
+pub const FEW_TOKENS: [usize; 6] = [2, 3, 5, 9, 33, 64];
+
 /// The routed experts of many tokens (CUDA's grouped tensor-core kernels)
 /// with every expert prepared (resident on a GPU), for the experts of
 /// [`EXPERT_RECIPES`], on the qwen3_5_moe fixture and on the larger
 /// [`synthetic_moe_checkpoint`], within [`expert_error_bounds`].
 pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
+    check_grouped_experts(b, activations, &GROUPED_TOKENS, false);
+}
+
+/// The routed experts of a few tokens per expert, every expert prepared,
+/// as [`grouped_experts`] checks them, and `routed_experts_add` of them
+/// (its addition within 1e-6 of `|out| + |experts|`, as
+/// [`routed_experts`] allows).
+pub fn few_token_experts<B: Conformance>(b: &B, activations: Activations) {
+    check_grouped_experts(b, activations, &FEW_TOKENS, true);
+}
+
+/// [`grouped_experts`] for `tokens`, and with `add` `routed_experts_add`
+/// too.
+fn check_grouped_experts<B: Conformance>(
+    b: &B,
+    activations: Activations,
+    tokens: &[usize],
+    add: bool,
+) {
     let r = reference();
     let synthetic = synthetic_moe_checkpoint();
     for (rest, quant) in EXPERT_RECIPES {
@@ -1816,7 +1842,7 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
             let spec = RouterSpec::softmax(top_k, true);
             b.prepare_experts(&store, &moeflux::util::NoProgress)
                 .unwrap();
-            for n in GROUPED_TOKENS {
+            for &n in tokens {
                 let (x, logits) = grouped_expert_inputs(n, hidden, experts);
                 let what = format!("grouped experts {model} {} n={n}", quant.name());
                 let routing_r = || {
@@ -1842,6 +1868,33 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
                 );
                 let worst = assert_within(&what, &got, &want, &bounds);
                 println!("{what}: worst error {worst:.3} of the bound");
+                if add {
+                    let out = values(n * hidden, 90 + n as u64);
+                    let mut out_b = b.upload(n, hidden, &out);
+                    b.routed_experts_add(
+                        &mut out_b,
+                        &b.upload(n, hidden, &x),
+                        &routing,
+                        &store,
+                        layer,
+                        swiglu(),
+                    )
+                    .unwrap();
+                    let want_sum: Vec<f32> =
+                        out.iter().zip(want.iter()).map(|(o, y)| o + y).collect();
+                    let bounds: Vec<f64> = bounds
+                        .iter()
+                        .zip(&out)
+                        .zip(want.iter())
+                        .map(|((bound, &o), &y)| bound + 1e-6 * (o.abs() + y.abs()) as f64)
+                        .collect();
+                    assert_within(
+                        &format!("{what}, added"),
+                        &host(b, &out_b),
+                        &want_sum,
+                        &bounds,
+                    );
+                }
             }
         }
     }

@@ -6,7 +6,7 @@
 //! the decode step of several sequences, each over its own cache; and
 //! flash-style tiles from [`FLASH_MIN_TOKENS`] tokens.
 
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
 
 use super::geometry::{
     ATTN_MAX_PER_LANE, ATTN_WARPS, DECODE_ATTN_WARPS, FA_KEY_PAD, FA_KEYS, FA_ROWS_PER_WARP,
@@ -162,12 +162,18 @@ impl CudaBackend {
             );
         }
         // One token: the attention kernel stores its key and value itself.
-        // `start` is the cache row of the first new position.
+        // `start` is the cache row of the first new position; a recorded
+        // step reads it from a sliding window's row word, or else from the
+        // position word (the row of a cache without a window).
         let (start, position) = if n == 1 {
             self.kv_claim(cache, 1)?
         } else {
             self.kv_append(cache, &k.data, &v.data, n)?;
-            (cache.held() - n, self.recorded_position())
+            let position = match self.recorded_position() {
+                0 => 0,
+                word => cache.row_word(self).unwrap_or(word),
+            };
+            (cache.held() - n, position)
         };
         let window = int(shape.window.unwrap_or(0), "window");
         let sinks = sinks.map_or(0, |w| w.data.device_ptr(&self.stream).0);
@@ -182,6 +188,8 @@ impl CudaBackend {
         );
         let kernels = self.kernels.kv(cache.kv_type());
         if n >= FLASH_MIN_TOKENS && head_dim <= FLASH_MAX_HEAD_DIM && head_dim.is_multiple_of(4) {
+            // Its start is the host's: a recording could not move it on.
+            self.note_unrecordable();
             let kernel = match head_dim {
                 ..=128 => &kernels.flash_attention_128,
                 _ => &kernels.flash_attention_256,
@@ -327,28 +335,35 @@ impl CudaBackend {
         }
         let op = "attention (batched decode)";
         let starts = self.kv_claim_each(caches)?;
-        let positions = self.upload(op, &starts)?;
-        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, Some(&positions))?;
-        let pointers = |part: fn(&KvCache) -> &CudaSlice<u8>| -> Vec<u64> {
-            caches
-                .iter()
-                .map(|c| part(c).device_ptr(&self.stream).0)
-                .collect()
+        // A recorded step reads the positions from the device.
+        let recorded = self.recorded_positions(n);
+        let uploaded = match recorded {
+            Some(_) => None,
+            None => Some(self.upload(op, &starts)?),
         };
-        let keys = self.upload(op, &pointers(KvCache::keys))?;
-        let key_scales = self.upload(op, &pointers(KvCache::key_scales))?;
-        let values = self.upload(op, &pointers(KvCache::values))?;
-        let value_scales = self.upload(op, &pointers(KvCache::value_scales))?;
-        let partials: Vec<u64> = caches
-            .iter()
-            .map(|c| c.partials().device_ptr(&self.stream).0)
-            .collect();
-        let partials = self.upload(op, &partials)?;
-        let tickets: Vec<u64> = caches
-            .iter()
-            .map(|c| c.tickets().device_ptr(&self.stream).0)
-            .collect();
-        let tickets = self.upload(op, &tickets)?;
+        let positions = recorded.unwrap_or_else(|| {
+            let uploaded = uploaded.as_ref().expect("uploaded without a recording");
+            uploaded.device_ptr(&self.stream).0
+        });
+        let (q, k) = self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, 0, positions)?;
+        // Each cache's keys, key scales, values, value scales, partials and
+        // tickets, one table after another.
+        let parts: [fn(&CudaBackend, &KvCache) -> u64; 6] = [
+            |b, c| c.keys().device_ptr(&b.stream).0,
+            |b, c| c.key_scales().device_ptr(&b.stream).0,
+            |b, c| c.values().device_ptr(&b.stream).0,
+            |b, c| c.value_scales().device_ptr(&b.stream).0,
+            |b, c| c.partials().device_ptr(&b.stream).0,
+            |b, c| c.tickets().device_ptr(&b.stream).0,
+        ];
+        let mut pointers: Vec<u64> = Vec::with_capacity(parts.len() * n);
+        for part in parts {
+            pointers.extend(caches.iter().map(|c| part(self, c)));
+        }
+        let tables = self.device_table(op, &pointers)?;
+        let table = |i: usize| tables.slice(i * n..(i + 1) * n);
+        let (keys, key_scales, values, value_scales, partials, tickets) =
+            (table(0), table(1), table(2), table(3), table(4), table(5));
         let longest = starts.iter().max().map_or(0, |&s| s as usize + 1);
         let kernels = DecodeKernels::choose(shape, longest, self.grouped_decode_min);
         let (blocks, threads) = kernels.blocks(shape);

@@ -24,7 +24,7 @@ use crate::backend::KvType;
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 13] = [
+const SOURCES: [(&str, &str); 14] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -41,6 +41,7 @@ const SOURCES: [(&str, &str); 13] = [
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("matvec_tc.cu", include_str!("kernels/matvec_tc.cu")),
     ("moe_prefill.cu", include_str!("kernels/moe_prefill.cu")),
+    ("moe_few.cu", include_str!("kernels/moe_few.cu")),
 ];
 
 /// Declares the kernels the backend launches; each is looked up by its
@@ -143,6 +144,7 @@ kernels!(
     mul_sigmoid,
     mul_sigmoid_rows,
     copy_cols,
+    fill_words,
     rope,
     mla_absorb_query,
     mla_attention,
@@ -192,6 +194,9 @@ kernels!(
     moe_prefill_down_q2,
     moe_prefill_down_mxfp4,
     moe_prefill_combine,
+    moe_group_slots,
+    moe_few_gate_up_q4,
+    moe_few_down_q4,
 );
 
 kv_kernels!(

@@ -83,6 +83,18 @@ pub(super) fn expert_inter(parts: &[(usize, MatrixLayout); 3], hidden: usize) ->
     gate.rows
 }
 
+/// Bytes of one expert of `layer`'s gate, up and down (codes, scales and
+/// biases): what computing it reads.
+pub(super) fn expert_bytes(store: &ExpertStore, layer: usize) -> u64 {
+    let blob = store
+        .blob_layout(layer)
+        .expect("routed experts of an MoE layer");
+    [blob.gate, blob.up, blob.down]
+        .iter()
+        .map(|(_, l)| l.total_bytes as u64)
+        .sum()
+}
+
 /// An expert's parts in a device buffer (or pinned slot).
 #[derive(Clone, Copy)]
 pub(super) struct DeviceLayout {

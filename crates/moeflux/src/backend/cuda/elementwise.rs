@@ -7,8 +7,9 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
+use super::geometry::TABLE_WORDS;
 use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
 use crate::backend::Rope;
 use crate::error::Result;
@@ -17,7 +18,49 @@ use crate::error::Result;
 /// memory (a vocabulary's logits; small downloads are not worth it).
 const PINNED_DOWNLOAD_MIN: usize = 1 << 14;
 
+/// A table of up to [`TABLE_WORDS`] words as `fill_words` takes it.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct TableWords {
+    value: [u64; TABLE_WORDS],
+}
+
+// SAFETY: plain data laid out as the kernel's struct of u64s.
+unsafe impl DeviceRepr for TableWords {}
+
 impl CudaBackend {
+    /// `values` in device memory. Up to [`TABLE_WORDS`] of them are
+    /// written by a kernel from its arguments, which a recorded step
+    /// repeats at every replay; more are copied from the host, which it
+    /// cannot. Without several-token steps (`MOEFLUX_CUDA_BATCHED_STEPS=0`)
+    /// they are copied, as before those.
+    pub(super) fn device_table(&self, op: &str, values: &[u64]) -> Result<CudaSlice<u64>> {
+        if values.len() > TABLE_WORDS || !self.batched_steps {
+            self.note_unrecordable();
+            return self.upload(op, values);
+        }
+        let mut words = TableWords {
+            value: [0; TABLE_WORDS],
+        };
+        words.value[..values.len()].copy_from_slice(values);
+        let mut table = self.alloc::<u64>(op, values.len())?;
+        let n = int(values.len(), "table words");
+        launch!(
+            self,
+            op,
+            &self.kernels.fill_words,
+            LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            },
+            &mut table,
+            &words,
+            &n
+        );
+        Ok(table)
+    }
+
     pub(super) fn gather_rows(&self, x: &Tensor, ranges: &[Range<usize>]) -> Result<Tensor> {
         let rows = ranges.iter().map(|r| r.len()).sum();
         let mut out = self.tensor("gather_rows", rows, x.cols)?;

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
-use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_inter};
+use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_bytes, expert_inter};
 use super::geometry::{
     DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
 };
@@ -149,12 +149,23 @@ impl CudaBackend {
                 data: out,
             });
         }
+        if let Some(y) = self.grouped_expert_outputs(x, routing, store, layer, ffn)? {
+            let mut out = self.alloc::<f32>("routed experts", n * hidden)?;
+            self.launch_prefill_combine(&y, routing, &mut out, hidden, false)?;
+            return Ok(Tensor {
+                rows: n,
+                cols: hidden,
+                data: out,
+            });
+        }
         // expert -> its slots (token · top_k + rank), ascending.
         let mut assigned: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
-        for (slot, &expert) in routing.experts_on_host()?.iter().enumerate() {
+        for (slot, &expert) in self.routing_on_host(routing)?.iter().enumerate() {
             assigned.entry(expert).or_default().push(slot as u32);
         }
         let order: Vec<(u32, Vec<u32>)> = assigned.into_iter().collect();
+        self.experts.lock().unwrap().stats.batched_expert_bytes +=
+            order.len() as u64 * expert_bytes(store, layer);
         let flat: Vec<u32> = order.iter().flat_map(|(_, s)| s.iter().copied()).collect();
         if let Some(out) =
             self.prefill_routed_experts(x, routing, store, layer, ffn, &order, &flat)?
@@ -210,9 +221,12 @@ impl CudaBackend {
             x.rows,
             x.cols
         );
+        let args = ffn_args(self, ffn);
         if x.rows == 1 {
-            let args = ffn_args(self, ffn);
             return self.decode_routed_experts(x, routing, store, layer, args, &mut out.data, true);
+        }
+        if let Some(y) = self.grouped_expert_outputs(x, routing, store, layer, args)? {
+            return self.launch_prefill_combine(&y, routing, &mut out.data, x.cols, true);
         }
         let y = self.compute_routed_experts(x, routing, store, layer, ffn)?;
         crate::backend::Backend::add_assign(self, out, &y)
@@ -267,7 +281,7 @@ impl CudaBackend {
         // Streamed: the ids to the host, the missing experts uploaded in
         // one batch on the copy stream, the same kernels over a table of
         // the selected experts.
-        let ids = routing.experts_on_host()?;
+        let ids = self.routing_on_host(routing)?;
         let experts = self.stream_experts(store, layer, ids)?;
         let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
         let table = self.upload("routed experts", &addresses)?;
@@ -568,7 +582,7 @@ impl CudaBackend {
                     x,
                     top_k,
                     &complete.addresses,
-                    &all_tiles,
+                    (&all_tiles, 0),
                     tile_count,
                     &slots,
                     &complete.parts.0,
@@ -665,7 +679,7 @@ impl CudaBackend {
             call.x,
             call.top_k,
             &table,
-            tiles,
+            (tiles, 0),
             count,
             call.slots,
             &first.parts,

@@ -47,6 +47,13 @@ geometry! {
     TC_DOWN_SPLIT: usize = 2;
     TC_DOWN_MAX_WARPS: usize = 16;
 
+    // ---- elementwise.cu
+    /// Most words of a table `fill_words` writes from its arguments (the
+    /// six cache tables of a decode step of 64 sequences: keys, key
+    /// scales, values, value scales, partials, tickets; 3 KiB of kernel
+    /// arguments).
+    TABLE_WORDS: usize = 384;
+
     // ---- norm.cu
     /// Most threads per block of the norm kernels (their launch bound).
     NORM_THREADS: u32 = 1024;
@@ -137,4 +144,14 @@ geometry! {
     MP_BM: usize = 128;
     MP_BN: usize = 32;
     MP_THREADS: u32 = 128;
+
+    // ---- moe_few.cu
+    /// Threads of the one block that groups a call's slots by expert.
+    GROUP_THREADS: u32 = 512;
+    /// Warps per block of the routed experts of a few tokens per expert
+    /// (each a 16-row tile), most slots per tile (two MMA column tiles of
+    /// four tokens), and the 16-row tiles each warp of their down takes.
+    FEW_WARPS: usize = 8;
+    FEW_SLOTS: usize = 8;
+    FEW_DOWN_TILES: usize = 2;
 }

@@ -1,19 +1,28 @@
-//! Recorded decode steps (CUDA graphs). With every expert resident a
-//! decode step is several hundred small launches whose cost is the host's
-//! work of issuing them, not the GPU's. So the second step over a
-//! sequence's state buffers is captured into a graph, and later steps
-//! replay it: the token and the position are written to two device words
-//! the recorded kernels read (embed, q/k RoPE, KV store, attention; a
-//! sliding window's cache has a row word of its own, set when the step is
-//! keyed), and the KV caches' lengths are advanced here, as the recorded
-//! code would have. Everything a step decides lives on the device
-//! (routers' choices included), so any model's steps can be recorded.
+//! Recorded steps (CUDA graphs). With every expert resident a decode step
+//! is several hundred small launches whose cost is the host's work of
+//! issuing them, not the GPU's. So the second step of a shape over the
+//! same state buffers is captured into a graph, and later steps replay it:
+//! the tokens and positions are written to device memory the recorded
+//! kernels read (embed, q/k RoPE, KV store, attention; a sliding window's
+//! cache has a row word of its own, set when the step is keyed), and the
+//! KV caches' lengths are advanced here, as the recorded code would have.
+//! Everything a step decides lives on the device (routers' choices and a
+//! several-token call's grouping of slots by expert included), so any
+//! model's one-sequence steps can be recorded: one token, or a token and
+//! its drafts. A step of several sequences, one token each, reads each
+//! sequence's position from an array (`attention_decode_many`); where a
+//! model's attention needs one sequence's position alone, such steps run
+//! unrecorded.
+//!
+//! The first run of a step's key is a probe: it runs as usual and notes
+//! whatever a recording could not replay (a read of device data on the
+//! host, a position baked into a launch); such keys are never recorded.
 //!
 //! A recording bakes in the addresses of the state buffers (KV caches,
-//! Gated DeltaNet states) and every weight, so it is keyed by the state:
-//! a KV cache that grows to new buffers, or another session, gets its own.
-//! Replays compute exactly what the recorded code computes: the same
-//! kernels with the same arguments.
+//! Gated DeltaNet states) and every weight, so it is keyed by the state
+//! (and the model by the batch's shape): a KV cache that grows to new
+//! buffers, or another session, gets its own. Replays compute exactly what
+//! the recorded code computes: the same kernels with the same arguments.
 //!
 //! Each kernel of a recording that follows another is linked to it by a
 //! programmatic edge: its blocks may launch while the kernel before is
@@ -37,18 +46,42 @@ use cudarc::driver::sys::{self, CUstreamCaptureMode};
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, DriverError};
 
 use super::{CudaBackend, DeltaNetState, KvCache, Tensor, ok};
+use crate::backend::StepInputs;
 use crate::error::Result;
 
-/// Recordings kept (one per live sequence, typically).
+/// Recordings kept (one per live sequence or batch shape, typically).
 const MAX_RECORDINGS: usize = 8;
 
-/// The device words a step being recorded reads its inputs from, and the
-/// KV caches it appends to.
+/// What a step being recorded reads its inputs from, and the KV caches it
+/// appends to.
 pub(super) struct Capture {
-    token: u64,
+    /// The step's tokens, one u32 per row.
+    tokens: u64,
+    rows: usize,
+    /// The position of a one-sequence step (a u32 word; 0 with several).
     position: u64,
-    kv_lens: Vec<Arc<AtomicUsize>>,
+    /// Each sequence's position (i64s) of a step of several sequences.
+    positions: u64,
+    sequences: usize,
+    /// Each KV cache the step appends to, and how many positions.
+    kv_lens: Vec<(Arc<AtomicUsize>, usize)>,
+    /// Set when the step read an input no device memory holds (the probe
+    /// rules that out; a recording that still does is not used).
+    invalid: bool,
     arena: Arena,
+}
+
+/// The first run of a step's key (see the module documentation).
+pub(super) struct Probe {
+    rows: usize,
+    sequences: usize,
+    recordable: bool,
+}
+
+/// A step being probed or recorded.
+pub(super) enum StepRun {
+    Probe(Probe),
+    Capture(Capture),
 }
 
 /// The memory of a recorded step's temporaries: a memory pool of the
@@ -143,12 +176,18 @@ impl Drop for Arena {
 
 struct Recording {
     graph: StepGraph,
-    token: CudaSlice<u32>,
-    position: CudaSlice<u32>,
+    inputs: InputBuffers,
     logits: CudaSlice<f32>,
-    kv_lens: Vec<Arc<AtomicUsize>>,
+    kv_lens: Vec<(Arc<AtomicUsize>, usize)>,
     /// Dropped after the graph, whose replays use its memory.
     _arena: Arena,
+}
+
+/// The device memory a recorded step reads its tokens and positions from.
+struct InputBuffers {
+    tokens: CudaSlice<u32>,
+    position: CudaSlice<u32>,
+    positions: CudaSlice<i64>,
 }
 
 // SAFETY: a recording is only touched under the backend's mutex, and the
@@ -161,9 +200,11 @@ pub(super) struct Recordings {
     /// Keys by age, oldest first.
     order: VecDeque<u64>,
     /// Keys seen once: a step is recorded the second time its state is
-    /// seen, after one ordinary step has created what the first use of a
-    /// state creates (rotary tables, say).
+    /// seen, after one ordinary step (the probe) has created what the
+    /// first use of a state creates (rotary tables, say).
     seen: HashSet<u64>,
+    /// Keys whose probe found the step cannot be recorded.
+    unrecordable: HashSet<u64>,
     /// Steps replayed so far.
     replayed: u64,
 }
@@ -361,28 +402,99 @@ unsafe fn retype_kernel_edges(
 }
 
 impl CudaBackend {
-    /// The device word holding the position of the step being recorded;
-    /// 0 (no word) when nothing is being recorded.
+    /// The device word holding the position of the one-sequence step being
+    /// recorded; 0 (no word) when nothing is being recorded. A step of
+    /// several sequences has no such word: its probe or recording is marked.
     pub(super) fn recorded_position(&self) -> u64 {
-        self.capture
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map_or(0, |capture| capture.position)
+        let mut run = self.capture.lock().unwrap();
+        match run.as_mut() {
+            None => 0,
+            Some(StepRun::Probe(probe)) => {
+                probe.recordable &= probe.sequences == 1;
+                0
+            }
+            Some(StepRun::Capture(capture)) => {
+                capture.invalid |= capture.sequences != 1;
+                capture.position
+            }
+        }
     }
 
-    /// The device word holding the cache row of the position of the step
-    /// being recorded (the position, or a sliding window's row word),
-    /// registering `cache` as one the step appends to; 0 (no word) when
-    /// nothing is being recorded.
-    pub(super) fn recorded_row(&self, cache: &KvCache) -> u64 {
-        let mut capture = self.capture.lock().unwrap();
-        match capture.as_mut() {
+    /// The device word holding the cache row of the first of `n` positions
+    /// the step being recorded appends to `cache` (the position, or a
+    /// sliding window's row word), registering the cache as one the step
+    /// appends to; 0 (no word) when nothing is being recorded.
+    pub(super) fn recorded_row(&self, cache: &KvCache, n: usize) -> u64 {
+        let row = cache.row_word(self);
+        let mut run = self.capture.lock().unwrap();
+        match run.as_mut() {
             None => 0,
-            Some(capture) => {
-                capture.kv_lens.push(cache.len_counter().clone());
-                cache.row_word(self).unwrap_or(capture.position)
+            Some(StepRun::Probe(probe)) => {
+                probe.recordable &= row.is_some() || probe.sequences == 1;
+                0
             }
+            Some(StepRun::Capture(capture)) => {
+                capture.kv_lens.push((cache.len_counter().clone(), n));
+                capture.invalid |= row.is_none() && capture.sequences != 1;
+                row.unwrap_or(capture.position)
+            }
+        }
+    }
+
+    /// Registers `cache` as one the step being recorded appends a position
+    /// to, whose kernel takes the row from [`CudaBackend::recorded_positions`].
+    pub(super) fn recorded_append(&self, cache: &KvCache) {
+        if let Some(StepRun::Capture(capture)) = self.capture.lock().unwrap().as_mut() {
+            capture.kv_lens.push((cache.len_counter().clone(), 1));
+        }
+    }
+
+    /// The device array of each sequence's position (i64) of the step of
+    /// `sequences` sequences being recorded, if one is.
+    pub(super) fn recorded_positions(&self, sequences: usize) -> Option<u64> {
+        let mut run = self.capture.lock().unwrap();
+        match run.as_mut() {
+            Some(StepRun::Probe(probe)) => {
+                probe.recordable &= probe.sequences == sequences;
+                None
+            }
+            Some(StepRun::Capture(capture)) if capture.sequences == sequences => {
+                Some(capture.positions)
+            }
+            Some(StepRun::Capture(capture)) => {
+                capture.invalid = true;
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// The device array of the `n` tokens of the step being recorded, if
+    /// one is.
+    pub(super) fn recorded_tokens(&self, n: usize) -> Option<u64> {
+        let mut run = self.capture.lock().unwrap();
+        match run.as_mut() {
+            Some(StepRun::Probe(probe)) => {
+                probe.recordable &= probe.rows == n;
+                None
+            }
+            Some(StepRun::Capture(capture)) if capture.rows == n => Some(capture.tokens),
+            Some(StepRun::Capture(capture)) => {
+                capture.invalid = true;
+                None
+            }
+            None => None,
+        }
+    }
+
+    /// Notes that the step being probed or recorded did something a replay
+    /// would not redo (read device data on the host, baked a position into
+    /// a launch): its key is not recorded.
+    pub(super) fn note_unrecordable(&self) {
+        match self.capture.lock().unwrap().as_mut() {
+            Some(StepRun::Probe(probe)) => probe.recordable = false,
+            Some(StepRun::Capture(capture)) => capture.invalid = true,
+            None => {}
         }
     }
 
@@ -397,29 +509,30 @@ impl CudaBackend {
         &self,
         len: usize,
     ) -> Option<Result<CudaSlice<T>, DriverError>> {
-        self.capture
-            .lock()
-            .unwrap()
-            .as_ref()
-            .map(|c| c.arena.alloc(len))
+        match self.capture.lock().unwrap().as_ref() {
+            Some(StepRun::Capture(c)) => Some(c.arena.alloc(len)),
+            _ => None,
+        }
     }
 
-    /// The device word holding the token of the step being recorded.
-    pub(super) fn recorded_token(&self) -> Option<u64> {
-        self.capture.lock().unwrap().as_ref().map(|c| c.token)
-    }
-
+    /// Names the state of one sequence of a step of `sequences` that
+    /// appends `rows` positions, after making room for them. Without
+    /// several-token steps (`MOEFLUX_CUDA_BATCHED_STEPS=0`) only one
+    /// sequence's one-token steps are keyed, as before them.
     pub(super) fn state_key(
         &self,
         kv: &mut [&mut KvCache],
         linear: &[&DeltaNetState],
+        rows: usize,
+        sequences: usize,
     ) -> Result<Option<u64>> {
-        if !self.graphs_enabled {
+        let several = rows > 1 || sequences > 1;
+        if !self.graphs_enabled || (several && !self.batched_steps) {
             return Ok(None);
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();
         for cache in kv.iter_mut() {
-            self.kv_prepare_step(cache)?;
+            self.kv_prepare_step(cache, rows)?;
             for word in cache.identity(self) {
                 key.update(&word.to_le_bytes());
             }
@@ -444,24 +557,38 @@ impl CudaBackend {
         })
     }
 
-    /// Sets a recording's token and position words.
+    /// Writes a recording's tokens and positions: words set in place for
+    /// one token of one sequence, copies otherwise.
     fn set_step_inputs(
         &self,
-        token_word: &mut CudaSlice<u32>,
-        position_word: &mut CudaSlice<u32>,
-        token: u32,
-        position: usize,
+        inputs: &mut InputBuffers,
+        tokens: &[u32],
+        positions: &[usize],
     ) -> Result<()> {
         let op = "setting a recorded step's inputs";
-        let position = u32::try_from(position)
-            .unwrap_or_else(|_| panic!("{op}: position {position} exceeds 32 bits"));
-        self.set_word(token_word, token, op)?;
-        self.set_word(position_word, position, op)
+        let word = |position: usize| {
+            u32::try_from(position)
+                .unwrap_or_else(|_| panic!("{op}: position {position} exceeds 32 bits"))
+        };
+        match tokens {
+            [token] => self.set_word(&mut inputs.tokens, *token, op)?,
+            _ => ok(op, self.stream.memcpy_htod(tokens, &mut inputs.tokens))?,
+        }
+        match positions {
+            [position] => self.set_word(&mut inputs.position, word(*position), op),
+            _ => {
+                let positions: Vec<i64> = positions.iter().map(|&p| word(p) as i64).collect();
+                ok(
+                    op,
+                    self.stream.memcpy_htod(&positions, &mut inputs.positions),
+                )
+            }
+        }
     }
 
     /// A fresh device copy of a recording's logits.
-    fn copy_logits(&self, logits: &CudaSlice<f32>) -> Result<Tensor> {
-        let mut out = self.tensor("recorded step", 1, logits.len())?;
+    fn copy_logits(&self, logits: &CudaSlice<f32>, rows: usize) -> Result<Tensor> {
+        let mut out = self.tensor("recorded step", rows, logits.len() / rows)?;
         ok(
             "recorded step",
             self.stream.memcpy_dtod(logits, &mut out.data),
@@ -469,53 +596,71 @@ impl CudaBackend {
         Ok(out)
     }
 
-    pub(super) fn replay(&self, key: u64, token: u32, position: usize) -> Result<Option<Tensor>> {
+    pub(super) fn replay(&self, key: u64, step: &StepInputs<'_>) -> Result<Option<Tensor>> {
         let mut recordings = self.recordings.lock().unwrap();
         let Some(recording) = recordings.by_key.get_mut(&key) else {
             return Ok(None);
         };
-        self.set_step_inputs(
-            &mut recording.token,
-            &mut recording.position,
-            token,
-            position,
-        )?;
-        ok("replaying a decode step", recording.graph.launch())?;
-        for len in &recording.kv_lens {
-            len.fetch_add(1, Ordering::Relaxed);
+        self.set_step_inputs(&mut recording.inputs, step.tokens, step.positions)?;
+        ok("replaying a recorded step", recording.graph.launch())?;
+        for (len, n) in &recording.kv_lens {
+            len.fetch_add(*n, Ordering::Relaxed);
         }
-        let logits = self.copy_logits(&recording.logits)?;
+        let logits = self.copy_logits(&recording.logits, step.logit_rows)?;
         recordings.replayed += 1;
         Ok(Some(logits))
     }
 
+    /// Runs `step` (see [`crate::backend::Backend::record_step`]): the
+    /// first time for `key` as a probe, the second time recorded, unless
+    /// the probe found it cannot be.
     pub(super) fn record(
         &self,
         key: u64,
-        token: u32,
-        position: usize,
-        logits_len: usize,
+        inputs: &StepInputs<'_>,
         step: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        if self.recordings.lock().unwrap().seen.insert(key) {
-            return step();
+        let (tokens, positions) = (inputs.tokens, inputs.positions);
+        let logits_len = inputs.logit_rows * inputs.vocab;
+        let first = {
+            let mut recordings = self.recordings.lock().unwrap();
+            if recordings.unrecordable.contains(&key) {
+                return step();
+            }
+            recordings.seen.insert(key)
+        };
+        if first {
+            return self.probe(key, tokens.len(), positions.len(), step);
         }
-        let op = "recording a decode step";
-        let mut token_word = self.alloc::<u32>(op, 1)?;
-        let mut position_word = self.alloc::<u32>(op, 1)?;
+        let op = "recording a step";
+        let logit_rows = inputs.logit_rows;
+        let mut inputs = InputBuffers {
+            tokens: self.alloc::<u32>(op, tokens.len())?,
+            position: self.alloc::<u32>(op, 1)?,
+            positions: self.alloc::<i64>(op, positions.len())?,
+        };
         let mut logits = self.alloc::<f32>(op, logits_len)?;
-        self.set_step_inputs(&mut token_word, &mut position_word, token, position)?;
-        *self.capture.lock().unwrap() = Some(Capture {
-            token: token_word.device_ptr(&self.stream).0,
-            position: position_word.device_ptr(&self.stream).0,
+        self.set_step_inputs(&mut inputs, tokens, positions)?;
+        *self.capture.lock().unwrap() = Some(StepRun::Capture(Capture {
+            tokens: inputs.tokens.device_ptr(&self.stream).0,
+            rows: tokens.len(),
+            position: match positions.len() {
+                1 => inputs.position.device_ptr(&self.stream).0,
+                _ => 0,
+            },
+            positions: inputs.positions.device_ptr(&self.stream).0,
+            sequences: positions.len(),
             kv_lens: Vec::new(),
+            invalid: false,
             arena: ok(op, Arena::new(&self.stream))?,
-        });
-        ok(
-            op,
-            self.stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED),
-        )?;
+        }));
+        let begun = self
+            .stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED);
+        if begun.is_err() {
+            self.capture.lock().unwrap().take();
+        }
+        ok(op, begun)?;
         let computed = step().and_then(|out| {
             assert_eq!(
                 out.rows * out.cols,
@@ -524,21 +669,38 @@ impl CudaBackend {
             );
             ok(op, self.stream.memcpy_dtod(&out.data, &mut logits))
         });
-        let capture = self.capture.lock().unwrap().take().expect("set above");
-        let graph = ok(
-            op,
-            StepGraph::end_capture(&self.stream, self.programmatic_launch),
-        )?;
+        let Some(StepRun::Capture(capture)) = self.capture.lock().unwrap().take() else {
+            unreachable!("set above")
+        };
+        let graph = StepGraph::end_capture(&self.stream, self.programmatic_launch);
+        if graph.is_err() {
+            // A capture the driver refused fails the same way every time:
+            // the key runs unrecorded from now.
+            self.recordings.lock().unwrap().unrecordable.insert(key);
+        }
+        let graph = ok(op, graph)?;
         computed?;
+        if capture.invalid {
+            // The probe should have ruled this out; the caller rolls the
+            // step's sequences back, and the key runs unrecorded from now.
+            self.recordings.lock().unwrap().unrecordable.insert(key);
+            return Err(crate::error::Error::Device {
+                device: format!("cuda:{}", self.ordinal),
+                msg: format!("{op}: the step read an input that no device memory holds"),
+            });
+        }
         ok(op, graph.launch())?;
-        let out = self.copy_logits(&logits)?;
+        let out = self.copy_logits(&logits, logit_rows)?;
         // Memory the step kept (none, as written) would be shared by its
         // holder and every replay: such a recording is used once, not kept.
         if ok(op, capture.arena.in_use())? != 0 {
             static WARNED: std::sync::Once = std::sync::Once::new();
             WARNED.call_once(|| {
-                eprintln!("moeflux: a recorded CUDA decode step kept device memory; steps are not replayed")
+                eprintln!(
+                    "moeflux: a recorded CUDA step kept device memory; steps are not replayed"
+                )
             });
+            self.recordings.lock().unwrap().unrecordable.insert(key);
             return Ok(out);
         }
         let mut recordings = self.recordings.lock().unwrap();
@@ -552,13 +714,35 @@ impl CudaBackend {
             key,
             Recording {
                 graph,
-                token: token_word,
-                position: position_word,
+                inputs,
                 logits,
                 kv_lens: capture.kv_lens,
                 _arena: capture.arena,
             },
         );
         Ok(out)
+    }
+
+    /// The first run of `key`: as usual, noting whether it can be recorded.
+    fn probe(
+        &self,
+        key: u64,
+        rows: usize,
+        sequences: usize,
+        step: &mut dyn FnMut() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        *self.capture.lock().unwrap() = Some(StepRun::Probe(Probe {
+            rows,
+            sequences,
+            recordable: true,
+        }));
+        let out = step();
+        let Some(StepRun::Probe(probe)) = self.capture.lock().unwrap().take() else {
+            unreachable!("set above")
+        };
+        if !probe.recordable {
+            self.recordings.lock().unwrap().unrecordable.insert(key);
+        }
+        out
     }
 }

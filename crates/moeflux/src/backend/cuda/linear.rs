@@ -99,11 +99,8 @@ impl CudaBackend {
             );
         }
         let mut out = self.tensor("embed", tokens.len(), l.cols)?;
-        // A step being recorded reads its token from the device.
-        let recorded = match tokens.len() {
-            1 => self.recorded_token(),
-            _ => None,
-        };
+        // A step being recorded reads its tokens from the device.
+        let recorded = self.recorded_tokens(tokens.len());
         let (_uploaded, ids) = match recorded {
             Some(word) => (None, word),
             None => {

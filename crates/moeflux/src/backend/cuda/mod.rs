@@ -59,6 +59,7 @@ mod experts;
 mod gemm;
 mod geometry;
 mod graph;
+mod grouped;
 mod linear;
 mod mla;
 mod norm;
@@ -87,7 +88,7 @@ pub use state::{DeltaNetState, KvCache};
 
 use super::{
     AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, KvType,
-    RmsNorm, Rope, check_host_kv, check_kv_type,
+    RmsNorm, Rope, StepInputs, check_host_kv, check_kv_type,
 };
 use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::{Error, Result};
@@ -143,6 +144,13 @@ pub struct CudaOptions {
     /// and a tenth of the device). The cache also gives memory back when an
     /// allocation fails.
     pub expert_cache_bytes: Option<u64>,
+    /// Whether decode steps are recorded as CUDA graphs and replayed;
+    /// `None`: as `MOEFLUX_CUDA_GRAPHS` says (on). Never while profiling.
+    pub graphs: Option<bool>,
+    /// Whether steps of several tokens group their routed experts on the
+    /// device and may be recorded; `None`: as `MOEFLUX_CUDA_BATCHED_STEPS`
+    /// says (on).
+    pub batched_steps: Option<bool>,
 }
 
 /// Computes on one CUDA device (see the module documentation). Each model
@@ -161,6 +169,12 @@ pub struct CudaBackend {
     profiler: Option<profile::Profiler>,
     /// Whether decode steps are recorded and replayed (graph.rs).
     graphs_enabled: bool,
+    /// Whether steps of several tokens group their routed experts on the
+    /// device (grouped.rs) and may be recorded (`MOEFLUX_CUDA_BATCHED_STEPS`).
+    batched_steps: bool,
+    /// Expert bytes the calls grouped on the device used (grouped.rs),
+    /// counted there.
+    batched_expert_bytes: CudaSlice<u64>,
     /// Whether recordings link kernels by programmatic edges (graph.rs;
     /// compute capability 9.0 and later).
     programmatic_launch: bool,
@@ -183,8 +197,8 @@ pub struct CudaBackend {
     /// chunked Gated DeltaNet); None before compute capability 8.0, where
     /// those kernels are not built.
     tc_shared_limit: Option<usize>,
-    /// The step being recorded, if one is.
-    capture: Mutex<Option<graph::Capture>>,
+    /// The step being probed or recorded, if one is.
+    capture: Mutex<Option<graph::StepRun>>,
     recordings: Mutex<graph::Recordings>,
 }
 
@@ -372,6 +386,8 @@ impl CudaBackend {
                 .map_err(|e| fail("reading the shared memory limit", e))?;
             for kernel in [
                 &kernels.moe_down_tc_q4,
+                &kernels.moe_few_gate_up_q4,
+                &kernels.moe_few_down_q4,
                 &kernels.gdn_chunk_prepare,
                 &kernels.gdn_chunk_state,
                 &kernels.gdn_chunk_output,
@@ -394,6 +410,9 @@ impl CudaBackend {
             Some(bytes) => human_bytes(bytes),
             None => "auto".to_string(),
         };
+        let batched_expert_bytes = stream
+            .alloc_zeros::<u64>(1)
+            .map_err(|e| fail("allocating a counter", e))?;
         Ok(CudaBackend {
             ordinal,
             description: format!(
@@ -408,7 +427,12 @@ impl CudaBackend {
             profiler: profile::Profiler::from_env(),
             capture: Mutex::new(None),
             recordings: Mutex::new(graph::Recordings::default()),
-            graphs_enabled: graph::enabled_by_env() && profile::Profiler::from_env().is_none(),
+            graphs_enabled: options.graphs.unwrap_or_else(graph::enabled_by_env)
+                && profile::Profiler::from_env().is_none(),
+            batched_steps: options
+                .batched_steps
+                .unwrap_or_else(crate::tuning::cuda_batched_steps),
+            batched_expert_bytes,
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
@@ -494,6 +518,7 @@ impl CudaBackend {
         if len == 0 {
             return Ok(Vec::new());
         }
+        self.note_unrecordable();
         let host = ok(op, self.stream.clone_dtoh(&data.slice(..len)))?;
         ok(op, self.stream.synchronize())?;
         ok(op, self.ctx.check_err())?;
@@ -827,23 +852,27 @@ impl Backend for CudaBackend {
         self.add_routed_experts(out, x, routing, store, layer, ffn)
     }
 
-    fn step_key(&self, kv: &mut [&mut KvCache], linear: &[&DeltaNetState]) -> Result<Option<u64>> {
-        self.state_key(kv, linear)
+    fn step_key(
+        &self,
+        kv: &mut [&mut KvCache],
+        linear: &[&DeltaNetState],
+        rows: usize,
+        sequences: usize,
+    ) -> Result<Option<u64>> {
+        self.state_key(kv, linear, rows, sequences)
     }
 
-    fn replay_step(&self, key: u64, token: u32, position: usize) -> Result<Option<Tensor>> {
-        self.replay(key, token, position)
+    fn replay_step(&self, key: u64, inputs: &StepInputs<'_>) -> Result<Option<Tensor>> {
+        self.replay(key, inputs)
     }
 
     fn record_step(
         &self,
         key: u64,
-        token: u32,
-        position: usize,
-        logits_len: usize,
+        inputs: &StepInputs<'_>,
         step: &mut dyn FnMut() -> Result<Tensor>,
     ) -> Result<Tensor> {
-        self.record(key, token, position, logits_len, step)
+        self.record(key, inputs, step)
     }
 
     fn experts_resident(&self, store: &ExpertStore, layer: usize) -> bool {

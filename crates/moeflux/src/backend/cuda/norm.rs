@@ -2,8 +2,6 @@
 //! Gated DeltaNet's gated norm, and attention's per-head q/k norm with
 //! RoPE in one launch.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
-
 use super::geometry::NORM_THREADS;
 use super::{CudaBackend, Tensor, Weight, block_per_item, int, long};
 use crate::backend::{RmsNorm, Rope};
@@ -36,11 +34,12 @@ impl CudaBackend {
         rope: Rope,
         start_pos: usize,
     ) -> Result<(Tensor, Tensor)> {
-        self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, start_pos, None)
+        self.qk_norm_rope_at(q, k, q_norm, k_norm, norm, rope, start_pos, 0)
     }
 
     /// [`Backend::qk_norm_rope`], row `t` at position `start_pos + t`, or
-    /// at `positions[t]` when given (rows of several sequences).
+    /// at `positions[t]` when given (the device address of an i64 per row:
+    /// rows of several sequences).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn qk_norm_rope_at(
         &self,
@@ -51,9 +50,8 @@ impl CudaBackend {
         norm: RmsNorm,
         rope: Rope,
         start_pos: usize,
-        positions: Option<&CudaSlice<i64>>,
+        positions: u64,
     ) -> Result<(Tensor, Tensor)> {
-        let positions = positions.map_or(0, |p| p.device_ptr(&self.stream).0);
         let head_dim = rope.head_dim;
         assert!(
             q_norm.vector_len("qk_norm_rope") == head_dim
@@ -71,7 +69,10 @@ impl CudaBackend {
             rope.rotary_dim
         );
         let op = "qk_norm_rope";
-        let position = self.recorded_position();
+        let position = match positions {
+            0 => self.recorded_position(),
+            _ => 0,
+        };
         let frequencies = self.rope_frequencies(rope)?;
         let scale = rope.attention_factor();
         let (q_heads, k_heads) = (q.cols / head_dim, k.cols / head_dim);

@@ -111,7 +111,8 @@ impl CudaBackend {
         Ok(widths_fit && major >= 8 && down.dtype == gate.dtype)
     }
 
-    /// `act` and `y` for the tiles `tiles` (`count` of them) of a call:
+    /// `act` and `y` for the tiles `tiles.0` (`count` of them, or as many
+    /// as the device word at address `tiles.1` says, when not 0) of a call:
     /// `act[i] = act(gate · x, up · x)` and `y[slots[i]] = down · act[i] + bias`
     /// for each sorted slot `i` of the tiles, the experts found through
     /// `table` at offsets `parts` (gate, up, down).
@@ -121,7 +122,7 @@ impl CudaBackend {
         x: &Tensor,
         top_k: usize,
         table: &CudaSlice<u64>,
-        tiles: &CudaSlice<u32>,
+        (tiles, tile_count): (&CudaSlice<u32>, u64),
         count: usize,
         slots: &CudaSlice<u32>,
         parts: &[(usize, MatrixLayout); 3],
@@ -185,6 +186,7 @@ impl CudaBackend {
             config(MP_BM / 2, inter),
             table,
             tiles,
+            &tile_count,
             slots,
             &x.data,
             &mut *act,
@@ -202,6 +204,7 @@ impl CudaBackend {
             config(MP_BM, hidden),
             table,
             tiles,
+            &tile_count,
             slots,
             &*act,
             y,

@@ -52,6 +52,13 @@ impl Routing {
 }
 
 impl CudaBackend {
+    /// The selected experts on the host: a round trip a recorded step
+    /// could not repeat.
+    pub(super) fn routing_on_host<'a>(&self, routing: &'a Routing) -> Result<&'a [u32]> {
+        self.note_unrecordable();
+        routing.experts_on_host()
+    }
+
     /// A plain softmax router (Qwen3's) runs in moe.cu's one-warp or
     /// one-block softmax kernels; every other (the grouped sigmoid router
     /// of GLM-4.5 and DeepSeek-V3, gpt-oss's softmax over the chosen) in
@@ -207,6 +214,6 @@ impl CudaBackend {
     }
 
     pub(super) fn selected_experts(&self, routing: &Routing) -> Result<Vec<u32>> {
-        Ok(routing.experts_on_host()?.to_vec())
+        Ok(self.routing_on_host(routing)?.to_vec())
     }
 }

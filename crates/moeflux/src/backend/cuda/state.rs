@@ -224,10 +224,11 @@ impl CudaBackend {
         })
     }
 
-    /// Before a decode step that may be recorded or replayed: room for its
-    /// position, and a sliding window's row word set to where it goes.
-    pub(super) fn kv_prepare_step(&self, cache: &mut KvCache) -> Result<()> {
-        self.kv_reserve(cache, 1)?;
+    /// Before a step of `rows` positions that may be recorded or replayed:
+    /// room for them, and a sliding window's row word set to where the
+    /// first goes.
+    pub(super) fn kv_prepare_step(&self, cache: &mut KvCache, rows: usize) -> Result<()> {
+        self.kv_reserve(cache, rows)?;
         let row = u32::try_from(cache.held()).expect("a KV cache's rows fit 32 bits");
         if let Some(word) = cache.row.as_mut() {
             self.set_word(word, row, "preparing a decode step")?;
@@ -323,7 +324,7 @@ impl CudaBackend {
         let len = cache.len();
         self.kv_reserve(cache, n)?;
         let width = cache.width();
-        let position = self.recorded_row(cache);
+        let position = self.recorded_row(cache, n);
         let (width_l, n_i, start) = (long(width), int(n, "tokens"), long(cache.held()));
         let [cache_keys, key_scales, cache_values, value_scales] = &mut cache.planes;
         launch!(
@@ -354,7 +355,7 @@ impl CudaBackend {
     pub(super) fn kv_claim(&self, cache: &mut KvCache, n: usize) -> Result<(usize, u64)> {
         let len = cache.len();
         self.kv_reserve(cache, n)?;
-        let position = self.recorded_row(cache);
+        let position = self.recorded_row(cache, n);
         let row = cache.held();
         cache.set_len(len + n);
         Ok((row, position))
@@ -362,14 +363,15 @@ impl CudaBackend {
 
     /// Makes room for one more position in each cache and counts it;
     /// returns each cache's position before, for kernels that store the
-    /// new keys and values themselves (a batched decode step, not
-    /// recorded).
+    /// new keys and values themselves (a decode step of several sequences,
+    /// which reads them from the device when recorded).
     pub(super) fn kv_claim_each(&self, caches: &mut [&mut KvCache]) -> Result<Vec<i64>> {
         caches
             .iter_mut()
             .map(|cache| {
                 let len = cache.len();
                 self.kv_reserve(cache, 1)?;
+                self.recorded_append(cache);
                 let row = cache.held();
                 cache.set_len(len + 1);
                 Ok(row as i64)

@@ -675,6 +675,11 @@ impl CudaBackend {
             super::must("timing expert uploads", streams.copy.synchronize());
         }
         cache.harvest_timings(true);
-        cache.stats()
+        let mut stats = cache.stats();
+        drop(cache);
+        // A statistic: a device that cannot return it fails the next
+        // operation instead.
+        stats.batched_expert_bytes += self.grouped_expert_bytes().unwrap_or(0);
+        stats
     }
 }

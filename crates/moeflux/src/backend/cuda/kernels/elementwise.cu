@@ -1,6 +1,13 @@
 // Elementwise operations, column copies and rotary embeddings; every
 // kernel loops grid-stride over its elements.
 
+// TABLE_WORDS: the most words of a table written by fill_words.
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(TABLE_WORDS)
+#error "elementwise.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
+
 #define GRID_STRIDE(i, total)                                                  \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (total);      \
          i += (i64)gridDim.x * blockDim.x)
@@ -71,4 +78,17 @@ extern "C" __global__ void rope(float* x, const float* inv_freq, i64 rows, int c
         head[k] = x1 * c - x2 * s;
         head[k + half] = x2 * c + x1 * s;
     }
+}
+
+// A small table passed by value (device addresses of the caches of a
+// decode step of several sequences): a recorded step writes it again at
+// every replay from its own launch arguments, with no host memory.
+struct TableWords {
+    u64 value[TABLE_WORDS];
+};
+
+// dst[i] = words.value[i] for i < n (n ≤ TABLE_WORDS). One block.
+extern "C" __global__ void fill_words(u64* dst, TableWords words, int n) {
+    await_inputs();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = words.value[i];
 }

@@ -243,7 +243,8 @@ __device__ __forceinline__ int moe_tile_row(int warp, int mi) {
 
 #endif  // __CUDA_ARCH__ >= 800
 
-// One block: tile blockIdx.x, weight rows from blockIdx.y. GATE_UP: x is
+// One block: tile blockIdx.x (none past *tile_count when the tiles were
+// made on the device, moe_few.cu), weight rows from blockIdx.y. GATE_UP: x is
 // the layer input [n, cols], `a` gate and `b` up ([rows, cols] each),
 // out is act [slots, rows] indexed by sorted position. Otherwise x is act
 // [slots, cols] by sorted position, `a` down [rows, cols] (b unused), out
@@ -251,6 +252,7 @@ __device__ __forceinline__ int moe_tile_row(int warp, int mi) {
 template <int DT, bool GATE_UP>
 __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restrict__ table,
                                                const u32* __restrict__ tiles,
+                                               const u32* __restrict__ tile_count,
                                                const u32* __restrict__ slots,
                                                const float* __restrict__ x,
                                                float* __restrict__ out, int rows, int cols,
@@ -258,6 +260,7 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
                                                ExpertFfn ffn) {
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) MoePrefillShared sm;
+    if (tile_count && blockIdx.x >= *tile_count) return;
     const int tid = threadIdx.x;
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
@@ -349,13 +352,15 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 }
 
 // The kernels (one pair per stored type). Grids: gate/up
-// (tiles, ceil(inter / 64)), down (tiles, ceil(hidden / 128)); MP_THREADS
+// (tiles, ceil(inter / 64)), down (tiles, ceil(hidden / 128)), `tiles` the
+// most there can be when tile_count is given (null: all); MP_THREADS
 // threads; static shared memory (29 KiB). The quantized types have whole
 // 64-column groups; bf16 needs widths that are multiples of 8. sm_80+.
 #define MOE_PREFILL_PARAMS                                                                 \
-    const unsigned long long *table, const u32 *tiles, const u32 *slots, const float *x,   \
-        float *out, int rows, int cols, int top_k, ExpertPart a, ExpertPart b, ExpertFfn ffn
-#define MOE_PREFILL_ARGS table, tiles, slots, x, out, rows, cols, top_k, a, b, ffn
+    const unsigned long long *table, const u32 *tiles, const u32 *tile_count,             \
+        const u32 *slots, const float *x, float *out, int rows, int cols, int top_k,       \
+        ExpertPart a, ExpertPart b, ExpertFfn ffn
+#define MOE_PREFILL_ARGS table, tiles, tile_count, slots, x, out, rows, cols, top_k, a, b, ffn
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_q4(MOE_PREFILL_PARAMS) {

@@ -1,0 +1,412 @@
+// Routed experts of a few tokens per expert (a decode step of several
+// sequences, a check of drafted tokens), grouped by expert on the device.
+//
+// moe_group_slots sorts a call's slots (token · top_k + rank) by expert
+// without the host: the experts' slot counts, their first sorted
+// positions and tiles of at most `tile_slots` slots ({expert, first
+// sorted slot, slots, 0}, moe_prefill.cu's tiles), and the number of
+// tiles, which the kernels after it read from the device. The host sizes
+// their grids for the most tiles a call can have; blocks past the count
+// return at once. So a layer's experts need no round trip to the host,
+// and a step of several tokens can be recorded (graph.rs).
+//
+// moe_few_gate_up_q4 and moe_few_down_q4 then run each tile of up to
+// FEW_SLOTS slots of one expert. A warp takes a 16-row tile of the
+// expert's matrix over all of its columns (matvec_tc.cu's scheme: the
+// weights go from the loads straight into mma.sync m16n8k16 as exact
+// centred codes, no staging in shared memory), and the block stages its
+// slots' inputs once in shared memory as the MMAs' B operand. The
+// numerics are gemm.cu's: an input is split into hi = bf16(x) and
+// lo = bf16(x - hi), and the affine map is applied per 64-column group
+// in f32, Σ w·x = scale · Σ (q - 8)·x + (bias + 8·scale) · Σ x. B's eight
+// columns are four tokens' (hi, lo): column 2j is token j's hi, 2j + 1
+// its lo, so lane (g, t) of the C fragment holds rows g and g + 8 of
+// token t in (c0 + c1) and (c2 + c3). A tile of up to 8 slots is two
+// such column tiles; the weights are read once for all of them.
+//
+// Each output is the same sequence of operations whichever other slots
+// share its tile, so results do not depend on the grouping; every
+// output is written by one block (act by sorted position, y by slot),
+// and moe_prefill_combine sums a token's y rows in rank order.
+//
+// sm_80+ only (bf16 mma); elsewhere the few-token kernels are empty and
+// the host takes the per-expert path.
+
+// GROUP_THREADS: threads of moe_group_slots (one block). FEW_WARPS: warps
+// per block of the few-token kernels; FEW_SLOTS: most slots per tile
+// (two MMA column tiles of four tokens); FEW_DOWN_TILES: 16-row tiles each
+// warp of moe_few_down_q4 takes.
+// Launch geometry comes from the host: compile.rs passes the constants of
+// geometry.rs as -D options, so a launch and its kernel cannot disagree.
+#if !defined(GROUP_THREADS) || !defined(FEW_WARPS) || !defined(FEW_SLOTS) || \
+    !defined(FEW_DOWN_TILES)
+#error "moe_few.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
+
+// Groups (of 64 columns) whose weights a warp loads before using any:
+// gate and up each, and down.
+#ifndef FEW_GATE_UP_GROUPS
+#define FEW_GATE_UP_GROUPS 4
+#endif
+#ifndef FEW_DOWN_GROUPS
+#define FEW_DOWN_GROUPS 6
+#endif
+
+// The inclusive sum of two counts over the block's threads, in thread
+// order; `scratch` is 32 pairs of shared memory. The block's totals are
+// in scratch[warps - 1] until the next call. Every thread must call it.
+__device__ __forceinline__ int2 block_inclusive_scan2(int2 v, int2* scratch) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
+    for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+        const int a = __shfl_up_sync(FULL_MASK, v.x, offset);
+        const int b = __shfl_up_sync(FULL_MASK, v.y, offset);
+        if (lane >= offset) {
+            v.x += a;
+            v.y += b;
+        }
+    }
+    __syncthreads();  // an earlier call may still be reading scratch
+    if (lane == WARP_SIZE - 1) scratch[warp] = v;
+    __syncthreads();
+    if (warp == 0) {
+        int2 w = lane < warps ? scratch[lane] : make_int2(0, 0);
+        for (int offset = 1; offset < WARP_SIZE; offset <<= 1) {
+            const int a = __shfl_up_sync(FULL_MASK, w.x, offset);
+            const int b = __shfl_up_sync(FULL_MASK, w.y, offset);
+            if (lane >= offset) {
+                w.x += a;
+                w.y += b;
+            }
+        }
+        if (lane < warps) scratch[lane] = w;
+    }
+    __syncthreads();
+    if (warp > 0) {
+        v.x += scratch[warp - 1].x;
+        v.y += scratch[warp - 1].y;
+    }
+    return v;
+}
+
+// The `slots` slots of a call (experts[i]: slot i's expert) sorted by
+// expert, ascending, and within an expert by slot: sorted[] gets the slot
+// ids, tiles[] the tiles ({expert, first sorted position, slots, 0}, at
+// most `tile_slots` slots each; at most `max_tiles` written) and
+// *tile_count their number. used_bytes (when given) grows by
+// `expert_bytes` per distinct expert: the expert weights the call reads.
+// One block of GROUP_THREADS threads; dynamic shared memory: three ints
+// per expert. sm_80+, like the kernels that read its tiles.
+extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
+    moe_group_slots(const u32* experts, int slots, int num_experts, int tile_slots,
+                    int max_tiles, u32* sorted, u32* tiles, u32* tile_count, u64* used_bytes,
+                    u64 expert_bytes) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ int group_shared[];
+    __shared__ int2 scratch[32];
+    __shared__ int active;
+    int* count = group_shared;                    // slots per expert
+    int* start = count + num_experts;             // first sorted position; then a cursor
+    int* first_tile = start + num_experts;        // first tile
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+    if (threadIdx.x == 0) active = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < slots; i += blockDim.x) {
+        const u32 e = experts[i];
+        if (e < (u32)num_experts) atomicAdd(&count[e], 1);
+    }
+    __syncthreads();
+    // Exclusive sums of the counts and of the tiles, in expert order.
+    int2 carry = make_int2(0, 0);
+    for (int base = 0; base < num_experts; base += blockDim.x) {
+        const int e = base + threadIdx.x;
+        const int c = e < num_experts ? count[e] : 0;
+        const int2 own = make_int2(c, (c + tile_slots - 1) / tile_slots);
+        const int2 inclusive = block_inclusive_scan2(own, scratch);
+        if (e < num_experts) {
+            start[e] = carry.x + inclusive.x - own.x;
+            first_tile[e] = carry.y + inclusive.y - own.y;
+        }
+        const int2 total = scratch[blockDim.x / WARP_SIZE - 1];
+        carry.x += total.x;
+        carry.y += total.y;
+    }
+    int mine = 0;
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        const int c = count[e];
+        mine += c > 0;
+        for (int j = 0; j * tile_slots < c; ++j) {
+            const int t = first_tile[e] + j;
+            if (t < max_tiles) {
+                u32* tile = tiles + 4 * (i64)t;
+                tile[0] = (u32)e;
+                tile[1] = (u32)(start[e] + j * tile_slots);
+                tile[2] = (u32)min(tile_slots, c - j * tile_slots);
+                tile[3] = 0;
+            }
+        }
+    }
+    if (mine) atomicAdd(&active, mine);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        *tile_count = (u32)min(carry.y, max_tiles);
+        if (used_bytes) atomicAdd(used_bytes, (u64)active * expert_bytes);
+    }
+    // Placement in slot order by one warp, 32 slots a round: a slot's
+    // place is its expert's cursor plus the lanes before it that share
+    // its expert; the first of them then moves the cursor on.
+    if (threadIdx.x < WARP_SIZE) {
+        const int lane = threadIdx.x;
+        const u32 before = (1u << lane) - 1u;
+        for (int base = 0; base < slots; base += WARP_SIZE) {
+            const int i = base + lane;
+            const u32 e = i < slots ? experts[i] : 0xffffffffu;
+            const bool valid = e < (u32)num_experts;
+            const u32 peers = __match_any_sync(FULL_MASK, e);
+            const int at = valid ? start[e] : 0;
+            __syncwarp();
+            if (valid) {
+                sorted[at + __popc(peers & before)] = (u32)i;
+                if ((peers & before) == 0u) start[e] = at + __popc(peers);
+            }
+            __syncwarp();
+        }
+    }
+#endif
+}
+
+#if __CUDA_ARCH__ >= 800
+
+// Stages `count` input rows (row j at in_row[j] of x, `cols` wide) as the
+// B table of the few-token kernels, and Σ x per row and 64-column group:
+// table[((nt · groups + group) · 4 + s) · 32 + lane] holds lane (g, t)'s
+// b0, b1 at step s of the group for column tile nt: row j = 4·nt + g / 2,
+// its hi (g even) or lo (g odd) at columns 16t + s, + 4 (b0) and
+// 16t + 8 + s, + 12 (b1) of the group (matvec_tc.cu's k order). Rows
+// count.. of the last column tile are zero. sums[j · groups + group].
+__device__ __forceinline__ void stage_few_rows(const float* x, const int* in_row, int count,
+                                               int cols, int tiles_n, uint2* table,
+                                               float* sums) {
+    const int groups = cols / GROUP_SIZE;
+    const int items = tiles_n * 4 * groups * 16;  // (row, group, t, s), s fastest
+    // Whole warps take part in every round: the 16 items of a (row, group)
+    // are one half-warp, which adds up its Σ x by shuffles.
+    const int rounds = (items + WARP_SIZE - 1) / WARP_SIZE * WARP_SIZE;
+    for (int item = threadIdx.x; item < rounds; item += blockDim.x) {
+        const bool inside = item < items;
+        const int j = item / (groups * 16);
+        const int group = (item / 16) % groups;
+        const int t = (item / 4) % 4, s = item % 4;
+        float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (inside && j < count) {
+            const float* xg = x + (i64)in_row[j] * cols + group * GROUP_SIZE + 16 * t + s;
+            v[0] = xg[0];
+            v[1] = xg[4];
+            v[2] = xg[8];
+            v[3] = xg[12];
+        }
+        u32 hi0, lo0, hi1, lo1;
+        split_pair(v[0], v[1], hi0, lo0);
+        split_pair(v[2], v[3], hi1, lo1);
+        if (inside) {
+            const int nt = j / 4, g = 2 * (j % 4);
+            uint2* step = table + ((nt * groups + group) * 4 + s) * WARP_SIZE;
+            step[4 * g + t] = make_uint2(hi0, hi1);
+            step[4 * (g + 1) + t] = make_uint2(lo0, lo1);
+        }
+        float sum = (v[0] + v[1]) + (v[2] + v[3]);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 8);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 4);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 2);
+        sum += __shfl_xor_sync(FULL_MASK, sum, 1);
+        if (inside && item % 16 == 0) sums[j * groups + group] = sum;
+    }
+}
+
+// acc[nt][0] / acc[nt][1] (rows g and g + 8 of the tile, token 4·nt + t of
+// lane (g, t)) += the tile's products over one group, for the first
+// `tiles_n` column tiles of the B table.
+__device__ __forceinline__ void mma_few_group(const TcGroup& w, const uint2* table,
+                                              const float* sums, int group, int groups,
+                                              int tiles_n, int lane, float (&acc)[2][2]) {
+    float c[2][4] = {};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        const u32 a[4] = {q4_pair(w.row_g.x >> (4 * s)), q4_pair(w.row_g8.x >> (4 * s)),
+                          q4_pair(w.row_g.y >> (4 * s)), q4_pair(w.row_g8.y >> (4 * s))};
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            if (nt < tiles_n) {
+                const uint2 b = table[((nt * groups + group) * 4 + s) * WARP_SIZE + lane];
+                mma_bf16(c[nt], a, b.x, b.y);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        if (nt < tiles_n) {
+            const float xs = sums[(nt * 4 + lane % 4) * groups + group];
+            acc[nt][0] = fmaf(w.scale_g, c[nt][0] + c[nt][1], fmaf(w.offset_g, xs, acc[nt][0]));
+            acc[nt][1] = fmaf(w.scale_g8, c[nt][2] + c[nt][3], fmaf(w.offset_g8, xs, acc[nt][1]));
+        }
+    }
+}
+
+// The tile of the block (blockIdx.y), or false when past the call's
+// tiles: its expert, first sorted position and slot count.
+struct FewTile {
+    u32 expert;
+    int start;
+    int count;
+};
+
+__device__ __forceinline__ bool few_tile(const u32* tiles, const u32* tile_count, FewTile& tile) {
+    if (blockIdx.y >= *tile_count) return false;
+    const u32* t = tiles + 4 * (i64)blockIdx.y;
+    tile.expert = t[0];
+    tile.start = (int)t[1];
+    tile.count = min((int)t[2], FEW_SLOTS);
+    return true;
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
+// Dynamic shared memory of the few-token kernels, for inputs of `cols`
+// columns (groups = cols / 64): the B table of FEW_SLOTS rows,
+// FEW_SLOTS / 4 · groups · 4 · 32 uint2, then FEW_SLOTS · groups floats of
+// Σ x, then the FEW_SLOTS input rows (ints); grouped.rs sizes it the same
+// way. No static shared memory: the host allows them the device's whole
+// opt-in limit as dynamic shared memory.
+
+// act[start + j, r] = expert_act(gate · x[slots[start + j] / top_k],
+// up · ...) for the slots j of each tile, rows r of gate and up. Grid:
+// (ceil(inter / (16 · FEW_WARPS)), the most tiles the call can have);
+// warp w of block b takes rows 16 · (FEW_WARPS · b + w) .. + 15.
+extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
+    moe_few_gate_up_q4(const unsigned long long* table_of_experts, const u32* tiles,
+                       const u32* tile_count, const u32* slots, const float* x, float* act,
+                       int inter, int hidden, int top_k, ExpertPart gate, ExpertPart up,
+                       ExpertFfn ffn) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ uint2 few_shared[];
+    FewTile tile;
+    if (!few_tile(tiles, tile_count, tile)) return;
+    const int groups = hidden / GROUP_SIZE;
+    const int tiles_n = (tile.count + 3) / 4;
+    float* sums = (float*)(few_shared + (FEW_SLOTS / 4) * groups * 4 * WARP_SIZE);
+    int* in_row = (int*)(sums + FEW_SLOTS * groups);
+    if (threadIdx.x < FEW_SLOTS) {
+        in_row[threadIdx.x] =
+            threadIdx.x < tile.count ? (int)(slots[tile.start + threadIdx.x] / (u32)top_k) : 0;
+    }
+    __syncthreads();
+    stage_few_rows(x, in_row, tile.count, hidden, tiles_n, few_shared, sums);
+    __syncthreads();
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const i64 first = ((i64)blockIdx.x * FEW_WARPS + warp) * 16;
+    if (first >= inter) return;
+    const unsigned long long base = table_of_experts[tile.expert];
+    const i64 last = inter - 1;
+    const WeightRow gate_g = expert_row(DT_Q4, base, gate, min(first + lane / 4, last), hidden);
+    const WeightRow gate_g8 = expert_row(DT_Q4, base, gate, min(first + lane / 4 + 8, last), hidden);
+    const WeightRow up_g = expert_row(DT_Q4, base, up, min(first + lane / 4, last), hidden);
+    const WeightRow up_g8 = expert_row(DT_Q4, base, up, min(first + lane / 4 + 8, last), hidden);
+    float acc_gate[2][2] = {}, acc_up[2][2] = {};
+    for (int g0 = 0; g0 < groups; g0 += FEW_GATE_UP_GROUPS) {
+        TcGroup wg[FEW_GATE_UP_GROUPS], wu[FEW_GATE_UP_GROUPS];
+#pragma unroll
+        for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
+            if (g0 + j < groups) {
+                wg[j] = load_tc_group(gate_g, gate_g8, g0 + j, lane % 4);
+                wu[j] = load_tc_group(up_g, up_g8, g0 + j, lane % 4);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
+            if (g0 + j < groups) {
+                mma_few_group(wg[j], few_shared, sums, g0 + j, groups, tiles_n, lane, acc_gate);
+                mma_few_group(wu[j], few_shared, sums, g0 + j, groups, tiles_n, lane, acc_up);
+            }
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+        const int j = nt * 4 + lane % 4;
+        if (nt >= tiles_n || j >= tile.count) continue;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const i64 r = first + lane / 4 + 8 * h;
+            if (r < inter) {
+                act[(i64)(tile.start + j) * inter + r] =
+                    expert_act(ffn, tile.expert, r, inter, acc_gate[nt][h], acc_up[nt][h]);
+            }
+        }
+    }
+#endif
+}
+
+// y[slot, r] = down · act[start + j] + the down bias, for the slots j of
+// each tile (slot = slots[start + j]), rows r of down. Grid:
+// (ceil(hidden / (16 · FEW_WARPS · FEW_DOWN_TILES)), the most tiles the
+// call can have); warp w of block b takes the 16-row tiles
+// FEW_DOWN_TILES · FEW_WARPS · b + w + FEW_WARPS · k.
+extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
+    moe_few_down_q4(const unsigned long long* table_of_experts, const u32* tiles,
+                    const u32* tile_count, const u32* slots, const float* act, float* y,
+                    int hidden, int inter, ExpertPart down, ExpertFfn ffn) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    extern __shared__ uint2 few_shared[];
+    FewTile tile;
+    if (!few_tile(tiles, tile_count, tile)) return;
+    const int groups = inter / GROUP_SIZE;
+    const int tiles_n = (tile.count + 3) / 4;
+    float* sums = (float*)(few_shared + (FEW_SLOTS / 4) * groups * 4 * WARP_SIZE);
+    int* in_row = (int*)(sums + FEW_SLOTS * groups);
+    if (threadIdx.x < FEW_SLOTS) in_row[threadIdx.x] = tile.start + threadIdx.x;
+    __syncthreads();
+    stage_few_rows(act, in_row, tile.count, inter, tiles_n, few_shared, sums);
+    __syncthreads();
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const unsigned long long base = table_of_experts[tile.expert];
+    const i64 last = hidden - 1;
+    for (int k = 0; k < FEW_DOWN_TILES; ++k) {
+        const i64 first =
+            (((i64)blockIdx.x * FEW_DOWN_TILES + k) * FEW_WARPS + warp) * 16;
+        if (first >= hidden) break;
+        const WeightRow row_g = expert_row(DT_Q4, base, down, min(first + lane / 4, last), inter);
+        const WeightRow row_g8 =
+            expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
+        float acc[2][2] = {};
+        for (int g0 = 0; g0 < groups; g0 += FEW_DOWN_GROUPS) {
+            TcGroup w[FEW_DOWN_GROUPS];
+#pragma unroll
+            for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
+                if (g0 + j < groups) w[j] = load_tc_group(row_g, row_g8, g0 + j, lane % 4);
+            }
+#pragma unroll
+            for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
+                if (g0 + j < groups) {
+                    mma_few_group(w[j], few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
+                }
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+            const int j = nt * 4 + lane % 4;
+            if (nt >= tiles_n || j >= tile.count) continue;
+            const i64 slot = slots[tile.start + j];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const i64 r = first + lane / 4 + 8 * h;
+                if (r < hidden) {
+                    y[slot * hidden + r] =
+                        acc[nt][h] + expert_down_bias(ffn, tile.expert, r, hidden);
+                }
+            }
+        }
+    }
+#endif
+}
