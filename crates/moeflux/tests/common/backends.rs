@@ -16,6 +16,12 @@ pub trait Conformance: Backend {
     /// A routing's weights, every token's in order, on the host.
     fn routing_weights(&self, routing: &Self::Routing) -> Vec<f32>;
 
+    /// Runs `f` as the engine runs a decode step it records (on CUDA,
+    /// routed experts of few tokens grouped on the device).
+    fn as_engine_step<R>(&self, f: impl FnOnce() -> R) -> R {
+        f()
+    }
+
     /// Bound on the relative L2 error of any row of logits of sequences
     /// run batched against each run alone (`common::batch`).
     const BATCHED_BOUND: f64;
@@ -43,6 +49,10 @@ impl Conformance for CudaBackend {
         routing
             .weights_to_host()
             .expect("routing weights downloaded")
+    }
+
+    fn as_engine_step<R>(&self, f: impl FnOnce() -> R) -> R {
+        CudaBackend::as_engine_step(self, f)
     }
 
     /// A batch of several decode tokens runs the many-row kernels a lone

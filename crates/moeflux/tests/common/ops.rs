@@ -1807,9 +1807,10 @@ pub fn grouped_experts<B: Conformance>(b: &B, activations: Activations) {
 /// The routed experts of a few tokens per expert, every expert prepared,
 /// as [`grouped_experts`] checks them, and `routed_experts_add` of them
 /// (its addition within 1e-6 of `|out| + |experts|`, as
-/// [`routed_experts`] allows).
+/// [`routed_experts`] allows); run as the engine's recorded steps run
+/// them (on CUDA, grouped on the device).
 pub fn few_token_experts<B: Conformance>(b: &B, activations: Activations) {
-    check_grouped_experts(b, activations, &FEW_TOKENS, true);
+    b.as_engine_step(|| check_grouped_experts(b, activations, &FEW_TOKENS, true));
 }
 
 /// [`grouped_experts`] for `tokens`, and with `add` `routed_experts_add`

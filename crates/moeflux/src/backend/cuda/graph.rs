@@ -625,7 +625,8 @@ impl CudaBackend {
         let first = {
             let mut recordings = self.recordings.lock().unwrap();
             if recordings.unrecordable.contains(&key) {
-                return step();
+                drop(recordings);
+                return self.engine_step(step);
             }
             recordings.seen.insert(key)
         };
@@ -661,7 +662,7 @@ impl CudaBackend {
             self.capture.lock().unwrap().take();
         }
         ok(op, begun)?;
-        let computed = step().and_then(|out| {
+        let computed = self.engine_step(step).and_then(|out| {
             assert_eq!(
                 out.rows * out.cols,
                 logits_len,
@@ -723,6 +724,27 @@ impl CudaBackend {
         Ok(out)
     }
 
+    /// Runs `step` as an engine step on this thread.
+    fn engine_step(&self, step: &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor> {
+        self.as_engine_step(step)
+    }
+
+    /// Runs `f` on this thread as the engine runs a recorded step: routed
+    /// experts of 2 to 128 tokens of a resident layer are grouped on the
+    /// device (grouped.rs), as they are in decode steps of several
+    /// sequences and checks of drafts. For checking those kernels alone.
+    pub fn as_engine_step<R>(&self, f: impl FnOnce() -> R) -> R {
+        *self.engine_step.lock().unwrap() = Some(std::thread::current().id());
+        let out = f();
+        *self.engine_step.lock().unwrap() = None;
+        out
+    }
+
+    /// Whether this thread is running an engine step.
+    pub(super) fn in_engine_step(&self) -> bool {
+        *self.engine_step.lock().unwrap() == Some(std::thread::current().id())
+    }
+
     /// The first run of `key`: as usual, noting whether it can be recorded.
     fn probe(
         &self,
@@ -736,7 +758,7 @@ impl CudaBackend {
             sequences,
             recordable: true,
         }));
-        let out = step();
+        let out = self.engine_step(step);
         let Some(StepRun::Probe(probe)) = self.capture.lock().unwrap().take() else {
             unreachable!("set above")
         };

@@ -12,9 +12,11 @@
 //! over the same tiles cut at [`MP_BN`] slots. Both then sum each token's
 //! outputs in rank order, as a prefill chunk does.
 //!
-//! Larger calls (prefill chunks) keep the host's sort (experts.rs): their
-//! many slots per expert fill the grouped kernels' tiles, and a round trip
-//! per layer costs them little.
+//! Only engine steps (decode steps the engine records, graph.rs) group on
+//! the device. Prefill chunks keep the host's sort (experts.rs): their
+//! many slots per expert fill the grouped kernels' tiles, a round trip per
+//! layer costs them little, and a prompt's results stay those of any other
+//! cut of it and of streamed experts, bit for bit.
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
@@ -50,7 +52,7 @@ impl CudaBackend {
     /// Each slot's expert output (`y`, `[tokens · top_k, hidden]`, bias
     /// included, not yet weighted) of `x`'s tokens, grouped by expert on
     /// the device, when the call qualifies: several-token steps on
-    /// (`MOEFLUX_CUDA_BATCHED_STEPS`), at most
+    /// (`MOEFLUX_CUDA_BATCHED_STEPS`), a call of an engine step, at most
     /// [`DEVICE_GROUPING_MAX_TOKENS`] tokens, the grouped kernels for these
     /// experts on this device, and every expert of the layer resident when
     /// the kernels are queued. `None`: nothing was queued, and the caller
@@ -68,7 +70,7 @@ impl CudaBackend {
         let Some(limit) = self.tc_shared_limit else {
             return Ok(None);
         };
-        if !self.batched_steps || n > DEVICE_GROUPING_MAX_TOKENS {
+        if !self.batched_steps || n > DEVICE_GROUPING_MAX_TOKENS || !self.in_engine_step() {
             return Ok(None);
         }
         let blob = store

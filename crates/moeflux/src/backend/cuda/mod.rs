@@ -172,6 +172,12 @@ pub struct CudaBackend {
     /// Whether steps of several tokens group their routed experts on the
     /// device (grouped.rs) and may be recorded (`MOEFLUX_CUDA_BATCHED_STEPS`).
     batched_steps: bool,
+    /// The thread running an engine step (graph.rs `record`), if one is:
+    /// only its calls group routed experts on the device, so prefill
+    /// chunks and steps the engine does not record keep the host's
+    /// grouping, and a sequence's results do not depend on how its prompt
+    /// was cut or whether its experts are resident.
+    engine_step: Mutex<Option<std::thread::ThreadId>>,
     /// Expert bytes the calls grouped on the device used (grouped.rs),
     /// counted there.
     batched_expert_bytes: CudaSlice<u64>,
@@ -432,6 +438,7 @@ impl CudaBackend {
             batched_steps: options
                 .batched_steps
                 .unwrap_or_else(crate::tuning::cuda_batched_steps),
+            engine_step: Mutex::new(None),
             batched_expert_bytes,
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
