@@ -14,7 +14,10 @@ fn prefill_logits_equal_token_by_token_decode() {
         let converted = convert_fixture(name, DType::Q4);
         let reference = Reference::load(name);
         for activations in [Activations::F32, Activations::Int8] {
-            let cpu = CpuBackend::with_options(CpuOptions { activations });
+            let cpu = CpuBackend::with_options(CpuOptions {
+                activations,
+                ..CpuOptions::default()
+            });
             let model = std::sync::Arc::new(
                 Model::open_with(cpu, &converted.dir, &ModelOptions::default()).unwrap(),
             );

@@ -1,7 +1,10 @@
 //! Causal grouped-query attention over a growing KV cache.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
+use super::pool;
 use super::simd::{Isa, dot};
 use crate::backend::{AttentionShape, Rope};
 use crate::config::MlaConfig;
@@ -73,8 +76,10 @@ impl KvCache {
 /// Appends `k`, `v` (`n` rows) and attends each of the `n` queries to every
 /// cached position up to and including its own (within the window, if the
 /// shape has one), with a sink logit per query head when `sinks` is given.
+#[allow(clippy::too_many_arguments)]
 pub fn attend(
     isa: Isa,
+    on_pool: bool,
     cache: &mut KvCache,
     q: &[f32],
     k: &[f32],
@@ -94,30 +99,44 @@ pub fn attend(
     // One task per (position, KV head): the query heads that share a KV
     // head read each cached key and value once between them. Each head's
     // arithmetic is the same as attending it alone.
-    out.par_chunks_mut(group * hd).enumerate().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, (i, out)| {
-            let (t, kv_head) = (i / s.num_kv_heads, i % s.num_kv_heads);
-            let position = start + t;
-            let oldest = match s.window {
-                Some(w) => (position + 1).saturating_sub(w).max(held.first),
-                None => held.first,
-            };
-            let heads = HeadGroup {
-                queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
-                offset: kv_head * hd,
-                visible: oldest - held.first..position + 1 - held.first,
-                sinks: sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]),
-                scale,
-            };
-            isa.vectorize(
-                #[inline(always)]
-                || heads.attend(held, scores, out),
-            );
-        },
-    );
+    let task = |scores: &mut Vec<f32>, i: usize, out: &mut [f32]| {
+        let (t, kv_head) = (i / s.num_kv_heads, i % s.num_kv_heads);
+        let position = start + t;
+        let oldest = match s.window {
+            Some(w) => (position + 1).saturating_sub(w).max(held.first),
+            None => held.first,
+        };
+        let heads = HeadGroup {
+            queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
+            offset: kv_head * hd,
+            visible: oldest - held.first..position + 1 - held.first,
+            sinks: sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]),
+            scale,
+        };
+        isa.vectorize(
+            #[inline(always)]
+            || heads.attend(held, scores, out),
+        );
+    };
+    match on_pool {
+        true => pool::for_chunks_mut(true, &mut out, group * hd, |i, out| {
+            SCORES.with_borrow_mut(|scores| task(scores, i, out))
+        }),
+        false => out
+            .par_chunks_mut(group * hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, out)| {
+                task(scores, i, out)
+            }),
+    }
     cache.drop_outside_window();
     out
+}
+
+thread_local! {
+    /// A thread's scores for [`attend`]'s tasks on moeflux's workers,
+    /// kept between regions so a decode step allocates none.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The query heads of one position that share a KV head.
@@ -185,6 +204,7 @@ impl HeadGroup<'_> {
 /// values) and attends each query row's heads over it, `kv_b` dequantized
 /// (`[heads·(nope + v), kv_lora]`).
 pub fn attend_latent(
+    on_pool: bool,
     cache: &mut KvCache,
     q: &[f32],
     latent: &[f32],
@@ -213,7 +233,7 @@ pub fn attend_latent(
     }
     let cache = &*cache;
     let mut out = vec![0f32; n * heads * v];
-    out.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
+    pool::for_chunks_mut(on_pool, &mut out, v, |i, out| {
         let (t, h) = (i / heads, i % heads);
         let query = &q[(t * heads + h) * qk..][..qk];
         let (q_rot, q_nope) = query.split_at(rope);
@@ -330,7 +350,7 @@ mod tests {
             let start = latents.len() / lora;
             latents.extend_from_slice(&latent);
             k_rots.extend_from_slice(&k_rot);
-            let got = attend_latent(&mut cache, &q, &latent, &k_rot, &kv_b, &mla, heads);
+            let got = attend_latent(true, &mut cache, &q, &latent, &k_rot, &kv_b, &mla, heads);
             for t in 0..n {
                 for h in 0..heads {
                     let query = &q[(t * heads + h) * qk..][..qk];

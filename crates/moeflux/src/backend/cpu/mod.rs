@@ -1,5 +1,6 @@
 //! The CPU backend: f32 activations, weights read in place from the
-//! memory-mapped model files, threads via rayon.
+//! memory-mapped model files, a decode step's parallel regions on
+//! moeflux's spinning workers ([`pool`]), the rest on rayon's.
 
 mod attention;
 mod bandwidth;
@@ -8,6 +9,7 @@ mod bench;
 mod gated_delta_net;
 mod linear;
 pub(crate) mod moe;
+mod pool;
 mod simd;
 
 use rayon::prelude::*;
@@ -23,7 +25,7 @@ use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
 use crate::quant::DType;
 use crate::util::Progress;
-use linear::{Product, matmul_many_with, matmul_with};
+use linear::{Product, matmul_many_with};
 use simd::Isa;
 
 pub use attention::KvCache;
@@ -33,9 +35,22 @@ pub use linear::{Activations, dot, matmul};
 pub use moe::Routing;
 
 /// Choices of the CPU backend.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct CpuOptions {
     pub activations: Activations,
+    /// Products and attention run on moeflux's spinning workers instead of
+    /// rayon's (same results, bit for bit); by default unless
+    /// `MOEFLUX_CPU_POOL=0`.
+    pub pool: bool,
+}
+
+impl Default for CpuOptions {
+    fn default() -> CpuOptions {
+        CpuOptions {
+            activations: Activations::default(),
+            pool: crate::tuning::cpu_pool(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -306,11 +321,15 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
         let view = w.view_for(x);
-        Ok(Tensor::new(
-            x.rows,
-            view.rows(),
-            matmul_with(self.isa(), &x.data, x.rows, &view, w.activations),
-        ))
+        let product = Product {
+            x: &x.data,
+            n: x.rows,
+            w: view,
+            activations: w.activations,
+        };
+        let mut out = matmul_many_with(self.isa(), self.options.pool, &[product]);
+        let out = out.pop().expect("one product");
+        Ok(Tensor::new(x.rows, view.rows(), out))
     }
 
     /// The products share one parallel region, and one preparation of `x`
@@ -328,7 +347,7 @@ impl Backend for CpuBackend {
                 }
             })
             .collect();
-        Ok(matmul_many_with(self.isa(), &products)
+        Ok(matmul_many_with(self.isa(), self.options.pool, &products)
             .into_iter()
             .zip(ws)
             .map(|(out, w)| Tensor::new(x.rows, w.tensor.view().rows(), out))
@@ -430,6 +449,7 @@ impl Backend for CpuBackend {
         let ids: Vec<u32> = (0..rows as u32).collect();
         let kv_b = self.embed(kv_b, &ids)?;
         let out = attention::attend_latent(
+            self.options.pool,
             cache,
             &q.data,
             &latent.data,
@@ -451,7 +471,16 @@ impl Backend for CpuBackend {
         sinks: Option<&Weight>,
     ) -> Result<Tensor> {
         let sinks = sinks.map(Weight::f32s);
-        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows, sinks);
+        let out = attention::attend(
+            self.isa(),
+            self.options.pool,
+            cache,
+            &q.data,
+            &k.data,
+            &v.data,
+            q.rows,
+            sinks,
+        );
         Ok(Tensor::new(q.rows, shape.num_heads * shape.head_dim, out))
     }
 
@@ -519,6 +548,7 @@ impl Backend for CpuBackend {
         };
         let out = moe::routed_experts(
             self.isa(),
+            self.options.pool,
             &x.data,
             x.cols,
             routing,
