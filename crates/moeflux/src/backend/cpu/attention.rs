@@ -203,6 +203,7 @@ impl HeadGroup<'_> {
 /// of `[latent | k_rot]` to the cache (one KV head of the latent width, no
 /// values) and attends each query row's heads over it, `kv_b` dequantized
 /// (`[heads·(nope + v), kv_lora]`).
+#[allow(clippy::too_many_arguments)]
 pub fn attend_latent(
     on_pool: bool,
     cache: &mut KvCache,
@@ -284,12 +285,12 @@ pub fn attend_latent(
 /// every row, row `t` at position `start_pos + t` (halves rotated against
 /// each other, as transformers' `rotate_half`), with cos and sin scaled by
 /// the rope's attention factor (YaRN).
-pub fn rope(x: &mut [f32], cols: usize, rope: Rope, start_pos: usize) {
+pub fn rope(on_pool: bool, x: &mut [f32], cols: usize, rope: Rope, start_pos: usize) {
     let (head_dim, half) = (rope.head_dim, rope.rotary_dim / 2);
     // Frequencies in f32 like transformers' RotaryEmbedding.
     let inv_freq = rope.inv_frequencies();
     let scale = rope.attention_factor();
-    x.par_chunks_mut(cols).enumerate().for_each(|(t, row)| {
+    pool::for_chunks_mut(on_pool, x, cols, |t, row| {
         let pos = (start_pos + t) as f32;
         let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
             .iter()

@@ -12,7 +12,6 @@ pub(crate) mod moe;
 mod pool;
 mod simd;
 
-use rayon::prelude::*;
 use std::ops::Range;
 
 use super::{
@@ -359,14 +358,15 @@ impl Backend for CpuBackend {
         let g = w.len();
         let offset = if norm.unit_offset { 1.0 } else { 0.0 };
         let mut data = vec![0f32; x.data.len()];
-        data.par_chunks_mut(g)
-            .zip(x.data.par_chunks(g))
-            .for_each(|(o, x)| {
+        let chunk = pool::groups_per_task(g) * g;
+        pool::for_chunks_mut(self.options.pool, &mut data, chunk, |i, out| {
+            for (o, x) in out.chunks_mut(g).zip(x.data[i * chunk..].chunks(g)) {
                 let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + norm.eps).sqrt();
                 for i in 0..g {
                     o[i] = x[i] * inv * (offset + w[i]);
                 }
-            });
+            }
+        });
         Ok(Tensor::new(x.rows, x.cols, data))
     }
 
@@ -431,7 +431,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
-        attention::rope(&mut x.data, x.cols, rope, start_pos);
+        attention::rope(self.options.pool, &mut x.data, x.cols, rope, start_pos);
         Ok(())
     }
 
@@ -501,7 +501,8 @@ impl Backend for CpuBackend {
             a_log: params.a_log.f32s(),
             dt_bias: params.dt_bias.f32s(),
         };
-        let out = gated_delta_net::forward(self.isa(), state, inputs, qkv.rows, cfg);
+        let out =
+            gated_delta_net::forward(self.isa(), self.options.pool, state, inputs, qkv.rows, cfg);
         Ok(Tensor::new(qkv.rows, cfg.value_dim(), out))
     }
 
@@ -512,7 +513,13 @@ impl Backend for CpuBackend {
         weight: &Weight,
         eps: f32,
     ) -> Result<Tensor> {
-        let out = gated_delta_net::gated_rms_norm(&x.data, &gate.data, weight.f32s(), eps);
+        let out = gated_delta_net::gated_rms_norm(
+            self.options.pool,
+            &x.data,
+            &gate.data,
+            weight.f32s(),
+            eps,
+        );
         Ok(Tensor::new(x.rows, x.cols, out))
     }
 

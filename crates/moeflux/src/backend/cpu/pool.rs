@@ -39,7 +39,7 @@ pub fn run(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) {
         return inline(tasks, body);
     }
     if !on_pool {
-        return (0..tasks).into_par_iter().for_each(|i| body(i));
+        return (0..tasks).into_par_iter().for_each(&body);
     }
     let pool = Pool::get();
     let mut workers = match pool.dispatch.try_lock() {
@@ -71,6 +71,14 @@ pub fn run(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) {
     if let Some(panic) = job.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
         resume_unwind(panic);
     }
+}
+
+/// How many of an elementwise operation's `group`-long groups (heads,
+/// rows) one task takes: enough work to pay for handing it to another
+/// thread, so a decode step's few heads stay on the calling thread.
+pub fn groups_per_task(group: usize) -> usize {
+    const MIN_TASK_ELEMENTS: usize = 1 << 14;
+    MIN_TASK_ELEMENTS.div_ceil(group.max(1))
 }
 
 /// [`run`] on the calling thread alone.
@@ -231,7 +239,7 @@ impl Job {
             // A worker descheduled mid-task (more threads than cores)
             // needs this core.
             rounds = rounds.wrapping_add(1);
-            if rounds % 1024 == 0 {
+            if rounds.is_multiple_of(1024) {
                 thread::yield_now();
             }
             std::hint::spin_loop();
@@ -282,7 +290,7 @@ fn wait_for_region(shared: &Shared, seen: u64, parked: &AtomicBool, spin: Durati
             return epoch;
         }
         rounds = rounds.wrapping_add(1);
-        if rounds % 256 == 0 && start.elapsed() >= spin {
+        if rounds.is_multiple_of(256) && start.elapsed() >= spin {
             break;
         }
         std::hint::spin_loop();
