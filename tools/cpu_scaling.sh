@@ -8,20 +8,20 @@
 #   --threads "1 2 4 8 16"   thread counts (`moeflux --threads N`)
 #   --rounds R               runs of each setting (default 1)
 #   -n N                     decoded tokens timed per run (default 32)
-#   --prefill P              prompt tokens of the prefill figure (default
-#                            256; 0 skips it)
+#   --prefill P              prompt tokens of the prefill figure, measured
+#                            with int8 activations (default 256; 0 skips it)
 #   --pin                    run N threads on cores 0..N-1 (taskset), as
 #                            llama.cpp's figures with `taskset -c` were
 #
-# At each thread count, for each activation type (int8, f32), one bench run
-# gives ppP and decode. The runs with the pool on also measure the memory
-# read bandwidth with those threads (the probe `moeflux bench` prints as
-# "memory bandwidth (measured)"). Prints a markdown table, then each
-# setting's speed relative to its first thread count. With $OUT set,
-# everything printed and every run's own output is kept under it.
-#
-# A 48-layer qwen3-30b-a3b q4 model takes about 4 minutes on 16 cores with
-# the defaults.
+# At each thread count and setting, one bench run with int8 activations
+# gives ppP and decode, one with f32 activations decode; the int8 runs with
+# the pool on also measure the memory read bandwidth with those threads
+# (the probe `moeflux bench` prints as "memory bandwidth (measured)").
+# Prints a markdown table, then each setting's speed relative to its first
+# thread count. With $OUT set, everything printed and every run's own
+# output is kept under it. Each run opens the model and reads every expert
+# into memory first; the 1-thread runs take longest, so lower -n or
+# --prefill, or leave 1 out of --threads, to shorten it.
 set -euo pipefail
 
 usage() {
@@ -69,13 +69,14 @@ field() {
 # One bench run: threads, pool (1/0), activations, round; prints
 # "pp decode bandwidth".
 bench() {
-    local n=$1 pool=$2 act=$3 round=$4 log ceilings=--no-ceilings pin=()
+    local n=$1 pool=$2 act=$3 round=$4 log ceilings=--no-ceilings pin=() prefill=0
     log=$LOGS/t$n-pool$pool-$act-r$round.txt
-    [[ $pool == 1 ]] && ceilings=
+    [[ $act == int8 ]] && prefill=$PREFILL
+    [[ $pool == 1 && $act == int8 ]] && ceilings=
     [[ $PIN == 1 ]] && pin=(taskset -c "0-$((n - 1))")
     if ! MOEFLUX_CPU_POOL=$pool "${pin[@]}" "$BIN" --threads "$n" bench -m "$MODEL" \
-        --device cpu --no-verify --activations "$act" -n "$DECODE" --warmup 16 \
-        --prefill "$PREFILL" $ceilings >"$log" 2>&1; then
+        --device cpu --no-verify --activations "$act" -n "$DECODE" --warmup 8 \
+        --prefill "$prefill" $ceilings >"$log" 2>&1; then
         echo "error: the run logged in $log failed:" >&2
         tail -n 5 "$log" >&2
         exit 1
@@ -92,8 +93,10 @@ for n in $THREADS; do
                 out=$(bench "$n" "$pool" "$act" "$round")
                 read -r pp dec bw <<<"$out"
                 R[$n,$act,$pool,dec]+="${R[$n,$act,$pool,dec]:+ / }$dec"
-                R[$n,$act,$pool,pp]+="${R[$n,$act,$pool,pp]:+ / }$pp"
-                [[ $pool == 1 && $act == int8 ]] && R[$n,bw]+="${R[$n,bw]:+ / }$bw"
+                if [[ $act == int8 ]]; then
+                    R[$n,$act,$pool,pp]+="${R[$n,$act,$pool,pp]:+ / }$pp"
+                    [[ $pool == 1 ]] && R[$n,bw]+="${R[$n,bw]:+ / }$bw"
+                fi
             done
         done
     done
@@ -106,15 +109,15 @@ echo
 head="| threads | decode int8 pool | decode int8 rayon | decode f32 pool | decode f32 rayon |"
 rule="| --- | --- | --- | --- | --- |"
 if [[ $PREFILL != 0 ]]; then
-    head+=" pp$PREFILL int8 pool | pp$PREFILL int8 rayon | pp$PREFILL f32 pool | pp$PREFILL f32 rayon |"
-    rule+=" --- | --- | --- | --- |"
+    head+=" pp$PREFILL int8 pool | pp$PREFILL int8 rayon |"
+    rule+=" --- | --- |"
 fi
 echo "$head memory bandwidth |"
 echo "$rule --- |"
 for n in $THREADS; do
     row="| $n | ${R[$n,int8,1,dec]} | ${R[$n,int8,0,dec]} | ${R[$n,f32,1,dec]} | ${R[$n,f32,0,dec]} |"
     if [[ $PREFILL != 0 ]]; then
-        row+=" ${R[$n,int8,1,pp]} | ${R[$n,int8,0,pp]} | ${R[$n,f32,1,pp]} | ${R[$n,f32,0,pp]} |"
+        row+=" ${R[$n,int8,1,pp]} | ${R[$n,int8,0,pp]} |"
     fi
     echo "$row ${R[$n,bw]} |"
 done
@@ -123,7 +126,7 @@ done
 best() { tr -d ' ' <<<"$1" | tr '/' '\n' | sort -g | tail -n 1; }
 echo
 first=${THREADS%% *}
-for key in int8,1,dec int8,0,dec f32,1,dec f32,0,dec int8,1,pp int8,0,pp f32,1,pp f32,0,pp; do
+for key in int8,1,dec int8,0,dec f32,1,dec f32,0,dec int8,1,pp int8,0,pp; do
     [[ $PREFILL == 0 && $key == *pp ]] && continue
     base=$(best "${R[$first,$key]}")
     line="$key vs $first threads:"
