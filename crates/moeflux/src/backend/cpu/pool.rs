@@ -290,8 +290,14 @@ fn wait_for_region(shared: &Shared, seen: u64, parked: &AtomicBool, spin: Durati
             return epoch;
         }
         rounds = rounds.wrapping_add(1);
-        if rounds.is_multiple_of(256) && start.elapsed() >= spin {
-            break;
+        if rounds.is_multiple_of(256) {
+            if start.elapsed() >= spin {
+                break;
+            }
+            // Every few microseconds, the core goes to any thread waiting
+            // for it (a busy machine, or the region's own caller where
+            // threads outnumber cores); otherwise this returns at once.
+            thread::yield_now();
         }
         std::hint::spin_loop();
     }
