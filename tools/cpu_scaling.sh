@@ -18,8 +18,9 @@
 # the pool on also measure the memory read bandwidth with those threads
 # (the probe `moeflux bench` prints as "memory bandwidth (measured)").
 # Prints a markdown table, then each setting's speed relative to its first
-# thread count. With $OUT set, everything printed and every run's own
-# output is kept under it. Each run opens the model and reads every expert
+# thread count. With $OUT set, what it prints goes to $OUT/cpu_scaling.log
+# as well, and every run's own output to $OUT/cpu_scaling_runs.log (two
+# files, few enough for a machine that returns only a handful). Each run opens the model and reads every expert
 # into memory first; the 1-thread runs take longest, so lower -n or
 # --prefill, or leave 1 out of --threads, to shorten it.
 set -euo pipefail
@@ -47,12 +48,13 @@ done
 [[ -x $BIN ]] || { echo "error: $BIN is not an executable" >&2 && exit 1; }
 [[ -d $MODEL ]] || { echo "error: $MODEL is not a model directory" >&2 && exit 1; }
 
-LOGS=$(mktemp -d)
+RUNS=/dev/null
 if [[ -n ${OUT:-} ]]; then
-    mkdir -p "$OUT/cpu_scaling"
-    LOGS=$OUT/cpu_scaling
+    RUNS=$OUT/cpu_scaling_runs.log
     exec > >(tee -a "$OUT/cpu_scaling.log") 2>&1
 fi
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
 
 echo "# $(uname -srm); $(nproc) cores; $("$BIN" --version 2>/dev/null || echo moeflux)"
 grep -m1 'model name' /proc/cpuinfo 2>/dev/null || true
@@ -69,18 +71,18 @@ field() {
 # One bench run: threads, pool (1/0), activations, round; prints
 # "pp decode bandwidth".
 bench() {
-    local n=$1 pool=$2 act=$3 round=$4 log ceilings=--no-ceilings pin=() prefill=0
-    log=$LOGS/t$n-pool$pool-$act-r$round.txt
+    local n=$1 pool=$2 act=$3 round=$4 log=$LOG ceilings=--no-ceilings pin=() prefill=0
     [[ $act == int8 ]] && prefill=$PREFILL
     [[ $pool == 1 && $act == int8 ]] && ceilings=
     [[ $PIN == 1 ]] && pin=(taskset -c "0-$((n - 1))")
     if ! MOEFLUX_CPU_POOL=$pool "${pin[@]}" "$BIN" --threads "$n" bench -m "$MODEL" \
         --device cpu --no-verify --activations "$act" -n "$DECODE" --warmup 8 \
         --prefill "$prefill" $ceilings >"$log" 2>&1; then
-        echo "error: the run logged in $log failed:" >&2
+        echo "error: $n threads, pool $pool, $act activations, round $round failed:" >&2
         tail -n 5 "$log" >&2
         exit 1
     fi
+    { echo "## $n threads, pool $pool, $act activations, round $round" && cat "$log"; } >>"$RUNS"
     echo "$(field "$log" "prefill (pp") $(field "$log" "decode (") $(field "$log" "memory bandwidth (measured)")"
 }
 
