@@ -5,6 +5,8 @@
 //! | `MOEFLUX_CACHE` | where moeflux keeps what it can rebuild: the converted bundled model, compiled GPU kernels | `$XDG_CACHE_HOME/moeflux`, else `~/.cache/moeflux` |
 //! | `XDG_STATE_HOME` | where `moeflux chat` keeps its input history (`moeflux/chat_history`) | `~/.local/state` |
 //! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
+//! | `MOEFLUX_CPU_SPIN_US` | microseconds the CPU backend's idle workers spin, waiting for the next parallel region, before they park | 2000 |
+//! | `MOEFLUX_CPU_POOL` | `0`: the CPU backend's parallel regions run on rayon's threads instead of its own spinning workers | on |
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
 //! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of 2 to 128 tokens (several sequences decoding, a check of drafted tokens, a short prompt) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
 //! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
@@ -15,8 +17,8 @@
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which a decode step's attention takes a block per KV head's group of query heads | 2048 |
 //! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 8 | 8 |
 //!
-//! The `MOEFLUX_CUDA_*` variables other than `GRAPHS` are for measuring
-//! the kernels (docs/PERFORMANCE.md); a user's settings are the command's
+//! The `MOEFLUX_CPU_*` variables and the `MOEFLUX_CUDA_*` ones other than
+//! `GRAPHS` are for measuring the kernels (docs/PERFORMANCE.md); a user's settings are the command's
 //! options.
 
 use std::ffi::OsString;
@@ -60,6 +62,18 @@ pub fn state_dir() -> Option<PathBuf> {
 /// `MOEFLUX_CPU_KERNELS`: the name of the CPU kernel set asked for.
 pub fn cpu_kernels() -> Option<String> {
     var("MOEFLUX_CPU_KERNELS").and_then(|v| v.into_string().ok())
+}
+
+/// `MOEFLUX_CPU_SPIN_US`: how long an idle CPU worker spins before it
+/// parks.
+pub fn cpu_spin() -> std::time::Duration {
+    std::time::Duration::from_micros(number("MOEFLUX_CPU_SPIN_US", 2000) as u64)
+}
+
+/// `MOEFLUX_CPU_POOL`: whether the CPU backend's parallel regions run on
+/// its own workers (else on rayon's).
+pub fn cpu_pool() -> bool {
+    switched_on("MOEFLUX_CPU_POOL")
 }
 
 /// `MOEFLUX_CUDA_GRAPHS`: whether decode steps may be recorded and

@@ -15,7 +15,10 @@ fn prefill_logits_equal_token_by_token_decode() {
         let converted = convert_fixture(name, DType::Q4);
         let reference = Reference::load(name);
         for activations in [Activations::F32, Activations::Int8] {
-            let cpu = CpuBackend::with_options(CpuOptions { activations });
+            let cpu = CpuBackend::with_options(CpuOptions {
+                activations,
+                ..CpuOptions::default()
+            });
             let model = std::sync::Arc::new(
                 Model::open_with(cpu, &converted.dir, &ModelOptions::default()).unwrap(),
             );
@@ -127,5 +130,43 @@ fn one_cached_expert_per_layer_gives_identical_results() {
             small.misses > big.misses,
             "{name}: the small cache should have evicted experts"
         );
+    }
+}
+
+/// moeflux's spinning workers and rayon's compute the same logits, bit for
+/// bit, for prefill and decode, on more threads than tasks in some regions
+/// and fewer in others.
+#[test]
+fn cpu_worker_pool_gives_identical_logits() {
+    for name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        for activations in [Activations::F32, Activations::Int8] {
+            let run = |pool: bool, threads: usize| {
+                let cpu = CpuBackend::with_options(CpuOptions { activations, pool });
+                let model = std::sync::Arc::new(
+                    Model::open_with(cpu, &converted.dir, &ModelOptions::default()).unwrap(),
+                );
+                let threads = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                threads.install(|| {
+                    let mut session = model.session();
+                    let mut logits = session.forward(&tokens, LogitsWanted::All).unwrap().data;
+                    for &t in tokens.iter().take(6) {
+                        logits.extend(session.decode(t).unwrap());
+                    }
+                    logits
+                })
+            };
+            let rayon = run(false, 4);
+            for threads in [2, 4] {
+                assert!(
+                    run(true, threads) == rayon,
+                    "{name} ({activations:?}): the worker pool on {threads} threads changed the logits"
+                );
+            }
+        }
     }
 }

@@ -108,6 +108,7 @@ fn int8_activation_logits_are_close_to_transformers() {
                 let logits = [moeflux::model::DEFAULT_PREFILL_CHUNK, 7].map(|chunk| {
                     let cpu = CpuBackend::with_options(CpuOptions {
                         activations: Activations::Int8,
+                        ..CpuOptions::default()
                     });
                     let model =
                         Arc::new(Model::open_with(cpu, &converted.dir, &options(chunk)).unwrap());

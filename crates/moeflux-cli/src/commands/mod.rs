@@ -304,6 +304,7 @@ impl ModelArgs {
                         ActivationsArg::F32 => Activations::F32,
                         ActivationsArg::Int8 => Activations::Int8,
                     },
+                    ..CpuOptions::default()
                 });
                 OpenedModel::Cpu(Arc::new(Model::open_with(cpu, dir, &options)?))
             }

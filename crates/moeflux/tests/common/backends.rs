@@ -70,7 +70,13 @@ pub fn reference() -> CpuBackend {
 /// activations; `None` where this machine lacks that set.
 pub fn cpu(kernels: &str, activations: Activations) -> Option<CpuBackend> {
     let kernels = KernelSet::named(kernels)?;
-    Some(CpuBackend::with_options(CpuOptions { activations }).with_kernels(kernels))
+    Some(
+        CpuBackend::with_options(CpuOptions {
+            activations,
+            ..CpuOptions::default()
+        })
+        .with_kernels(kernels),
+    )
 }
 
 /// The CUDA backend on device 0, or `None` (after saying so) when this

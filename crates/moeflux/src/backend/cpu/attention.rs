@@ -3,8 +3,11 @@
 //! encoding (f32, bf16 bits, or q8 codes with their blocks' scales) and
 //! compute in f32.
 
+use std::cell::RefCell;
+
 use rayon::prelude::*;
 
+use super::pool;
 use super::simd::{Isa, dot};
 use crate::backend::kv::{KvRows, KvType, Q8_BLOCK, bf16_value};
 use crate::backend::{AttentionShape, Rope};
@@ -87,8 +90,10 @@ impl KvCache {
 /// shape has one), with a sink logit per query head when `sinks` is given.
 /// The new keys and values are stored first, so every query sees them as
 /// the cache holds them.
+#[allow(clippy::too_many_arguments)]
 pub fn attend(
     isa: Isa,
+    on_pool: bool,
     cache: &mut KvCache,
     q: &[f32],
     k: &[f32],
@@ -108,53 +113,61 @@ pub fn attend(
     // One task per (position, KV head): the query heads that share a KV
     // head read each cached key and value once between them. Each head's
     // arithmetic is the same as attending it alone.
-    out.par_chunks_mut(group * hd).enumerate().for_each_init(
-        Vec::new,
-        |scores: &mut Vec<f32>, (i, out)| {
-            let (t, kv_head) = (i / s.num_kv_heads, i % s.num_kv_heads);
-            let position = start + t;
-            let oldest = match s.window {
-                Some(w) => (position + 1).saturating_sub(w).max(held.first),
-                None => held.first,
-            };
-            let heads = HeadGroup {
-                queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
-                offset: kv_head * hd,
-                visible: oldest - held.first..position + 1 - held.first,
-                sinks: sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]),
-                scale,
-                head_dim: hd,
-                width: s.num_kv_heads * hd,
-            };
-            isa.vectorize(
-                #[inline(always)]
-                || match (&held.keys, &held.values) {
-                    (KvRows::F32(k), KvRows::F32(v)) => {
-                        heads.attend(k.as_slice(), v.as_slice(), scores, out)
-                    }
-                    (KvRows::Bf16(k), KvRows::Bf16(v)) => {
-                        heads.attend(&Bf16Rows(k), &Bf16Rows(v), scores, out)
-                    }
-                    (
-                        KvRows::Q8 { codes, scales },
-                        KvRows::Q8 {
-                            codes: v_codes,
-                            scales: v_scales,
-                        },
-                    ) => heads.attend(
-                        &Q8Rows { codes, scales },
-                        &Q8Rows {
-                            codes: v_codes,
-                            scales: v_scales,
-                        },
-                        scores,
-                        out,
-                    ),
-                    _ => unreachable!("a cache's keys and values share its type"),
-                },
-            );
-        },
-    );
+    let task = |scores: &mut Vec<f32>, i: usize, out: &mut [f32]| {
+        let (t, kv_head) = (i / s.num_kv_heads, i % s.num_kv_heads);
+        let position = start + t;
+        let oldest = match s.window {
+            Some(w) => (position + 1).saturating_sub(w).max(held.first),
+            None => held.first,
+        };
+        let heads = HeadGroup {
+            queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
+            offset: kv_head * hd,
+            visible: oldest - held.first..position + 1 - held.first,
+            sinks: sinks.map(|s| &s[kv_head * group..(kv_head + 1) * group]),
+            scale,
+            head_dim: hd,
+            width: s.num_kv_heads * hd,
+        };
+        isa.vectorize(
+            #[inline(always)]
+            || match (&held.keys, &held.values) {
+                (KvRows::F32(k), KvRows::F32(v)) => {
+                    heads.attend(k.as_slice(), v.as_slice(), scores, out)
+                }
+                (KvRows::Bf16(k), KvRows::Bf16(v)) => {
+                    heads.attend(&Bf16Rows(k), &Bf16Rows(v), scores, out)
+                }
+                (
+                    KvRows::Q8 { codes, scales },
+                    KvRows::Q8 {
+                        codes: v_codes,
+                        scales: v_scales,
+                    },
+                ) => heads.attend(
+                    &Q8Rows { codes, scales },
+                    &Q8Rows {
+                        codes: v_codes,
+                        scales: v_scales,
+                    },
+                    scores,
+                    out,
+                ),
+                _ => unreachable!("a cache's keys and values share its type"),
+            },
+        );
+    };
+    match on_pool {
+        true => pool::for_chunks_mut(true, &mut out, group * hd, |i, out| {
+            SCORES.with_borrow_mut(|scores| task(scores, i, out))
+        }),
+        false => out
+            .par_chunks_mut(group * hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, out)| {
+                task(scores, i, out)
+            }),
+    }
     cache.drop_outside_window();
     out
 }
@@ -209,6 +222,12 @@ impl Rows for Q8Rows<'_> {
         }
         scratch
     }
+}
+
+thread_local! {
+    /// A thread's scores for [`attend`]'s tasks on moeflux's workers,
+    /// kept between regions so a decode step allocates none.
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The query heads of one position that share a KV head.
@@ -284,7 +303,9 @@ impl HeadGroup<'_> {
 /// of `[latent | k_rot]` to the cache (one KV head of the latent width, no
 /// values) and attends each query row's heads over it, `kv_b` dequantized
 /// (`[heads·(nope + v), kv_lora]`).
+#[allow(clippy::too_many_arguments)]
 pub fn attend_latent(
+    on_pool: bool,
     cache: &mut KvCache,
     q: &[f32],
     latent: &[f32],
@@ -314,7 +335,7 @@ pub fn attend_latent(
     }
     let cached = &*cached;
     let mut out = vec![0f32; n * heads * v];
-    out.par_chunks_mut(v).enumerate().for_each(|(i, out)| {
+    pool::for_chunks_mut(on_pool, &mut out, v, |i, out| {
         let (t, h) = (i / heads, i % heads);
         let query = &q[(t * heads + h) * qk..][..qk];
         let (q_rot, q_nope) = query.split_at(rope);
@@ -365,12 +386,12 @@ pub fn attend_latent(
 /// every row, row `t` at position `start_pos + t` (halves rotated against
 /// each other, as transformers' `rotate_half`), with cos and sin scaled by
 /// the rope's attention factor (YaRN).
-pub fn rope(x: &mut [f32], cols: usize, rope: Rope, start_pos: usize) {
+pub fn rope(on_pool: bool, x: &mut [f32], cols: usize, rope: Rope, start_pos: usize) {
     let (head_dim, half) = (rope.head_dim, rope.rotary_dim / 2);
     // Frequencies in f32 like transformers' RotaryEmbedding.
     let inv_freq = rope.inv_frequencies();
     let scale = rope.attention_factor();
-    x.par_chunks_mut(cols).enumerate().for_each(|(t, row)| {
+    pool::for_chunks_mut(on_pool, x, cols, |t, row| {
         let pos = (start_pos + t) as f32;
         let (cos, sin): (Vec<f32>, Vec<f32>) = inv_freq
             .iter()
@@ -434,7 +455,7 @@ mod tests {
             let start = latents.len() / lora;
             latents.extend_from_slice(&latent);
             k_rots.extend_from_slice(&k_rot);
-            let got = attend_latent(&mut cache, &q, &latent, &k_rot, &kv_b, &mla, heads);
+            let got = attend_latent(true, &mut cache, &q, &latent, &k_rot, &kv_b, &mla, heads);
             for t in 0..n {
                 for h in 0..heads {
                     let query = &q[(t * heads + h) * qk..][..qk];

@@ -150,6 +150,7 @@ fn decode_layers_throughput() {
         MatrixView::new(*l, b)
     }
     let isa = Isa::get();
+    let pool = super::CpuOptions::default().pool;
     let (hidden, q_width, kv_width, inter, top_k, vocab) = (2048, 4096, 512, 768, 8, 151936);
     let layers = 16;
     let activations = Activations::Int8;
@@ -200,14 +201,14 @@ fn decode_layers_throughput() {
                     activations,
                 })
                 .collect();
-            let qkv = matmul_many_with(isa, &qkv);
+            let qkv = matmul_many_with(isa, pool, &qkv);
             let o = Product {
                 x: &qkv[0],
                 n: 1,
                 w: view(&attn[3]),
                 activations,
             };
-            std::hint::black_box(matmul_many_with(isa, &[o]));
+            std::hint::black_box(matmul_many_with(isa, pool, &[o]));
             let gate_up: Vec<Product<'_>> = experts
                 .iter()
                 .flat_map(|e| {
@@ -219,7 +220,7 @@ fn decode_layers_throughput() {
                     })
                 })
                 .collect();
-            let act: Vec<Vec<f32>> = matmul_many_with(isa, &gate_up)
+            let act: Vec<Vec<f32>> = matmul_many_with(isa, pool, &gate_up)
                 .chunks_exact(2)
                 .map(|p| p[0].iter().zip(&p[1]).map(|(g, u)| g * u).collect())
                 .collect();
@@ -233,7 +234,7 @@ fn decode_layers_throughput() {
                     activations,
                 })
                 .collect();
-            std::hint::black_box(matmul_many_with(isa, &down));
+            std::hint::black_box(matmul_many_with(isa, pool, &down));
         }
         let head = Product {
             x: &x,
@@ -241,12 +242,12 @@ fn decode_layers_throughput() {
             w: view(&head[0]),
             activations,
         };
-        std::hint::black_box(matmul_many_with(isa, &[head]));
+        std::hint::black_box(matmul_many_with(isa, pool, &[head]));
     };
     let big = vec![1f32; 128 << 20];
     let tokens = 16;
     println!(
-        "{isa:?}, {} threads, {:.1} MB of weights per token",
+        "{isa:?}, {} threads (moeflux's workers: {pool}), {:.1} MB of weights per token",
         rayon::current_num_threads(),
         bytes as f64 / 1e6
     );
@@ -333,7 +334,7 @@ fn attention_decode_throughput() {
                 values: KvRows::encode(kv, &vals),
             };
             let secs = best_of(10, || {
-                std::hint::black_box(attend(isa, &mut cache, &q, &k, &v, 1, None));
+                std::hint::black_box(attend(isa, false, &mut cache, &q, &k, &v, 1, None));
                 cache.truncate(positions);
             });
             let bytes = 2 * positions * kv.row_bytes(width);

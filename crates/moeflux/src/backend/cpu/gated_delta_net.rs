@@ -1,8 +1,9 @@
 //! Gated DeltaNet on the CPU: the token-by-token recurrence, parallel over
 //! value heads (each head's state evolves independently).
 
-use rayon::prelude::*;
+use std::sync::Mutex;
 
+use super::pool;
 use super::simd::Isa;
 
 use crate::config::LinearAttentionConfig;
@@ -98,8 +99,12 @@ pub struct Inputs<'a> {
     pub dt_bias: &'a [f32],
 }
 
+/// A value head's output, recurrent state and trail.
+type HeadParts<'a> = (&'a mut [f32], &'a mut [f32], &'a mut [f32]);
+
 pub fn forward(
     isa: Isa,
+    on_pool: bool,
     state: &mut DeltaNetState,
     inp: Inputs<'_>,
     n: usize,
@@ -117,18 +122,15 @@ pub fn forward(
     window.extend_from_slice(&state.conv);
     window.extend_from_slice(&inp.qkv[..n * conv_dim]);
     let mut mixed = vec![0f32; n * conv_dim];
-    mixed
-        .par_chunks_mut(conv_dim)
-        .enumerate()
-        .for_each(|(t, out)| {
-            for (c, o) in out.iter_mut().enumerate() {
-                let w = &inp.conv_weight[c * kernel..(c + 1) * kernel];
-                let acc: f32 = (0..kernel)
-                    .map(|i| w[i] * window[(t + i) * conv_dim + c])
-                    .sum();
-                *o = silu(acc);
-            }
-        });
+    pool::for_chunks_mut(on_pool, &mut mixed, conv_dim, |t, out| {
+        for (c, o) in out.iter_mut().enumerate() {
+            let w = &inp.conv_weight[c * kernel..(c + 1) * kernel];
+            let acc: f32 = (0..kernel)
+                .map(|i| w[i] * window[(t + i) * conv_dim + c])
+                .sum();
+            *o = silu(acc);
+        }
+    });
     let keep = window.len() - history * conv_dim;
     state.conv.copy_from_slice(&window[keep..]);
     let track = std::mem::take(&mut state.track_next);
@@ -139,7 +141,7 @@ pub fn forward(
 
     // Normalised queries (also scaled by 1/sqrt(dk)) and keys.
     let q_scale = 1.0 / (dk as f32).sqrt();
-    mixed.par_chunks_mut(conv_dim).for_each(|row| {
+    pool::for_chunks_mut(on_pool, &mut mixed, conv_dim, |_, row| {
         for head in row[..2 * key_dim].chunks_exact_mut(dk) {
             l2_normalize(head);
         }
@@ -152,38 +154,43 @@ pub fn forward(
     let mut out_by_head = vec![0f32; nv * n * dv];
     // Each head's part of the trail (empty when not tracking).
     let trail_part = if track { n * dk * dv } else { 1 };
-    let mut trail_parts: Vec<&mut [f32]> = match track {
+    let trail_parts: Vec<&mut [f32]> = match track {
         true => trail.chunks_mut(trail_part).collect(),
         false => (0..nv).map(|_| &mut [][..]).collect(),
     };
-    out_by_head
-        .par_chunks_mut(n * dv)
-        .zip(state.recurrent.par_chunks_mut(dk * dv))
-        .zip(trail_parts.par_iter_mut())
-        .enumerate()
-        .for_each(|(h, ((out, s), trail))| {
-            let key = (h / heads_per_key) * dk;
-            let head = Recurrence {
-                mixed: &mixed,
-                conv_dim,
-                q: key,
-                k: key_dim + key,
-                v: 2 * key_dim + h * dv,
-                dk,
-                dv,
-            };
-            let decay_rate = -inp.a_log[h].exp();
-            let gates: Vec<(f32, f32)> = (0..n)
-                .map(|t| {
-                    let decay = (decay_rate * softplus(inp.a[t * nv + h] + inp.dt_bias[h])).exp();
-                    (decay, sigmoid(inp.b[t * nv + h]))
-                })
-                .collect();
-            isa.vectorize(
-                #[inline(always)]
-                || head.run(s, &gates, out, trail),
-            );
-        });
+    // Each head's output, state and trail, taken by the thread that runs it.
+    let heads: Vec<Mutex<HeadParts<'_>>> = out_by_head
+        .chunks_mut(n * dv)
+        .zip(state.recurrent.chunks_mut(dk * dv))
+        .zip(trail_parts)
+        .map(|((out, s), trail)| Mutex::new((out, s, trail)))
+        .collect();
+    pool::run(on_pool, heads.len(), |h| {
+        let mut parts = heads[h].lock().unwrap_or_else(|e| e.into_inner());
+        let (out, s, trail) = &mut *parts;
+        let key = (h / heads_per_key) * dk;
+        let head = Recurrence {
+            mixed: &mixed,
+            conv_dim,
+            q: key,
+            k: key_dim + key,
+            v: 2 * key_dim + h * dv,
+            dk,
+            dv,
+        };
+        let decay_rate = -inp.a_log[h].exp();
+        let gates: Vec<(f32, f32)> = (0..n)
+            .map(|t| {
+                let decay = (decay_rate * softplus(inp.a[t * nv + h] + inp.dt_bias[h])).exp();
+                (decay, sigmoid(inp.b[t * nv + h]))
+            })
+            .collect();
+        isa.vectorize(
+            #[inline(always)]
+            || head.run(s, &gates, out, trail),
+        );
+    });
+    drop(heads);
     state.steps = track.then(|| Steps {
         n,
         conv_dim,
@@ -261,17 +268,24 @@ impl Recurrence<'_> {
 }
 
 /// RMSNorm over each `weight.len()` group, times weight, times silu(gate).
-pub fn gated_rms_norm(x: &[f32], gate: &[f32], weight: &[f32], eps: f32) -> Vec<f32> {
+pub fn gated_rms_norm(
+    on_pool: bool,
+    x: &[f32],
+    gate: &[f32],
+    weight: &[f32],
+    eps: f32,
+) -> Vec<f32> {
     let g = weight.len();
     let mut out = vec![0f32; x.len()];
-    out.par_chunks_mut(g)
-        .zip(x.par_chunks(g))
-        .zip(gate.par_chunks(g))
-        .for_each(|((o, x), z)| {
+    let chunk = pool::groups_per_task(g) * g;
+    pool::for_chunks_mut(on_pool, &mut out, chunk, |i, out| {
+        let (x, gate) = (&x[i * chunk..], &gate[i * chunk..]);
+        for ((o, x), z) in out.chunks_mut(g).zip(x.chunks(g)).zip(gate.chunks(g)) {
             let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + eps).sqrt();
             for i in 0..g {
                 o[i] = x[i] * inv * weight[i] * silu(z[i]);
             }
-        });
+        }
+    });
     out
 }

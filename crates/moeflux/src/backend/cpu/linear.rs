@@ -2,15 +2,17 @@
 //!
 //! Rows are computed in tiles of a few rows × a few tokens by the kernels
 //! of [`super::simd`], so each weight is read from memory once per call
-//! and unpacked once per tile of tokens. Blocks of rows become rayon tasks
-//! only when each has enough work to pay for the split. Several products
+//! and unpacked once per tile of tokens. Blocks of rows become tasks of a
+//! parallel region ([`super::pool`]) only when each has enough work to pay
+//! for the split. Several products
 //! (a layer's experts, attention's projections) can share one parallel
 //! region ([`matmul_many_with`]): their rows are split into tasks of about
 //! equal work across all of them, one fork and join for the lot.
 
-use rayon::prelude::*;
+use std::sync::Mutex;
 
 use super::simd::{Acts, FloatRows, Int8Acts, Isa, Mxfp4Rows, QuantRows};
+use super::{CpuOptions, pool};
 use crate::quant::{DType, MatrixView, mxfp4};
 
 pub use super::simd::dot;
@@ -49,7 +51,7 @@ pub fn matmul_with(
         w: *w,
         activations,
     };
-    let mut out = matmul_many_with(isa, &[product]);
+    let mut out = matmul_many_with(isa, CpuOptions::default().pool, &[product]);
     out.pop().expect("one product")
 }
 
@@ -155,11 +157,12 @@ fn block(
 }
 
 /// Each product's result as [`matmul`] gives it, bit for bit, all computed
-/// in one parallel region, with the kernels of `isa`. Products whose
+/// in one parallel region (on moeflux's workers where `on_pool`), with the
+/// kernels of `isa`. Products whose
 /// inputs are the same slice (and whose weights take inputs in the same
 /// layout) share one preparation of them, e.g. one int8 quantization for
 /// an expert's gate and up.
-pub fn matmul_many_with(isa: Isa, products: &[Product<'_>]) -> Vec<Vec<f32>> {
+pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Vec<Vec<f32>> {
     // Each product's index into `inputs`: the first product with the same
     // input slice and layout prepares it for all.
     let mut inputs: Vec<Inputs<'_>> = Vec::new();
@@ -197,15 +200,14 @@ pub fn matmul_many_with(isa: Isa, products: &[Product<'_>]) -> Vec<Vec<f32>> {
             tasks.push((i, k * per_task, chunk));
         }
     }
-    let run = |(i, first, out): (usize, usize, &mut [f32])| {
+    // Each task's output slice, taken by whichever thread runs the task.
+    let tasks: Vec<Mutex<(usize, usize, &mut [f32])>> = tasks.into_iter().map(Mutex::new).collect();
+    pool::run(on_pool, tasks.len(), |t| {
+        let mut task = tasks[t].lock().unwrap_or_else(|e| e.into_inner());
+        let (i, first, ref mut out) = *task;
         let p = &products[i];
         block(isa, &p.w, &inputs[input_of[i]], first, out.len() / p.n, out);
-    };
-    if tasks.len() == 1 {
-        tasks.into_iter().for_each(run);
-    } else {
-        tasks.into_par_iter().for_each(run);
-    }
+    });
     products
         .iter()
         .zip(by_row)

@@ -1,5 +1,6 @@
 //! The CPU backend: f32 activations, weights read in place from the
-//! memory-mapped model files, threads via rayon.
+//! memory-mapped model files, a decode step's parallel regions on
+//! moeflux's spinning workers ([`pool`]), the rest on rayon's.
 
 mod attention;
 mod bandwidth;
@@ -8,9 +9,9 @@ mod bench;
 mod gated_delta_net;
 mod linear;
 pub(crate) mod moe;
+mod pool;
 mod simd;
 
-use rayon::prelude::*;
 use std::ops::Range;
 
 use super::{
@@ -23,7 +24,7 @@ use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
 use crate::quant::DType;
 use crate::util::Progress;
-use linear::{Product, matmul_many_with, matmul_with};
+use linear::{Product, matmul_many_with};
 use simd::Isa;
 
 pub use attention::KvCache;
@@ -33,9 +34,22 @@ pub use linear::{Activations, dot, matmul};
 pub use moe::Routing;
 
 /// Choices of the CPU backend.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct CpuOptions {
     pub activations: Activations,
+    /// Products and attention run on moeflux's spinning workers instead of
+    /// rayon's (same results, bit for bit); by default unless
+    /// `MOEFLUX_CPU_POOL=0`.
+    pub pool: bool,
+}
+
+impl Default for CpuOptions {
+    fn default() -> CpuOptions {
+        CpuOptions {
+            activations: Activations::default(),
+            pool: crate::tuning::cpu_pool(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default)]
@@ -309,11 +323,15 @@ impl Backend for CpuBackend {
 
     fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
         let view = w.view_for(x);
-        Ok(Tensor::new(
-            x.rows,
-            view.rows(),
-            matmul_with(self.isa(), &x.data, x.rows, &view, w.activations),
-        ))
+        let product = Product {
+            x: &x.data,
+            n: x.rows,
+            w: view,
+            activations: w.activations,
+        };
+        let mut out = matmul_many_with(self.isa(), self.options.pool, &[product]);
+        let out = out.pop().expect("one product");
+        Ok(Tensor::new(x.rows, view.rows(), out))
     }
 
     /// The products share one parallel region, and one preparation of `x`
@@ -331,7 +349,7 @@ impl Backend for CpuBackend {
                 }
             })
             .collect();
-        Ok(matmul_many_with(self.isa(), &products)
+        Ok(matmul_many_with(self.isa(), self.options.pool, &products)
             .into_iter()
             .zip(ws)
             .map(|(out, w)| Tensor::new(x.rows, w.tensor.view().rows(), out))
@@ -343,14 +361,15 @@ impl Backend for CpuBackend {
         let g = w.len();
         let offset = if norm.unit_offset { 1.0 } else { 0.0 };
         let mut data = vec![0f32; x.data.len()];
-        data.par_chunks_mut(g)
-            .zip(x.data.par_chunks(g))
-            .for_each(|(o, x)| {
+        let chunk = pool::groups_per_task(g) * g;
+        pool::for_chunks_mut(self.options.pool, &mut data, chunk, |i, out| {
+            for (o, x) in out.chunks_mut(g).zip(x.data[i * chunk..].chunks(g)) {
                 let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + norm.eps).sqrt();
                 for i in 0..g {
                     o[i] = x[i] * inv * (offset + w[i]);
                 }
-            });
+            }
+        });
         Ok(Tensor::new(x.rows, x.cols, data))
     }
 
@@ -415,7 +434,7 @@ impl Backend for CpuBackend {
     }
 
     fn rope(&self, x: &mut Tensor, rope: Rope, start_pos: usize) -> Result<()> {
-        attention::rope(&mut x.data, x.cols, rope, start_pos);
+        attention::rope(self.options.pool, &mut x.data, x.cols, rope, start_pos);
         Ok(())
     }
 
@@ -433,6 +452,7 @@ impl Backend for CpuBackend {
         let ids: Vec<u32> = (0..rows as u32).collect();
         let kv_b = self.embed(kv_b, &ids)?;
         let out = attention::attend_latent(
+            self.options.pool,
             cache,
             &q.data,
             &latent.data,
@@ -454,7 +474,16 @@ impl Backend for CpuBackend {
         sinks: Option<&Weight>,
     ) -> Result<Tensor> {
         let sinks = sinks.map(Weight::f32s);
-        let out = attention::attend(self.isa(), cache, &q.data, &k.data, &v.data, q.rows, sinks);
+        let out = attention::attend(
+            self.isa(),
+            self.options.pool,
+            cache,
+            &q.data,
+            &k.data,
+            &v.data,
+            q.rows,
+            sinks,
+        );
         Ok(Tensor::new(q.rows, shape.num_heads * shape.head_dim, out))
     }
 
@@ -475,7 +504,8 @@ impl Backend for CpuBackend {
             a_log: params.a_log.f32s(),
             dt_bias: params.dt_bias.f32s(),
         };
-        let out = gated_delta_net::forward(self.isa(), state, inputs, qkv.rows, cfg);
+        let out =
+            gated_delta_net::forward(self.isa(), self.options.pool, state, inputs, qkv.rows, cfg);
         Ok(Tensor::new(qkv.rows, cfg.value_dim(), out))
     }
 
@@ -486,7 +516,13 @@ impl Backend for CpuBackend {
         weight: &Weight,
         eps: f32,
     ) -> Result<Tensor> {
-        let out = gated_delta_net::gated_rms_norm(&x.data, &gate.data, weight.f32s(), eps);
+        let out = gated_delta_net::gated_rms_norm(
+            self.options.pool,
+            &x.data,
+            &gate.data,
+            weight.f32s(),
+            eps,
+        );
         Ok(Tensor::new(x.rows, x.cols, out))
     }
 
@@ -522,6 +558,7 @@ impl Backend for CpuBackend {
         };
         let out = moe::routed_experts(
             self.isa(),
+            self.options.pool,
             &x.data,
             x.cols,
             routing,

@@ -188,6 +188,7 @@ type Assigned = std::collections::BTreeMap<usize, Vec<(usize, f32)>>;
 #[allow(clippy::too_many_arguments)]
 pub fn routed_experts(
     isa: Isa,
+    on_pool: bool,
     x: &[f32],
     hidden: usize,
     routing: &Routing,
@@ -224,11 +225,12 @@ pub fn routed_experts(
             .into_iter()
             .map(|f| store.wait(f))
             .collect::<Result<_>>()?;
-        let mut results = experts(isa, &ready, x, hidden, &assigned, activations, ffn);
+        let mut results = experts(isa, on_pool, &ready, x, hidden, &assigned, activations, ffn);
         for fetch in reading {
             let expert = store.wait(fetch)?;
             results.extend(experts(
                 isa,
+                on_pool,
                 &[expert],
                 x,
                 hidden,
@@ -258,8 +260,10 @@ pub fn routed_experts(
 /// experts, so both threads stream weights until the region's end. When
 /// an expert takes every token (always, in decode) its input is `x`
 /// itself, quantized once for all of them.
+#[allow(clippy::too_many_arguments)]
 fn experts(
     isa: Isa,
+    on_pool: bool,
     experts: &[Arc<Expert>],
     x: &[f32],
     hidden: usize,
@@ -297,7 +301,7 @@ fn experts(
             })
         })
         .collect();
-    let mut gate_up = matmul_many_with(isa, &gate_up);
+    let mut gate_up = matmul_many_with(isa, on_pool, &gate_up);
     let act: Vec<Vec<f32>> = gate_up
         .chunks_exact_mut(2)
         .zip(experts)
@@ -320,7 +324,7 @@ fn experts(
             activations,
         })
         .collect();
-    let mut down = matmul_many_with(isa, &down);
+    let mut down = matmul_many_with(isa, on_pool, &down);
     for (e, out) in experts.iter().zip(&mut down) {
         ffn.add_down_bias(e.index, out, hidden);
     }
