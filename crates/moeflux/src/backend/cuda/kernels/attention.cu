@@ -155,9 +155,11 @@ ATTENTION_KERNEL(attention_q8, KV_Q8)
 
 // DECODE_ATTN_WARPS (geometry.rs) warps per block.
 #define DECODE_ATTN_CHUNK (DECODE_ATTN_WARPS * WARP_SIZE)
-// Positions a warp's lanes load values of before using them (half as many
-// for heads over 256 wide, to stay in registers).
-#define DECODE_VALUES_IN_FLIGHT(PER_LANE) ((PER_LANE) <= 8 ? 8 : 4)
+// Positions a warp's lanes load values of before using them: 8, fewer for
+// wide heads to stay in registers (f32: 4 over 256 wide; bf16 and q8, whose
+// bits wait beside the values: 32 loads a lane).
+#define VALUES_IN_FLIGHT(PER_LANE, KV) \
+    ((KV) == KV_F32 ? ((PER_LANE) <= 8 ? 8 : 4) : (PER_LANE) <= 4 ? 8 : 32 / (PER_LANE))
 // 16-byte pieces of a key a thread loads before using them.
 #define DECODE_KEY_QUADS 16
 
@@ -207,6 +209,75 @@ __device__ __forceinline__ void dot_keys(const KvSide<KV>& keys, i64 at, const f
                         dot[g] = fmaf(qq.w, x[4 * c + 3], dot[g]);
                     }
                 }
+            }
+        }
+    }
+}
+
+// A warp's values of VALUES positions of a chunk (slots i0, i0 + stride,
+// ...; the chunk's first row c0), lane `lane` holding dimensions lane,
+// lane + 32, ...: `v[u][k]`, 0 past the chunk or the head, the newest row
+// (visible - 1, not in the cache yet) from `fresh_v`. All loads are in
+// flight at once: an f32 value is its load, but a bf16 or q8 one converted
+// where it is chosen over the newest row's would make the warp wait for
+// each load before issuing the next, so their bits are loaded first
+// (KvSide::bits) and converted after; a q8 row's scales are loaded a block
+// per lane and passed by shuffles.
+template <int KV, int VALUES, int PER_LANE>
+__device__ __forceinline__ void warp_values(const KvSide<KV>& cached_v, const float* fresh_v,
+                                            i64 c0, int i0, int stride, int chunk, i64 visible,
+                                            i64 head_at, i64 kv_width, int head_dim, int lane,
+                                            float (*v)[PER_LANE]) {
+    if (KV == KV_F32) {
+#pragma unroll
+        for (int u = 0; u < VALUES; ++u) {
+            const int i = i0 + u * stride;
+            const i64 j = c0 + i;
+            const bool newest = j == visible - 1;
+            const i64 at = head_at + j * kv_width;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                const int d = lane + k * WARP_SIZE;
+                v[u][k] = i < chunk && d < head_dim
+                              ? (newest ? fresh_v[d] : cached_v.at(at + d))
+                              : 0.0f;
+            }
+        }
+    } else {
+        float fresh[PER_LANE];
+#pragma unroll
+        for (int k = 0; k < PER_LANE; ++k) {
+            const int d = lane + k * WARP_SIZE;
+            fresh[k] = d < head_dim ? fresh_v[d] : 0.0f;
+        }
+        u32 bits[VALUES][PER_LANE];
+        float scale[VALUES];
+#pragma unroll
+        for (int u = 0; u < VALUES; ++u) {
+            const int i = i0 + u * stride;
+            const i64 j = c0 + i;
+            const i64 at = head_at + j * kv_width;
+            const bool cached = i < chunk && j != visible - 1;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                const int d = lane + k * WARP_SIZE;
+                bits[u][k] = cached && d < head_dim ? cached_v.bits(at + d) : 0u;
+            }
+            const int block = lane * KV_Q8_BLOCK;
+            scale[u] = KV == KV_Q8 && cached && block < head_dim ? cached_v.load_scale(at + block)
+                                                                  : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < VALUES; ++u) {
+            const int i = i0 + u * stride;
+            const bool newest = c0 + i == visible - 1;
+#pragma unroll
+            for (int k = 0; k < PER_LANE; ++k) {
+                const int d = lane + k * WARP_SIZE;
+                // Dimension d's block is k (head_dim a multiple of a block for q8).
+                const float s = KV == KV_Q8 ? __shfl_sync(0xffffffffu, scale[u], k) : 1.0f;
+                const float x = KvSide<KV>::value(bits[u][k], s);
+                v[u][k] = i < chunk && d < head_dim ? (newest ? fresh[k] : x) : 0.0f;
             }
         }
     }
@@ -401,24 +472,13 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
 #pragma unroll
         for (int k = 0; k < PER_LANE; ++k) acc[k] *= rescale;
         // Values: warp w takes the chunk's positions w, w + warps, ...
-        for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * DECODE_VALUES_IN_FLIGHT(PER_LANE)) {
-            float v[DECODE_VALUES_IN_FLIGHT(PER_LANE)][PER_LANE];
+        for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * VALUES_IN_FLIGHT(PER_LANE, KV)) {
+            float v[VALUES_IN_FLIGHT(PER_LANE, KV)][PER_LANE];
+            warp_values<KV, VALUES_IN_FLIGHT(PER_LANE, KV), PER_LANE>(
+                cached_v, fresh_v, c0, i0, DECODE_ATTN_WARPS, chunk, visible, head_at, kv_width,
+                head_dim, lane, v);
 #pragma unroll
-            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT(PER_LANE); ++u) {
-                int i = i0 + u * DECODE_ATTN_WARPS;
-                i64 j = c0 + i;
-                const bool fresh = j == visible - 1;
-                const i64 at = head_at + j * kv_width;
-#pragma unroll
-                for (int k = 0; k < PER_LANE; ++k) {
-                    int d = lane + k * WARP_SIZE;
-                    v[u][k] = i < chunk && d < head_dim
-                                  ? (fresh ? fresh_v[d] : cached_v.at(at + d))
-                                  : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < DECODE_VALUES_IN_FLIGHT(PER_LANE); ++u) {
+            for (int u = 0; u < VALUES_IN_FLIGHT(PER_LANE, KV); ++u) {
                 int i = i0 + u * DECODE_ATTN_WARPS;
                 float w = i < chunk ? weight[i] : 0.0f;
 #pragma unroll
@@ -568,8 +628,6 @@ ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_512_q8, 16, KV_Q8)
 
 // GD_WARPS (geometry.rs) warps per block, one position per thread per chunk.
 #define GD_CHUNK (GD_WARPS * WARP_SIZE)
-// Positions a warp loads the values of before using them.
-#define GD_VALUES_IN_FLIGHT 8
 
 // Head dimensions up to PER_LANE · 32, groups up to GROUP query heads.
 template <int PER_LANE, int GROUP, int KV>
@@ -677,24 +735,13 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
 #pragma unroll
             for (int k = 0; k < PER_LANE; ++k) acc[g][k] *= rescale;
         }
-        for (int i0 = warp; i0 < chunk; i0 += GD_WARPS * GD_VALUES_IN_FLIGHT) {
-            float v[GD_VALUES_IN_FLIGHT][PER_LANE];
+        for (int i0 = warp; i0 < chunk; i0 += GD_WARPS * VALUES_IN_FLIGHT(PER_LANE, KV)) {
+            float v[VALUES_IN_FLIGHT(PER_LANE, KV)][PER_LANE];
+            warp_values<KV, VALUES_IN_FLIGHT(PER_LANE, KV), PER_LANE>(
+                cached_v, fresh_v, c0, i0, GD_WARPS, chunk, visible, head_at, kv_width, head_dim,
+                lane, v);
 #pragma unroll
-            for (int u = 0; u < GD_VALUES_IN_FLIGHT; ++u) {
-                const int i = i0 + u * GD_WARPS;
-                const i64 j = c0 + i;
-                const bool fresh = j == visible - 1;
-                const i64 at = head_at + j * kv_width;
-#pragma unroll
-                for (int k = 0; k < PER_LANE; ++k) {
-                    const int d = lane + k * WARP_SIZE;
-                    v[u][k] = i < chunk && d < head_dim
-                                  ? (fresh ? fresh_v[d] : cached_v.at(at + d))
-                                  : 0.0f;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < GD_VALUES_IN_FLIGHT; ++u) {
+            for (int u = 0; u < VALUES_IN_FLIGHT(PER_LANE, KV); ++u) {
                 const int i = i0 + u * GD_WARPS;
                 if (i < chunk) {
 #pragma unroll

@@ -52,6 +52,24 @@ struct KvSide {
         return (float)((const signed char*)data)[i] * scales[i / KV_Q8_BLOCK];
     }
 
+    // Value i's bits as the cache holds them (f32 or bf16 bits, or a q8
+    // code), loaded apart from their conversion (`value`), so a warp can
+    // issue a batch of loads before it waits for any (warp_values in
+    // attention.cu).
+    __device__ __forceinline__ u32 bits(i64 i) const {
+        if (KV == KV_F32) return ((const u32*)data)[i];
+        if (KV == KV_BF16) return ((const u16*)data)[i];
+        return (u32)(int)((const signed char*)data)[i];
+    }
+
+    // The value of `bits` (KvSide::bits) with its block's `scale`
+    // (KvSide::load_scale), as `at` computes it.
+    static __device__ __forceinline__ float value(u32 bits, float scale) {
+        if (KV == KV_F32) return __uint_as_float(bits);
+        if (KV == KV_BF16) return bf16_to_float((u16)bits);
+        return (float)(int)bits * scale;
+    }
+
     // Values i to i + 3 (i a multiple of 4).
     __device__ __forceinline__ float4 quad(i64 i) const {
         if (KV == KV_F32) return ((const float4*)data)[i / 4];
