@@ -481,6 +481,14 @@ pub trait Backend: Send + Sync + Sized + 'static {
         Ok(None)
     }
 
+    /// Runs `step`, a step the engine would record (decode tokens only,
+    /// every expert resident) that this backend does not record now: the
+    /// same kernels as [`Backend::record_step`] runs, so a step's logits do
+    /// not depend on whether it was recorded.
+    fn run_step(&self, step: &mut dyn FnMut() -> Result<Self::Tensor>) -> Result<Self::Tensor> {
+        step()
+    }
+
     /// Runs `step`, the step of `inputs`, which returns their logits, and
     /// may record it under `key` for [`Backend::replay_step`].
     fn record_step(

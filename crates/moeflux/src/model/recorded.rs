@@ -34,6 +34,12 @@ impl<B: Backend> Model<B> {
         if !recordable {
             return Ok(None);
         }
+        let forward = |model: &Self, states: &mut [&mut [LayerState<B>]]| {
+            model
+                .decoder
+                .forward(b, batch, states, store, false)
+                .map(|out| out.logits.expect("logits asked for"))
+        };
         let mut key = xxhash_rust::xxh3::Xxh3::new();
         let mut positions = Vec::with_capacity(states.len());
         for (state, segment) in states.iter_mut().zip(&batch.segments) {
@@ -51,7 +57,8 @@ impl<B: Backend> Model<B> {
             }
             let Some(sequence) = b.step_key(&mut kv, &linear, segment.rows, batch.sequences())?
             else {
-                return Ok(None);
+                // Not recorded now (graphs off): run as the recording would.
+                return b.run_step(&mut || forward(self, states)).map(Some);
             };
             key.update(&sequence.to_le_bytes());
             for n in [segment.rows, segment.logit_rows] {
@@ -69,11 +76,7 @@ impl<B: Backend> Model<B> {
         if let Some(logits) = b.replay_step(key, &inputs)? {
             return Ok(Some(logits));
         }
-        b.record_step(key, &inputs, &mut || {
-            self.decoder
-                .forward(b, batch, states, store, false)
-                .map(|out| out.logits.expect("logits asked for"))
-        })
-        .map(Some)
+        b.record_step(key, &inputs, &mut || forward(self, states))
+            .map(Some)
     }
 }

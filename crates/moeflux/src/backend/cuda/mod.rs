@@ -873,6 +873,10 @@ impl Backend for CudaBackend {
         self.replay(key, inputs)
     }
 
+    fn run_step(&self, step: &mut dyn FnMut() -> Result<Tensor>) -> Result<Tensor> {
+        self.as_engine_step(step)
+    }
+
     fn record_step(
         &self,
         key: u64,
