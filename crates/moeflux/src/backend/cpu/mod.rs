@@ -1,6 +1,6 @@
 //! The CPU backend: f32 activations, weights read in place from the
 //! memory-mapped model files, a decode step's parallel regions on
-//! moeflux's spinning workers ([`pool`]), the rest on rayon's.
+//! moeflux's spinning workers (`pool.rs`), the rest on rayon's.
 
 mod attention;
 mod bandwidth;
