@@ -310,6 +310,35 @@ pub fn both<B: Conformance>(
     (CpuTensor::new(rows, cols, data), on_b)
 }
 
+/// Attention of `n` random rows (queries, keys and values drawn from
+/// `seed`, `seed + 1` and `seed + 2`) appended to the reference's cache and
+/// to `b`'s: the reference's output, then `b`'s.
+pub fn attend_random_rows<B: Conformance>(
+    r: &CpuBackend,
+    b: &B,
+    (cache_r, cache_b): (&mut <CpuBackend as Backend>::KvCache, &mut B::KvCache),
+    shape: AttentionShape,
+    n: usize,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>) {
+    let (q_width, kv_width) = (
+        shape.num_heads * shape.head_dim,
+        shape.num_kv_heads * shape.head_dim,
+    );
+    let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
+    let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
+    let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
+    let want = r
+        .attention(cache_r, &q_r, &k_r, &v_r, shape, None)
+        .unwrap()
+        .data;
+    let got = host(
+        b,
+        &b.attention(cache_b, &q_b, &k_b, &v_b, shape, None).unwrap(),
+    );
+    (want, got)
+}
+
 /// Plain SwiGLU experts without biases.
 pub fn swiglu<B: Backend>() -> ExpertFfn<'static, B> {
     ExpertFfn::swiglu()
@@ -1033,23 +1062,12 @@ pub fn prefill_attention<B: Conformance>(b: &B, _: Activations) {
                 window: None,
                 latent: false,
             };
-            let (q_width, kv_width) = (heads * head_dim, kv_heads * head_dim);
             let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
             let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
             for (i, n) in [70, 16, 1, 45].into_iter().enumerate() {
                 let seed = 1000 + 10 * i as u64 + head_dim as u64;
-                let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
-                let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
-                let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
-                let want = r
-                    .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
-                    .unwrap()
-                    .data;
-                let got = host(
-                    b,
-                    &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
-                        .unwrap(),
-                );
+                let (want, got) =
+                    attend_random_rows(&r, b, (&mut cache_r, &mut cache_b), shape, n, seed);
                 assert_close(
                     &format!("{kv} attention, head_dim {head_dim}, chunk of {n}"),
                     &got,
@@ -1307,19 +1325,9 @@ fn long_context_decode_of_type<B: Conformance>(b: &B, kv: KvType) {
                 .kv_import(shape, host_kv(kv, len, kv_width, seed))
                 .unwrap();
             for step in 0..3 {
-                let seed = seed + 100 * step;
-                let (q_r, q_b) = both(b, 1, q_width, values(q_width, seed + 2));
-                let (k_r, k_b) = both(b, 1, kv_width, values(kv_width, seed + 3));
-                let (v_r, v_b) = both(b, 1, kv_width, values(kv_width, seed + 4));
-                let want = r
-                    .attention(&mut cache_r, &q_r, &k_r, &v_r, shape, None)
-                    .unwrap()
-                    .data;
-                let got = host(
-                    b,
-                    &b.attention(&mut cache_b, &q_b, &k_b, &v_b, shape, None)
-                        .unwrap(),
-                );
+                let seed = seed + 100 * step + 2;
+                let (want, got) =
+                    attend_random_rows(&r, b, (&mut cache_r, &mut cache_b), shape, 1, seed);
                 assert_close(
                     &format!(
                         "{kv} decode after {} positions, head_dim {head_dim}",
