@@ -62,6 +62,21 @@
 #                             (48 layers, q4 outside the experts) with its
 #                             routed experts at each width (q2, q3, q4, q8,
 #                             bf16, mxfp4), resident: decode and pp512, twice
+#   tools/gpu_suite.sh multi [PRESET:LAYERS]
+#                             on a machine with two GPUs: the tests of two
+#                             GPUs dividing the experts against one, then
+#                             PRESET cut to 4 layers and lengthened to
+#                             LAYERS (default: glm-4.5-355b:92 on GPUs of
+#                             more than 120 GB, else qwen3-235b-a22b:80,
+#                             experts exceeding one GPU and fitting two):
+#                             decode and pp512 on both GPUs
+#                             (experts resident, divided) and on one (its
+#                             VRAM a cache of streamed experts), and the bytes
+#                             exchanged between the GPUs per token. NCCL comes
+#                             from the Python nvidia-nccl wheel when the
+#                             system has none; NVLink multicast stays off
+#                             (NCCL_NVLS_ENABLE=0). MULTI_TESTS=0 skips the
+#                             tests
 #
 # The GPU machine needs this checkout (fixtures included) and the built
 # folder; the binaries are stripped of debug info to keep that small.
@@ -439,6 +454,52 @@ widths() {
     rm -rf "$dir"
 }
 
+# Two GPUs dividing the experts against one streaming them (see the header).
+multi() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    local nccl
+    nccl=$(python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] + "/lib")' 2>/dev/null || true)
+    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1 MOEFLUX_REQUIRE_GPUS=2
+    MOEFLUX_CACHE=$(mktemp -d)
+    export MOEFLUX_CACHE
+    local moeflux="$SUITE/moeflux" dir=/dev/shm/moeflux-multi spec preset layers gpu_mib
+    nvidia-smi -L || true
+    nvidia-smi topo -m || true
+    if [[ "${MULTI_TESTS:-1}" == 1 ]]; then
+        timeout 400 "$SUITE/cuda-tests" two_gpus --nocapture >"$OUT/multi-tests.log" 2>&1 || true
+        grep -E '^test result|FAILED|two GPUs vs one|batched vs alone|skipped' "$OUT/multi-tests.log" | head -n 80 || true
+        grep -A 6 'panicked' "$OUT/multi-tests.log" | head -n 30 || true
+    fi
+    gpu_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0)
+    # Whole shapes whose q4 experts exceed one GPU and fit two: GLM-4.5's
+    # 92 layers (176 GiB of experts) on 141 GiB H200s, 80 of Qwen3-235B's
+    # 94 (106 GiB) on 80 GiB H100s.
+    if ((gpu_mib > 120000)); then spec=glm-4.5-355b:92; else spec=qwen3-235b-a22b:80; fi
+    IFS=: read -r preset layers <<<"${1:-$spec}"
+    rm -rf "$dir"
+    "$moeflux" synth --preset "$preset" --layers 4 -o "$dir" --force >"$OUT/multi-synth.log" 2>&1 || {
+        tail -n 5 "$OUT/multi-synth.log"
+        return 1
+    }
+    python3 tools/repeat_layers.py "$dir" --layers "$layers" >>"$OUT/multi-synth.log" 2>&1
+    python3 -c '
+import json, sys
+m = json.load(open(sys.argv[1] + "/manifest.json"))
+b = sum(e["blob"]["nbytes"] * e["num_experts"] for e in m["experts"])
+n = m["config"]["num_hidden_layers"]
+print("--- %s: %d layers, experts %.1f GiB; one GPU %.1f GiB" % (sys.argv[2], n, b / 2**30, int(sys.argv[3]) / 1024))' \
+        "$dir" "$preset" "$gpu_mib"
+    echo "--- two GPUs (cuda:0,1), experts divided, resident"
+    "$moeflux" bench -m "$dir" --device cuda:0,1 -n 64 --warmup 16 >"$OUT/multi-bench-two.log" 2>&1 || echo "bench failed"
+    grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^exchanged|rror|every expert' "$OUT/multi-bench-two.log" || true
+    echo "--- one GPU (cuda:0), experts streamed through its VRAM"
+    "$moeflux" bench -m "$dir" --device cuda:0 -n 32 --warmup 8 >"$OUT/multi-bench-one.log" 2>&1 || echo "bench failed"
+    grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^PCIe|^pinned|rror' "$OUT/multi-bench-one.log" || true
+    rm -rf "$dir"
+}
+
 case "${1:-build}" in
 build) build ;;
 run) run ;;
@@ -458,8 +519,12 @@ shapes)
     shift
     shapes "$@"
     ;;
+multi)
+    shift
+    multi "$@"
+    ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]|widths WIDTH...]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]|widths WIDTH...|multi [PRESET:LAYERS]]" >&2
     exit 2
     ;;
 esac

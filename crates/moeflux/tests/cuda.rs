@@ -20,7 +20,8 @@
 //!
 //! Without a CUDA device every test prints "skipped: no CUDA device" and
 //! passes; `MOEFLUX_REQUIRE_CUDA=1` turns that into a failure (the GPU suite
-//! sets it). A device that is there but fails to initialise always fails.
+//! sets it). The tests of several GPUs skip likewise with fewer than two,
+//! unless `MOEFLUX_REQUIRE_GPUS=2`. A device that is there but fails to initialise always fails.
 //! Run with `--nocapture` to see the measured errors.
 
 mod common;
@@ -35,7 +36,7 @@ use common::ops::{
 };
 use common::*;
 use moeflux::backend::cpu::CpuBackend;
-use moeflux::backend::cuda::{CudaBackend, CudaOptions};
+use moeflux::backend::cuda::{CudaBackend, CudaOptions, ExpertPlacement};
 use moeflux::backend::{Backend, ExpertFfn, KvType, RmsNorm};
 use moeflux::config::RouterSpec;
 use moeflux::format::{ModelDir, OpenOptions};
@@ -1048,6 +1049,148 @@ fn grouped_prefill_experts_agree_however_cached() {
                 let first = on(&half_gpu);
                 assert_eq!(first, got, "{what}: half-cached experts differ");
                 assert_eq!(on(&half_gpu), got, "{what}: half-cached experts differ");
+            }
+        }
+    }
+}
+
+/// Devices 0 and 1 dividing the experts, or `None` (after saying so) on a
+/// machine with fewer than two CUDA devices; `MOEFLUX_REQUIRE_GPUS=2` makes
+/// that a failure.
+fn two_gpus(options: CudaOptions, placement: ExpertPlacement) -> Option<CudaBackend> {
+    let count = moeflux::backend::cuda::device_count().expect("the CUDA driver works");
+    if count < 2 {
+        assert!(
+            std::env::var("MOEFLUX_REQUIRE_GPUS")
+                .map_or(true, |n| n.parse::<usize>().unwrap_or(0) < 2),
+            "{count} CUDA devices, but MOEFLUX_REQUIRE_GPUS asks for 2"
+        );
+        println!("skipped: {count} CUDA devices, two needed");
+        return None;
+    }
+    Some(
+        CudaBackend::on_devices(&[0, 1], options, placement)
+            .unwrap_or_else(|e| panic!("two GPUs failed to initialise: {e}")),
+    )
+}
+
+/// Logits of a 5-token prefill then token-by-token decode of `tokens`.
+fn prefill_then_decode<B: Backend>(model: &Arc<Model<B>>, tokens: &[u32]) -> Vec<f32> {
+    let mut session = model.session();
+    let mut logits = session
+        .forward(&tokens[..5], LogitsWanted::All)
+        .unwrap()
+        .data;
+    for &t in &tokens[5..] {
+        logits.extend(session.decode(t).unwrap());
+    }
+    logits
+}
+
+/// Two GPUs dividing the experts against one GPU holding them all, on
+/// every fixture and the bundled model: experts resident on both GPUs
+/// (dealt round-robin, or by measured routing counts), and streamed through
+/// VRAM caches of one byte. The partial sums are added in another order,
+/// so the bound is CUDA's against the CPU (1e-3 relative at every
+/// position); greedy continuations must be identical, and batched = alone
+/// holds on two GPUs with the batched bound.
+#[test]
+fn two_gpus_match_one_gpu() {
+    if two_gpus(CudaOptions::default(), ExpertPlacement::round_robin(2)).is_none() {
+        return;
+    }
+    let mut models: Vec<(String, std::path::PathBuf, Vec<u32>)> = Vec::new();
+    for &name in FIXTURES {
+        for quant in [DType::Q4, DType::Bf16] {
+            let converted = convert_fixture(name, quant);
+            let tokens = Reference::load(name).tokens("tokens_long");
+            models.push((
+                format!("{name} {}", quant.name()),
+                converted.dir.clone(),
+                tokens,
+            ));
+        }
+    }
+    let (bundled, prompt) = bundled_prompt();
+    models.push(("bundled".into(), bundled, prompt));
+    for (label, dir, tokens) in &models {
+        let one = open_cuda(dir, ModelOptions::default(), cuda().unwrap());
+        one.prepare_experts(&moeflux::util::NoProgress).unwrap();
+        let want = prefill_then_decode(&one, tokens);
+        let vocab = one.config().vocab_size;
+        // Routing counts of the sequence itself, for a balanced placement.
+        let store = one.experts();
+        store.count_routing(true);
+        one.session().forward(tokens, LogitsWanted::Last).unwrap();
+        let counts = store.count_routing(false).expect("counted");
+        assert!(!counts.is_empty(), "{label}: no routing counted");
+        let counted = moeflux::experts::RoutingCounts::new(tokens.len() as u64, counts);
+        let placements = [
+            ("round-robin", ExpertPlacement::round_robin(2)),
+            ("balanced", ExpertPlacement::balanced(2, &counted.layers)),
+        ];
+        for (placement_name, placement) in placements {
+            for (cache, options) in [
+                ("resident", CudaOptions::default()),
+                (
+                    "streamed",
+                    CudaOptions {
+                        expert_cache_bytes: Some(1),
+                        ..CudaOptions::default()
+                    },
+                ),
+            ] {
+                let two = open_cuda(
+                    dir,
+                    ModelOptions::default(),
+                    two_gpus(options, placement.clone()).unwrap(),
+                );
+                two.prepare_experts(&moeflux::util::NoProgress).unwrap();
+                let stats = two.backend().expert_cache_stats();
+                let layers = two.config().expert_layers().count() as u64;
+                assert_eq!(
+                    stats.complete_layers,
+                    if cache == "resident" { layers } else { 0 },
+                    "{label} {cache}: layers complete on both GPUs"
+                );
+                let got = prefill_then_decode(&two, tokens);
+                let err = max_error(&got, &want, vocab);
+                let stats = two.backend().expert_cache_stats();
+                println!(
+                    "{label:<24} {placement_name:<11} {cache:<8}: two GPUs vs one {err:.2e}, {} exchanged ({} uploads)",
+                    stats.exchanged_bytes, stats.uploads
+                );
+                assert!(
+                    err <= 1e-3,
+                    "{label} ({placement_name}, {cache}): two GPUs differ from one by {err:.3e}"
+                );
+                assert!(stats.exchanged_bytes > 0, "{label}: nothing exchanged");
+                let greedy = |model: &Arc<Model<CudaBackend>>| {
+                    let mut session = model.session();
+                    let mut logits = session
+                        .forward(&tokens[..5], LogitsWanted::Last)
+                        .unwrap()
+                        .data;
+                    let mut out = Vec::new();
+                    for _ in 0..12 {
+                        let t = argmax(&logits) as u32;
+                        out.push(t);
+                        logits = session.decode(t).unwrap();
+                    }
+                    out
+                };
+                assert_eq!(
+                    greedy(&two),
+                    greedy(&one),
+                    "{label} ({placement_name}, {cache}): greedy tokens differ"
+                );
+                if cache == "resident" && placement_name == "round-robin" && label != "bundled" {
+                    common::batch::check_batched_equals_alone(
+                        &two,
+                        &format!("{label} two GPUs"),
+                        <CudaBackend as common::ops::Conformance>::BATCHED_BOUND,
+                    );
+                }
             }
         }
     }

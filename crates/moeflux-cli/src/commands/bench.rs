@@ -172,6 +172,12 @@ fn print_device_experts(r: &BenchReport, d: &moeflux::backend::DeviceExpertStats
         "pinned host-to-device (measured)",
         gb(r.host_to_device_gb_s),
     );
+    if d.exchanged_bytes > 0 {
+        row(
+            "exchanged between GPUs per token",
+            human_bytes(d.exchanged_bytes / tokens),
+        );
+    }
 }
 
 fn print_table(r: &BenchReport) {

@@ -28,9 +28,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
-use moeflux::backend::cuda::{CudaBackend, CudaOptions, device_count};
+use moeflux::backend::cuda::{CudaBackend, CudaOptions, ExpertPlacement, device_count};
 use moeflux::backend::{Backend, KvType};
-use moeflux::experts::{CachePolicy, IoMode, Prefetch};
+use moeflux::experts::{CachePolicy, IoMode, Prefetch, RoutingCounts};
 use moeflux::format::{MANIFEST_FILE, Manifest};
 use moeflux::sampling::{Sampler, SamplerConfig};
 use moeflux::speculative::{DraftLength, DraftSettings, DraftSource, DraftStats};
@@ -102,9 +102,17 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value = "router")]
     pub prefetch: PrefetchArg,
     /// Where to compute: auto (the first CUDA device if there is one, else
-    /// the CPU), cpu, cuda or cuda:N.
+    /// the CPU), cpu, cuda, cuda:N, or cuda:N,M,... to divide the routed
+    /// experts among several GPUs of this host (the first computes the
+    /// rest; needs NCCL).
     #[arg(long, default_value = "auto", value_parser = parse_device)]
     pub device: Device,
+    /// With several GPUs: place the experts by the routing counts in this
+    /// file (written by `moeflux perplexity --routing-counts FILE`), each
+    /// GPU holding as many experts as the others and about as much of the
+    /// traffic (default: expert e on GPU e mod the number of GPUs).
+    #[arg(long, value_name = "FILE")]
+    pub expert_placement: Option<PathBuf>,
     /// Device memory for cached experts on a GPU, in MiB (default: the
     /// memory still free after loading the model, less a reserve for KV
     /// caches and activations).
@@ -129,21 +137,34 @@ pub struct ModelArgs {
     pub kv_type: Option<KvTypeArg>,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
     Auto,
     Cpu,
-    Cuda(usize),
+    /// One CUDA device, or several dividing the experts (the first holds
+    /// everything else).
+    Cuda(Vec<usize>),
 }
 
 fn parse_device(text: &str) -> Result<Device> {
+    let expected = "expected auto, cpu, cuda, cuda:N or cuda:N,M,... (N a device number; \
+                    several divide the experts among them)";
     Ok(match text {
         "auto" => Device::Auto,
         "cpu" => Device::Cpu,
-        "cuda" => Device::Cuda(0),
-        _ => match text.strip_prefix("cuda:").map(str::parse) {
-            Some(Ok(ordinal)) => Device::Cuda(ordinal),
-            _ => bail!("expected auto, cpu, cuda or cuda:N (N a device number)"),
+        "cuda" => Device::Cuda(vec![0]),
+        _ => match text.strip_prefix("cuda:").map(|list| {
+            list.split(',')
+                .map(|n| n.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+        }) {
+            Some(Ok(ordinals)) => {
+                if (1..ordinals.len()).any(|i| ordinals[..i].contains(&ordinals[i])) {
+                    bail!("{text}: a device is named twice");
+                }
+                Device::Cuda(ordinals)
+            }
+            _ => bail!("{expected}"),
         },
     })
 }
@@ -293,7 +314,17 @@ impl ModelArgs {
             kv_limit_bytes: None,
             kv_type: self.kv_type.map(KvTypeArg::kv_type),
         };
-        let opened = match self.cuda_backend()? {
+        let counts = match &self.expert_placement {
+            Some(path) => Some(RoutingCounts::read(path, &files.config)?),
+            None => None,
+        };
+        if counts.is_some() && !matches!(&self.device, Device::Cuda(gpus) if gpus.len() > 1) {
+            bail!(
+                "--expert-placement: places experts over several GPUs; name them with \
+                 --device cuda:0,1,..."
+            );
+        }
+        let opened = match self.cuda_backend(counts.as_ref())? {
             Some(cuda) => {
                 cuda.set_pinned_cache_bytes(mebibytes("--pinned-cache-mb", self.pinned_cache_mb)?);
                 OpenedModel::Cuda(Arc::new(Model::open_with(cuda, dir, &options)?))
@@ -349,15 +380,23 @@ impl ModelArgs {
     /// The CUDA backend `--device` asks for, or `None` for the CPU. `auto`
     /// falls back to the CPU, with a warning, when a GPU is there but
     /// unusable; `cuda` makes that an error.
-    fn cuda_backend(&self) -> Result<Option<CudaBackend>> {
+    fn cuda_backend(&self, counts: Option<&RoutingCounts>) -> Result<Option<CudaBackend>> {
         let options = CudaOptions {
             expert_cache_bytes: self.gpu_expert_cache_mb.map(|mb| mb << 20),
             ..CudaOptions::default()
         };
-        match self.device {
+        match &self.device {
             Device::Cpu => Ok(None),
-            Device::Cuda(ordinal) => Ok(Some(
-                CudaBackend::with_options(ordinal, options).context("--device")?,
+            Device::Cuda(ordinals) => Ok(Some(
+                CudaBackend::on_devices(
+                    ordinals,
+                    options,
+                    match counts {
+                        Some(counts) => ExpertPlacement::balanced(ordinals.len(), &counts.layers),
+                        None => ExpertPlacement::round_robin(ordinals.len()),
+                    },
+                )
+                .context("--device")?,
             )),
             Device::Auto => match device_count().and_then(|n| match n {
                 0 => Ok(None),
@@ -674,9 +713,12 @@ mod tests {
     fn device_names_parse() {
         assert_eq!(parse_device("auto").unwrap(), Device::Auto);
         assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
-        assert_eq!(parse_device("cuda").unwrap(), Device::Cuda(0));
-        assert_eq!(parse_device("cuda:3").unwrap(), Device::Cuda(3));
-        for bad in ["gpu", "cuda:", "cuda:x", "cuda:-1", "CPU"] {
+        assert_eq!(parse_device("cuda").unwrap(), Device::Cuda(vec![0]));
+        assert_eq!(parse_device("cuda:3").unwrap(), Device::Cuda(vec![3]));
+        assert_eq!(parse_device("cuda:0,1").unwrap(), Device::Cuda(vec![0, 1]));
+        for bad in [
+            "gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", "cuda:0,", "cuda:1,1", "cuda:0;1",
+        ] {
             assert!(parse_device(bad).is_err(), "{bad}");
         }
     }

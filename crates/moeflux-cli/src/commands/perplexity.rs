@@ -1,13 +1,14 @@
 //! `moeflux perplexity -f FILE [--ctx N]`: perplexity of a text in fixed
 //! windows (see `moeflux::perplexity` for the exact definition).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use moeflux::Model;
 use moeflux::backend::Backend;
+use moeflux::experts::RoutingCounts;
 use moeflux::perplexity::{Perplexity, perplexity};
 use moeflux::text::Tokenizer;
 
@@ -27,6 +28,12 @@ pub struct Args {
     /// Print the result as JSON.
     #[arg(long)]
     json: bool,
+    /// Also count how often the router chose each expert of each layer
+    /// over the text and write the counts here (JSON): what
+    /// `--expert-placement` places experts over several GPUs by. Reads each
+    /// layer's routing on the host, which slows a GPU down.
+    #[arg(long, value_name = "FILE")]
+    routing_counts: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -49,7 +56,12 @@ pub fn run(args: Args) -> Result<()> {
         );
     }
     let opened = args.model.load(&files, args.json)?;
-    let (result, seconds) = with_model!(opened, |model| score(&model, &tokens, args.ctx))?;
+    let (result, seconds) = with_model!(opened, |model| score(
+        &model,
+        &tokens,
+        args.ctx,
+        args.routing_counts.as_deref()
+    ))?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&result)?);
     } else {
@@ -67,13 +79,26 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// The tokens' perplexity and the seconds it took to compute.
+/// The tokens' perplexity and the seconds it took to compute; with
+/// `routing_counts`, the router's choices written there.
 fn score<B: Backend>(
     model: &Arc<Model<B>>,
     tokens: &[u32],
     ctx: usize,
+    routing_counts: Option<&Path>,
 ) -> Result<(Perplexity, f64)> {
+    let store = model.experts();
+    if routing_counts.is_some() {
+        store.count_routing(true);
+    }
     let start = Instant::now();
     let result = perplexity(model, tokens, ctx, &progress_bar())?;
-    Ok((result, start.elapsed().as_secs_f64()))
+    let seconds = start.elapsed().as_secs_f64();
+    if let Some(path) = routing_counts {
+        let counts = store.count_routing(false).unwrap_or_default();
+        RoutingCounts::new((result.windows * result.ctx) as u64, counts)
+            .write(path)
+            .with_context(|| format!("--routing-counts {}", path.display()))?;
+    }
+    Ok((result, seconds))
 }

@@ -39,6 +39,9 @@ pub struct DeviceExpertStats {
     /// of a layer once per call: the weights a batched step must read at
     /// least (the calls grouped on the device count these and no hits).
     pub batched_expert_bytes: u64,
+    /// Bytes of activations, routing weights and partial sums sent between
+    /// GPUs that divide the experts (0 on one).
+    pub exchanged_bytes: u64,
 }
 
 impl DeviceExpertStats {
@@ -57,6 +60,7 @@ impl DeviceExpertStats {
             pinned_hits: self.pinned_hits - earlier.pinned_hits,
             pinned_misses: self.pinned_misses - earlier.pinned_misses,
             batched_expert_bytes: self.batched_expert_bytes - earlier.batched_expert_bytes,
+            exchanged_bytes: self.exchanged_bytes - earlier.exchanged_bytes,
             ..*self
         }
     }

@@ -175,6 +175,9 @@ impl<B: Backend> SparseMoe<B> {
         if track_routing && !b.experts_resident(store, self.layer) {
             store.note_decode_routing(self.layer, &b.selected_experts(routing)?);
         }
+        if store.counting_routing() {
+            store.note_routing(self.layer, &b.selected_experts(routing)?);
+        }
         match &self.shared {
             None => b.routed_experts_add(residual, x, routing, store, self.layer, self.ffn()),
             Some((mlp, gate)) => {

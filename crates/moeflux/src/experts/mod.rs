@@ -9,6 +9,7 @@
 //! cache keep what the expert cache drops.
 
 mod cache;
+mod routing_counts;
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
@@ -21,6 +22,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 pub use cache::{CachePolicy, ExpertCache, ExpertKey, Weighted, simulate};
+pub use routing_counts::RoutingCounts;
 
 use crate::error::{Error, Result};
 use crate::format::{ExpertLayerEntry, ModelDir};
@@ -232,6 +234,9 @@ struct Shared {
     last_used: Mutex<Vec<Vec<u32>>>,
     predicted: Mutex<Vec<Option<Vec<u32>>>>,
     trace: Mutex<Option<Vec<ExpertKey>>>,
+    /// While counted: how many times each expert of each layer was routed
+    /// to (see [`ExpertStore::count_routing`]).
+    routing_counts: Mutex<Option<HashMap<usize, Vec<u64>>>>,
     /// Reads in flight and since when at least one has been, to count the
     /// time the disk is busy (`read_nanos`).
     in_flight: Mutex<(usize, Option<Instant>)>,
@@ -284,6 +289,7 @@ impl ExpertStore {
                 last_used: Mutex::new(vec![Vec::new(); n]),
                 predicted: Mutex::new(vec![None; n]),
                 trace: Mutex::new(None),
+                routing_counts: Mutex::new(None),
                 in_flight: Mutex::new((0, None)),
             }),
             io_pool,
@@ -360,6 +366,37 @@ impl ExpertStore {
             None
         } else {
             trace.take()
+        }
+    }
+
+    /// Starts (or stops and returns) counting how often the router picks
+    /// each expert, by layer: the measured frequencies that place experts
+    /// over several GPUs. While on, every MoE layer reads its routing on
+    /// the host (a round trip on a GPU).
+    pub fn count_routing(&self, on: bool) -> Option<HashMap<usize, Vec<u64>>> {
+        let mut counts = self.shared.routing_counts.lock().unwrap();
+        if on {
+            *counts = Some(HashMap::new());
+            None
+        } else {
+            counts.take()
+        }
+    }
+
+    /// Whether [`ExpertStore::count_routing`] is on.
+    pub fn counting_routing(&self) -> bool {
+        self.shared.routing_counts.lock().unwrap().is_some()
+    }
+
+    /// Counts the experts a router selected for `layer` (every token's).
+    pub fn note_routing(&self, layer: usize, experts: &[u32]) {
+        if let Some(counts) = self.shared.routing_counts.lock().unwrap().as_mut() {
+            let layer_counts = counts
+                .entry(layer)
+                .or_insert_with(|| vec![0; self.expert_count(layer)]);
+            for &e in experts {
+                layer_counts[e as usize] += 1;
+            }
         }
     }
 

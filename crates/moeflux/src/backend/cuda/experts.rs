@@ -71,11 +71,13 @@ enum Source {
 }
 
 impl CudaBackend {
-    /// Whether every expert of `layer` is in VRAM, so a decode step needs
-    /// no host round trip for it.
+    /// Whether every expert of `layer` is in VRAM (of the GPU holding it),
+    /// so the store has nothing to predict or prefetch for it.
     pub(super) fn layer_resident(&self, store: &ExpertStore, layer: usize) -> bool {
-        let cache = self.experts.lock().unwrap();
-        cache.complete_layer(store.id(), layer as u32).is_some()
+        self.ranks().all(|rank| {
+            let cache = rank.experts.lock().unwrap();
+            cache.complete_layer(store.id(), layer as u32).is_some()
+        })
     }
 
     /// The VRAM expert budget: as configured, or the device memory free
@@ -100,13 +102,13 @@ impl CudaBackend {
         store: &ExpertStore,
         progress: &dyn Progress,
     ) -> Result<bool> {
-        let total = store.total_expert_bytes();
         let budget = self.expert_budget(&self.experts.lock().unwrap())?;
-        // Each expert's parts are padded to PART_ALIGN on the device.
+        // The experts this GPU holds, each part padded to PART_ALIGN.
+        let total = self.owned_expert_bytes(store);
         let padded = total
             + store
                 .moe_layers()
-                .map(|l| store.expert_count(l) as u64)
+                .map(|l| self.owned_count(store, l) as u64)
                 .sum::<u64>()
                 * 3
                 * PART_ALIGN as u64;
@@ -134,6 +136,9 @@ impl CudaBackend {
         layer: usize,
         ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<Tensor> {
+        if let Some(parallel) = &self.parallel {
+            return self.parallel_routed_experts(parallel, x, routing, store, layer, ffn);
+        }
         let ffn = ffn_args(self, ffn);
         let (n, hidden) = (x.rows, x.cols);
         assert_eq!(
@@ -164,11 +169,28 @@ impl CudaBackend {
             assigned.entry(expert).or_default().push(slot as u32);
         }
         let order: Vec<(u32, Vec<u32>)> = assigned.into_iter().collect();
+        self.host_grouped_experts(x, routing, store, layer, ffn, &order)
+    }
+
+    /// The routed experts of the slots of `order` (experts with their
+    /// slots, ascending), grouped by expert on the host: the grouped
+    /// tensor-core kernels, or one expert at a time where those do not
+    /// apply. Slots not in `order` contribute nothing.
+    pub(super) fn host_grouped_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+        ffn: FfnArgs,
+        order: &[(u32, Vec<u32>)],
+    ) -> Result<Tensor> {
+        let (n, hidden) = (x.rows, x.cols);
         self.experts.lock().unwrap().stats.batched_expert_bytes +=
             order.len() as u64 * expert_bytes(store, layer);
         let flat: Vec<u32> = order.iter().flat_map(|(_, s)| s.iter().copied()).collect();
         if let Some(out) =
-            self.prefill_routed_experts(x, routing, store, layer, ffn, &order, &flat)?
+            self.prefill_routed_experts(x, routing, store, layer, ffn, order, &flat)?
         {
             return Ok(out);
         }
@@ -221,6 +243,10 @@ impl CudaBackend {
             x.rows,
             x.cols
         );
+        if let Some(parallel) = &self.parallel {
+            let y = self.parallel_routed_experts(parallel, x, routing, store, layer, ffn)?;
+            return crate::backend::Backend::add_assign(self, out, &y);
+        }
         let args = ffn_args(self, ffn);
         if x.rows == 1 {
             return self.decode_routed_experts(x, routing, store, layer, args, &mut out.data, true);
@@ -569,7 +595,11 @@ impl CudaBackend {
         let slots = self.upload("routed experts", flat)?;
         let all_tiles = self.upload("routed experts", tiles.all())?;
         let mut act = self.alloc::<f32>("routed experts", flat.len() * inter)?;
-        let mut y = self.alloc::<f32>("routed experts", flat.len() * hidden)?;
+        // Outputs by slot: slots of other GPUs' experts stay zero.
+        let mut y = match flat.len() < n * top_k {
+            true => self.zeros::<f32>("routed experts", n * top_k * hidden)?,
+            false => self.alloc::<f32>("routed experts", flat.len() * hidden)?,
+        };
         let mut out = self.alloc::<f32>("routed experts", n * hidden)?;
         let id = store.id();
         let complete = {
@@ -722,7 +752,7 @@ pub(super) struct FfnArgs {
 // addresses as 64-bit integers).
 unsafe impl DeviceRepr for FfnArgs {}
 
-fn ffn_args(b: &CudaBackend, ffn: ExpertFfn<'_, CudaBackend>) -> FfnArgs {
+pub(super) fn ffn_args(b: &CudaBackend, ffn: ExpertFfn<'_, CudaBackend>) -> FfnArgs {
     let address = |w: &super::Weight| w.data.device_ptr(&b.stream).0;
     let [gate_bias, up_bias, down_bias] = ffn.biases.map_or([0; 3], |ws| ws.map(address));
     let (limit, alpha) = match ffn.activation {

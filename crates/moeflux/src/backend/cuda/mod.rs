@@ -63,8 +63,10 @@ mod graph;
 mod grouped;
 mod linear;
 mod mla;
+mod nccl;
 mod norm;
 mod ops;
+mod parallel;
 mod pinned;
 mod prefill;
 mod profile;
@@ -85,6 +87,7 @@ use cudarc::driver::{
 };
 
 pub use crate::backend::DeviceExpertStats as ExpertCacheStats;
+pub use parallel::ExpertPlacement;
 pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
 
@@ -208,6 +211,11 @@ pub struct CudaBackend {
     /// The step being probed or recorded, if one is.
     capture: Mutex<Option<graph::StepRun>>,
     recordings: Mutex<graph::Recordings>,
+    /// This GPU's rank and the experts it holds, when several GPUs divide
+    /// them (parallel.rs); `None`: it holds every expert.
+    share: Option<parallel::Share>,
+    /// The other GPUs, on the first of several.
+    parallel: Option<parallel::ExpertParallel>,
 }
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
@@ -452,12 +460,37 @@ impl CudaBackend {
             sm_count,
             download_staging: Mutex::new(None),
             tc_shared_limit,
+            share: None,
+            parallel: None,
         })
     }
 
-    /// What the VRAM expert cache has done so far.
+    /// What the VRAM expert cache has done so far; on several GPUs, their
+    /// caches together (a layer counts as complete when it is on every
+    /// GPU) and the bytes exchanged between them.
     pub fn expert_cache_stats(&self) -> ExpertCacheStats {
-        self.streaming_stats()
+        let mut all = self.streaming_stats();
+        for peer in self.ranks().skip(1) {
+            let s = peer.streaming_stats();
+            all.hits += s.hits;
+            all.misses += s.misses;
+            all.prefetch_hits += s.prefetch_hits;
+            all.prefetches += s.prefetches;
+            all.uploads += s.uploads;
+            all.uploaded_bytes += s.uploaded_bytes;
+            all.copy_nanos = all.copy_nanos.max(s.copy_nanos);
+            all.evictions += s.evictions;
+            all.resident_bytes += s.resident_bytes;
+            all.budget_bytes = all.budget_bytes.zip(s.budget_bytes).map(|(a, b)| a + b);
+            all.complete_layers = all.complete_layers.min(s.complete_layers);
+            all.pinned_hits += s.pinned_hits;
+            all.pinned_misses += s.pinned_misses;
+            all.pinned_bytes += s.pinned_bytes;
+            all.pinned_budget_bytes += s.pinned_budget_bytes;
+            all.batched_expert_bytes += s.batched_expert_bytes;
+        }
+        all.exchanged_bytes = self.exchanged_bytes();
+        all
     }
 
     /// A device tensor holding `data` (`[rows, cols]`, row-major).

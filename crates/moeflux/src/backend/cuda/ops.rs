@@ -322,15 +322,21 @@ impl Backend for CudaBackend {
     }
 
     fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
-        self.prepare_device_experts(store, progress).map(|_| ())
+        for rank in self.ranks() {
+            rank.prepare_device_experts(store, progress)?;
+        }
+        Ok(())
     }
 
     fn prefetch_experts(&self, store: &ExpertStore, layer: usize, experts: &[u32]) {
-        self.note_prefetch(store, layer, experts);
+        match self.parallel {
+            Some(_) => self.prefetch_on_owners(store, layer, experts),
+            None => self.note_prefetch(store, layer, experts),
+        }
     }
 
     fn device_expert_stats(&self) -> Option<ExpertCacheStats> {
-        Some(self.streaming_stats())
+        Some(self.expert_cache_stats())
     }
 
     fn state_memory(&self) -> Option<u64> {

@@ -89,9 +89,11 @@ impl CudaBackend {
     /// (`None`, the default: a quarter of the available host memory, at
     /// most what the experts take; 0: uploads copy from the expert store's
     /// pageable memory). Takes effect if set before the first streamed
-    /// upload.
+    /// upload. On several GPUs, each has a tier of this size.
     pub fn set_pinned_cache_bytes(&self, bytes: Option<u64>) {
-        self.experts.lock().unwrap().pinned_config = bytes;
+        for rank in self.ranks() {
+            rank.experts.lock().unwrap().pinned_config = bytes;
+        }
     }
 
     /// The copy stream, created at the first streamed upload, and the
@@ -115,7 +117,7 @@ impl CudaBackend {
             .unwrap_or(0);
         let padded = store
             .moe_layers()
-            .map(|l| store.expert_count(l) as u64)
+            .map(|l| self.owned_count(store, l) as u64)
             .sum::<u64>()
             * slot_bytes as u64;
         let budget = cache
@@ -285,7 +287,8 @@ impl CudaBackend {
         }
         let layout = DeviceLayout::of(store, layer);
         let bytes = layout.total as u64;
-        let (sid, count) = (store.id(), store.expert_count(layer));
+        let sid = store.id();
+        let count = (self.owned_count(store, layer), store.expert_count(layer));
         let what = |e: DriverError| {
             device_error(
                 self.ordinal,
@@ -496,7 +499,7 @@ impl CudaBackend {
         cache: &mut VramCache,
         key: VramKey,
         buffer: Buffer,
-        layer_experts: usize,
+        (owned, layer_experts): (usize, usize),
         purpose: Purpose,
     ) -> Result<()> {
         if cache.entries.contains_key(&key) {
@@ -517,12 +520,20 @@ impl CudaBackend {
         let (sid, layer) = (key.0, key.1);
         let resident = cache.resident.entry((sid, layer)).or_default();
         *resident += 1;
-        if *resident < layer_experts {
+        if *resident < owned {
             return Ok(());
         }
+        // Complete: every expert of the layer this GPU holds (all of them
+        // but on one of several GPUs, whose table has 0 for the others').
         let streams = cache.streams.as_ref().expect("attached");
         let mut addresses = Vec::with_capacity(layer_experts);
+        let mut first = None;
         for e in 0..layer_experts as u32 {
+            if !self.owns(layer as usize, e) {
+                addresses.push(0);
+                continue;
+            }
+            first.get_or_insert(e);
             let entry = cache
                 .entries
                 .get_mut(&(sid, layer, e))
@@ -539,7 +550,11 @@ impl CudaBackend {
         let parts = PartsLayout(
             cache
                 .entries
-                .get(&(sid, layer, 0))
+                .get(&(
+                    sid,
+                    layer,
+                    first.expect("a GPU holds an expert of a complete layer"),
+                ))
                 .expect("complete")
                 .buffer
                 .expert
@@ -572,7 +587,10 @@ impl CudaBackend {
         let missing: Vec<usize> = {
             let cache = self.experts.lock().unwrap();
             (0..store.expert_count(layer))
-                .filter(|&e| !cache.contains((store.id(), layer as u32, e as u32)))
+                .filter(|&e| {
+                    self.owns(layer, e as u32)
+                        && !cache.contains((store.id(), layer as u32, e as u32))
+                })
                 .collect()
         };
         for chunk in missing.chunks(batch) {
@@ -604,16 +622,18 @@ impl CudaBackend {
             self.attach_streams(&mut cache, store)?;
             let slots: u64 = store
                 .moe_layers()
-                .map(|l| store.expert_count(l) as u64)
+                .map(|l| self.owned_count(store, l) as u64)
                 .sum();
             if slots * cache.pinned.slot_bytes as u64 > cache.pinned.budget {
                 return Ok(false);
             }
         }
-        progress.start(store.total_expert_bytes());
+        progress.start(self.owned_expert_bytes(store));
         for layer in store.moe_layers() {
             let layout = DeviceLayout::of(store, layer);
-            let indices: Vec<usize> = (0..store.expert_count(layer)).collect();
+            let indices: Vec<usize> = (0..store.expert_count(layer))
+                .filter(|&e| self.owns(layer, e as u32))
+                .collect();
             for chunk in indices.chunks(PRELOAD_IN_FLIGHT) {
                 for fetch in store.request(layer, chunk) {
                     let expert = store.wait(fetch)?;
