@@ -1099,98 +1099,95 @@ fn two_gpus_match_one_gpu() {
     if two_gpus(CudaOptions::default(), ExpertPlacement::round_robin(2)).is_none() {
         return;
     }
-    let mut models: Vec<(String, std::path::PathBuf, Vec<u32>)> = Vec::new();
     for &name in FIXTURES {
         for quant in [DType::Q4, DType::Bf16] {
             let converted = convert_fixture(name, quant);
             let tokens = Reference::load(name).tokens("tokens_long");
-            models.push((
-                format!("{name} {}", quant.name()),
-                converted.dir.clone(),
-                tokens,
-            ));
+            check_two_gpus(&format!("{name} {}", quant.name()), &converted.dir, &tokens);
         }
     }
     let (bundled, prompt) = bundled_prompt();
-    models.push(("bundled".into(), bundled, prompt));
-    for (label, dir, tokens) in &models {
-        let one = open_cuda(dir, ModelOptions::default(), cuda().unwrap());
-        one.prepare_experts(&moeflux::util::NoProgress).unwrap();
-        let want = prefill_then_decode(&one, tokens);
-        let vocab = one.config().vocab_size;
-        // Routing counts of the sequence itself, for a balanced placement.
-        let store = one.experts();
-        store.count_routing(true);
-        one.session().forward(tokens, LogitsWanted::Last).unwrap();
-        let counts = store.count_routing(false).expect("counted");
-        assert!(!counts.is_empty(), "{label}: no routing counted");
-        let counted = moeflux::experts::RoutingCounts::new(tokens.len() as u64, counts);
-        let placements = [
-            ("round-robin", ExpertPlacement::round_robin(2)),
-            ("balanced", ExpertPlacement::balanced(2, &counted.layers)),
-        ];
-        for (placement_name, placement) in placements {
-            for (cache, options) in [
-                ("resident", CudaOptions::default()),
-                (
-                    "streamed",
-                    CudaOptions {
-                        expert_cache_bytes: Some(1),
-                        ..CudaOptions::default()
-                    },
-                ),
-            ] {
-                let two = open_cuda(
-                    dir,
-                    ModelOptions::default(),
-                    two_gpus(options, placement.clone()).unwrap(),
-                );
-                two.prepare_experts(&moeflux::util::NoProgress).unwrap();
-                let stats = two.backend().expert_cache_stats();
-                let layers = two.config().expert_layers().count() as u64;
-                assert_eq!(
-                    stats.complete_layers,
-                    if cache == "resident" { layers } else { 0 },
-                    "{label} {cache}: layers complete on both GPUs"
-                );
-                let got = prefill_then_decode(&two, tokens);
-                let err = max_error(&got, &want, vocab);
-                let stats = two.backend().expert_cache_stats();
-                println!(
-                    "{label:<24} {placement_name:<11} {cache:<8}: two GPUs vs one {err:.2e}, {} exchanged ({} uploads)",
-                    stats.exchanged_bytes, stats.uploads
-                );
-                assert!(
-                    err <= 1e-3,
-                    "{label} ({placement_name}, {cache}): two GPUs differ from one by {err:.3e}"
-                );
-                assert!(stats.exchanged_bytes > 0, "{label}: nothing exchanged");
-                let greedy = |model: &Arc<Model<CudaBackend>>| {
-                    let mut session = model.session();
-                    let mut logits = session
-                        .forward(&tokens[..5], LogitsWanted::Last)
-                        .unwrap()
-                        .data;
-                    let mut out = Vec::new();
-                    for _ in 0..12 {
-                        let t = argmax(&logits) as u32;
-                        out.push(t);
-                        logits = session.decode(t).unwrap();
-                    }
-                    out
-                };
-                assert_eq!(
-                    greedy(&two),
-                    greedy(&one),
-                    "{label} ({placement_name}, {cache}): greedy tokens differ"
-                );
-                if cache == "resident" && placement_name == "round-robin" && label != "bundled" {
-                    common::batch::check_batched_equals_alone(
-                        &two,
-                        &format!("{label} two GPUs"),
-                        <CudaBackend as common::ops::Conformance>::BATCHED_BOUND,
-                    );
+    check_two_gpus("bundled", &bundled, &prompt);
+}
+
+/// [`two_gpus_match_one_gpu`] on one model.
+fn check_two_gpus(label: &str, dir: &Path, tokens: &[u32]) {
+    let one = open_cuda(dir, ModelOptions::default(), cuda().unwrap());
+    one.prepare_experts(&moeflux::util::NoProgress).unwrap();
+    let want = prefill_then_decode(&one, tokens);
+    let vocab = one.config().vocab_size;
+    // Routing counts of the sequence itself, for a balanced placement.
+    let store = one.experts();
+    store.count_routing(true);
+    one.session().forward(tokens, LogitsWanted::Last).unwrap();
+    let counts = store.count_routing(false).expect("counted");
+    assert!(!counts.is_empty(), "{label}: no routing counted");
+    let counted = moeflux::experts::RoutingCounts::new(tokens.len() as u64, counts);
+    let placements = [
+        ("round-robin", ExpertPlacement::round_robin(2)),
+        ("balanced", ExpertPlacement::balanced(2, &counted.layers)),
+    ];
+    for (placement_name, placement) in placements {
+        for (cache, options) in [
+            ("resident", CudaOptions::default()),
+            (
+                "streamed",
+                CudaOptions {
+                    expert_cache_bytes: Some(1),
+                    ..CudaOptions::default()
+                },
+            ),
+        ] {
+            let two = open_cuda(
+                dir,
+                ModelOptions::default(),
+                two_gpus(options, placement.clone()).unwrap(),
+            );
+            two.prepare_experts(&moeflux::util::NoProgress).unwrap();
+            let stats = two.backend().expert_cache_stats();
+            let layers = two.config().expert_layers().count() as u64;
+            assert_eq!(
+                stats.complete_layers,
+                if cache == "resident" { layers } else { 0 },
+                "{label} {cache}: layers complete on both GPUs"
+            );
+            let got = prefill_then_decode(&two, tokens);
+            let err = max_error(&got, &want, vocab);
+            let stats = two.backend().expert_cache_stats();
+            println!(
+                "{label:<24} {placement_name:<11} {cache:<8}: two GPUs vs one {err:.2e}, {} exchanged ({} uploads)",
+                stats.exchanged_bytes, stats.uploads
+            );
+            assert!(
+                err <= 1e-3,
+                "{label} ({placement_name}, {cache}): two GPUs differ from one by {err:.3e}"
+            );
+            assert!(stats.exchanged_bytes > 0, "{label}: nothing exchanged");
+            let greedy = |model: &Arc<Model<CudaBackend>>| {
+                let mut session = model.session();
+                let mut logits = session
+                    .forward(&tokens[..5], LogitsWanted::Last)
+                    .unwrap()
+                    .data;
+                let mut out = Vec::new();
+                for _ in 0..12 {
+                    let t = argmax(&logits) as u32;
+                    out.push(t);
+                    logits = session.decode(t).unwrap();
                 }
+                out
+            };
+            assert_eq!(
+                greedy(&two),
+                greedy(&one),
+                "{label} ({placement_name}, {cache}): greedy tokens differ"
+            );
+            if cache == "resident" && placement_name == "round-robin" && label != "bundled" {
+                common::batch::check_batched_equals_alone(
+                    &two,
+                    &format!("{label} two GPUs"),
+                    <CudaBackend as common::ops::Conformance>::BATCHED_BOUND,
+                );
             }
         }
     }
