@@ -491,10 +491,10 @@ b = sum(e["blob"]["nbytes"] * e["num_experts"] for e in m["experts"])
 n = m["config"]["num_hidden_layers"]
 print("--- %s: %d layers, experts %.1f GiB; one GPU %.1f GiB" % (sys.argv[2], n, b / 2**30, int(sys.argv[3]) / 1024))' \
         "$dir" "$preset" "$gpu_mib"
-    echo "--- two GPUs (cuda:0,1), experts divided, resident"
+    echo "--- two GPUs (cuda:0,1), experts divided"
     "$moeflux" bench -m "$dir" --device cuda:0,1 -n 64 --warmup 16 >"$OUT/multi-bench-two.log" 2>&1 || echo "bench failed"
     grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^exchanged|rror|every expert' "$OUT/multi-bench-two.log" || true
-    echo "--- one GPU (cuda:0), experts streamed through its VRAM"
+    echo "--- one GPU (cuda:0): its VRAM caches every expert it can"
     "$moeflux" bench -m "$dir" --device cuda:0 -n 32 --warmup 8 >"$OUT/multi-bench-one.log" 2>&1 || echo "bench failed"
     grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^PCIe|^pinned|rror' "$OUT/multi-bench-one.log" || true
     rm -rf "$dir"
