@@ -62,7 +62,7 @@
 #                             (48 layers, q4 outside the experts) with its
 #                             routed experts at each width (q2, q3, q4, q8,
 #                             bf16, mxfp4), resident: decode and pp512, twice
-#   tools/gpu_suite.sh multi [PRESET:LAYERS]
+#   tools/gpu_suite.sh multi [PRESET:LAYERS ...]
 #                             on a machine with two GPUs: the tests of two
 #                             GPUs dividing the experts against one, then
 #                             PRESET cut to 4 layers and lengthened to
@@ -76,7 +76,8 @@
 #                             from the Python nvidia-nccl wheel when the
 #                             system has none; NVLink multicast stays off
 #                             (NCCL_NVLS_ENABLE=0). MULTI_TESTS=0 skips the
-#                             tests
+#                             tests; MULTI_NO_GRAPHS=1 adds one GPU's decode
+#                             with its steps not recorded (as two GPUs run)
 #
 # The GPU machine needs this checkout (fixtures included) and the built
 # folder; the binaries are stripped of debug info to keep that small.
@@ -477,26 +478,35 @@ multi() {
     # 92 layers (176 GiB of experts) on 141 GiB H200s, 80 of Qwen3-235B's
     # 94 (106 GiB) on 80 GiB H100s.
     if ((gpu_mib > 120000)); then spec=glm-4.5-355b:92; else spec=qwen3-235b-a22b:80; fi
-    IFS=: read -r preset layers <<<"${1:-$spec}"
-    rm -rf "$dir"
-    "$moeflux" synth --preset "$preset" --layers 4 -o "$dir" --force >"$OUT/multi-synth.log" 2>&1 || {
-        tail -n 5 "$OUT/multi-synth.log"
-        return 1
-    }
-    python3 tools/repeat_layers.py "$dir" --layers "$layers" >>"$OUT/multi-synth.log" 2>&1
-    python3 -c '
+    local specs=("$@")
+    ((${#specs[@]})) || specs=("$spec")
+    for spec in "${specs[@]}"; do
+        IFS=: read -r preset layers <<<"$spec"
+        rm -rf "$dir"
+        "$moeflux" synth --preset "$preset" --layers 4 -o "$dir" --force >"$OUT/multi-synth.log" 2>&1 || {
+            tail -n 5 "$OUT/multi-synth.log"
+            continue
+        }
+        python3 tools/repeat_layers.py "$dir" --layers "$layers" >>"$OUT/multi-synth.log" 2>&1
+        python3 -c '
 import json, sys
 m = json.load(open(sys.argv[1] + "/manifest.json"))
 b = sum(e["blob"]["nbytes"] * e["num_experts"] for e in m["experts"])
 n = m["config"]["num_hidden_layers"]
 print("--- %s: %d layers, experts %.1f GiB; one GPU %.1f GiB" % (sys.argv[2], n, b / 2**30, int(sys.argv[3]) / 1024))' \
-        "$dir" "$preset" "$gpu_mib"
-    echo "--- two GPUs (cuda:0,1), experts divided"
-    "$moeflux" bench -m "$dir" --device cuda:0,1 -n 64 --warmup 16 >"$OUT/multi-bench-two.log" 2>&1 || echo "bench failed"
-    grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^exchanged|rror|every expert' "$OUT/multi-bench-two.log" || true
-    echo "--- one GPU (cuda:0): its VRAM caches every expert it can"
-    "$moeflux" bench -m "$dir" --device cuda:0 -n 32 --warmup 8 >"$OUT/multi-bench-one.log" 2>&1 || echo "bench failed"
-    grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^PCIe|^pinned|rror' "$OUT/multi-bench-one.log" || true
+            "$dir" "$preset" "$gpu_mib"
+        echo "--- two GPUs (cuda:0,1), experts divided"
+        "$moeflux" bench -m "$dir" --device cuda:0,1 -n 64 --warmup 16 >"$OUT/multi-bench-two-$layers.log" 2>&1 || echo "bench failed"
+        grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^exchanged|rror|every expert' "$OUT/multi-bench-two-$layers.log" || true
+        echo "--- one GPU (cuda:0): its VRAM caches every expert it can"
+        "$moeflux" bench -m "$dir" --device cuda:0 -n 24 --warmup 8 >"$OUT/multi-bench-one-$layers.log" 2>&1 || echo "bench failed"
+        grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^PCIe|^pinned|rror' "$OUT/multi-bench-one-$layers.log" || true
+        if [[ "${MULTI_NO_GRAPHS:-0}" == 1 ]]; then
+            echo "--- one GPU (cuda:0), decode steps not recorded (MOEFLUX_CUDA_GRAPHS=0)"
+            MOEFLUX_CUDA_GRAPHS=0 "$moeflux" bench -m "$dir" --device cuda:0 -n 24 --warmup 8 --prefill 0 --no-ceilings 2>&1 |
+                grep -E '^decode|rror' || true
+        fi
+    done
     rm -rf "$dir"
 }
 
@@ -524,7 +534,7 @@ multi)
     multi "$@"
     ;;
 *)
-    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]|widths WIDTH...|multi [PRESET:LAYERS]]" >&2
+    echo "usage: tools/gpu_suite.sh [build|run|perf|batch|longctx|serve|presets PRESET...|shapes [SPEC...]|widths WIDTH...|multi [PRESET:LAYERS...]]" >&2
     exit 2
     ;;
 esac

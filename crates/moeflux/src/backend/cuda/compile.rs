@@ -163,6 +163,7 @@ kernels!(
     route_general,
     gather_rows,
     scatter_add_rows,
+    moe_own_slots,
     expert_act_rows,
     expert_down_bias_rows,
     moe_gate_up_f32,

@@ -262,7 +262,7 @@ impl CudaBackend {
     /// kernels over the layer's address table when the layer is complete,
     /// else over a table of the selected experts made resident by the host.
     #[allow(clippy::too_many_arguments)]
-    fn decode_routed_experts(
+    pub(super) fn decode_routed_experts(
         &self,
         x: &Tensor,
         routing: &Routing,

@@ -19,7 +19,9 @@ type RawComm = *mut c_void;
 /// `ncclResult_t`; 0 is success.
 type Status = c_int;
 
-/// `ncclFloat32`: every exchanged value is an f32.
+/// `ncclUint8`: broadcasts copy bytes.
+const UINT8: c_int = 1;
+/// `ncclFloat32`: reductions sum f32 values.
 const FLOAT32: c_int = 7;
 
 /// `ncclSum`.
@@ -196,17 +198,17 @@ impl<'a> Group<'a> {
         Ok(Group { lib, ended: false })
     }
 
-    /// `count` f32 values of `data` broadcast from rank `root`: the root's
-    /// are sent, every other rank's overwritten.
+    /// `bytes` bytes at `data` broadcast from rank `root`: the root's are
+    /// sent, every other rank's overwritten.
     ///
     /// # Safety
-    /// `data` is a device address on `comm`'s device valid for `count`
-    /// f32 values until the work queued on `comm`'s stream is done.
+    /// `data` is a device address on `comm`'s device valid for `bytes`
+    /// bytes until the work queued on `comm`'s stream is done.
     pub(super) unsafe fn broadcast(
         &self,
         comm: &Comm,
         data: u64,
-        count: usize,
+        bytes: usize,
         root: usize,
     ) -> Result<()> {
         let ptr = data as *mut c_void;
@@ -215,8 +217,8 @@ impl<'a> Group<'a> {
             (self.lib.broadcast)(
                 ptr,
                 ptr,
-                count,
-                FLOAT32,
+                bytes,
+                UINT8,
                 root as c_int,
                 comm.raw,
                 comm.stream.cu_stream() as *mut c_void,

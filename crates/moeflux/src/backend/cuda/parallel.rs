@@ -99,10 +99,15 @@ impl ExpertPlacement {
     }
 }
 
-/// A GPU's part in expert parallelism: its rank and the placement.
+/// `own_experts_table`s by (store, layer).
+type OwnTables = Mutex<HashMap<(u64, usize), Arc<CudaSlice<u32>>>>;
+
+/// A GPU's part in expert parallelism: its rank, the placement, and its
+/// `own_experts_table`s by (store, layer).
 pub(super) struct Share {
     pub(super) rank: usize,
     pub(super) placement: Arc<ExpertPlacement>,
+    own: OwnTables,
 }
 
 /// Rank 0's view of the others (see the module documentation).
@@ -168,6 +173,7 @@ impl CudaBackend {
         let share = |rank| Share {
             rank,
             placement: placement.clone(),
+            own: Mutex::new(HashMap::new()),
         };
         let mut primary = CudaBackend::with_options(first, options)?;
         primary.share = Some(share(0));
@@ -254,52 +260,57 @@ impl CudaBackend {
         ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<Tensor> {
         let (n, hidden, top_k) = (x.rows, x.cols, routing.top_k);
-        let ids = self.routing_on_host(routing)?;
-        // Each rank's experts with their slots, ascending.
-        let mut orders = vec![BTreeMap::<u32, Vec<u32>>::new(); parallel.peers.len() + 1];
-        for (slot, &expert) in ids.iter().enumerate() {
-            let rank = self
-                .share
-                .as_ref()
-                .expect("parallel")
-                .placement
-                .owner(layer, expert);
-            orders[rank].entry(expert).or_default().push(slot as u32);
-        }
-        let orders: Vec<Vec<(u32, Vec<u32>)>> = orders
-            .into_iter()
-            .map(|o| o.into_iter().collect())
-            .collect();
+        // A decode token whose layer is resident on every GPU is divided on
+        // the devices, without a round trip; otherwise the host groups the
+        // slots by expert and GPU.
+        let on_device = n == 1 && self.layer_resident(store, layer);
+        let orders = match on_device {
+            true => None,
+            false => {
+                let ids = self.routing_on_host(routing)?;
+                let placement = &self.share.as_ref().expect("parallel").placement;
+                let mut orders = vec![BTreeMap::<u32, Vec<u32>>::new(); parallel.peers.len() + 1];
+                for (slot, &expert) in ids.iter().enumerate() {
+                    let rank = placement.owner(layer, expert);
+                    orders[rank].entry(expert).or_default().push(slot as u32);
+                }
+                let orders: Vec<Vec<(u32, Vec<u32>)>> = orders
+                    .into_iter()
+                    .map(|o| o.into_iter().collect())
+                    .collect();
+                Some((ids, orders))
+            }
+        };
 
-        // The other GPUs' copies of the input rows and routing weights.
+        // The other GPUs' copies of the input rows and the routing.
         let mut inputs = Vec::with_capacity(parallel.peers.len());
         for peer in &parallel.peers {
             let b = &peer.backend;
+            let what = "expert inputs from the first GPU";
             inputs.push((
-                b.alloc::<f32>("expert inputs from the first GPU", n * hidden)?,
-                b.alloc::<f32>("routing weights from the first GPU", n * top_k)?,
-                b.upload("selected experts", ids)?,
+                b.alloc::<f32>(what, n * hidden)?,
+                b.alloc::<u32>(what, n * top_k)?,
+                b.alloc::<f32>(what, n * top_k)?,
             ));
         }
+        let (row_bytes, slot_bytes) = (n * hidden * 4, n * top_k * 4);
         let group = Group::start()?;
-        // SAFETY: every buffer holds the counts given and lives until the
+        // SAFETY: every buffer holds the bytes given and lives until the
         // streams that the collectives are queued on are past them: rank
         // 0's are the caller's, the others' are dropped (freed in stream
         // order) at the end of this call, after the reduce below.
         unsafe {
-            group.broadcast(&parallel.comms[0], address(self, &x.data), n * hidden, 0)?;
-            group.broadcast(
-                &parallel.comms[0],
-                address(self, &routing.weights),
-                n * top_k,
-                0,
-            )?;
-            for ((peer, comm), (xs, weights, _)) in
+            let root = &parallel.comms[0];
+            group.broadcast(root, address(self, &x.data), row_bytes, 0)?;
+            group.broadcast(root, address(self, &routing.experts), slot_bytes, 0)?;
+            group.broadcast(root, address(self, &routing.weights), slot_bytes, 0)?;
+            for ((peer, comm), (xs, experts, weights)) in
                 parallel.peers.iter().zip(&parallel.comms[1..]).zip(&inputs)
             {
                 let b = &peer.backend;
-                group.broadcast(comm, address(b, xs), n * hidden, 0)?;
-                group.broadcast(comm, address(b, weights), n * top_k, 0)?;
+                group.broadcast(comm, address(b, xs), row_bytes, 0)?;
+                group.broadcast(comm, address(b, experts), slot_bytes, 0)?;
+                group.broadcast(comm, address(b, weights), slot_bytes, 0)?;
             }
         }
         group.end()?;
@@ -307,9 +318,7 @@ impl CudaBackend {
         // The other GPUs' shares are queued first, so that they compute
         // while this one queues its own.
         let mut partials = Vec::with_capacity(parallel.peers.len());
-        for ((peer, order), (xs, weights, experts)) in
-            parallel.peers.iter().zip(&orders[1..]).zip(inputs)
-        {
+        for (i, (peer, (xs, experts, weights))) in parallel.peers.iter().zip(inputs).enumerate() {
             let b = &peer.backend;
             let x = Tensor {
                 rows: n,
@@ -321,7 +330,10 @@ impl CudaBackend {
                 rows: n,
                 experts,
                 weights,
-                host_experts: OnceLock::from(ids.to_vec()),
+                host_experts: match &orders {
+                    Some((ids, _)) => OnceLock::from(ids.to_vec()),
+                    None => OnceLock::new(),
+                },
             };
             let biases = match ffn.biases {
                 Some(ws) => Some(
@@ -331,21 +343,27 @@ impl CudaBackend {
                 ),
                 None => None,
             };
-            let ffn = ExpertFfn {
-                activation: ffn.activation,
-                biases: biases.as_ref().map(|ws| [&*ws[0], &*ws[1], &*ws[2]]),
-            };
-            let args = ffn_args(b, ffn);
-            partials.push(b.share_of_routed_experts(&x, &routing, store, layer, args, order)?);
+            let ffn = ffn_args(
+                b,
+                ExpertFfn {
+                    activation: ffn.activation,
+                    biases: biases.as_ref().map(|ws| [&*ws[0], &*ws[1], &*ws[2]]),
+                },
+            );
+            partials.push(match &orders {
+                None => b.own_decode_share(&x, &routing, store, layer, ffn)?,
+                Some((_, orders)) => {
+                    b.share_of_routed_experts(&x, &routing, store, layer, ffn, &orders[i + 1])?
+                }
+            });
         }
-        let own = self.share_of_routed_experts(
-            x,
-            routing,
-            store,
-            layer,
-            ffn_args(self, ffn),
-            &orders[0],
-        )?;
+        let args = ffn_args(self, ffn);
+        let own = match &orders {
+            None => self.own_decode_share(x, routing, store, layer, args)?,
+            Some((_, orders)) => {
+                self.share_of_routed_experts(x, routing, store, layer, args, &orders[0])?
+            }
+        };
 
         let group = Group::start()?;
         // SAFETY: as above; rank 0's sum lands in `own`, returned.
@@ -361,16 +379,84 @@ impl CudaBackend {
             }
         }
         group.end()?;
-        // Each GPU uploads the next layer's predicted experts it holds
-        // (streamed layers; see `prefetch_on_owners`).
-        for rank in self.ranks() {
-            rank.decode_layer_done(store, layer, None)?;
+        if orders.is_some() {
+            // Each GPU uploads the next layer's predicted experts it holds
+            // (streamed layers; see `prefetch_on_owners`).
+            for rank in self.ranks() {
+                rank.decode_layer_done(store, layer, None)?;
+            }
         }
-        let per_peer = (2 * n * hidden + n * top_k) * 4;
+        let per_peer = 2 * row_bytes + 2 * slot_bytes;
         parallel
             .exchanged
             .fetch_add((per_peer * parallel.peers.len()) as u64, Ordering::Relaxed);
         Ok(own)
+    }
+
+    /// One decode token's routed experts over this GPU's share of a layer
+    /// resident on every GPU: the slots of the others' experts become a
+    /// stand-in of weight 0 on the device (moe.cu `moe_own_slots`), then
+    /// the decode kernels run over this GPU's address table.
+    fn own_decode_share(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+        ffn: FfnArgs,
+    ) -> Result<Tensor> {
+        let own = self.own_experts_table(store, layer)?;
+        let slots = routing.rows * routing.top_k;
+        let what = "this GPU's share of the routing";
+        let mut experts = self.alloc::<u32>(what, slots)?;
+        let mut weights = self.alloc::<f32>(what, slots)?;
+        let slots_i = super::int(slots, "routed slots");
+        launch!(
+            self,
+            "routed experts: this GPU's slots",
+            &self.kernels.moe_own_slots,
+            super::grid_stride(slots),
+            &routing.experts,
+            &routing.weights,
+            &*own,
+            &mut experts,
+            &mut weights,
+            &slots_i
+        );
+        let mine = Routing {
+            top_k: routing.top_k,
+            rows: routing.rows,
+            experts,
+            weights,
+            host_experts: OnceLock::new(),
+        };
+        let mut out = self.alloc::<f32>("routed experts", x.cols)?;
+        self.decode_routed_experts(x, &mine, store, layer, ffn, &mut out, false)?;
+        Ok(Tensor {
+            rows: 1,
+            cols: x.cols,
+            data: out,
+        })
+    }
+
+    /// `own[e]` for `moe_own_slots`: e where this GPU holds expert e of
+    /// `layer`, else the first expert it holds (made once per layer).
+    fn own_experts_table(&self, store: &ExpertStore, layer: usize) -> Result<Arc<CudaSlice<u32>>> {
+        let share = self.share.as_ref().expect("parallel");
+        let key = (store.id(), layer);
+        if let Some(table) = share.own.lock().unwrap().get(&key) {
+            return Ok(table.clone());
+        }
+        let count = store.expert_count(layer) as u32;
+        let stand_in = (0..count)
+            .find(|&e| self.owns(layer, e))
+            .expect("a GPU holding a resident layer holds one of its experts");
+        let own: Vec<u32> = (0..count)
+            .map(|e| if self.owns(layer, e) { e } else { stand_in })
+            .collect();
+        let table = Arc::new(self.upload("this GPU's experts", &own)?);
+        share.own.lock().unwrap().insert(key, table.clone());
+        Ok(table)
     }
 
     /// The slots of `order` (this GPU's experts, with their slots) of the

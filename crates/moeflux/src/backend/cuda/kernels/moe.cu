@@ -371,6 +371,23 @@ extern "C" __global__ void route_general(const float* logits, const float* bias,
     }
 }
 
+// One GPU's share of a routing when several divide the experts
+// (parallel.rs): `own[e]` is e for the experts this GPU holds and one of
+// them (a stand-in) for the others. A slot keeps its expert and weight when
+// the GPU holds the expert, else takes the stand-in with weight 0, which
+// adds exactly nothing to the weighted sum (its output is finite), so the
+// decode kernels run unchanged over the GPU's own address table.
+extern "C" __global__ void moe_own_slots(const u32* experts, const float* weights, const u32* own,
+                                         u32* own_experts, float* own_weights, int slots) {
+    await_inputs();
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < slots; i += gridDim.x * blockDim.x) {
+        const u32 e = experts[i];
+        const u32 mine = own[e];
+        own_experts[i] = mine;
+        own_weights[i] = mine == e ? weights[i] : 0.0f;
+    }
+}
+
 // xs[i] = x[slots[i] / top_k]: the rows of the tokens routed to one expert
 // (a slot is token · top_k + rank).
 extern "C" __global__ void gather_rows(const float* x, const u32* slots, float* xs, int m,
