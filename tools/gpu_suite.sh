@@ -40,7 +40,9 @@
 #                             prompt tokens, 256 out) beside the engine's
 #                             own decode of as many sequences together, and
 #                             a second turn's time to first token with
-#                             prefix reuse and without
+#                             prefix reuse and without; SERVE_DEVICE
+#                             (default cuda) picks the device, e.g.
+#                             cuda:0,1
 #   tools/gpu_suite.sh presets qwen3.5-35b-a3b ...
 #                             on the GPU machine: bench synthetic models of
 #                             these presets, resident and with a quarter of
@@ -349,19 +351,20 @@ presets() {
 # being written back to disk while it runs.
 serve() {
     : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
-    export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    nccl_env
     MOEFLUX_CACHE=$(mktemp -d)
     export MOEFLUX_CACHE
     local moeflux="$SUITE/moeflux" synthetic=/dev/shm/moeflux-synth-q30 port=8181 url pid n
+    local device="${SERVE_DEVICE:-cuda}"
     url="http://127.0.0.1:$port"
     [[ -d "$synthetic" ]] || "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force >"$OUT/synth.log" 2>&1
     for n in 16 64; do
         echo "--- engine: $n sequences decoded together after 256 prompt tokens"
-        "$moeflux" bench -m "$synthetic" --device cuda -n 64 --warmup 4 --prefill 0 --no-ceilings \
+        "$moeflux" bench -m "$synthetic" --device "$device" -n 64 --warmup 4 --prefill 0 --no-ceilings \
             --prompt-len 256 --sequences "$n" 2>&1 | grep -E '^decode|rror' || true
     done
     start_server() {
-        "$moeflux" serve -m "$synthetic" --device cuda --port "$port" --max-sequences 64 --ctx 2048 "$@" \
+        "$moeflux" serve -m "$synthetic" --device "$device" --port "$port" --max-sequences 64 --ctx 2048 "$@" \
             >>"$OUT/serve.log" 2>&1 &
         pid=$!
     }
@@ -455,13 +458,19 @@ widths() {
     rm -rf "$dir"
 }
 
-# Two GPUs dividing the experts against one streaming them (see the header).
-multi() {
-    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+# CUDA's libraries and NCCL (the Python nvidia-nccl wheel's when the system
+# has none) on the library path; NVLink multicast off.
+nccl_env() {
     local nccl
     nccl=$(python3 -c 'import importlib.util as u; s = u.find_spec("nvidia.nccl"); print(list(s.submodule_search_locations)[0] + "/lib")' 2>/dev/null || true)
     export LD_LIBRARY_PATH="/usr/local/cuda/lib64:/usr/local/cuda/targets/x86_64-linux/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+}
+
+# Two GPUs dividing the experts against one streaming them (see the header).
+multi() {
+    : "${OUT:?set OUT to an existing folder for the logs (on the GPU machine)}"
+    nccl_env
     export MOEFLUX_REPO="$PWD" MOEFLUX_REQUIRE_CUDA=1 MOEFLUX_REQUIRE_GPUS=2
     MOEFLUX_CACHE=$(mktemp -d)
     export MOEFLUX_CACHE
