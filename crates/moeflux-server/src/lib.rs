@@ -34,6 +34,8 @@ mod request;
 mod response;
 mod routes;
 
+pub use engine::wait_for_engines;
+
 use std::future::Future;
 use std::sync::Arc;
 

@@ -150,7 +150,7 @@ where
     }
     let addr = SocketAddr::new(args.host, args.port);
     let runtime = tokio::runtime::Runtime::new().context("starting the server's runtime")?;
-    runtime.block_on(async move {
+    let served = runtime.block_on(async move {
         let listener = tokio::net::TcpListener::bind(addr)
             .await
             .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
@@ -174,5 +174,13 @@ where
         })
         .await
         .context("serving")
-    })
+    });
+    // The engine drops the model (and frees the GPUs, their NCCL
+    // communicators included) once the connections holding the router are
+    // gone: before the process exits, not while it does.
+    drop(runtime);
+    if !moeflux_server::wait_for_engines(Duration::from_secs(30)) {
+        eprintln!("moeflux: warning: the engine did not stop within 30 s");
+    }
+    served
 }

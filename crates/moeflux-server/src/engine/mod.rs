@@ -17,8 +17,9 @@
 //! rejected: the tokens are those of decoding without drafts.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use llguidance::Matcher;
@@ -168,6 +169,27 @@ impl EngineHandle {
     }
 }
 
+/// The engine threads started in this process (see [`wait_for_engines`]).
+static ENGINES: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Waits, up to `limit`, until every engine thread started in this process
+/// has ended (each ends once its router and the requests it serves are
+/// dropped, dropping its model); returns whether they all did.
+pub fn wait_for_engines(limit: Duration) -> bool {
+    let start = Instant::now();
+    let mut engines = ENGINES.lock().unwrap();
+    while engines.iter().any(|e| !e.is_finished()) {
+        if start.elapsed() >= limit {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for engine in engines.drain(..) {
+        let _ = engine.join();
+    }
+    true
+}
+
 /// Starts the engine thread for `model`.
 pub fn spawn<B: Backend + 'static>(
     model: Arc<Model<B>>,
@@ -180,7 +202,7 @@ where
 {
     let (jobs, inbox) = sync_channel(limits.queue);
     let engine_metrics = metrics.clone();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("moeflux-engine".into())
         .spawn(move || {
             let mut engine = Engine {
@@ -195,6 +217,7 @@ where
             };
             engine.run(inbox);
         })?;
+    ENGINES.lock().unwrap().push(thread);
     Ok(EngineHandle { jobs, metrics })
 }
 
