@@ -636,17 +636,7 @@ fn resident_and_streamed_experts_give_identical_results() {
                 })
                 .unwrap(),
             );
-            let run = |model: &Arc<Model<CudaBackend>>| {
-                let mut session = model.session();
-                let mut logits = session
-                    .forward(&tokens[..5], LogitsWanted::All)
-                    .unwrap()
-                    .data;
-                for &t in &tokens[5..] {
-                    logits.extend(session.decode(t).unwrap());
-                }
-                logits
-            };
+            let run = |model: &Arc<Model<CudaBackend>>| prefill_then_decode(model, &tokens);
             let before = resident.backend().expert_cache_stats();
             assert_eq!(
                 run(&resident),
