@@ -79,7 +79,8 @@
 #                             system has none; NVLink multicast stays off
 #                             (NCCL_NVLS_ENABLE=0). MULTI_TESTS=0 skips the
 #                             tests; MULTI_NO_GRAPHS=1 adds one GPU's decode
-#                             with its steps not recorded (as two GPUs run)
+#                             with its steps not recorded (as two GPUs run),
+#                             MULTI_ONE_GPU=0 skips the one-GPU runs
 #
 # The GPU machine needs this checkout (fixtures included) and the built
 # folder; the binaries are stripped of debug info to keep that small.
@@ -507,6 +508,7 @@ print("--- %s: %d layers, experts %.1f GiB; one GPU %.1f GiB" % (sys.argv[2], n,
         echo "--- two GPUs (cuda:0,1), experts divided"
         "$moeflux" bench -m "$dir" --device cuda:0,1 -n 64 --warmup 16 >"$OUT/multi-bench-two-$layers.log" 2>&1 || echo "bench failed"
         grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^exchanged|rror|every expert' "$OUT/multi-bench-two-$layers.log" || true
+        [[ "${MULTI_ONE_GPU:-1}" == 1 ]] || continue
         echo "--- one GPU (cuda:0): its VRAM caches every expert it can"
         "$moeflux" bench -m "$dir" --device cuda:0 -n 24 --warmup 8 >"$OUT/multi-bench-one-$layers.log" 2>&1 || echo "bench failed"
         grep -E '^backend|^prefill|^decode|^achieved|^memory|^VRAM|^PCIe|^pinned|rror' "$OUT/multi-bench-one-$layers.log" || true

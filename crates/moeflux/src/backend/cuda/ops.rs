@@ -322,10 +322,10 @@ impl Backend for CudaBackend {
     }
 
     fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
-        for rank in self.ranks() {
-            rank.prepare_device_experts(store, progress)?;
+        match self.parallel {
+            Some(_) => self.prepare_all_ranks(store, progress),
+            None => self.prepare_device_experts(store, progress).map(|_| ()),
         }
-        Ok(())
     }
 
     fn prefetch_experts(&self, store: &ExpertStore, layer: usize, experts: &[u32]) {

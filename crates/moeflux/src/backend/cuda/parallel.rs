@@ -33,6 +33,7 @@ use super::{CudaBackend, CudaOptions, Routing, Tensor, Weight};
 use crate::backend::ExpertFfn;
 use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
+use crate::util::Progress;
 
 /// Which GPU (rank) holds each routed expert.
 #[derive(Clone, Debug)]
@@ -480,6 +481,34 @@ impl CudaBackend {
         self.host_grouped_experts(x, routing, store, layer, ffn, order)
     }
 
+    /// [`crate::backend::Backend::prepare_experts`] on every GPU at once,
+    /// each uploading (or pinning) its share, reported as one piece of
+    /// work.
+    pub(super) fn prepare_all_ranks(
+        &self,
+        store: &ExpertStore,
+        progress: &dyn Progress,
+    ) -> Result<()> {
+        let ranks: Vec<&CudaBackend> = self.ranks().collect();
+        progress.start(ranks.iter().map(|r| r.owned_expert_bytes(store)).sum());
+        let shared = Shared(progress);
+        std::thread::scope(|scope| {
+            let running: Vec<_> = ranks
+                .iter()
+                .map(|rank| {
+                    let shared = &shared;
+                    scope.spawn(move || rank.prepare_device_experts(store, shared))
+                })
+                .collect();
+            running
+                .into_iter()
+                .map(|r| r.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect::<Result<Vec<bool>>>()
+        })?;
+        progress.finish();
+        Ok(())
+    }
+
     /// Passes the next layer's predicted experts to the GPUs holding them.
     pub(super) fn prefetch_on_owners(&self, store: &ExpertStore, layer: usize, experts: &[u32]) {
         for rank in self.ranks() {
@@ -492,6 +521,20 @@ impl CudaBackend {
                 rank.note_prefetch(store, layer, &own);
             }
         }
+    }
+}
+
+/// The progress of one GPU's part of [`CudaBackend::prepare_all_ranks`]:
+/// its advances count toward the whole, which starts and finishes once.
+struct Shared<'a>(&'a dyn Progress);
+
+impl Progress for Shared<'_> {
+    fn advance(&self, done: u64, what: &str) {
+        self.0.advance(done, what);
+    }
+
+    fn note(&self, text: &str) {
+        self.0.note(text);
     }
 }
 
