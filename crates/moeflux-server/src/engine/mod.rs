@@ -17,9 +17,8 @@
 //! rejected: the tokens are those of decoding without drafts.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
 use std::sync::mpsc::{Receiver, SyncSender, TrySendError, sync_channel};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use llguidance::Matcher;
@@ -36,6 +35,9 @@ use crate::prefix::PrefixCache;
 use drafting::Drafting;
 
 mod drafting;
+mod threads;
+
+pub use threads::wait_for_engines;
 
 /// The error a panic in the grammar library becomes.
 fn grammar_panicked() -> anyhow::Error {
@@ -169,27 +171,6 @@ impl EngineHandle {
     }
 }
 
-/// The engine threads started in this process (see [`wait_for_engines`]).
-static ENGINES: Mutex<Vec<JoinHandle<()>>> = Mutex::new(Vec::new());
-
-/// Waits, up to `limit`, until every engine thread started in this process
-/// has ended (each ends once its router and the requests it serves are
-/// dropped, dropping its model); returns whether they all did.
-pub fn wait_for_engines(limit: Duration) -> bool {
-    let start = Instant::now();
-    let mut engines = ENGINES.lock().unwrap();
-    while engines.iter().any(|e| !e.is_finished()) {
-        if start.elapsed() >= limit {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for engine in engines.drain(..) {
-        let _ = engine.join();
-    }
-    true
-}
-
 /// Starts the engine thread for `model`.
 pub fn spawn<B: Backend + 'static>(
     model: Arc<Model<B>>,
@@ -217,7 +198,7 @@ where
             };
             engine.run(inbox);
         })?;
-    ENGINES.lock().unwrap().push(thread);
+    threads::started(thread);
     Ok(EngineHandle { jobs, metrics })
 }
 
