@@ -113,12 +113,13 @@ pub struct ModelArgs {
     /// traffic (default: expert e on GPU e mod the number of GPUs).
     #[arg(long, value_name = "FILE")]
     pub expert_placement: Option<PathBuf>,
-    /// Device memory for cached experts on a GPU, in MiB (default: the
-    /// memory still free after loading the model, less a reserve for KV
-    /// caches and activations).
+    /// Device memory for cached experts on a GPU, in MiB, on each GPU where
+    /// several divide the experts (default: the memory still free after
+    /// loading the model, less a reserve for KV caches and activations).
     #[arg(long)]
     pub gpu_expert_cache_mb: Option<u64>,
-    /// Page-locked host memory for experts streamed to a GPU, in MiB
+    /// Page-locked host memory for experts streamed to a GPU (to each GPU
+    /// where several divide the experts), in MiB
     /// (default: a quarter of the available memory, at most the experts'
     /// size; 0 uploads from the expert cache's pageable memory).
     #[arg(long)]
