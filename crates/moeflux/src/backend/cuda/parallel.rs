@@ -4,14 +4,18 @@
 //!
 //! The first GPU (rank 0) holds the dense weights, the KV caches and the
 //! Gated DeltaNet states and runs every operation but the routed experts.
-//! At a MoE layer it routes as one GPU would, reads the selected ids (one
-//! round trip, as a streamed layer does anyway), sends the layer's input
-//! rows and routing weights to the other GPUs (an NCCL broadcast), and
-//! every GPU computes the slots whose expert it holds through the grouped
-//! kernels of prefill.rs, zero in the others. An NCCL reduce sums the
-//! partial outputs into rank 0's. Per token and MoE layer that moves the
-//! hidden state out and a partial sum back to each other GPU: kilobytes,
-//! where streaming an expert moves megabytes.
+//! At a MoE layer it routes as one GPU would and sends the layer's input
+//! rows, the selected ids and their weights to the other GPUs (an NCCL
+//! broadcast); every GPU computes the slots whose expert it holds, and an
+//! NCCL reduce sums the partial outputs into rank 0's. A decode token over
+//! a layer resident on every GPU is divided on the devices: `moe_own_slots`
+//! gives each GPU its slots and turns the others into a stand-in expert of
+//! weight 0, so the one-token kernels run unchanged and nothing returns to
+//! the host. Other calls (prefill chunks, several sequences' tokens,
+//! streamed layers) read the ids on the host, which groups each GPU's slots
+//! by expert for the grouped kernels of prefill.rs, zero in the others.
+//! Per token and MoE layer the GPUs exchange the hidden state and a partial
+//! sum: kilobytes, where streaming an expert moves megabytes.
 //!
 //! Each GPU's VRAM cache fronts its own share of the experts: when the
 //! shares fit, each GPU uploads its share before the first token; when
