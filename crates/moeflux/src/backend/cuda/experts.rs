@@ -285,7 +285,11 @@ impl CudaBackend {
         {
             let mut cache = self.experts.lock().unwrap();
             if cache.complete_layer(store.id(), layer as u32).is_some() {
-                cache.count_hits(top_k as u64);
+                // Several GPUs run every slot of the token, the others' as
+                // stand-ins (parallel.rs): the first GPU counts the token's.
+                if self.share.as_ref().is_none_or(|share| share.rank == 0) {
+                    cache.count_hits(top_k as u64);
+                }
                 let complete = cache
                     .complete_layer(store.id(), layer as u32)
                     .expect("checked");
