@@ -992,21 +992,10 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
             window: None,
             latent: false,
         };
-        let (q_width, kv_width) = (6 * head_dim, 2 * head_dim);
         let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
         let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
         let step = |n: usize, seed: u64, cache_r: &mut CpuKv, cache_b: &mut B::KvCache| {
-            let (q_r, q_b) = both(b, n, q_width, values(n * q_width, seed));
-            let (k_r, k_b) = both(b, n, kv_width, values(n * kv_width, seed + 1));
-            let (v_r, v_b) = both(b, n, kv_width, values(n * kv_width, seed + 2));
-            let want = r
-                .attention(cache_r, &q_r, &k_r, &v_r, shape, None)
-                .unwrap()
-                .data;
-            let got = host(
-                b,
-                &b.attention(cache_b, &q_b, &k_b, &v_b, shape, None).unwrap(),
-            );
+            let (want, got) = attend_random_rows(&r, b, (cache_r, cache_b), shape, n, seed);
             assert_close(
                 &format!("{kv} attention chunk of {n} (seed {seed})"),
                 &got,
