@@ -15,7 +15,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;
 
@@ -237,6 +237,9 @@ struct Shared {
     /// While counted: how many times each expert of each layer was routed
     /// to (see [`ExpertStore::count_routing`]).
     routing_counts: Mutex<Option<HashMap<usize, Vec<u64>>>>,
+    /// Whether `routing_counts` is counting: read by every MoE layer, so
+    /// a flag rather than the lock.
+    counting_routing: AtomicBool,
     /// Reads in flight and since when at least one has been, to count the
     /// time the disk is busy (`read_nanos`).
     in_flight: Mutex<(usize, Option<Instant>)>,
@@ -290,6 +293,7 @@ impl ExpertStore {
                 predicted: Mutex::new(vec![None; n]),
                 trace: Mutex::new(None),
                 routing_counts: Mutex::new(None),
+                counting_routing: AtomicBool::new(false),
                 in_flight: Mutex::new((0, None)),
             }),
             io_pool,
@@ -375,6 +379,7 @@ impl ExpertStore {
     /// the host (a round trip on a GPU).
     pub fn count_routing(&self, on: bool) -> Option<HashMap<usize, Vec<u64>>> {
         let mut counts = self.shared.routing_counts.lock().unwrap();
+        self.shared.counting_routing.store(on, Ordering::Relaxed);
         if on {
             *counts = Some(HashMap::new());
             None
@@ -385,7 +390,7 @@ impl ExpertStore {
 
     /// Whether [`ExpertStore::count_routing`] is on.
     pub fn counting_routing(&self) -> bool {
-        self.shared.routing_counts.lock().unwrap().is_some()
+        self.shared.counting_routing.load(Ordering::Relaxed)
     }
 
     /// Counts the experts a router selected for `layer` (every token's).
