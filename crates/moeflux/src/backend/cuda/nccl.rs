@@ -185,13 +185,13 @@ impl Drop for Comm {
 
 /// The collectives of one step over every rank, issued from one thread:
 /// NCCL requires them grouped (`ncclGroupStart` ... `ncclGroupEnd`).
-pub(super) struct Group<'a> {
-    lib: &'a Library,
+pub(super) struct Group {
+    lib: &'static Library,
     ended: bool,
 }
 
-impl<'a> Group<'a> {
-    pub(super) fn start() -> Result<Group<'static>> {
+impl Group {
+    pub(super) fn start() -> Result<Group> {
         let lib = library()?;
         // SAFETY: no arguments.
         check(lib, "starting a group", unsafe { (lib.group_start)() })?;
@@ -265,7 +265,7 @@ impl<'a> Group<'a> {
     }
 }
 
-impl Drop for Group<'_> {
+impl Drop for Group {
     /// A group left by an error is still ended, so NCCL's state stays
     /// consistent for the next step.
     fn drop(&mut self) {

@@ -222,9 +222,11 @@ impl CudaBackend {
 
     /// How many experts of `layer` this GPU holds.
     pub(super) fn owned_count(&self, store: &ExpertStore, layer: usize) -> usize {
-        (0..store.expert_count(layer) as u32)
-            .filter(|&e| self.owns(layer, e))
-            .count()
+        let experts = store.expert_count(layer);
+        match self.share {
+            None => experts,
+            Some(_) => (0..experts as u32).filter(|&e| self.owns(layer, e)).count(),
+        }
     }
 
     /// Bytes of the experts this GPU holds.
