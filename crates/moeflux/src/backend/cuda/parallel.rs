@@ -229,12 +229,14 @@ impl CudaBackend {
         }
     }
 
-    /// Bytes of the experts this GPU holds.
+    /// Bytes of the experts this GPU holds, as stored (on one GPU,
+    /// [`ExpertStore::total_expert_bytes`]).
     pub(super) fn owned_expert_bytes(&self, store: &ExpertStore) -> u64 {
         store
             .moe_layers()
             .map(|l| {
-                self.owned_count(store, l) as u64 * super::device_expert::expert_bytes(store, l)
+                let blob = store.blob_layout(l).expect("an MoE layer's experts");
+                self.owned_count(store, l) as u64 * blob.nbytes as u64
             })
             .sum()
     }
