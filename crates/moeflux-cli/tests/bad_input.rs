@@ -405,3 +405,17 @@ fn draft_options_are_checked_before_the_weights_are_read() {
         assert_mentions(&stderr, names);
     }
 }
+
+#[test]
+fn draft_rounds_without_drafts_are_refused_before_the_weights_are_read() {
+    let cache = TempDir::new().unwrap();
+    let out = moeflux()
+        .env("MOEFLUX_CACHE", cache.path())
+        .args(["bench", "-n", "4", "--no-ceilings", "--draft-rounds", "5"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_mentions(&stderr, &["--draft-rounds", "--draft lookup"]);
+    assert_eq!(fs::read_dir(cache.path()).unwrap().count(), 0, "{stderr}");
+}

@@ -55,10 +55,19 @@ pub struct Args {
     /// without, and report the speedup and expert bytes per token.
     #[command(flatten)]
     draft: DraftArgs,
+    /// With --draft: rounds of drafted against plain generation, run in
+    /// turns; the median round is reported.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=1000))]
+    draft_rounds: u16,
 }
 
 pub fn run_command(args: Args) -> Result<()> {
     let draft = args.draft.settings()?;
+    if draft.is_none() && args.draft_rounds > 1 {
+        bail!(
+            "--draft-rounds needs --draft lookup or --draft mtp: without drafts there is nothing to compare"
+        );
+    }
     let text = args
         .text
         .as_ref()
@@ -106,6 +115,7 @@ fn bench<B: Backend>(
         sequences: args.sequences,
         check_tokens: args.check_tokens.iter().map(|&k| k.into()).collect(),
         draft,
+        draft_rounds: args.draft_rounds.into(),
     };
     let report = run(model, &options, &progress_bar())?;
     if args.json {
@@ -289,10 +299,21 @@ fn print_table(r: &BenchReport) {
         );
     }
     if let Some(d) = &r.drafted {
+        let rounds = match d.round_speedups.len() {
+            1 => String::new(),
+            n => format!(
+                " (median of {n} rounds: {})",
+                d.round_speedups
+                    .iter()
+                    .map(|s| format!("{s:.2}x"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+        };
         row(
             &format!("greedy, {} tokens, drafts ({:?})", d.tokens, d.source),
             format!(
-                "{:.2} tok/s against {:.2} plain = {:.2}x; {:.1}% of {} drafts kept{}",
+                "{:.2} tok/s against {:.2} plain = {:.2}x{rounds}; {:.1}% of {} drafts kept{}",
                 d.drafted_tok_s,
                 d.plain_tok_s,
                 d.speedup,
