@@ -14,7 +14,7 @@ use std::path::Path;
 use serde_json::Value;
 
 pub use crate::config::Architecture;
-use crate::config::{ConfigReader, ModelConfig};
+use crate::config::{AttentionConfig, ConfigReader, ModelConfig, RopeSettings};
 use crate::convert::plan::{CheckpointIndex, ConversionPlan};
 use crate::error::{Error, Result};
 
@@ -191,4 +191,30 @@ impl ModelConfig {
         cfg.validate(source)?;
         Ok(cfg)
     }
+}
+
+/// Grouped-query attention over `num_heads` query heads of `head_dim` and
+/// the config's `num_key_value_heads` (as many as the queries without it),
+/// rotated by `rope`: no gate, norm, biases, sinks or window, which the
+/// families that have them set over this.
+fn grouped_query_attention(
+    c: &ConfigReader<'_>,
+    num_heads: usize,
+    head_dim: usize,
+    rope: &RopeSettings,
+) -> Result<AttentionConfig> {
+    Ok(AttentionConfig {
+        num_heads,
+        num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
+        head_dim,
+        rotary_dim: (head_dim as f64 * rope.partial) as usize,
+        rope_theta: rope.theta,
+        rope_yarn: rope.yarn,
+        output_gate: false,
+        qk_norm: false,
+        qkv_bias: false,
+        o_bias: false,
+        sinks: false,
+        sliding_window: None,
+    })
 }

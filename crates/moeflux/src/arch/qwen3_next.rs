@@ -93,18 +93,9 @@ pub(super) fn parse_config(arch: Architecture, top: &ConfigReader<'_>) -> Result
             || top.bool_or("tie_word_embeddings", false)?,
         max_position_embeddings: c.usize_or("max_position_embeddings", 32768)?,
         attention: AttentionConfig {
-            num_heads,
-            num_kv_heads: c.usize_or("num_key_value_heads", num_heads)?,
-            head_dim,
-            rotary_dim: (head_dim as f64 * rope.partial) as usize,
-            rope_theta: rope.theta,
-            rope_yarn: rope.yarn,
             output_gate: true,
             qk_norm: true,
-            qkv_bias: false,
-            o_bias: false,
-            sinks: false,
-            sliding_window: None,
+            ..super::grouped_query_attention(c, num_heads, head_dim, &rope)?
         },
         mla: None,
         linear_attention: Some(LinearAttentionConfig {
