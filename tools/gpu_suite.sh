@@ -22,7 +22,9 @@
 #                             alone, each with several-token steps grouped
 #                             on the device and recorded and with
 #                             MOEFLUX_CUDA_BATCHED_STEPS=0 (same binary,
-#                             interleaved), 16 sequences with a quarter of
+#                             interleaved; one sequence also with a
+#                             baseline binary, $SUITE/moeflux-base, when
+#                             carried), 16 sequences with a quarter of
 #                             the experts' bytes in VRAM, and a device-time
 #                             profile (BATCH_TESTS=0 skips the tests)
 #   tools/gpu_suite.sh longctx
@@ -234,16 +236,20 @@ batch() {
         echo "--- skipped at ${SECONDS} s (budget ${budget} s): $2"
         return 1
     }
-    # variant NAME ARGS...: `moeflux ARGS...` as NAME says: on (as built)
-    # or off (MOEFLUX_CUDA_BATCHED_STEPS=0).
+    # variant NAME ARGS...: `moeflux ARGS...` as NAME says: on (as built),
+    # off (MOEFLUX_CUDA_BATCHED_STEPS=0) or base (a baseline binary,
+    # $SUITE/moeflux-base, when carried: one sequence's decode only).
     variant() {
         local name=$1
         shift
         case "$name" in
         on) "$moeflux" "$@" ;;
         off) MOEFLUX_CUDA_BATCHED_STEPS=0 "$moeflux" "$@" ;;
+        base) "$SUITE/moeflux-base" "$@" ;;
         esac
     }
+    local single="on off"
+    [[ -x "$SUITE/moeflux-base" ]] && single="on off base"
     if [[ "${BATCH_TESTS:-1}" == 1 ]]; then
         timeout 240 "$SUITE/cuda-tests" --nocapture >"$OUT/cuda-tests.log" 2>&1 || true
         grep -E '^test result|FAILED|batched vs alone|steps replayed|several sequences|few tokens|prefill vs decode' \
@@ -257,7 +263,9 @@ batch() {
     # still leaves whole A/B pairs.
     for round in 1 2; do
         for n in 16 64 1; do
-            for variant in on off; do
+            local variants="on off"
+            ((n == 1)) && variants=$single
+            for variant in $variants; do
                 time_left 40 "$n sequences, $variant, round $round" || continue
                 echo "--- $n sequence(s), resident, batched steps $variant, round $round (${SECONDS} s)"
                 if ((n == 1)); then
