@@ -26,7 +26,9 @@
 #                             baseline binary, $SUITE/moeflux-base, when
 #                             carried), 16 sequences with a quarter of
 #                             the experts' bytes in VRAM, and a device-time
-#                             profile (BATCH_TESTS=0 skips the tests)
+#                             profile (BATCH_TESTS=0 skips the tests;
+#                             BATCH_SEQUENCES, default "16 64 1", and
+#                             BATCH_ROUNDS, default 2, choose the runs)
 #   tools/gpu_suite.sh longctx
 #                             on the GPU machine: the CUDA tests, then the
 #                             synthetic qwen3-30b-a3b's decode after 128,
@@ -261,8 +263,8 @@ batch() {
     echo "--- synthetic model written at ${SECONDS} s"
     # A round is every shape with the switch on and off, so a budget cut
     # still leaves whole A/B pairs.
-    for round in 1 2; do
-        for n in 16 64 1; do
+    for round in $(seq "${BATCH_ROUNDS:-2}"); do
+        for n in ${BATCH_SEQUENCES:-16 64 1}; do
             local variants="on off"
             ((n == 1)) && variants=$single
             for variant in $variants; do
