@@ -283,24 +283,6 @@ __device__ __forceinline__ void warp_values(const KvSide<KV>& cached_v, const fl
     }
 }
 
-// A KV head's new key and value (`new_k`, `new_v` at the head) as the cache
-// will hold them, into `fresh_k` and `fresh_v` (shared memory); stored at
-// cache row `row` too when `store`. The caller synchronises after.
-template <int KV>
-__device__ __forceinline__ void stage_fresh_row(const float* new_k, const float* new_v,
-                                                u8* keys, float* key_scales, u8* values,
-                                                float* value_scales, i64 row, i64 kv_width,
-                                                i64 head_at, int head_dim, bool store,
-                                                float* fresh_k, float* fresh_v) {
-    const i64 at = row * kv_width + head_at;
-    const i64 block = at / KV_Q8_BLOCK;
-    const bool q8 = KV == KV_Q8;
-    kv_encode_row<KV>(new_k, head_dim, fresh_k, store ? keys + at * KV_BYTES(KV) : nullptr,
-                      store && q8 ? key_scales + block : nullptr);
-    kv_encode_row<KV>(new_v, head_dim, fresh_v, store ? values + at * KV_BYTES(KV) : nullptr,
-                      store && q8 ? value_scales + block : nullptr);
-}
-
 // The rows [first, end) of split `split` when the rows [oldest, visible)
 // are split over at most `splits` blocks in whole chunks; returns the
 // number of splits in use (a split at or past it has no rows).
@@ -317,6 +299,39 @@ __device__ __forceinline__ int decode_split_range(i64 oldest, i64 visible, int s
 // `window` rows (0: every row).
 __device__ __forceinline__ i64 oldest_visible(i64 visible, int window) {
     return window > 0 ? max((i64)0, visible - window) : 0;
+}
+
+// A decode block's split (blockIdx.z) of the rows a query at row `start`
+// sees, over at most `splits` blocks in whole chunks of `chunk`: its rows
+// [first, end); returns the number of splits in use. A block whose split
+// is in use also takes the KV head's new key and value (`new_k`, `new_v`
+// at the head) as the cache will hold them, into `fresh_k` and `fresh_v`
+// (shared memory), and stores them at cache row `start` too when `store`
+// and its split is the first. The caller synchronises after.
+template <int KV>
+__device__ __forceinline__ int begin_decode_split(const float* new_k, const float* new_v,
+                                                  u8* keys, float* key_scales, u8* values,
+                                                  float* value_scales, i64 start, int window,
+                                                  int splits, int chunk, i64 kv_width,
+                                                  i64 head_at, int head_dim, bool store,
+                                                  float* fresh_k, float* fresh_v, i64* first,
+                                                  i64* end) {
+    const i64 visible = start + 1;
+    const int split = blockIdx.z;
+    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
+                                        chunk, first, end);
+    if (split >= used) return used;
+    const bool stores = store && split == 0;
+    const i64 at = start * kv_width + head_at;
+    const i64 block = at / KV_Q8_BLOCK;
+    const bool q8 = KV == KV_Q8;
+    kv_encode_row<KV>(new_k + head_at, head_dim, fresh_k,
+                      stores ? keys + at * KV_BYTES(KV) : nullptr,
+                      stores && q8 ? key_scales + block : nullptr);
+    kv_encode_row<KV>(new_v + head_at, head_dim, fresh_v,
+                      stores ? values + at * KV_BYTES(KV) : nullptr,
+                      stores && q8 ? value_scales + block : nullptr);
+    return used;
 }
 
 // Whether this block is the last of the `used` splits of a head (or of a
@@ -338,44 +353,30 @@ __device__ bool last_of_splits(u32* ticket, int used) {
 // One head's output from the partials of its `used` splits (`[splits]
 // [head_dim + 2]`: weighted values, maximum, sum) and its sink logit
 // (-inf: none), which joins the denominator. Read through L2 (`__ldcg`):
-// L1 is not coherent across blocks.
+// L1 is not coherent across blocks. By the whole block, or by one warp
+// (ONE_WARP: lanes over the splits, then over the dimensions).
+template <bool ONE_WARP>
 __device__ void merge_split_partials(const float* partials, int used, int head_dim, float sink,
                                      float* out) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int first_split = ONE_WARP ? lane : 0;
+    const int split_step = ONE_WARP ? WARP_SIZE : 1;
     // Every split saw at least one position, so every maximum is finite.
     float overall = NEG_INF;
-    for (int s = 0; s < used; ++s)
+    for (int s = first_split; s < used; s += split_step)
         overall = fmaxf(overall, __ldcg(partials + (i64)s * (head_dim + 2) + head_dim));
-    float denominator = expf(sink - overall);
-    for (int s = 0; s < used; ++s) {
+    if (ONE_WARP) overall = warp_max(overall);
+    // The block's sum starts from the sink's share; the warp's lanes add
+    // theirs, and the sink's share after.
+    float denominator = ONE_WARP ? 0.0f : expf(sink - overall);
+    for (int s = first_split; s < used; s += split_step) {
         const float* part = partials + (i64)s * (head_dim + 2);
         denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
     }
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float sum = 0.0f;
-        for (int s = 0; s < used; ++s) {
-            const float* part = partials + (i64)s * (head_dim + 2);
-            sum += __ldcg(part + d) * expf(__ldcg(part + head_dim) - overall);
-        }
-        out[d] = sum / denominator;
-    }
-}
-
-// merge_split_partials by one warp (lanes over the splits, then over the
-// dimensions).
-__device__ void merge_split_partials_warp(const float* partials, int used, int head_dim,
-                                          float sink, float* out) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    float overall = NEG_INF;
-    for (int s = lane; s < used; s += WARP_SIZE)
-        overall = fmaxf(overall, __ldcg(partials + (i64)s * (head_dim + 2) + head_dim));
-    overall = warp_max(overall);
-    float denominator = 0.0f;
-    for (int s = lane; s < used; s += WARP_SIZE) {
-        const float* part = partials + (i64)s * (head_dim + 2);
-        denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
-    }
-    denominator = warp_sum(denominator) + expf(sink - overall);
-    for (int d = lane; d < head_dim; d += WARP_SIZE) {
+    if (ONE_WARP) denominator = warp_sum(denominator) + expf(sink - overall);
+    const int first_d = ONE_WARP ? lane : (int)threadIdx.x;
+    const int d_step = ONE_WARP ? WARP_SIZE : (int)blockDim.x;
+    for (int d = first_d; d < head_dim; d += d_step) {
         float sum = 0.0f;
         for (int s = 0; s < used; ++s) {
             const float* part = partials + (i64)s * (head_dim + 2);
@@ -402,7 +403,8 @@ __device__ void merge_decode_splits(const float* warp_acc, int stride, int head_
         mine[head_dim] = running_max;
         mine[head_dim + 1] = total;
     }
-    if (last_of_splits(ticket, used)) merge_split_partials(partials, used, head_dim, sink, out);
+    if (last_of_splits(ticket, used))
+        merge_split_partials<false>(partials, used, head_dim, sink, out);
 }
 
 // Head dimensions up to PER_LANE · 32.
@@ -410,11 +412,10 @@ template <int PER_LANE, int KV>
 __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* key_scales,
                                               u8* values, float* value_scales, float* out,
                                               int heads, int kv_heads, int head_dim, i64 start,
-                                              const u32* position, float scale,
-                                              const float* new_k, const float* new_v,
-                                              int window, const float* sinks, int splits,
-                                              float* partials, u32* tickets) {
-    if (position) start = *position;
+                                              float scale, const float* new_k,
+                                              const float* new_v, int window,
+                                              const float* sinks, int splits, float* partials,
+                                              u32* tickets) {
     __shared__ float4 query4[PER_LANE * WARP_SIZE / 4];
     __shared__ float4 fresh4[2][PER_LANE * WARP_SIZE / 4];
     __shared__ float weight[DECODE_ATTN_CHUNK];
@@ -435,12 +436,11 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
     const i64 visible = start + 1;
     const int split = blockIdx.z;
     i64 first, end;
-    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
-                                        DECODE_ATTN_CHUNK, &first, &end);
+    const int used = begin_decode_split<KV>(new_k, new_v, keys, key_scales, values, value_scales,
+                                            start, window, splits, DECODE_ATTN_CHUNK, kv_width,
+                                            head_at, head_dim, h % group == 0, fresh_k, fresh_v,
+                                            &first, &end);
     if (split >= used) return;
-    stage_fresh_row<KV>(new_k + head_at, new_v + head_at, keys, key_scales, values, value_scales,
-                        start, kv_width, head_at, head_dim, h % group == 0 && split == 0,
-                        fresh_k, fresh_v);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
     __syncthreads();
 
@@ -559,9 +559,10 @@ __device__ __forceinline__ void prefetch_kv_history(const u8* keys, const float*
         prefetch_kv_history<KV>(keys, key_scales, values, value_scales, heads, kv_heads,     \
                                 head_dim, start, position, window, splits);                  \
         await_inputs();                                                                      \
+        if (position) start = *position;                                                     \
         attend_decode<PER_LANE, KV>(q, keys, key_scales, values, value_scales, out, heads,   \
-                                    kv_heads, head_dim, start, position, scale, new_k,       \
-                                    new_v, window, sinks, splits, partials, tickets);        \
+                                    kv_heads, head_dim, start, scale, new_k, new_v, window,  \
+                                    sinks, splits, partials, tickets);                       \
     }
 
 ATTENTION_DECODE_KERNEL(attention_decode_128_f32, 4, KV_F32)
@@ -581,24 +582,28 @@ ATTENTION_DECODE_KERNEL(attention_decode_512_q8, 16, KV_Q8)
 // starts[s] positions before this one, its partials and tickets at
 // partials[s] / tickets[s]. Each block does what attention_decode's does
 // for its head, sequence and split (without reading the history ahead: the
-// caches' addresses are inputs).
-#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE, KV)                                    \
-    extern "C" __global__ void __launch_bounds__(DECODE_ATTN_WARPS * WARP_SIZE)              \
+// caches' addresses are inputs). `...` is the device function that attends
+// with its template arguments (whose commas would split a macro argument):
+// attend_decode here, attend_decode_grouped for the grouped kernels below.
+#define ATTENTION_DECODE_BATCH(name, WARPS, KV, ...)                                         \
+    extern "C" __global__ void __launch_bounds__(WARPS * WARP_SIZE)                          \
         name(const float* q, const u64* keys, const u64* key_scales, const u64* values,      \
              const u64* value_scales, float* out, int heads, int kv_heads, int head_dim,     \
              const i64* starts, float scale, const float* new_k, const float* new_v,         \
              int splits, const u64* partials, const u64* tickets) {                          \
         await_inputs();                                                                      \
         const int s = blockIdx.y;                                                            \
-        const i64 start = starts[s];                                                         \
         const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;      \
-        attend_decode<PER_LANE, KV>(                                                         \
-            q + s * q_width, (u8*)keys[s], KV == KV_Q8 ? (float*)key_scales[s] : nullptr,    \
-            (u8*)values[s], KV == KV_Q8 ? (float*)value_scales[s] : nullptr,                 \
-            out + s * q_width, heads, kv_heads, head_dim, start, nullptr, scale,             \
-            new_k + s * kv_width, new_v + s * kv_width, 0, nullptr, splits,                  \
-            (float*)partials[s], (u32*)tickets[s]);                                          \
+        __VA_ARGS__(q + s * q_width, (u8*)keys[s],                                           \
+                    KV == KV_Q8 ? (float*)key_scales[s] : nullptr, (u8*)values[s],           \
+                    KV == KV_Q8 ? (float*)value_scales[s] : nullptr, out + s * q_width,      \
+                    heads, kv_heads, head_dim, starts[s], scale, new_k + s * kv_width,       \
+                    new_v + s * kv_width, 0, nullptr, splits, (float*)partials[s],           \
+                    (u32*)tickets[s]);                                                       \
     }
+
+#define ATTENTION_DECODE_BATCH_KERNEL(name, PER_LANE, KV) \
+    ATTENTION_DECODE_BATCH(name, DECODE_ATTN_WARPS, KV, attend_decode<PER_LANE, KV>)
 
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_128_f32, 4, KV_F32)
 ATTENTION_DECODE_BATCH_KERNEL(attention_decode_batch_256_f32, 8, KV_F32)
@@ -657,11 +662,10 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
     const i64 visible = start + 1;
     const int split = blockIdx.z;
     i64 first, end;
-    const int used = decode_split_range(oldest_visible(visible, window), visible, splits, split,
-                                        GD_CHUNK, &first, &end);
+    const int used = begin_decode_split<KV>(new_k, new_v, keys, key_scales, values, value_scales,
+                                            start, window, splits, GD_CHUNK, kv_width, head_at,
+                                            head_dim, true, fresh_k, fresh_v, &first, &end);
     if (split >= used) return;
-    stage_fresh_row<KV>(new_k + head_at, new_v + head_at, keys, key_scales, values, value_scales,
-                        start, kv_width, head_at, head_dim, split == 0, fresh_k, fresh_v);
     const int quads = head_dim / 4;  // head_dim % 4 == 0 (checked on the host)
     const float* group_q = q + (i64)kv_head * group * head_dim;
     for (int i = threadIdx.x; i < GROUP * PER_LANE * WARP_SIZE / 4; i += blockDim.x) {
@@ -788,9 +792,9 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
     if (used > 1 && last_of_splits(tickets + kv_head, used)) {
         // A warp per head.
         for (int g = warp; g < group; g += GD_WARPS)
-            merge_split_partials_warp(partials + (i64)(h0 + g) * splits * (head_dim + 2), used,
-                                      head_dim, sinks ? sinks[h0 + g] : NEG_INF,
-                                      out + (i64)(h0 + g) * head_dim);
+            merge_split_partials<true>(partials + (i64)(h0 + g) * splits * (head_dim + 2), used,
+                                       head_dim, sinks ? sinks[h0 + g] : NEG_INF,
+                                       out + (i64)(h0 + g) * head_dim);
     }
 }
 
@@ -821,22 +825,8 @@ ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_256_g8_q8, 8, 8, KV_Q8)
 
 // Same parameters as attention_decode_batch_*; grid (kv_heads, sequences,
 // splits).
-#define ATTENTION_DECODE_BATCH_GROUPED_KERNEL(name, PER_LANE, GROUP, KV)                      \
-    extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
-        name(const float* q, const u64* keys, const u64* key_scales, const u64* values,       \
-             const u64* value_scales, float* out, int heads, int kv_heads, int head_dim,      \
-             const i64* starts, float scale, const float* new_k, const float* new_v,          \
-             int splits, const u64* partials, const u64* tickets) {                           \
-        await_inputs();                                                                       \
-        const int s = blockIdx.y;                                                             \
-        const i64 q_width = (i64)heads * head_dim, kv_width = (i64)kv_heads * head_dim;       \
-        attend_decode_grouped<PER_LANE, GROUP, KV>(                                           \
-            q + s * q_width, (u8*)keys[s], KV == KV_Q8 ? (float*)key_scales[s] : nullptr,     \
-            (u8*)values[s], KV == KV_Q8 ? (float*)value_scales[s] : nullptr,                  \
-            out + s * q_width, heads, kv_heads, head_dim, starts[s], scale,                   \
-            new_k + s * kv_width, new_v + s * kv_width, 0, nullptr, splits,                   \
-            (float*)partials[s], (u32*)tickets[s]);                                           \
-    }
+#define ATTENTION_DECODE_BATCH_GROUPED_KERNEL(name, PER_LANE, GROUP, KV) \
+    ATTENTION_DECODE_BATCH(name, GD_WARPS, KV, attend_decode_grouped<PER_LANE, GROUP, KV>)
 
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8_f32, 4, 8, KV_F32)
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16_f32, 4, 16, KV_F32)

@@ -13,7 +13,7 @@
 // Prefill and decode run the same kernels; a decode step splits a long
 // context over several blocks per tile of query rows, as attention.cu's
 // decode kernels split a head's positions, and merges the splits the same
-// way (decode_split_range, last_of_splits, merge_split_partials_warp).
+// way (decode_split_range, last_of_splits, merge_split_partials).
 
 // Launch geometry comes from the host: compile.rs passes the constants of
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
@@ -217,8 +217,8 @@ extern "C" __global__ void __launch_bounds__(MLA_WARPS * WARP_SIZE)
         for (int r = warp; r < MLA_ROWS; r += MLA_WARPS) {
             const i64 row = row0 + r;
             if (row < rows)
-                merge_split_partials_warp(partials + row * splits * (lora + 2), used, lora,
-                                          NEG_INF, out + row * lora);
+                merge_split_partials<true>(partials + row * splits * (lora + 2), used, lora,
+                                           NEG_INF, out + row * lora);
         }
     }
 }

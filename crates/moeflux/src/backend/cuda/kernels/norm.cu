@@ -8,6 +8,16 @@
 #error "norm.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 
+// 1/sqrt(mean(x²) + eps) over the `n` values of x, by the whole block
+// (`scratch`: block_sum's).
+__device__ __forceinline__ float block_inverse_rms(const float* x, int n, float eps,
+                                                   float* scratch) {
+    float squares = 0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) squares += x[i] * x[i];
+    squares = block_sum(squares, scratch);
+    return 1.0f / sqrtf(squares / (float)n + eps);
+}
+
 // out = x · 1/sqrt(mean(x²) + eps) · (offset + w); offset is 0 or 1.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     rms_norm(const float* x, const float* weight, float* out, i64 groups, int group,
@@ -18,10 +28,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     for (i64 g = blockIdx.x; g < groups; g += gridDim.x) {
         const float* xg = x + g * group;
         float* og = out + g * group;
-        float squares = 0.0f;
-        for (int i = threadIdx.x; i < group; i += blockDim.x) squares += xg[i] * xg[i];
-        squares = block_sum(squares, scratch);
-        float inv = 1.0f / sqrtf(squares / (float)group + eps);
+        float inv = block_inverse_rms(xg, group, eps, scratch);
         for (int i = threadIdx.x; i < group; i += blockDim.x) {
             og[i] = xg[i] * inv * (offset + weight[i]);
         }
@@ -39,10 +46,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         const float* xg = x + g * group;
         const float* zg = z + g * group;
         float* og = out + g * group;
-        float squares = 0.0f;
-        for (int i = threadIdx.x; i < group; i += blockDim.x) squares += xg[i] * xg[i];
-        squares = block_sum(squares, scratch);
-        float inv = 1.0f / sqrtf(squares / (float)group + eps);
+        float inv = block_inverse_rms(xg, group, eps, scratch);
         for (int i = threadIdx.x; i < group; i += blockDim.x) {
             og[i] = xg[i] * inv * weight[i] * silu(zg[i]);
         }
@@ -78,10 +82,7 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
         float* head = is_q ? q + (t * q_heads + h) * head_dim
                            : k + (t * k_heads + (h - q_heads)) * head_dim;
         const float* weight = is_q ? q_weight : k_weight;
-        float squares = 0.0f;
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) squares += head[i] * head[i];
-        squares = block_sum(squares, scratch);
-        float inv = 1.0f / sqrtf(squares / (float)head_dim + eps);
+        float inv = block_inverse_rms(head, head_dim, eps, scratch);
         for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
             normed[i] = head[i] * inv * (offset + weight[i]);
         }
