@@ -435,11 +435,18 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
     const KvSide<KV_F32> fresh_key{(const u8*)fresh_k, nullptr};
     const i64 visible = start + 1;
     const int split = blockIdx.z;
+    // An f32 cache holds the new key and value as they are: they are read
+    // from new_k and new_v where the newest position is needed, one load
+    // path for every position, and stored into the cache at the end.
+    const bool direct = KV == KV_F32;
     i64 first, end;
-    const int used = begin_decode_split<KV>(new_k, new_v, keys, key_scales, values, value_scales,
-                                            start, window, splits, DECODE_ATTN_CHUNK, kv_width,
-                                            head_at, head_dim, h % group == 0, fresh_k, fresh_v,
-                                            &first, &end);
+    const int used =
+        direct ? decode_split_range(oldest_visible(visible, window), visible, splits, split,
+                                    DECODE_ATTN_CHUNK, &first, &end)
+               : begin_decode_split<KV>(new_k, new_v, keys, key_scales, values, value_scales,
+                                        start, window, splits, DECODE_ATTN_CHUNK, kv_width,
+                                        head_at, head_dim, h % group == 0, fresh_k, fresh_v,
+                                        &first, &end);
     if (split >= used) return;
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) query_s[d] = q[(i64)h * head_dim + d];
     __syncthreads();
@@ -457,10 +464,16 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
         if (threadIdx.x < chunk) {
             i64 j = c0 + threadIdx.x;
             float dot;
-            if (j == visible - 1)
+            if (direct) {
+                const bool newest = j == visible - 1;
+                const KvSide<KV_F32> key{newest ? (const u8*)new_k : keys, nullptr};
+                dot_keys<KV_F32, 1>(key, head_at + (newest ? 0 : j * kv_width), query_s, 0,
+                                    head_dim, &dot);
+            } else if (j == visible - 1) {
                 dot_keys<KV_F32, 1>(fresh_key, 0, query_s, 0, head_dim, &dot);
-            else
+            } else {
                 dot_keys<KV, 1>(cached_k, head_at + j * kv_width, query_s, 0, head_dim, &dot);
+            }
             s = dot * scale;
         }
         float new_max = fmaxf(running_max, block_max(s, scratch));
@@ -474,9 +487,25 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
         // Values: warp w takes the chunk's positions w, w + warps, ...
         for (int i0 = warp; i0 < chunk; i0 += DECODE_ATTN_WARPS * VALUES_IN_FLIGHT(PER_LANE, KV)) {
             float v[VALUES_IN_FLIGHT(PER_LANE, KV)][PER_LANE];
-            warp_values<KV, VALUES_IN_FLIGHT(PER_LANE, KV), PER_LANE>(
-                cached_v, fresh_v, c0, i0, DECODE_ATTN_WARPS, chunk, visible, head_at, kv_width,
-                head_dim, lane, v);
+            if (direct) {
+#pragma unroll
+                for (int u = 0; u < VALUES_IN_FLIGHT(PER_LANE, KV); ++u) {
+                    const int i = i0 + u * DECODE_ATTN_WARPS;
+                    const i64 j = c0 + i;
+                    const float* value = j == visible - 1
+                                             ? new_v + head_at
+                                             : (const float*)values + head_at + j * kv_width;
+#pragma unroll
+                    for (int k = 0; k < PER_LANE; ++k) {
+                        const int d = lane + k * WARP_SIZE;
+                        v[u][k] = i < chunk && d < head_dim ? value[d] : 0.0f;
+                    }
+                }
+            } else {
+                warp_values<KV, VALUES_IN_FLIGHT(PER_LANE, KV), PER_LANE>(
+                    cached_v, fresh_v, c0, i0, DECODE_ATTN_WARPS, chunk, visible, head_at,
+                    kv_width, head_dim, lane, v);
+            }
 #pragma unroll
             for (int u = 0; u < VALUES_IN_FLIGHT(PER_LANE, KV); ++u) {
                 int i = i0 + u * DECODE_ATTN_WARPS;
@@ -493,6 +522,13 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
         if (d < head_dim) warp_acc[warp][d] = acc[k];
     }
     __syncthreads();
+    if (direct && h % group == 0 && split == 0) {
+        const i64 at = start * kv_width + head_at;
+        for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+            ((float*)keys)[at + d] = new_k[head_at + d];
+            ((float*)values)[at + d] = new_v[head_at + d];
+        }
+    }
     float* o = out + (i64)h * head_dim;
     const float sink = sinks ? sinks[h] : NEG_INF;
     if (used == 1) {
