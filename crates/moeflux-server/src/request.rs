@@ -80,7 +80,7 @@ pub struct Common {
     /// moeflux's extension: speculative decoding for this request,
     /// `lookup`, `mtp` or `off` (default: the server's `--draft`).
     pub draft: Option<String>,
-    /// Tokens drafted per step, 1 to 16 (default: adaptive up to 4).
+    /// Tokens drafted per step, 1 to 16 (default: adaptive up to 6).
     pub draft_tokens: Option<i64>,
 }
 

@@ -549,7 +549,7 @@ pub struct DraftArgs {
     /// head.
     #[arg(long, value_enum, default_value_t = DraftChoice::Off)]
     pub draft: DraftChoice,
-    /// Tokens drafted per step (default: adaptive, up to 4, following how
+    /// Tokens drafted per step (default: adaptive, up to 6, following how
     /// many are kept).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=16))]
     pub draft_tokens: Option<u16>,

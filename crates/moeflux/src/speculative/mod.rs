@@ -82,8 +82,10 @@ pub enum DraftLength {
 }
 
 impl DraftLength {
-    /// The default: adaptive up to 4 tokens per step.
-    pub const DEFAULT: DraftLength = DraftLength::Adaptive { max: 4 };
+    /// The default: adaptive up to 6 tokens per step (on copy-heavy text
+    /// a step keeps most of 6 drafts; after a rejection the length drops
+    /// to what was kept).
+    pub const DEFAULT: DraftLength = DraftLength::Adaptive { max: 6 };
 
     /// Tokens to draft at the first step.
     pub fn first(self) -> usize {
