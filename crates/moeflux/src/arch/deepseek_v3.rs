@@ -63,19 +63,11 @@ pub(super) fn parse_config(c: &ConfigReader<'_>) -> Result<ModelConfig> {
         norm: NormStyle::Weight,
         tie_word_embeddings: c.bool_or("tie_word_embeddings", false)?,
         max_position_embeddings: c.usize_or("max_position_embeddings", 4096)?,
+        // Latent attention expands keys and values for every query head.
         attention: AttentionConfig {
-            num_heads,
             num_kv_heads: num_heads,
-            head_dim: mla.qk_head_dim(),
             rotary_dim: mla.qk_rope_head_dim,
-            rope_theta: rope.theta,
-            rope_yarn: rope.yarn,
-            output_gate: false,
-            qk_norm: false,
-            qkv_bias: false,
-            o_bias: false,
-            sinks: false,
-            sliding_window: None,
+            ..super::grouped_query_attention(c, num_heads, mla.qk_head_dim(), &rope)?
         },
         mla: Some(MlaConfig {
             softmax_scale,
