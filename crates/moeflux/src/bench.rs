@@ -355,7 +355,8 @@ fn draft_check<B: Backend>(
 pub struct DraftedDecode {
     pub source: DraftSource,
     pub tokens: usize,
-    /// The round of median speedup's speeds and speedup.
+    /// Plain and drafted speed, and their ratio, of the round whose
+    /// speedup is the median.
     pub plain_tok_s: f64,
     pub drafted_tok_s: f64,
     pub speedup: f64,

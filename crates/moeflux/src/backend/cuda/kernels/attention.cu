@@ -138,11 +138,13 @@ ATTENTION_KERNEL(attention_q8, KV_Q8)
 // in turn, lanes over dimensions, several values in flight per lane. The
 // maximum and the sum are the block's (every thread holds them), so the
 // warps' weighted sums only need adding at the end. The cache does not
-// yet hold the token's key and value: each block takes them from new_k and
-// new_v into shared memory as the cache will hold them (kv_encode_row), and
-// the first block of each KV head's group stores them into the cache (no
-// other block reads that position of the cache), saving a launch per
-// layer.
+// yet hold the token's key and value: a bf16 or q8 block takes them from
+// new_k and new_v into shared memory as the cache will hold them
+// (kv_encode_row); an f32 block, whose cache holds them unchanged, reads
+// them from new_k and new_v on the load path of every other position (a
+// second path through shared memory cost 18% of the kernel). The first
+// block of each KV head's group stores them into the cache (no other
+// block reads that position of the cache), saving a launch per layer.
 //
 // Long contexts (flash-decoding): a head alone is too little work for the
 // device, so the positions are split over up to `splits` blocks per head
