@@ -136,6 +136,48 @@ fn matmul_throughput() {
     }
 }
 
+/// One core's int8 products of a q4 expert's shapes by token count, as
+/// prefill gives an expert its tokens: the matrices stay in L2, so this
+/// times the kernels' arithmetic. Run with
+/// `cargo test --release -p moeflux --lib int8_tokens_throughput -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark"]
+fn int8_tokens_throughput() {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(1)
+        .build()
+        .unwrap();
+    for isa in Isa::available().into_iter().filter(|&i| i != Isa::Scalar) {
+        for (rows, cols) in [(768, 2048), (2048, 768)] {
+            let (l, b) = matrix(DType::Q4, rows, cols, 5);
+            let view = MatrixView::new(l, &b);
+            for n in [1, 2, 3, 4, 8, 16, 32, 64] {
+                let xs: Vec<f32> = (0..n * cols)
+                    .map(|i| (i % 23) as f32 / 23.0 - 0.5)
+                    .collect();
+                let secs = pool.install(|| {
+                    best_of(5, || {
+                        for _ in 0..10 {
+                            std::hint::black_box(matmul_with(
+                                isa,
+                                &xs,
+                                n,
+                                &view,
+                                Activations::Int8,
+                            ));
+                        }
+                    }) / 10.0
+                });
+                println!(
+                    "{isa:?} q4·i8 {rows} x {cols}, n = {n:>2}: {:>7.1} us, {:5.1} GMAC/s",
+                    secs * 1e6,
+                    (rows * cols * n) as f64 / secs / 1e9
+                );
+            }
+        }
+    }
+}
+
 /// Decode of the qwen3-30b-a3b shapes without the rest of the engine: per
 /// token and layer the q/k/v, o, 8 experts' gate/up and down products (q4),
 /// then the LM head, int8 activations, as a forward pass issues them; the

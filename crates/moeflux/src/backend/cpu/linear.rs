@@ -9,7 +9,7 @@
 //! region ([`matmul_many_with`]): their rows are split into tasks of about
 //! equal work across all of them, one fork and join for the lot.
 
-use std::sync::Mutex;
+use std::sync::OnceLock;
 
 use super::simd::{Acts, FloatRows, Int8Acts, Isa, Mxfp4Rows, QuantRows};
 use super::{CpuOptions, pool};
@@ -63,6 +63,10 @@ pub struct Product<'a> {
     pub w: MatrixView<'a>,
     pub activations: Activations,
 }
+
+/// Inputs below this many values in all are laid out on the calling
+/// thread: a parallel region would cost more than it saves.
+const MIN_PARALLEL_INPUTS: usize = 1 << 16;
 
 /// Products below this many multiply-adds per task are not split further
 /// (about 25 us of one core, well above a rayon task's overhead).
@@ -165,7 +169,7 @@ fn block(
 pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Vec<Vec<f32>> {
     // Each product's index into `inputs`: the first product with the same
     // input slice and layout prepares it for all.
-    let mut inputs: Vec<Inputs<'_>> = Vec::new();
+    let mut firsts: Vec<usize> = Vec::new();
     let mut input_of = Vec::with_capacity(products.len());
     for (i, p) in products.iter().enumerate() {
         let same = |q: &Product<'_>| {
@@ -174,57 +178,117 @@ pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Ve
         match products[..i].iter().position(same) {
             Some(j) => input_of.push(input_of[j]),
             None => {
-                input_of.push(inputs.len());
-                inputs.push(Inputs::new(isa, p));
+                input_of.push(firsts.len());
+                firsts.push(i);
             }
         }
     }
-    // Computed by weight row ([rows, n]) so each task owns a contiguous
-    // slice; transposed afterwards when n > 1.
-    let mut by_row: Vec<Vec<f32>> = products
+    // Several inputs of many tokens (a prefill chunk's experts) are laid
+    // out in parallel, one task each.
+    let values: usize = firsts.iter().map(|&i| products[i].x.len()).sum();
+    let inputs: Vec<Inputs<'_>> = if firsts.len() > 1 && values >= MIN_PARALLEL_INPUTS {
+        let slots: Vec<OnceLock<Inputs<'_>>> = firsts.iter().map(|_| OnceLock::new()).collect();
+        pool::run(on_pool, firsts.len(), |k| {
+            let _ = slots[k].set(Inputs::new(isa, &products[firsts[k]]));
+        });
+        let prepared = slots.into_iter().map(OnceLock::into_inner);
+        prepared.map(|i| i.expect("every input prepared")).collect()
+    } else {
+        firsts
+            .iter()
+            .map(|&i| Inputs::new(isa, &products[i]))
+            .collect()
+    };
+    let mut outs: Vec<Vec<f32>> = products
         .iter()
-        .map(|p| vec![0f32; p.w.rows() * p.n])
+        .map(|p| vec![0f32; p.n * p.w.rows()])
         .collect();
     let total_macs: usize = products.iter().map(|p| p.w.rows() * p.w.cols() * p.n).sum();
     let task_macs = MIN_TASK_MACS.max(total_macs.div_ceil(8 * rayon::current_num_threads()));
-    // (product, first row, output rows)
-    let mut tasks: Vec<(usize, usize, &mut [f32])> = Vec::new();
-    for (i, (p, out)) in products.iter().zip(&mut by_row).enumerate() {
+    // (product, first row, rows)
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, p) in products.iter().enumerate() {
+        let rows = p.w.rows();
         let per_task = task_macs
             .div_ceil((p.w.cols() * p.n).max(1))
             .next_multiple_of(4);
-        if out.is_empty() {
+        if p.n == 0 {
             continue;
         }
-        for (k, chunk) in out.chunks_mut(per_task * p.n).enumerate() {
-            tasks.push((i, k * per_task, chunk));
+        for first in (0..rows).step_by(per_task) {
+            tasks.push((i, first, per_task.min(rows - first)));
         }
     }
-    // Each task's output slice, taken by whichever thread runs the task.
-    let tasks: Vec<Mutex<(usize, usize, &mut [f32])>> = tasks.into_iter().map(Mutex::new).collect();
+    let targets: Vec<Columns> = outs.iter_mut().map(|o| Columns::new(o)).collect();
     pool::run(on_pool, tasks.len(), |t| {
-        let mut task = tasks[t].lock().unwrap_or_else(|e| e.into_inner());
-        let (i, first, ref mut out) = *task;
+        let (i, first, len) = tasks[t];
         let p = &products[i];
-        block(isa, &p.w, &inputs[input_of[i]], first, out.len() / p.n, out);
+        let inputs = &inputs[input_of[i]];
+        if p.n == 1 {
+            // SAFETY: the tasks' row ranges of one product are disjoint.
+            let out = unsafe { targets[i].rows(first, len) };
+            return block(isa, &p.w, inputs, first, len, out);
+        }
+        // The kernels write by weight row ([len, n]), each tile's outputs
+        // contiguous; this thread then places them into the product's
+        // [n, rows] result, so the reordering is as parallel as the
+        // products.
+        let mut by_row = vec![0f32; len * p.n];
+        block(isa, &p.w, inputs, first, len, &mut by_row);
+        // SAFETY: as above.
+        unsafe { targets[i].scatter(first, len, p.n, &by_row) };
     });
-    products
-        .iter()
-        .zip(by_row)
-        .map(|(p, by_row)| {
-            let (n, rows) = (p.n, p.w.rows());
-            if n == 1 {
-                return by_row;
+    outs
+}
+
+/// A product's `[n, rows]` result, whose tasks each write the columns of
+/// their own rows from whichever thread runs them.
+struct Columns {
+    ptr: *mut f32,
+    len: usize,
+}
+
+// SAFETY: tasks write disjoint elements (see the methods), and the result
+// outlives the parallel region.
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    fn new(out: &mut [f32]) -> Columns {
+        Columns {
+            ptr: out.as_mut_ptr(),
+            len: out.len(),
+        }
+    }
+
+    /// Rows `[first, first + len)` of a one-token result.
+    ///
+    /// # Safety
+    /// No other task may touch these rows while the slice lives.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn rows(&self, first: usize, len: usize) -> &mut [f32] {
+        assert!(first + len <= self.len);
+        // SAFETY: in bounds (asserted); exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(first), len) }
+    }
+
+    /// Stores `by_row` (`[len, n]`) into columns `[first, first + len)` of
+    /// every token's row.
+    ///
+    /// # Safety
+    /// No other task may write these columns.
+    unsafe fn scatter(&self, first: usize, len: usize, n: usize, by_row: &[f32]) {
+        let rows = self.len / n;
+        assert!(by_row.len() == len * n && first + len <= rows);
+        for t in 0..n {
+            // SAFETY: in bounds (asserted); exclusive by the caller's
+            // contract.
+            let out =
+                unsafe { std::slice::from_raw_parts_mut(self.ptr.add(t * rows + first), len) };
+            for (o, &v) in out.iter_mut().zip(by_row[t..].iter().step_by(n)) {
+                *o = v;
             }
-            let mut out = vec![0f32; n * rows];
-            for (r, row) in by_row.chunks_exact(n).enumerate() {
-                for (t, &v) in row.iter().enumerate() {
-                    out[t * rows + r] = v;
-                }
-            }
-            out
-        })
-        .collect()
+        }
+    }
 }
 
 #[cfg(test)]

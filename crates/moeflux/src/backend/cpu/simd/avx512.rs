@@ -227,8 +227,8 @@ unsafe fn widen_bf16(p: *const bf16, count: usize) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
 }
 
-/// The int8 tile kernel. Each (row, token) pair sums `s·d·Σ (q - o)·x̂`
-/// over the groups, then `(b + c·s)·Σ x` and `s·offsets` in blocks of
+/// The int8 tile kernel of 2-, 3- and 8-bit rows. Each (row, token) pair
+/// sums `s·d·Σ (q - o)·x̂` over the groups, then `(b + c·s)·Σ x` and `s·offsets` in blocks of
 /// [`GROUP_LANES`] groups, as `Int8Acts` defines the product. The group
 /// parameters are widened from bf16 and multiplied in registers, a block of
 /// 16 groups at a time, rather than prepared in memory for each tile.
@@ -244,15 +244,8 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     assert!(x.scales.len() >= (t0 + T) * stride);
     assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
     let group_bytes = GROUP_SIZE * BITS as usize / 8;
-    // A 4-bit group's 32 code bytes go to both halves of a register; the
-    // high half's 16-bit lanes shift right by 4, then masking keeps the
-    // low nibbles (evens) in the low half and the high ones (odds) above,
-    // the order of the activations.
-    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-    let nibble = _mm512_set1_epi8(15);
     let plane_shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6);
     let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
-    let mean = _mm512_set1_ps(mean_code(BITS));
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     // SAFETY: the caller checked that the rows and tokens exist (with their
     // `groups` parameters each), and the asserts above the activations';
@@ -271,8 +264,6 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 _mm512_loadu_si512(xq.add(t * cols + g * GROUP_SIZE) as *const __m512i)
             })
         };
-        // Lanes 0-7 take the first group of a pair, 8-15 the second.
-        let halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         let mut g = 0;
         for k in (0..groups).step_by(GROUP_LANES) {
             let end = groups.min(k + GROUP_LANES);
@@ -282,41 +273,13 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 let s = params(w.scales, r, k);
                 std::array::from_fn(|t| _mm512_mul_ps(s, d[t]))
             });
-            // Pairs of 4-bit groups: their 64 code bytes are one register,
-            // unpacked at once into the low nibbles of both (evens) and the
-            // high ones (odds); each `vpdpbusd` then sums both groups, the
-            // first's products in lanes 0-7 and the second's in 8-15, which
-            // one conversion and one FMA (with each group's scale in its
-            // half) add to the accumulators.
-            while BITS == 4 && g + 1 < end {
-                // Laid out by `Int8Acts` as the pair's evens, then its odds.
-                let (evens, odds) = (xs_of(g), xs_of(g + 1));
-                let pair = _mm512_add_epi32(_mm512_set1_epi32((g - k) as i32), halves);
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let p = codes[r].add(g * group_bytes);
-                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                    let both = _mm512_loadu_si512(p as *const __m512i);
-                    let lo = _mm512_and_si512(both, nibble);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble);
-                    for (t, a) in acc.iter_mut().enumerate() {
-                        let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, evens[t]);
-                        let dot = _mm512_dpbusd_epi32(dot, hi, odds[t]);
-                        let scale = _mm512_permutexvar_ps(pair, products[r][t]);
-                        *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *a);
-                    }
-                }
-                g += 2;
-            }
             while g < end {
                 let xs = xs_of(g);
                 let one = _mm512_set1_epi32((g - k) as i32);
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let p = codes[r].add(g * group_bytes);
                     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
-                    let q = if BITS == 4 {
-                        let both = _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
-                        _mm512_and_si512(_mm512_srlv_epi16(both, shifts), nibble)
-                    } else if BITS < 4 {
+                    let q = if BITS < 4 {
                         // The planes in every 128-bit lane, shifted 0, 2,
                         // 4, 6: the codes in column order.
                         let planes = _mm512_broadcast_i32x4(_mm_loadu_si128(p as *const __m128i));
@@ -339,6 +302,176 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 g += 1;
             }
         }
+        add_group_terms::<BITS, R, T>(w, rows, x, t0, &mut acc);
+    }
+    sums(&acc)
+}
+
+/// The lane of a block of 16 groups that holds group `g`'s sum in the
+/// 4-bit int8 kernels: the order in which [`q4_tile`]'s reduction leaves
+/// them (128-bit lane 0 groups 0, 2, 4, 6; lane 1 groups 1, 3, 5, 7; lanes
+/// 2 and 3 likewise for 8-15), which [`wide_tile`]'s interleaving copies,
+/// so both scale and add each group in the same lane.
+pub(super) const fn q4_lane(g: usize) -> usize {
+    (g & 8) | ((g & 1) << 2) | ((g & 7) >> 1)
+}
+
+/// The groups of a block in [`q4_lane`] order, for `vpermps`.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn q4_lane_groups() -> __m512i {
+    _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15)
+}
+
+/// `Σ (a + b)` of adjacent partial sums, one level of [`q4_tile`]'s
+/// reduction: within each 128-bit lane, dwords 0 and 2 of `a` and of `b`
+/// into dwords 0 and 1 (`EPI64` false: 32-bit interleave) or quadwords 0
+/// and 1 of each into dwords 0-1 and 2-3 (`EPI64`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn fold_pairs<const EPI64: bool>(a: __m512i, b: __m512i) -> __m512i {
+    if EPI64 {
+        _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b))
+    } else {
+        _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b))
+    }
+}
+
+/// The int8 tile kernel of 4-bit rows for inputs not interleaved (fewer
+/// than [`super::WIDE_TOKENS`] tokens). A pair of groups' 64 code bytes
+/// are one register, unpacked at once into their low nibbles (evens) and
+/// high ones (odds); each pair of `vpdpbusd` sums both groups, the first's
+/// partial sums in lanes 0-7, the second's in 8-15. Interleaving adds of a
+/// block's 8 pairs (two levels of [`fold_pairs`], then one across 128-bit
+/// lanes) leave each group's exact sum in its [`q4_lane`], scaled by `s·d`
+/// as [`wide_tile`] does: the two kernels give the same numbers to the
+/// bit, so prefill and decode agree.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn q4_tile<const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Int8Acts,
+    t0: usize,
+) -> [[f32; T]; R] {
+    let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
+    assert!(x.scales.len() >= (t0 + T) * stride);
+    assert!(x.codes.len() >= (t0 + T) * cols);
+    let group_bytes = GROUP_SIZE / 2;
+    let nibble = _mm512_set1_epi8(15);
+    // A lone group's 32 code bytes go to both halves of a register; the
+    // high half's 16-bit lanes shift right by 4, then masking keeps the
+    // low nibbles (evens) in the low half and the high ones (odds) above.
+    let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
+    let lanes = q4_lane_groups();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the caller checked that the rows exist (with their `groups`
+    // parameters each), and the asserts above the tokens'; prefetches may
+    // point past them (they never fault).
+    unsafe {
+        let codes = rows.map(|r| w.codes.as_ptr().add(r * w.row_bytes));
+        let xq = x.codes.as_ptr().add(t0 * cols);
+        let load = |t: usize, g: usize| {
+            _mm512_loadu_si512(xq.add(t * cols + g * GROUP_SIZE) as *const __m512i)
+        };
+        for k in (0..groups).step_by(GROUP_LANES) {
+            // Per pair of the block, partial sums of groups `g` (lanes
+            // 0-7) and `g + 1` (8-15), zero past the row's end, folded as
+            // they come: pairs (0, 1) into `quarters`, ..., then halves.
+            let mut halves = [[[_mm512_setzero_si512(); T]; R]; 2];
+            let mut quarter = [[_mm512_setzero_si512(); T]; R];
+            for j in 0..4 {
+                let mut pairs = [[[_mm512_setzero_si512(); T]; R]; 2];
+                for (h, pair) in pairs.iter_mut().enumerate() {
+                    let g = k + 4 * j + 2 * h;
+                    if g + 1 < groups {
+                        // Laid out by `Int8Acts` as the pair's evens, then
+                        // its odds.
+                        let evens: [__m512i; T] = std::array::from_fn(|t| load(t, g));
+                        let odds: [__m512i; T] = std::array::from_fn(|t| load(t, g + 1));
+                        for (r, dots) in pair.iter_mut().enumerate() {
+                            let p = codes[r].add(g * group_bytes);
+                            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+                            let both = _mm512_loadu_si512(p as *const __m512i);
+                            let lo = _mm512_and_si512(both, nibble);
+                            let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(both), nibble);
+                            for (t, d) in dots.iter_mut().enumerate() {
+                                *d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, evens[t]);
+                                *d = _mm512_dpbusd_epi32(*d, hi, odds[t]);
+                            }
+                        }
+                    } else if g < groups {
+                        // A lone last group, [evens, odds]: its halves'
+                        // partials added into lanes 0-7.
+                        let xs: [__m512i; T] = std::array::from_fn(|t| load(t, g));
+                        for (r, dots) in pair.iter_mut().enumerate() {
+                            let p = codes[r].add(g * group_bytes);
+                            let both =
+                                _mm512_broadcast_i64x4(_mm256_loadu_si256(p as *const __m256i));
+                            let q = _mm512_and_si512(_mm512_srlv_epi16(both, shifts), nibble);
+                            for (d, &xv) in dots.iter_mut().zip(&xs) {
+                                let dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv);
+                                let swapped = _mm512_shuffle_i64x2::<0b01_00_11_10>(dot, dot);
+                                *d = _mm512_maskz_add_epi32(0x00ff, dot, swapped);
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for t in 0..T {
+                        let folded = fold_pairs::<false>(pairs[0][r][t], pairs[1][r][t]);
+                        if j % 2 == 0 {
+                            quarter[r][t] = folded;
+                        } else {
+                            halves[j / 2][r][t] = fold_pairs::<true>(quarter[r][t], folded);
+                        }
+                    }
+                }
+            }
+            let d: [__m512; T] = std::array::from_fn(|t| {
+                let d = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + t) * stride + k));
+                _mm512_permutexvar_ps(lanes, d)
+            });
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let s = widen_bf16(w.scales.as_ptr().add(rows[r] * groups + k), groups - k);
+                let s = _mm512_permutexvar_ps(lanes, s);
+                for (t, (a, &d)) in acc.iter_mut().zip(&d).enumerate() {
+                    let (low, high) = (halves[0][r][t], halves[1][r][t]);
+                    let sum = _mm512_add_epi32(
+                        _mm512_shuffle_i32x4::<0b10_00_10_00>(low, high),
+                        _mm512_shuffle_i32x4::<0b11_01_11_01>(low, high),
+                    );
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, d), *a);
+                }
+            }
+        }
+        add_group_terms::<4, R, T>(w, rows, x, t0, &mut acc);
+    }
+    sums(&acc)
+}
+
+/// Adds the terms of the int8 product that are per group rather than per
+/// code, `(b + c·s)·Σ x + s·offsets` (see [`Int8Acts`]), to every pair of
+/// a tile.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn add_group_terms<const BITS: u32, const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Int8Acts,
+    t0: usize,
+    acc: &mut [[__m512; T]; R],
+) {
+    let (groups, stride) = (x.cols / GROUP_SIZE, x.stride);
+    let mean = _mm512_set1_ps(mean_code(BITS));
+    // SAFETY: the caller checked the rows' parameters and the tokens'.
+    unsafe {
+        let params = |at: &[bf16], r: usize, k: usize| {
+            widen_bf16(at.as_ptr().add(rows[r] * groups + k), groups - k)
+        };
+        let token = |at: &[f32], t: usize, k: usize| {
+            _mm512_loadu_ps(at.as_ptr().add((t0 + t) * stride + k))
+        };
         for k in (0..groups).step_by(GROUP_LANES) {
             for (r, acc) in acc.iter_mut().enumerate() {
                 let s = params(w.scales, r, k);
@@ -349,6 +482,134 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
                 }
             }
         }
+    }
+}
+
+/// Interleaves row `r`'s 4-bit codes as [`Int8Acts`] interleaves many
+/// tokens' inputs: per block of [`GROUP_LANES`] groups, 16 vectors whose
+/// lane [`q4_lane`]`(g)` holds four codes of group `g`, one per byte (the low nibbles of
+/// the group's `k`-th four bytes in vector `k`, their high nibbles in
+/// vector `k + 8`). Groups past the row's end are zero.
+///
+/// A block's 512 code bytes are eight registers of two groups' eight
+/// dwords each, transposed to eight registers of one dword of each of 16
+/// groups by three levels of two-register permutes.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn interleave_row(w: &QuantRows<'_>, r: usize, groups: usize, out: &mut [__m512i]) {
+    let group_bytes = GROUP_SIZE / 2;
+    let nibble = _mm512_set1_epi8(15);
+    // Level 1 gathers dwords 0-3 of four groups (lane `4·g + j`) from two
+    // registers of two groups each; level 2 dwords {0, 1} of eight groups
+    // (lane `2·g + j`) from two of those; level 3 dword 0 of 16 groups; each
+    // `+ 4`, `+ 2`, `+ 1` the next dwords.
+    let level1 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    let level2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    // Level 3 in the kernels' lane order ([`q4_lane`]).
+    let level3 = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30);
+    let shifted = |idx: __m512i, by: i32| _mm512_add_epi32(idx, _mm512_set1_epi32(by));
+    let gather = |a: __m512i, idx: __m512i, b: __m512i| _mm512_permutex2var_epi32(a, idx, b);
+    // SAFETY: the caller checked the row; the masks keep the loads within
+    // its groups.
+    let row = unsafe { w.codes.as_ptr().add(r * w.row_bytes) };
+    for (b, block) in out.chunks_exact_mut(GROUP_LANES).enumerate() {
+        let first = b * GROUP_LANES;
+        let whole = first + GROUP_LANES <= groups;
+        let pairs: [__m512i; 8] = std::array::from_fn(|m| {
+            let g = first + 2 * m;
+            let at = row.wrapping_add(g * group_bytes);
+            // SAFETY: as above.
+            unsafe {
+                if whole {
+                    _mm512_loadu_si512(at as *const __m512i)
+                } else {
+                    let mask = match groups.saturating_sub(g) {
+                        0 => 0,
+                        1 => 0x00ff,
+                        _ => 0xffff,
+                    };
+                    _mm512_maskz_loadu_epi32(mask, at as *const i32)
+                }
+            }
+        });
+        let quads: [[__m512i; 2]; 4] = std::array::from_fn(|a| {
+            let (x, y) = (pairs[2 * a], pairs[2 * a + 1]);
+            [gather(x, level1, y), gather(x, shifted(level1, 4), y)]
+        });
+        let octets: [[__m512i; 4]; 2] = std::array::from_fn(|h| {
+            let (x, y) = (quads[2 * h], quads[2 * h + 1]);
+            std::array::from_fn(|e| {
+                let (c, odd) = (e / 2, e % 2);
+                gather(x[c], shifted(level2, 2 * odd as i32), y[c])
+            })
+        });
+        let (lows, highs) = block.split_at_mut(GROUP_LANES / 2);
+        for (j, (low, high)) in lows.iter_mut().zip(highs).enumerate() {
+            let (e, odd) = (j / 2, j % 2);
+            let four = gather(octets[0][e], shifted(level3, odd as i32), octets[1][e]);
+            *low = _mm512_and_si512(four, nibble);
+            *high = _mm512_and_si512(_mm512_srli_epi16::<4>(four), nibble);
+        }
+    }
+}
+
+/// The int8 tile kernel of 4-bit rows for interleaved inputs: each tile row
+/// interleaved in `codes` ([`interleave_row`], `blocks` blocks a row, in
+/// the tile's order), each block of 16 groups summed by 16 `vpdpbusd` per
+/// (row, token) pair, one lane per group, then scaled by the groups' `s·d`
+/// in one conversion and one FMA.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
+unsafe fn wide_tile<const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    codes: &[__m512i],
+    blocks: usize,
+    x: &Int8Acts,
+    t0: usize,
+) -> [[f32; T]; R] {
+    let (groups, stride) = (x.cols / GROUP_SIZE, x.stride);
+    let token_bytes = stride * GROUP_SIZE;
+    assert!(x.codes.len() >= (t0 + T) * token_bytes && codes.len() >= R * blocks * GROUP_LANES);
+    assert!(x.scales.len() >= (t0 + T) * stride);
+    let lanes = q4_lane_groups();
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY: the asserts above cover the tokens' codes and scales; the
+    // caller checked the rows' parameters.
+    unsafe {
+        let xq = x.codes.as_ptr().add(t0 * token_bytes);
+        for b in 0..blocks {
+            let mut dots = [[_mm512_setzero_si512(); T]; R];
+            for k in 0..GROUP_LANES {
+                let xs: [__m512i; T] = std::array::from_fn(|t| {
+                    _mm512_loadu_si512(
+                        xq.add(t * token_bytes + (b * GROUP_LANES + k) * 64) as *const __m512i
+                    )
+                });
+                for (r, dots) in dots.iter_mut().enumerate() {
+                    let q = codes[(r * blocks + b) * GROUP_LANES + k];
+                    for (d, &xv) in dots.iter_mut().zip(&xs) {
+                        *d = _mm512_dpbusd_epi32(*d, q, xv);
+                    }
+                }
+            }
+            let first = b * GROUP_LANES;
+            let d: [__m512; T] = std::array::from_fn(|t| {
+                let d = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + t) * stride + first));
+                _mm512_permutexvar_ps(lanes, d)
+            });
+            for (r, (acc, dots)) in acc.iter_mut().zip(&dots).enumerate() {
+                let s = widen_bf16(
+                    w.scales.as_ptr().add(rows[r] * groups + first),
+                    groups - first,
+                );
+                let s = _mm512_permutexvar_ps(lanes, s);
+                for ((a, &dot), &d) in acc.iter_mut().zip(dots).zip(&d) {
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), *a);
+                }
+            }
+        }
+        add_group_terms::<4, R, T>(w, rows, x, t0, &mut acc);
     }
     sums(&acc)
 }
@@ -453,6 +714,37 @@ pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
 pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
     let (n, g) = (x.n, x.cols / GROUP_SIZE);
     prefetch_first_params(w, g, MAX_ROWS);
+    if x.interleaved {
+        // A tile's rows interleaved once, for all its token tiles.
+        let blocks = x.stride / GROUP_LANES;
+        let mut codes = vec![_mm512_setzero_si512(); MAX_ROWS * blocks * GROUP_LANES];
+        let tiles = tile_count(w.rows, MAX_ROWS);
+        for i in 0..tiles {
+            let (rows_of, rows) = tile(i, w.rows, MAX_ROWS);
+            for (slot, &r) in rows_of[..rows].iter().enumerate() {
+                let ahead = (r + PARAMS_AHEAD) * g;
+                prefetch(w.scales.as_ptr().wrapping_add(ahead));
+                prefetch(w.biases.as_ptr().wrapping_add(ahead));
+                let out = &mut codes[slot * blocks * GROUP_LANES..][..blocks * GROUP_LANES];
+                // SAFETY: forwarded from the caller.
+                unsafe { interleave_row(w, r, g, out) };
+            }
+            // The next tile's codes, on their way while this one computes.
+            if i + 1 < tiles {
+                let (next, count) = tile(i + 1, w.rows, MAX_ROWS);
+                for &r in &next[..count] {
+                    for line in (0..w.row_bytes).step_by(64) {
+                        prefetch(w.codes.as_ptr().wrapping_add(r * w.row_bytes + line));
+                    }
+                }
+            }
+            tile_tokens!(n, MAX_TOKENS, rows_of, rows, out, |R, T, t0, tile| {
+                // SAFETY: forwarded from the caller.
+                unsafe { wide_tile::<R, T>(w, tile, &codes, blocks, x, t0) }
+            });
+        }
+        return;
+    }
     for i in 0..tile_count(w.rows, MAX_ROWS) {
         let (tile, rows) = tile(i, w.rows, MAX_ROWS);
         for &r in &tile[..rows] {
@@ -460,10 +752,19 @@ pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
             prefetch(w.scales.as_ptr().wrapping_add(ahead));
             prefetch(w.biases.as_ptr().wrapping_add(ahead));
         }
-        tile_tokens!(n, MAX_TOKENS, tile, rows, out, |R, T, t0, tile| {
-            // SAFETY: forwarded from the caller.
-            with_bits!(w.bits, |B| unsafe { int8_tile::<B, R, T>(w, tile, x, t0) })
-        });
+        if w.bits == 4 {
+            // Two tokens at most: a third's partial sums would not fit
+            // the registers.
+            tile_tokens!(n, 2, tile, rows, out, |R, T, t0, tile| {
+                // SAFETY: forwarded from the caller.
+                unsafe { q4_tile::<R, T>(w, tile, x, t0) }
+            });
+        } else {
+            tile_tokens!(n, MAX_TOKENS, tile, rows, out, |R, T, t0, tile| {
+                // SAFETY: forwarded from the caller.
+                with_bits!(w.bits, |B| unsafe { int8_tile::<B, R, T>(w, tile, x, t0) })
+            });
+        }
     }
 }
 

@@ -355,6 +355,16 @@ impl Int8Kernels {
             _ => 0,
         }
     }
+
+    /// Whether these kernels take many tokens' 4-bit inputs interleaved
+    /// (see [`Int8Acts`]).
+    fn interleaves(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if self == Int8Kernels::Avx512Vnni {
+            return true;
+        }
+        false
+    }
 }
 
 /// Per-token and per-row arrays over a row's groups are padded with zeros
@@ -383,12 +393,21 @@ const GROUP_LANES: usize = 16;
 /// For 4-bit rows each group's codes are reordered [evens, odds], the
 /// order in which the kernels unpack a group's low then high nibbles; for
 /// the AVX-512 kernels, which unpack two groups at once, each pair of
-/// groups is [evens, evens of the next, odds, odds of the next].
+/// groups is [evens, evens of the next, odds, odds of the next]. For
+/// [`WIDE_TOKENS`] tokens or more the AVX-512 kernels take 4-bit rows
+/// another way (`interleaved`): each block of [`GROUP_LANES`] groups is 16
+/// vectors of 64 codes, vector `k` holding four codes of every group of
+/// the block (group `g` in bytes `4i..4i + 4` of its lane
+/// `i = avx512::q4_lane(g)`): the evens' `k`-th four
+/// for `k < 8`, the odds' `(k - 8)`-th four after, so that one integer dot
+/// product sums each group in its own lane.
 pub struct Int8Acts {
     pub n: usize,
     pub cols: usize,
     bits: u32,
     kernels: Int8Kernels,
+    /// Laid out per block of groups, as above.
+    interleaved: bool,
     codes: Vec<i8>,
     /// Per token, `stride` values each: `d` of each group,
     scales: Vec<f32>,
@@ -413,12 +432,21 @@ impl Int8Acts {
         let kernels = isa.int8_kernels();
         let groups = cols / GROUP_SIZE;
         let stride = groups.next_multiple_of(GROUP_LANES);
+        let interleaved = bits == 4 && n >= WIDE_TOKENS && kernels.interleaves();
         let mut acts = Int8Acts {
             n,
             cols,
             bits,
             kernels,
-            codes: vec![0; n * cols],
+            interleaved,
+            codes: vec![
+                0;
+                n * if interleaved {
+                    stride * GROUP_SIZE
+                } else {
+                    cols
+                }
+            ],
             scales: vec![0.0; n * stride],
             sums: vec![0.0; n * stride],
             offsets: vec![0.0; n * stride],
@@ -438,11 +466,13 @@ impl Int8Acts {
     #[inline(always)]
     fn quantize(&mut self, x: &[f32], shift: f32) {
         let cols = self.cols;
-        for (t, (x, codes)) in x
+        let token_codes = self.codes.len() / self.n.max(1);
+        for (t, (x, token)) in x
             .chunks_exact(cols)
-            .zip(self.codes.chunks_exact_mut(cols))
+            .zip(self.codes.chunks_exact_mut(token_codes))
             .enumerate()
         {
+            let (codes, _) = token.split_at_mut(cols);
             for (g, (x, codes)) in x
                 .chunks_exact(GROUP_SIZE)
                 .zip(codes.chunks_exact_mut(GROUP_SIZE))
@@ -487,12 +517,40 @@ impl Int8Acts {
                 self.offsets[at] = -shift * d * code_sum as f32;
             }
             #[cfg(target_arch = "x86_64")]
+            if self.interleaved {
+                interleave_groups(token);
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
             if self.bits == 4 && self.kernels == Int8Kernels::Avx512Vnni {
                 for pair in codes.chunks_exact_mut(2 * GROUP_SIZE) {
                     let (odds, evens) =
                         pair[GROUP_SIZE / 2..][..GROUP_SIZE].split_at_mut(GROUP_SIZE / 2);
                     odds.swap_with_slice(evens);
                 }
+            }
+        }
+    }
+}
+
+/// Tokens from which [`Int8Acts`] interleaves 4-bit inputs for the
+/// AVX-512 kernels: each tile of rows is then interleaved likewise once and
+/// read by every token tile, which pays for itself from a few tokens on.
+pub const WIDE_TOKENS: usize = 4;
+
+/// Rewrites one token's 4-bit codes, laid out [evens, odds] per group in
+/// its first `cols` bytes, into the interleaved layout of [`Int8Acts`]
+/// over the whole of `token` (every block of [`GROUP_LANES`] groups, the
+/// padding zero).
+#[cfg(target_arch = "x86_64")]
+fn interleave_groups(token: &mut [i8]) {
+    const BLOCK: usize = GROUP_LANES * GROUP_SIZE;
+    for block in token.chunks_exact_mut(BLOCK) {
+        let grouped: [i8; BLOCK] = block.try_into().expect("whole blocks");
+        for (g, group) in grouped.chunks_exact(GROUP_SIZE).enumerate() {
+            for (k, four) in group.chunks_exact(4).enumerate() {
+                let lane = avx512::q4_lane(g);
+                block[k * 4 * GROUP_LANES + 4 * lane..][..4].copy_from_slice(four);
             }
         }
     }
