@@ -121,6 +121,7 @@ pub fn attend(
             None => held.first,
         };
         let heads = HeadGroup {
+            isa,
             queries: &q[t * q_width + kv_head * group * hd..][..group * hd],
             offset: kv_head * hd,
             visible: oldest - held.first..position + 1 - held.first,
@@ -230,8 +231,13 @@ thread_local! {
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Keys whose scores [`HeadGroup::attend`] computes together.
+const KEYS: usize = 8;
+
 /// The query heads of one position that share a KV head.
 struct HeadGroup<'a> {
+    /// Whose `dots8` the scores take.
+    isa: Isa,
     /// `[heads, head_dim]`.
     queries: &'a [f32],
     /// Column of the KV head in a cache row.
@@ -262,12 +268,29 @@ impl HeadGroup<'_> {
         let heads = self.queries.len() / hd;
         let at = |j: usize| (self.visible.start + j) * self.width + self.offset;
         let n = self.visible.len();
-        let mut decoded = vec![0f32; hd];
-        // scores[h * n + j]
+        let mut decoded = vec![0f32; KEYS * hd];
+        // scores[h * n + j], KEYS keys at a time (each score as `dot`
+        // gives it alone).
         scores.clear();
         scores.resize(heads * n, 0.0);
-        for j in 0..n {
-            let key = keys.row(at(j), &mut decoded);
+        let blocks = n / KEYS;
+        for b in 0..blocks {
+            let mut scratch = decoded.chunks_exact_mut(hd);
+            let block: [&[f32]; KEYS] = std::array::from_fn(|k| {
+                let scratch = scratch.next().expect("a row of scratch per key");
+                keys.row(at(b * KEYS + k), scratch)
+            });
+            for (h, query) in self.queries.chunks_exact(hd).enumerate() {
+                let products = self.isa.dots8(query, block);
+                let row = &mut scores[h * n + b * KEYS..][..KEYS];
+                for (score, product) in row.iter_mut().zip(products) {
+                    *score = product * self.scale;
+                }
+            }
+        }
+        let decoded = &mut decoded[..hd];
+        for j in blocks * KEYS..n {
+            let key = keys.row(at(j), decoded);
             for (h, query) in self.queries.chunks_exact(hd).enumerate() {
                 scores[h * n + j] = dot(query, key) * self.scale;
             }
@@ -288,7 +311,7 @@ impl HeadGroup<'_> {
             inv[h] = 1.0 / total;
         }
         for j in 0..n {
-            let value = values.row(at(j), &mut decoded);
+            let value = values.row(at(j), decoded);
             for (h, out) in out.chunks_exact_mut(hd).enumerate() {
                 let w = scores[h * n + j] * inv[h];
                 for (o, &v) in out.iter_mut().zip(value) {

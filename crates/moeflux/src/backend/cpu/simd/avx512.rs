@@ -307,16 +307,7 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
-/// The lane of a block of 16 groups that holds group `g`'s sum in the
-/// 4-bit int8 kernels: the order in which [`q4_tile`]'s reduction leaves
-/// them (128-bit lane 0 groups 0, 2, 4, 6; lane 1 groups 1, 3, 5, 7; lanes
-/// 2 and 3 likewise for 8-15), which [`wide_tile`]'s interleaving copies,
-/// so both scale and add each group in the same lane.
-pub(super) const fn q4_lane(g: usize) -> usize {
-    (g & 8) | ((g & 1) << 2) | ((g & 7) >> 1)
-}
-
-/// The groups of a block in [`q4_lane`] order, for `vpermps`.
+/// The groups of a block in [`super::q4_lane`] order, for `vpermps`.
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn q4_lane_groups() -> __m512i {
@@ -343,9 +334,9 @@ fn fold_pairs<const EPI64: bool>(a: __m512i, b: __m512i) -> __m512i {
 /// high ones (odds); each pair of `vpdpbusd` sums both groups, the first's
 /// partial sums in lanes 0-7, the second's in 8-15. Interleaving adds of a
 /// block's 8 pairs (two levels of [`fold_pairs`], then one across 128-bit
-/// lanes) leave each group's exact sum in its [`q4_lane`], scaled by `s·d`
-/// as [`wide_tile`] does: the two kernels give the same numbers to the
-/// bit, so prefill and decode agree.
+/// lanes) leave each group's exact sum in its [`super::q4_lane`], scaled
+/// by `s·d` as [`wide_tile`] does: the two kernels give the same numbers
+/// to the bit, so prefill and decode agree.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 unsafe fn q4_tile<const R: usize, const T: usize>(
@@ -487,9 +478,10 @@ unsafe fn add_group_terms<const BITS: u32, const R: usize, const T: usize>(
 
 /// Interleaves row `r`'s 4-bit codes as [`Int8Acts`] interleaves many
 /// tokens' inputs: per block of [`GROUP_LANES`] groups, 16 vectors whose
-/// lane [`q4_lane`]`(g)` holds four codes of group `g`, one per byte (the low nibbles of
-/// the group's `k`-th four bytes in vector `k`, their high nibbles in
-/// vector `k + 8`). Groups past the row's end are zero.
+/// lane [`super::q4_lane`]`(g)` holds four codes of group `g`, one per
+/// byte (the low nibbles of the group's `k`-th four bytes in vector `k`,
+/// their high nibbles in vector `k + 8`). Groups past the row's end are
+/// zero.
 ///
 /// A block's 512 code bytes are eight registers of two groups' eight
 /// dwords each, transposed to eight registers of one dword of each of 16
@@ -505,7 +497,7 @@ unsafe fn interleave_row(w: &QuantRows<'_>, r: usize, groups: usize, out: &mut [
     // `+ 4`, `+ 2`, `+ 1` the next dwords.
     let level1 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
     let level2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    // Level 3 in the kernels' lane order ([`q4_lane`]).
+    // Level 3 in the kernels' lane order ([`super::q4_lane`]).
     let level3 = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30);
     let shifted = |idx: __m512i, by: i32| _mm512_add_epi32(idx, _mm512_set1_epi32(by));
     let gather = |a: __m512i, idx: __m512i, b: __m512i| _mm512_permutex2var_epi32(a, idx, b);
@@ -772,6 +764,53 @@ pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
 pub unsafe fn float_rows(w: &FloatRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
     // SAFETY: forwarded.
     unsafe { float_rows_with::<Avx512>(w, x, out, MAX_ROWS, MAX_TOKENS) }
+}
+
+/// [`super::dot`] of `a` with each of `bs`, bit for bit: the same partial
+/// sums in 16 lanes, then [`super::dot`]'s reduction (lanes `i` and `i + 8`,
+/// then `+ 4`, `+ 2`, `+ 1`) a level at a time for all eight, two products
+/// a register, then the leftover columns one by one.
+#[target_feature(enable = "avx512f")]
+pub unsafe fn dots8(a: &[f32], bs: [&[f32]; 8]) -> [f32; 8] {
+    let len = bs.iter().fold(a.len(), |l, b| l.min(b.len()));
+    let whole = len / 16 * 16;
+    let mut acc = [_mm512_setzero_ps(); 8];
+    for c in (0..whole).step_by(16) {
+        // SAFETY: `c + 16 <= len`, within every slice.
+        unsafe {
+            let x = _mm512_loadu_ps(a.as_ptr().add(c));
+            for (acc, b) in acc.iter_mut().zip(&bs) {
+                *acc = _mm512_add_ps(*acc, _mm512_mul_ps(x, _mm512_loadu_ps(b.as_ptr().add(c))));
+            }
+        }
+    }
+    // Each level adds lane `i` and `i + width` of every product's lanes
+    // still in play, packing two products' results into one register.
+    let fold = |x: __m512, y: __m512, first: __m512i, width: i32| {
+        let second = _mm512_add_epi32(first, _mm512_set1_epi32(width));
+        _mm512_add_ps(
+            _mm512_permutex2var_ps(x, first, y),
+            _mm512_permutex2var_ps(x, second, y),
+        )
+    };
+    let halves = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+    let quarters = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    let eighths = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
+    let l1: [__m512; 4] = std::array::from_fn(|p| fold(acc[2 * p], acc[2 * p + 1], halves, 8));
+    let l2: [__m512; 2] = std::array::from_fn(|p| fold(l1[2 * p], l1[2 * p + 1], quarters, 4));
+    let l3 = fold(l2[0], l2[1], eighths, 2);
+    // Lanes 2k and 2k + 1 hold product k's last two partial sums.
+    let l4 = _mm512_add_ps(l3, _mm512_permute_ps::<0b10_11_00_01>(l3));
+    let mut lanes = [0f32; 16];
+    // SAFETY: 16 floats.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), l4) };
+    std::array::from_fn(|k| {
+        let mut sum = lanes[2 * k];
+        for (x, y) in a[whole..len].iter().zip(&bs[k][whole..len]) {
+            sum += x * y;
+        }
+        sum
+    })
 }
 
 /// Runs `f` with AVX-512 enabled (see [`super::Isa::vectorize`]).

@@ -178,6 +178,23 @@ impl Isa {
         }
     }
 
+    /// `[dot(a, b) for b in bs]` (each as long as `a`), bit for bit: on
+    /// AVX-512 the eight products' lanes are reduced together, a level of
+    /// [`dot`]'s tree at a time across all of them.
+    #[inline(always)]
+    pub fn dots8(self, a: &[f32], bs: [&[f32]; 8]) -> [f32; 8] {
+        assert!(
+            bs.iter().all(|b| b.len() == a.len()),
+            "dots8: lengths differ"
+        );
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the features were detected.
+            Isa::Avx512 => unsafe { avx512::dots8(a, bs) },
+            _ => bs.map(|b| dot(a, b)),
+        }
+    }
+
     /// `out[r·n + t] ≈ Σ_c w[r, c] · x[t, c]` as [`Isa::quant_rows`], from
     /// activations quantized to int8.
     pub fn int8_rows(self, w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
@@ -398,7 +415,7 @@ const GROUP_LANES: usize = 16;
 /// another way (`interleaved`): each block of [`GROUP_LANES`] groups is 16
 /// vectors of 64 codes, vector `k` holding four codes of every group of
 /// the block (group `g` in bytes `4i..4i + 4` of its lane
-/// `i = avx512::q4_lane(g)`): the evens' `k`-th four
+/// `i = q4_lane(g)`): the evens' `k`-th four
 /// for `k < 8`, the odds' `(k - 8)`-th four after, so that one integer dot
 /// product sums each group in its own lane.
 pub struct Int8Acts {
@@ -516,7 +533,6 @@ impl Int8Acts {
                 self.sums[at] = sum(x);
                 self.offsets[at] = -shift * d * code_sum as f32;
             }
-            #[cfg(target_arch = "x86_64")]
             if self.interleaved {
                 interleave_groups(token);
                 continue;
@@ -538,18 +554,27 @@ impl Int8Acts {
 /// read by every token tile, which pays for itself from a few tokens on.
 pub const WIDE_TOKENS: usize = 4;
 
+/// The lane of a block of 16 groups that holds group `g` in the
+/// interleaved inputs of [`Int8Acts`], and its sum in the AVX-512 4-bit
+/// int8 kernels: the order in which the few-token kernel's reduction
+/// leaves the sums (128-bit lane 0 groups 0, 2, 4, 6; lane 1 groups 1, 3,
+/// 5, 7; lanes 2 and 3 likewise for 8-15), so that both kernels scale and
+/// add each group in the same lane.
+const fn q4_lane(g: usize) -> usize {
+    (g & 8) | ((g & 1) << 2) | ((g & 7) >> 1)
+}
+
 /// Rewrites one token's 4-bit codes, laid out [evens, odds] per group in
 /// its first `cols` bytes, into the interleaved layout of [`Int8Acts`]
 /// over the whole of `token` (every block of [`GROUP_LANES`] groups, the
 /// padding zero).
-#[cfg(target_arch = "x86_64")]
 fn interleave_groups(token: &mut [i8]) {
     const BLOCK: usize = GROUP_LANES * GROUP_SIZE;
     for block in token.chunks_exact_mut(BLOCK) {
         let grouped: [i8; BLOCK] = block.try_into().expect("whole blocks");
         for (g, group) in grouped.chunks_exact(GROUP_SIZE).enumerate() {
             for (k, four) in group.chunks_exact(4).enumerate() {
-                let lane = avx512::q4_lane(g);
+                let lane = q4_lane(g);
                 block[k * 4 * GROUP_LANES + 4 * lane..][..4].copy_from_slice(four);
             }
         }
@@ -1036,6 +1061,29 @@ mod tests {
                     || dot(&a, &b),
                 );
                 assert_eq!(got.to_bits(), plain.to_bits(), "{isa:?} len {len}");
+            }
+        }
+    }
+
+    /// `dots8` is `dot` of each vector, bit for bit, on every instruction
+    /// set.
+    #[test]
+    fn dots8_are_dot_bit_for_bit() {
+        for len in [0, 1, 15, 16, 17, 64, 100, 128] {
+            let row = |seed: usize| -> Vec<f32> {
+                (0..len)
+                    .map(|i| ((i * (31 + seed) % 97) as f32 - 48.0) / (3 + seed) as f32)
+                    .collect()
+            };
+            let a = row(0);
+            let bs: Vec<Vec<f32>> = (1..=8).map(row).collect();
+            let refs: [&[f32]; 8] = std::array::from_fn(|k| bs[k].as_slice());
+            for isa in Isa::available() {
+                let got = isa.dots8(&a, refs);
+                for (k, b) in bs.iter().enumerate() {
+                    let want = dot(&a, b).to_bits();
+                    assert_eq!(got[k].to_bits(), want, "{isa:?} len {len} #{k}");
+                }
             }
         }
     }
