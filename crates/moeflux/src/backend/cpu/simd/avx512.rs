@@ -354,7 +354,6 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
     // high half's 16-bit lanes shift right by 4, then masking keeps the
     // low nibbles (evens) in the low half and the high ones (odds) above.
     let shifts = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(4));
-    let lanes = q4_lane_groups();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     // SAFETY: the caller checked that the rows exist (with their `groups`
     // parameters each), and the asserts above the tokens'; prefetches may
@@ -419,26 +418,57 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
                     }
                 }
             }
-            let d: [__m512; T] = std::array::from_fn(|t| {
-                let d = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + t) * stride + k));
-                _mm512_permutexvar_ps(lanes, d)
-            });
-            for (r, acc) in acc.iter_mut().enumerate() {
-                let s = widen_bf16(w.scales.as_ptr().add(rows[r] * groups + k), groups - k);
-                let s = _mm512_permutexvar_ps(lanes, s);
-                for (t, (a, &d)) in acc.iter_mut().zip(&d).enumerate() {
+            let sums: [[__m512i; T]; R] = std::array::from_fn(|r| {
+                std::array::from_fn(|t| {
                     let (low, high) = (halves[0][r][t], halves[1][r][t]);
-                    let sum = _mm512_add_epi32(
+                    _mm512_add_epi32(
                         _mm512_shuffle_i32x4::<0b10_00_10_00>(low, high),
                         _mm512_shuffle_i32x4::<0b11_01_11_01>(low, high),
-                    );
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, d), *a);
-                }
-            }
+                    )
+                })
+            });
+            scale_block(w, rows, x, t0, k, &sums, &mut acc);
         }
         add_group_terms::<4, R, T>(w, rows, x, t0, &mut acc);
     }
     sums(&acc)
+}
+
+/// Adds the exact sums of the block of groups from `first` (one a lane, in
+/// [`super::q4_lane`] order), each scaled by its `s·d`, to every pair of a
+/// tile: where both 4-bit kernels scale, so they round alike.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn scale_block<const R: usize, const T: usize>(
+    w: &QuantRows<'_>,
+    rows: [usize; R],
+    x: &Int8Acts,
+    t0: usize,
+    first: usize,
+    sums: &[[__m512i; T]; R],
+    acc: &mut [[__m512; T]; R],
+) {
+    let (groups, stride) = (x.cols / GROUP_SIZE, x.stride);
+    assert!(x.scales.len() >= (t0 + T) * stride && first < stride);
+    let lanes = q4_lane_groups();
+    // SAFETY: the assert covers the tokens' scales; the caller checked the
+    // rows' (`widen_bf16` reads only the block's groups of the row).
+    unsafe {
+        let d: [__m512; T] = std::array::from_fn(|t| {
+            let d = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + t) * stride + first));
+            _mm512_permutexvar_ps(lanes, d)
+        });
+        for (r, (acc, sums)) in acc.iter_mut().zip(sums).enumerate() {
+            let s = widen_bf16(
+                w.scales.as_ptr().add(rows[r] * groups + first),
+                groups - first,
+            );
+            let s = _mm512_permutexvar_ps(lanes, s);
+            for ((a, &sum), &d) in acc.iter_mut().zip(sums).zip(&d) {
+                *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(s, d), *a);
+            }
+        }
+    }
 }
 
 /// Adds the terms of the int8 product that are per group rather than per
@@ -560,14 +590,12 @@ unsafe fn wide_tile<const R: usize, const T: usize>(
     x: &Int8Acts,
     t0: usize,
 ) -> [[f32; T]; R] {
-    let (groups, stride) = (x.cols / GROUP_SIZE, x.stride);
+    let stride = x.stride;
     let token_bytes = stride * GROUP_SIZE;
     assert!(x.codes.len() >= (t0 + T) * token_bytes && codes.len() >= R * blocks * GROUP_LANES);
-    assert!(x.scales.len() >= (t0 + T) * stride);
-    let lanes = q4_lane_groups();
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    // SAFETY: the asserts above cover the tokens' codes and scales; the
-    // caller checked the rows' parameters.
+    // SAFETY: the assert above covers the tokens' codes; the caller checked
+    // the rows' parameters.
     unsafe {
         let xq = x.codes.as_ptr().add(t0 * token_bytes);
         for b in 0..blocks {
@@ -585,21 +613,7 @@ unsafe fn wide_tile<const R: usize, const T: usize>(
                     }
                 }
             }
-            let first = b * GROUP_LANES;
-            let d: [__m512; T] = std::array::from_fn(|t| {
-                let d = _mm512_loadu_ps(x.scales.as_ptr().add((t0 + t) * stride + first));
-                _mm512_permutexvar_ps(lanes, d)
-            });
-            for (r, (acc, dots)) in acc.iter_mut().zip(&dots).enumerate() {
-                let s = widen_bf16(
-                    w.scales.as_ptr().add(rows[r] * groups + first),
-                    groups - first,
-                );
-                let s = _mm512_permutexvar_ps(lanes, s);
-                for ((a, &dot), &d) in acc.iter_mut().zip(dots).zip(&d) {
-                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, d), *a);
-                }
-            }
+            scale_block(w, rows, x, t0, b * GROUP_LANES, &dots, &mut acc);
         }
         add_group_terms::<4, R, T>(w, rows, x, t0, &mut acc);
     }
