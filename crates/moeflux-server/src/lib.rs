@@ -75,11 +75,18 @@ pub struct ServerOptions {
     pub limits: Limits,
 }
 
+/// Prompt tokens a step reads by default on a backend that computes on the
+/// host: a step of a whole prefill chunk (512 tokens) takes seconds there,
+/// which every decoding sequence of the batch would wait.
+const HOST_PROMPT_STEP: usize = 64;
+
 impl ServerOptions {
     /// Defaults for `model`: 16 sequences per batch, a queue of 64, the
     /// context bounded by memory ([`Model::default_context`]), half the
     /// backend's free memory (and at least one full context) for KV caches,
-    /// a quarter of it for prefix reuse, 8 MiB bodies, no timeout.
+    /// a quarter of it for prefix reuse, 8 MiB bodies, no timeout; a step
+    /// reads a prefill chunk of prompts (on the host at most
+    /// [`HOST_PROMPT_STEP`]).
     pub fn for_model<B: Backend>(model: &Model<B>, name: &str) -> ServerOptions {
         let context = model.default_context();
         let per = model.kv_bytes_per_position();
@@ -96,7 +103,10 @@ impl ServerOptions {
                 queue: 64,
                 context,
                 kv_budget: free.max(full),
-                prefill_per_step: model.prefill_chunk(),
+                prefill_per_step: match model.backend().forks_on_host() {
+                    true => model.prefill_chunk().min(HOST_PROMPT_STEP),
+                    false => model.prefill_chunk(),
+                },
                 prefix_cache: free.max(full) / 4,
                 request_timeout: None,
             },

@@ -484,7 +484,17 @@ impl<'t, B: Backend> Engine<'t, B> {
                 None => self.fail(r, ApiError::engine("a restored session has no logits")),
             }
         }
-        let chunk = self.model.prefill_chunk();
+        // Pieces end at multiples of the model's prefill chunk, the passes
+        // of a session reading its prompt alone; on the host, whose rows'
+        // results do not depend on their chunk, at multiples of the step's
+        // budget where that is smaller, so that a step stays short.
+        let chunk = match self.model.backend().forks_on_host() {
+            true => self
+                .model
+                .prefill_chunk()
+                .min(self.limits.prefill_per_step.max(1)),
+            false => self.model.prefill_chunk(),
+        };
         let mut budget = self.limits.prefill_per_step;
         let mut prefilled_any = false;
         let mut owners = Vec::new();
