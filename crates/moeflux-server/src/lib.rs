@@ -85,8 +85,7 @@ impl ServerOptions {
     /// context bounded by memory ([`Model::default_context`]), half the
     /// backend's free memory (and at least one full context) for KV caches,
     /// a quarter of it for prefix reuse, 8 MiB bodies, no timeout; a step
-    /// reads a prefill chunk of prompts (on the host at most
-    /// [`HOST_PROMPT_STEP`]).
+    /// reads a prefill chunk of prompts (on the host at most 64 tokens).
     pub fn for_model<B: Backend>(model: &Model<B>, name: &str) -> ServerOptions {
         let context = model.default_context();
         let per = model.kv_bytes_per_position();
