@@ -227,11 +227,13 @@ unsafe fn widen_bf16(p: *const bf16, count: usize) -> __m512 {
     _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
 }
 
-/// The int8 tile kernel of 2-, 3- and 8-bit rows. Each (row, token) pair
-/// sums `s·d·Σ (q - o)·x̂` over the groups, then `(b + c·s)·Σ x` and `s·offsets` in blocks of
-/// [`GROUP_LANES`] groups, as `Int8Acts` defines the product. The group
-/// parameters are widened from bf16 and multiplied in registers, a block of
-/// 16 groups at a time, rather than prepared in memory for each tile.
+/// The int8 tile kernel of 2-, 3- and 8-bit rows (4-bit ones take
+/// [`q4_tile`] or [`wide_tile`]). Each (row, token) pair sums
+/// `s·d·Σ (q - o)·x̂` over the groups, then `(b + c·s)·Σ x` and
+/// `s·offsets` in blocks of [`GROUP_LANES`] groups, as `Int8Acts` defines
+/// the product. The group parameters are widened from bf16 and multiplied
+/// in registers, a block of 16 groups at a time, rather than prepared in
+/// memory for each tile.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
@@ -243,6 +245,7 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     let (cols, groups, stride) = (x.cols, x.cols / GROUP_SIZE, x.stride);
     assert!(x.scales.len() >= (t0 + T) * stride);
     assert!(x.sums.len() >= (t0 + T) * stride && x.offsets.len() >= (t0 + T) * stride);
+    assert!(BITS != 4, "4-bit rows take q4_tile or wide_tile");
     let group_bytes = GROUP_SIZE * BITS as usize / 8;
     let plane_shifts = _mm512_setr_epi64(0, 0, 2, 2, 4, 4, 6, 6);
     let (three, four) = (_mm512_set1_epi8(3), _mm512_set1_epi8(4));
@@ -715,50 +718,45 @@ pub unsafe fn quant_rows(w: &QuantRows<'_>, x: &Acts<'_>, out: &mut [f32]) {
 
 /// The int8 products, in tiles as [`super::quant_rows_with`] walks them
 /// (the shared int8 driver prepares group parameters in memory per tile,
-/// which these kernels do in registers).
+/// which these kernels do in registers). Interleaved inputs take each
+/// tile's rows interleaved once, for all its token tiles.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,fma")]
 pub unsafe fn int8_rows(w: &QuantRows<'_>, x: &Int8Acts, out: &mut [f32]) {
     let (n, g) = (x.n, x.cols / GROUP_SIZE);
     prefetch_first_params(w, g, MAX_ROWS);
-    if x.interleaved {
-        // A tile's rows interleaved once, for all its token tiles.
-        let blocks = x.stride / GROUP_LANES;
-        let mut codes = vec![_mm512_setzero_si512(); MAX_ROWS * blocks * GROUP_LANES];
-        let tiles = tile_count(w.rows, MAX_ROWS);
-        for i in 0..tiles {
-            let (rows_of, rows) = tile(i, w.rows, MAX_ROWS);
-            for (slot, &r) in rows_of[..rows].iter().enumerate() {
-                let ahead = (r + PARAMS_AHEAD) * g;
-                prefetch(w.scales.as_ptr().wrapping_add(ahead));
-                prefetch(w.biases.as_ptr().wrapping_add(ahead));
-                let out = &mut codes[slot * blocks * GROUP_LANES..][..blocks * GROUP_LANES];
-                // SAFETY: forwarded from the caller.
-                unsafe { interleave_row(w, r, g, out) };
-            }
-            // The next tile's codes, on their way while this one computes.
-            if i + 1 < tiles {
-                let (next, count) = tile(i + 1, w.rows, MAX_ROWS);
-                for &r in &next[..count] {
-                    for line in (0..w.row_bytes).step_by(64) {
-                        prefetch(w.codes.as_ptr().wrapping_add(r * w.row_bytes + line));
-                    }
-                }
-            }
-            tile_tokens!(n, MAX_TOKENS, rows_of, rows, out, |R, T, t0, tile| {
-                // SAFETY: forwarded from the caller.
-                unsafe { wide_tile::<R, T>(w, tile, &codes, blocks, x, t0) }
-            });
-        }
-        return;
-    }
-    for i in 0..tile_count(w.rows, MAX_ROWS) {
+    let blocks = x.stride / GROUP_LANES;
+    let mut codes = match x.interleaved {
+        true => vec![_mm512_setzero_si512(); MAX_ROWS * blocks * GROUP_LANES],
+        false => Vec::new(),
+    };
+    let tiles = tile_count(w.rows, MAX_ROWS);
+    for i in 0..tiles {
         let (tile, rows) = tile(i, w.rows, MAX_ROWS);
         for &r in &tile[..rows] {
             let ahead = (r + PARAMS_AHEAD) * g;
             prefetch(w.scales.as_ptr().wrapping_add(ahead));
             prefetch(w.biases.as_ptr().wrapping_add(ahead));
         }
-        if w.bits == 4 {
+        if x.interleaved {
+            for (slot, &r) in tile[..rows].iter().enumerate() {
+                let out = &mut codes[slot * blocks * GROUP_LANES..][..blocks * GROUP_LANES];
+                // SAFETY: forwarded from the caller.
+                unsafe { interleave_row(w, r, g, out) };
+            }
+            // The next tile's codes, on their way while this one computes.
+            if i + 1 < tiles {
+                let (next, count) = super::tile(i + 1, w.rows, MAX_ROWS);
+                for &r in &next[..count] {
+                    for line in (0..w.row_bytes).step_by(64) {
+                        prefetch(w.codes.as_ptr().wrapping_add(r * w.row_bytes + line));
+                    }
+                }
+            }
+            tile_tokens!(n, MAX_TOKENS, tile, rows, out, |R, T, t0, tile| {
+                // SAFETY: forwarded from the caller.
+                unsafe { wide_tile::<R, T>(w, tile, &codes, blocks, x, t0) }
+            });
+        } else if w.bits == 4 {
             // Two tokens at most: a third's partial sums would not fit
             // the registers.
             tile_tokens!(n, 2, tile, rows, out, |R, T, t0, tile| {

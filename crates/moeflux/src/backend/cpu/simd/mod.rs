@@ -414,10 +414,9 @@ const GROUP_LANES: usize = 16;
 /// [`WIDE_TOKENS`] tokens or more the AVX-512 kernels take 4-bit rows
 /// another way (`interleaved`): each block of [`GROUP_LANES`] groups is 16
 /// vectors of 64 codes, vector `k` holding four codes of every group of
-/// the block (group `g` in bytes `4i..4i + 4` of its lane
-/// `i = q4_lane(g)`): the evens' `k`-th four
-/// for `k < 8`, the odds' `(k - 8)`-th four after, so that one integer dot
-/// product sums each group in its own lane.
+/// the block (group `g` in bytes `4i..4i + 4`, its lane `i = q4_lane(g)`):
+/// the evens' `k`-th four for `k < 8`, the odds' `(k - 8)`-th four after,
+/// so that one integer dot product sums each group in its own lane.
 pub struct Int8Acts {
     pub n: usize,
     pub cols: usize,
@@ -573,8 +572,8 @@ fn interleave_groups(token: &mut [i8]) {
     for block in token.chunks_exact_mut(BLOCK) {
         let grouped: [i8; BLOCK] = block.try_into().expect("whole blocks");
         for (g, group) in grouped.chunks_exact(GROUP_SIZE).enumerate() {
+            let lane = q4_lane(g);
             for (k, four) in group.chunks_exact(4).enumerate() {
-                let lane = q4_lane(g);
                 block[k * 4 * GROUP_LANES + 4 * lane..][..4].copy_from_slice(four);
             }
         }
