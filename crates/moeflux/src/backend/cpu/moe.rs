@@ -9,6 +9,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use super::linear::{Activations, Product, matmul_many_with};
+use super::pool;
 use super::simd::Isa;
 use crate::config::{ExpertActivation, ExpertGroups, RouterSpec, ScoreFunction};
 use crate::error::Result;
@@ -182,6 +183,10 @@ pub fn activation(kind: ExpertActivation, gate: f32, up: f32) -> f32 {
 /// Experts fetched and computed together; the in-flight bound.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
+/// Experts' inputs of fewer values than this are gathered, and their
+/// activations computed, on the calling thread.
+const MIN_PARALLEL_VALUES: usize = 1 << 16;
+
 /// expert -> [(token, weight)]
 type Assigned = std::collections::BTreeMap<usize, Vec<(usize, f32)>>;
 
@@ -242,15 +247,40 @@ pub fn routed_experts(
         // Summed in ascending expert order whatever finished first, so the
         // result does not depend on read timing.
         results.sort_by_key(|(index, _)| *index);
+        add_weighted(on_pool, &mut out, hidden, &results, &assigned);
+    }
+    Ok(out)
+}
+
+/// Adds each expert's rows, times their routing weights, to its tokens'
+/// rows of `out`, in the order of `results`. Tasks own ranges of tokens,
+/// so every token's sum keeps that order whichever thread computes it.
+fn add_weighted(
+    on_pool: bool,
+    out: &mut [f32],
+    hidden: usize,
+    results: &[(usize, Vec<f32>)],
+    assigned: &Assigned,
+) {
+    let tokens = pool::groups_per_task(hidden);
+    pool::for_chunks_mut(on_pool, out, tokens * hidden, |i, rows| {
+        let range = i * tokens..i * tokens + rows.len() / hidden;
         for (index, y) in results {
-            for (&(t, w), row) in assigned[&index].iter().zip(y.chunks_exact(hidden)) {
-                for (o, v) in out[t * hidden..(t + 1) * hidden].iter_mut().zip(row) {
+            let pairs = &assigned[index];
+            // Each expert's tokens are in ascending order.
+            let from = pairs.partition_point(|&(t, _)| t < range.start);
+            for (&(t, w), row) in pairs[from..]
+                .iter()
+                .zip(y.chunks_exact(hidden).skip(from))
+                .take_while(|((t, _), _)| range.contains(t))
+            {
+                let o = &mut rows[(t - range.start) * hidden..][..hidden];
+                for (o, v) in o.iter_mut().zip(row) {
                     *o += w * v;
                 }
             }
         }
-    }
-    Ok(out)
+    });
 }
 
 /// Each expert's `down(act(gate(x), up(x)))` for its tokens (biases added
@@ -272,23 +302,35 @@ fn experts(
     ffn: Ffn<'_>,
 ) -> Vec<(usize, Vec<f32>)> {
     let n = x.len() / hidden;
-    let inputs: Vec<(Cow<'_, [f32]>, usize)> = experts
+    // The gathering of inputs and the activations take a task per expert
+    // when there are enough values to pay for a parallel region (a prefill
+    // chunk's), else the calling thread does them (a decode step's).
+    let tokens: usize = experts.iter().map(|e| assigned[&e.index].len()).sum();
+    let per_task = if tokens * hidden >= MIN_PARALLEL_VALUES {
+        1
+    } else {
+        experts.len()
+    };
+    let mut inputs: Vec<(Cow<'_, [f32]>, usize)> = experts
         .iter()
-        .map(|e| {
+        .map(|_| (Cow::Borrowed(&[][..]), 0))
+        .collect();
+    pool::for_chunks_mut(on_pool, &mut inputs, per_task, |i, slots| {
+        for (slot, e) in slots.iter_mut().zip(&experts[i * per_task..]) {
             let tokens = &assigned[&e.index];
             let every = tokens.len() == n && tokens.iter().enumerate().all(|(i, &(t, _))| i == t);
             let xs = if every {
                 Cow::Borrowed(x)
             } else {
-                tokens
-                    .iter()
-                    .flat_map(|&(t, _)| &x[t * hidden..(t + 1) * hidden])
-                    .copied()
-                    .collect()
+                let mut rows = Vec::with_capacity(tokens.len() * hidden);
+                for &(t, _) in tokens {
+                    rows.extend_from_slice(&x[t * hidden..(t + 1) * hidden]);
+                }
+                Cow::Owned(rows)
             };
-            (xs, tokens.len())
-        })
-        .collect();
+            *slot = (xs, tokens.len());
+        }
+    });
     let gate_up: Vec<Product<'_>> = experts
         .iter()
         .zip(&inputs)
@@ -302,16 +344,17 @@ fn experts(
         })
         .collect();
     let mut gate_up = matmul_many_with(isa, on_pool, &gate_up);
-    let act: Vec<Vec<f32>> = gate_up
-        .chunks_exact_mut(2)
-        .zip(experts)
-        .map(|(pair, e)| {
+    pool::for_chunks_mut(on_pool, &mut gate_up, 2 * per_task, |i, pairs| {
+        for (pair, e) in pairs.chunks_exact_mut(2).zip(&experts[i * per_task..]) {
             let [gate, up] = pair else {
                 unreachable!("gate and up")
             };
             ffn.activate(e.index, e.gate().rows(), gate, up);
-            std::mem::take(gate)
-        })
+        }
+    });
+    let act: Vec<Vec<f32>> = gate_up
+        .chunks_exact_mut(2)
+        .map(|pair| std::mem::take(&mut pair[0]))
         .collect();
     let down: Vec<Product<'_>> = experts
         .iter()
