@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::pool;
-use super::simd::{Isa, dot};
+use super::simd::{self, Isa, dot};
 use crate::backend::kv::{KvRows, KvType, Q8_BLOCK, bf16_value};
 use crate::backend::{AttentionShape, Rope};
 use crate::config::MlaConfig;
@@ -288,39 +288,91 @@ impl HeadGroup<'_> {
                 }
             }
         }
-        let decoded = &mut decoded[..hd];
         for j in blocks * KEYS..n {
-            let key = keys.row(at(j), decoded);
+            let key = keys.row(at(j), &mut decoded[..hd]);
             for (h, query) in self.queries.chunks_exact(hd).enumerate() {
                 scores[h * n + j] = dot(query, key) * self.scale;
             }
         }
-        let mut inv = vec![0f32; heads];
+        // Each score becomes its softmax weight.
         for (h, row) in scores.chunks_exact_mut(n).enumerate() {
             let sink = self.sinks.map(|s| s[h]);
-            let max = row
-                .iter()
-                .copied()
-                .chain(sink)
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut total = sink.map_or(0.0, |s| (s - max).exp());
-            for x in row.iter_mut() {
-                *x = (*x - max).exp();
-                total += *x;
-            }
-            inv[h] = 1.0 / total;
+            let max = simd::max(row).max(sink.unwrap_or(f32::NEG_INFINITY));
+            let total = simd::exp_sum(row, max) + sink.map_or(0.0, |s| simd::exp(s - max));
+            let inv = 1.0 / total;
+            row.iter_mut().for_each(|x| *x *= inv);
         }
-        for j in 0..n {
-            let value = values.row(at(j), decoded);
-            for (h, out) in out.chunks_exact_mut(hd).enumerate() {
-                let w = scores[h * n + j] * inv[h];
-                for (o, &v) in out.iter_mut().zip(value) {
-                    *o += w * v;
-                }
+        // The weighted sums, `VALUES` positions at a time: their rows
+        // (decoded once) are read by every head.
+        let mut rows = std::mem::take(&mut decoded);
+        rows.resize(VALUES * hd, 0.0);
+        for first in (0..n).step_by(VALUES) {
+            let count = VALUES.min(n - first);
+            let mut scratch = rows.chunks_exact_mut(hd);
+            let block: [&[f32]; VALUES] = std::array::from_fn(|k| match scratch.next() {
+                Some(scratch) if k < count => values.row(at(first + k), scratch),
+                _ => &[],
+            });
+            let block = &block[..count];
+            let weights = |h: usize| &scores[h * n + first..][..count];
+            let mut pairs = out.chunks_exact_mut(2 * hd);
+            for (p, pair) in pairs.by_ref().enumerate() {
+                let (a, b) = pair.split_at_mut(hd);
+                weighted_sums([weights(2 * p), weights(2 * p + 1)], block, [a, b]);
+            }
+            let last = pairs.into_remainder();
+            if !last.is_empty() {
+                weighted_sums([weights(heads - 1)], block, [last]);
             }
         }
     }
 }
+
+/// `outs[h] += Σ_j weights[h][j] · values[j]` for `H` heads, each sum's
+/// terms added in position order (as one position at a time would); each
+/// head's sums of `SUM_COLS` columns stay in registers across the
+/// positions, `H` heads' of them at once so the additions of one position
+/// do not wait on each other.
+#[inline(always)]
+fn weighted_sums<const H: usize>(weights: [&[f32]; H], values: &[&[f32]], outs: [&mut [f32]; H]) {
+    let width = outs[0].len();
+    let whole = width / SUM_COLS * SUM_COLS;
+    for c in (0..whole).step_by(SUM_COLS) {
+        let mut sums: [[f32; SUM_COLS]; H] = std::array::from_fn(|h| {
+            outs[h][c..c + SUM_COLS]
+                .try_into()
+                .expect("SUM_COLS columns")
+        });
+        for (j, value) in values.iter().enumerate() {
+            let value: &[f32; SUM_COLS] =
+                value[c..c + SUM_COLS].try_into().expect("SUM_COLS columns");
+            for h in 0..H {
+                let w = weights[h][j];
+                for i in 0..SUM_COLS {
+                    sums[h][i] += w * value[i];
+                }
+            }
+        }
+        for h in 0..H {
+            outs[h][c..c + SUM_COLS].copy_from_slice(&sums[h]);
+        }
+    }
+    for (j, value) in values.iter().enumerate() {
+        for h in 0..H {
+            let w = weights[h][j];
+            for (o, &v) in outs[h][whole..].iter_mut().zip(&value[whole..]) {
+                *o += w * v;
+            }
+        }
+    }
+}
+
+/// Positions whose values [`HeadGroup::attend`] sums together.
+const VALUES: usize = 16;
+
+/// Columns of a head's output summed in registers (heads of other widths
+/// sum the rest a column at a time).
+const SUM_COLS: usize = 64;
 
 /// [`crate::backend::Backend::mla_attention`] on the CPU: appends `n` rows
 /// of `[latent | k_rot]` to the cache (one KV head of the latent width, no

@@ -389,3 +389,50 @@ fn attention_decode_throughput() {
         }
     }
 }
+
+/// A prefill chunk's attention: 512 positions of the qwen3-30b-a3b shape
+/// onto an empty cache, on every thread, for each KV type: multiply-adds
+/// of the scores and the weighted sums a second.
+/// `cargo test --release -p moeflux --lib attention_prefill_throughput -- --ignored --nocapture`
+#[test]
+#[ignore = "benchmark"]
+fn attention_prefill_throughput() {
+    use super::attention::{KvCache, attend};
+    use crate::backend::{AttentionShape, KvRows, KvType};
+
+    let shape = AttentionShape {
+        num_heads: 32,
+        num_kv_heads: 4,
+        head_dim: 128,
+        window: None,
+        latent: false,
+    };
+    let (n, width) = (512, 4 * 128);
+    let mut rng = crate::util::SplitMix64(7);
+    let mut values = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect()
+    };
+    let (q, k, v) = (values(n * 32 * 128), values(n * width), values(n * width));
+    let macs = 2 * (n * (n + 1) / 2) * 32 * 128;
+    for isa in Isa::available() {
+        for kv in KvType::ALL {
+            let mut cache = KvCache {
+                shape,
+                first: 0,
+                keys: KvRows::new(kv),
+                values: KvRows::new(kv),
+            };
+            let secs = best_of(5, || {
+                std::hint::black_box(attend(isa, true, &mut cache, &q, &k, &v, n, None));
+                cache.truncate(0);
+            });
+            println!(
+                "{isa:?} {kv:<4}: {n} positions in {:.2} ms, {:.1} GMAC/s",
+                secs * 1e3,
+                macs as f64 / secs / 1e9
+            );
+        }
+    }
+}

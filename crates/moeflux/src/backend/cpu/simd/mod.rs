@@ -593,6 +593,62 @@ fn sum(x: &[f32]) -> f32 {
     reduce_lanes(acc) + x[whole..].iter().sum::<f32>()
 }
 
+/// The largest of `x` (minus infinity for none), over [`DOT_LANES`] lanes
+/// so it vectorises.
+#[inline(always)]
+pub fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; DOT_LANES];
+    let (chunks, rest) = x.as_chunks::<DOT_LANES>();
+    for c in chunks {
+        for i in 0..DOT_LANES {
+            acc[i] = acc[i].max(c[i]);
+        }
+    }
+    acc.into_iter()
+        .chain(rest.iter().copied())
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `e^x` within about an ulp (Cephes' single-precision polynomial after
+/// reducing by powers of two), in plain f32 operations: it vectorises, and
+/// every instruction set gives it the same bits. Below -87 it is 0 (the
+/// true value is under f32's smallest normal), above 88 infinity.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    // Adding 1.5·2^23 rounds a float below 2^22 to an integer.
+    const ROUND: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let c = x.clamp(-87.0, 88.0);
+    let n = (c * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let r = c - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    let e = y * f32::from_bits(((n as i32 + 127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else if x > 88.0 {
+        f32::INFINITY
+    } else {
+        e
+    }
+}
+
+/// Replaces each `x` by `e^(x - shift)` ([`exp`]) and returns their sum
+/// (over [`DOT_LANES`] lanes, a fixed order).
+#[inline(always)]
+pub fn exp_sum(x: &mut [f32], shift: f32) -> f32 {
+    for v in x.iter_mut() {
+        *v = exp(*v - shift);
+    }
+    sum(x)
+}
+
 /// Lanes of [`dot`]'s partial sums: a whole AVX-512 register, two AVX2
 /// ones, four NEON ones.
 const DOT_LANES: usize = 16;
@@ -1084,6 +1140,44 @@ mod tests {
                     assert_eq!(got[k].to_bits(), want, "{isa:?} len {len} #{k}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn exp_is_within_two_ulp_of_the_true_value() {
+        let mut worst = 0f64;
+        // Every 97th float bit pattern between -87 and 88.
+        let (lo, hi) = (87f32.to_bits(), 88f32.to_bits());
+        let negatives = (0u32..lo).step_by(97).map(|b| f32::from_bits(b | 1 << 31));
+        let positives = (0u32..hi).step_by(97).map(f32::from_bits);
+        for x in negatives.chain(positives) {
+            let want = (x as f64).exp();
+            let ulp = f32::from_bits((want as f32).to_bits() + 1) as f64 - want as f32 as f64;
+            worst = worst.max((exp(x) as f64 - want).abs() / ulp);
+        }
+        assert!(worst <= 2.0, "worst error {worst} ulp");
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(100.0), f32::INFINITY);
+        assert!(exp(f32::NAN).is_nan());
+    }
+
+    #[test]
+    fn max_and_exp_sum_cover_every_value() {
+        for len in [0, 1, 15, 16, 17, 100] {
+            let x: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 23) as f32 - 11.0) / 3.0)
+                .collect();
+            let want = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(max(&x), want, "len {len}");
+            let mut e = x.clone();
+            let total = exp_sum(&mut e, want);
+            for (e, &x) in e.iter().zip(&x) {
+                assert_eq!(*e, exp(x - want));
+            }
+            let plain: f32 = e.iter().sum();
+            assert!((total - plain).abs() <= 1e-5 * plain.max(1.0), "len {len}");
         }
     }
 
