@@ -537,7 +537,13 @@ impl Backend for CpuBackend {
             w.tensor.view().dequantize_row(0, &mut row);
             row
         });
-        Ok(moe::route(&logits.data, logits.cols, spec, bias.as_deref()))
+        Ok(moe::route(
+            self.options.pool,
+            &logits.data,
+            logits.cols,
+            spec,
+            bias.as_deref(),
+        ))
     }
 
     fn selected_experts(&self, routing: &Routing) -> Result<Vec<u32>> {

@@ -25,20 +25,65 @@ pub struct Routing {
 /// Each token's experts and weights as `spec` routes them, following
 /// transformers' routers (Qwen3's softmax top-k, DeepSeek-V3's grouped
 /// sigmoid with its correction bias, gpt-oss's softmax over the chosen).
-/// `bias` is the per-expert correction bias when the spec uses one.
+/// `bias` is the per-expert correction bias when the spec uses one. A
+/// prefill chunk's tokens are routed in parallel, `ROUTE_TOKENS` a task.
 pub fn route(
+    on_pool: bool,
     logits: &[f32],
     num_experts: usize,
     spec: &RouterSpec,
     bias: Option<&[f32]>,
 ) -> Routing {
-    let (n, top_k) = (logits.len() / num_experts, spec.top_k);
-    let mut experts = Vec::with_capacity(n * top_k);
-    let mut weights = Vec::with_capacity(n * top_k);
-    let mut scores = vec![0f32; num_experts];
-    let mut choice = vec![0f32; num_experts];
-    let mut order: Vec<u32> = Vec::with_capacity(num_experts);
-    for row in logits.chunks_exact(num_experts) {
+    let top_k = spec.top_k;
+    let mut chosen = vec![(0u32, 0f32); logits.len() / num_experts * top_k];
+    pool::for_chunks_mut(on_pool, &mut chosen, ROUTE_TOKENS * top_k, |i, out| {
+        let rows = logits[i * ROUTE_TOKENS * num_experts..].chunks_exact(num_experts);
+        let mut scratch = RouteScratch::new(num_experts);
+        for (row, out) in rows.zip(out.chunks_exact_mut(top_k)) {
+            scratch.route(row, spec, bias, out);
+        }
+    });
+    let (experts, weights) = chosen.into_iter().unzip();
+    Routing {
+        top_k,
+        experts,
+        weights,
+    }
+}
+
+/// Tokens one routing task takes: each sorts every expert's score.
+const ROUTE_TOKENS: usize = 16;
+
+/// A routing task's working rows.
+struct RouteScratch {
+    scores: Vec<f32>,
+    choice: Vec<f32>,
+    order: Vec<u32>,
+}
+
+impl RouteScratch {
+    fn new(num_experts: usize) -> RouteScratch {
+        RouteScratch {
+            scores: vec![0f32; num_experts],
+            choice: vec![0f32; num_experts],
+            order: Vec::with_capacity(num_experts),
+        }
+    }
+
+    /// One token's `(expert, weight)` pairs, most probable first, into
+    /// `out` (`top_k` long).
+    fn route(
+        &mut self,
+        row: &[f32],
+        spec: &RouterSpec,
+        bias: Option<&[f32]>,
+        out: &mut [(u32, f32)],
+    ) {
+        let RouteScratch {
+            scores,
+            choice,
+            order,
+        } = self;
         match spec.score {
             ScoreFunction::Softmax => {
                 let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -56,22 +101,22 @@ pub fn route(
             // chosen logits, below.
             ScoreFunction::SoftmaxOfChosen => scores.copy_from_slice(row),
         }
-        choice.copy_from_slice(&scores);
+        choice.copy_from_slice(scores);
         if let Some(bias) = bias.filter(|_| spec.correction_bias) {
             choice.iter_mut().zip(bias).for_each(|(c, b)| *c += b);
         }
         if let Some(groups) = spec.groups {
-            keep_best_groups(&mut choice, groups);
+            keep_best_groups(choice, groups);
         }
         order.clear();
-        order.extend(0..num_experts as u32);
+        order.extend(0..scores.len() as u32);
         // Ties resolve to the lower index, like a stable descending sort.
         order.sort_by(|&a, &b| {
             choice[b as usize]
                 .total_cmp(&choice[a as usize])
                 .then(a.cmp(&b))
         });
-        let chosen = &order[..top_k];
+        let chosen = &order[..out.len()];
         let mut picked: Vec<f32> = chosen.iter().map(|&e| scores[e as usize]).collect();
         if spec.score == ScoreFunction::SoftmaxOfChosen {
             let max = picked.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -89,13 +134,9 @@ pub fn route(
             };
             scale /= picked.iter().sum::<f32>() + guard;
         }
-        experts.extend_from_slice(chosen);
-        weights.extend(picked.iter().map(|p| p * scale));
-    }
-    Routing {
-        top_k,
-        experts,
-        weights,
+        for ((o, &e), p) in out.iter_mut().zip(chosen).zip(&picked) {
+            *o = (e, p * scale);
+        }
     }
 }
 
@@ -183,6 +224,9 @@ pub fn activation(kind: ExpertActivation, gate: f32, up: f32) -> f32 {
 /// Experts fetched and computed together; the in-flight bound.
 const EXPERTS_IN_FLIGHT: usize = 8;
 
+/// Most experts already in memory computed together.
+const READY_GROUP: usize = 32;
+
 /// Experts' inputs of fewer values than this are gathered, and their
 /// activations computed, on the calling thread.
 const MIN_PARALLEL_VALUES: usize = 1 << 16;
@@ -219,18 +263,26 @@ pub fn routed_experts(
     // The next batch's reads start before this batch computes, and within
     // a batch the experts already in memory compute (together) while the
     // others are read, which then compute as their reads complete: disk
-    // time hides behind compute.
+    // time hides behind compute. Experts in memory wait for the next
+    // batch's, up to `READY_GROUP`, so a prefill chunk whose experts are
+    // all cached computes them in a few parallel regions, not a few per
+    // batch.
+    let mut ready: Vec<Arc<Expert>> = Vec::new();
     let mut next = batches.first().map(|b| store.request(layer, b));
     for i in 0..batches.len() {
         let current = next.take().expect("requested ahead");
         next = batches.get(i + 1).map(|b| store.request(layer, b));
-        let (ready, reading): (Vec<Fetch>, Vec<Fetch>) =
+        let (cached, reading): (Vec<Fetch>, Vec<Fetch>) =
             current.into_iter().partition(Fetch::is_ready);
-        let ready: Vec<Arc<Expert>> = ready
-            .into_iter()
-            .map(|f| store.wait(f))
-            .collect::<Result<_>>()?;
+        for fetch in cached {
+            ready.push(store.wait(fetch)?);
+        }
+        let last = i + 1 == batches.len();
+        if reading.is_empty() && !last && ready.len() + EXPERTS_IN_FLIGHT <= READY_GROUP {
+            continue;
+        }
         let mut results = experts(isa, on_pool, &ready, x, hidden, &assigned, activations, ffn);
+        ready.clear();
         for fetch in reading {
             let expert = store.wait(fetch)?;
             results.extend(experts(
@@ -244,8 +296,9 @@ pub fn routed_experts(
                 ffn,
             ));
         }
-        // Summed in ascending expert order whatever finished first, so the
-        // result does not depend on read timing.
+        // Summed in ascending expert order whatever finished first (every
+        // expert of earlier groups is below this group's), so the result
+        // does not depend on read timing or grouping.
         results.sort_by_key(|(index, _)| *index);
         add_weighted(on_pool, &mut out, hidden, &results, &assigned);
     }
@@ -385,12 +438,12 @@ mod tests {
     #[test]
     fn softmax_router_picks_the_most_probable_and_renormalises() {
         let logits = [0.5f32, 2.0, -1.0, 1.0];
-        let r = route(&logits, 4, &RouterSpec::softmax(2, true), None);
+        let r = route(false, &logits, 4, &RouterSpec::softmax(2, true), None);
         assert_eq!(r.experts, [1, 3]);
         let (a, b) = (2.0f32.exp(), 1.0f32.exp());
         assert!((r.weights[0] - a / (a + b)).abs() < 1e-6);
         assert!((r.weights[1] - b / (a + b)).abs() < 1e-6);
-        let raw = route(&logits, 4, &RouterSpec::softmax(2, false), None);
+        let raw = route(false, &logits, 4, &RouterSpec::softmax(2, false), None);
         let total: f32 = logits.iter().map(|x| x.exp()).sum();
         assert!((raw.weights[0] - a / total).abs() < 1e-6);
     }
@@ -409,7 +462,7 @@ mod tests {
             renormalize: true,
             scaling: 2.5,
         };
-        let r = route(&logits, 8, &spec, Some(&bias));
+        let r = route(false, &logits, 8, &spec, Some(&bias));
         // Choice scores: group 0: s(3)+s(-3) = 1.0; group 1: s(1)+s(.8) ≈
         // 1.42; group 2 ≈ 0.24; group 3: s(.5)+2+s(.4) ≈ 3.22. Kept: 3 and
         // 1; best: 6 (with its bias), then 2.
@@ -427,7 +480,7 @@ mod tests {
             scaling: 1.0,
             ..spec
         };
-        let r = route(&logits, 8, &plain, Some(&bias));
+        let r = route(false, &logits, 8, &plain, Some(&bias));
         assert_eq!(r.experts, [2, 3]);
         assert!((r.weights[0] - sigmoid(1.0)).abs() < 1e-6);
         assert!((r.weights[1] - sigmoid(0.8)).abs() < 1e-6);
@@ -440,7 +493,7 @@ mod tests {
             score: ScoreFunction::SoftmaxOfChosen,
             ..RouterSpec::softmax(2, false)
         };
-        let r = route(&logits, 6, &spec, None);
+        let r = route(false, &logits, 6, &spec, None);
         assert_eq!(r.experts, [1, 5]);
         let (a, b) = (3.0f32.exp(), 2.5f32.exp());
         assert!((r.weights[0] - a / (a + b)).abs() < 1e-6);
