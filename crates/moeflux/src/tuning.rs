@@ -6,6 +6,7 @@
 //! | `XDG_STATE_HOME` | where `moeflux chat` keeps its input history (`moeflux/chat_history`) | `~/.local/state` |
 //! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
 //! | `MOEFLUX_CPU_SPIN_US` | microseconds the CPU backend's idle workers spin, waiting for the next parallel region, before they park | 2000 |
+//! | `MOEFLUX_CPU_TASK_MACS` | multiply-adds below which the CPU backend does not split a product's rows into more tasks | 131072 |
 //! | `MOEFLUX_CPU_POOL` | `0`: the CPU backend's parallel regions run on rayon's threads instead of its own spinning workers | on |
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
 //! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of 2 to 128 tokens (several sequences decoding, a check of drafted tokens, a short prompt) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
@@ -68,6 +69,12 @@ pub fn cpu_kernels() -> Option<String> {
 /// parks.
 pub fn cpu_spin() -> std::time::Duration {
     std::time::Duration::from_micros(number("MOEFLUX_CPU_SPIN_US", 2000) as u64)
+}
+
+/// `MOEFLUX_CPU_TASK_MACS`: the fewest multiply-adds of a CPU product's
+/// task, unless the whole product has fewer.
+pub fn cpu_task_macs(default: usize) -> usize {
+    number("MOEFLUX_CPU_TASK_MACS", default).max(1)
 }
 
 /// `MOEFLUX_CPU_POOL`: whether the CPU backend's parallel regions run on

@@ -68,9 +68,16 @@ pub struct Product<'a> {
 /// thread: a parallel region would cost more than it saves.
 const MIN_PARALLEL_INPUTS: usize = 1 << 16;
 
-/// Products below this many multiply-adds per task are not split further
-/// (about 25 us of one core, well above a rayon task's overhead).
-const MIN_TASK_MACS: usize = 1 << 19;
+/// Products below this many multiply-adds per task are not split further,
+/// unless `MOEFLUX_CPU_TASK_MACS` says otherwise: a few microseconds of one
+/// core, well above the cost of claiming a task, and small enough that a
+/// decode step's products spread evenly over 16 threads (on the
+/// qwen3-30b-a3b shape, 16 threads: 31–33 tok/s with 512K a task, 37–38
+/// with 128K).
+fn min_task_macs() -> usize {
+    static MACS: OnceLock<usize> = OnceLock::new();
+    *MACS.get_or_init(|| crate::tuning::cpu_task_macs(1 << 17))
+}
 
 /// The inputs of a product, laid out for its kernels.
 enum Inputs<'a> {
@@ -204,7 +211,7 @@ pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Ve
         .map(|p| vec![0f32; p.n * p.w.rows()])
         .collect();
     let total_macs: usize = products.iter().map(|p| p.w.rows() * p.w.cols() * p.n).sum();
-    let task_macs = MIN_TASK_MACS.max(total_macs.div_ceil(8 * rayon::current_num_threads()));
+    let task_macs = min_task_macs().max(total_macs.div_ceil(8 * rayon::current_num_threads()));
     // (product, first row, rows)
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, p) in products.iter().enumerate() {
