@@ -18,7 +18,7 @@ use super::{
     AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, KvType,
     RmsNorm, Rope, check_host_kv, check_kv_type,
 };
-use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
+use crate::config::{ExpertActivation, LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::format::{TensorData, TensorRole};
@@ -411,13 +411,13 @@ impl Backend for CpuBackend {
             .data
             .iter()
             .zip(&up.data)
-            .map(|(&g, &u)| g / (1.0 + (-g).exp()) * u)
+            .map(|(&g, &u)| moe::activation(ExpertActivation::SwiGlu, g, u))
             .collect();
         Ok(Tensor::new(gate.rows, gate.cols, data))
     }
 
     fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
-        let sigmoid = |g: f32| 1.0 / (1.0 + (-g).exp());
+        let sigmoid = |g: f32| 1.0 / (1.0 + simd::exp(-g));
         if gate.cols == 1 {
             for (row, &g) in x.data.chunks_exact_mut(x.cols).zip(&gate.data) {
                 let s = sigmoid(g);
