@@ -417,7 +417,7 @@ impl Backend for CpuBackend {
     }
 
     fn mul_sigmoid(&self, x: &mut Tensor, gate: &Tensor) -> Result<()> {
-        let sigmoid = |g: f32| 1.0 / (1.0 + simd::exp(-g));
+        let sigmoid = |g: f32| 1.0 / (1.0 + (-g).exp());
         if gate.cols == 1 {
             for (row, &g) in x.data.chunks_exact_mut(x.cols).zip(&gate.data) {
                 let s = sigmoid(g);

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::linear::{Activations, Product, matmul_many_with};
 use super::pool;
-use super::simd::{self, Isa};
+use super::simd::Isa;
 use crate::config::{ExpertActivation, ExpertGroups, RouterSpec, ScoreFunction};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, Fetch};
@@ -208,16 +208,15 @@ impl Ffn<'_> {
     }
 }
 
-/// One value of an expert's activation from its gate and up values (with
-/// [`simd::exp`], so a loop of them vectorises).
+/// One value of an expert's activation from its gate and up values.
 #[inline]
 pub fn activation(kind: ExpertActivation, gate: f32, up: f32) -> f32 {
     match kind {
-        ExpertActivation::SwiGlu => gate / (1.0 + simd::exp(-gate)) * up,
+        ExpertActivation::SwiGlu => gate / (1.0 + (-gate).exp()) * up,
         ExpertActivation::ClampedSwiGlu { limit, alpha } => {
             let g = gate.min(limit);
             let u = up.clamp(-limit, limit);
-            g / (1.0 + simd::exp(-alpha * g)) * (u + 1.0)
+            g / (1.0 + (-alpha * g).exp()) * (u + 1.0)
         }
     }
 }
