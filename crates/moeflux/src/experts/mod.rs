@@ -341,6 +341,14 @@ impl ExpertStore {
         self.shared.cache.lock().unwrap().budget()
     }
 
+    /// Whether the cache holds every expert of every layer (as after
+    /// [`ExpertStore::load_all`]); with a budget that holds them all it
+    /// evicts none, so nothing is left to read or predict.
+    pub fn holds_every_expert(&self) -> bool {
+        let total: usize = self.moe_layers().map(|l| self.expert_count(l)).sum();
+        self.shared.cache.lock().unwrap().len() == total
+    }
+
     pub fn cache_policy(&self) -> CachePolicy {
         self.shared.cache.lock().unwrap().policy()
     }

@@ -576,6 +576,12 @@ impl Backend for CpuBackend {
         Ok(Tensor::new(x.rows, x.cols, out))
     }
 
+    /// The store's cache is this backend's memory: once it holds every
+    /// expert, a decode step has nothing to predict or read ahead.
+    fn experts_resident(&self, store: &ExpertStore, _layer: usize) -> bool {
+        store.holds_every_expert()
+    }
+
     /// Every expert read into the store's cache when they all fit its
     /// budget (see [`ExpertStore::load_all`]).
     fn prepare_experts(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
