@@ -338,6 +338,27 @@ fn decode_layers_throughput() {
     }
 }
 
+/// qwen3-30b-a3b's attention: 32 query heads over 4 KV heads of 128.
+fn qwen3_30b_attention() -> crate::backend::AttentionShape {
+    crate::backend::AttentionShape {
+        num_heads: 32,
+        num_kv_heads: 4,
+        head_dim: 128,
+        window: None,
+        latent: false,
+    }
+}
+
+/// `n` values uniform in [-0.5, 0.5) a call, from `seed`.
+fn uniform_values(seed: u64) -> impl FnMut(usize) -> Vec<f32> {
+    let mut rng = crate::util::SplitMix64(seed);
+    move |n| {
+        (0..n)
+            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+            .collect()
+    }
+}
+
 /// A decode step's attention over 8192 cached positions of the
 /// qwen3-30b-a3b shape (32 query heads over 4 KV heads of 128) for each KV
 /// type: the cache's bytes read per step against the read bandwidth.
@@ -346,22 +367,11 @@ fn decode_layers_throughput() {
 #[ignore = "benchmark"]
 fn attention_decode_throughput() {
     use super::attention::{KvCache, attend};
-    use crate::backend::{AttentionShape, KvRows, KvType};
+    use crate::backend::{KvRows, KvType};
 
-    let shape = AttentionShape {
-        num_heads: 32,
-        num_kv_heads: 4,
-        head_dim: 128,
-        window: None,
-        latent: false,
-    };
+    let shape = qwen3_30b_attention();
     let (positions, width) = (8192, 4 * 128);
-    let mut rng = crate::util::SplitMix64(7);
-    let mut values = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-            .collect()
-    };
+    let mut values = uniform_values(7);
     let (keys, vals) = (values(positions * width), values(positions * width));
     let (q, k, v) = (values(32 * 128), values(width), values(width));
     let big = vec![1f32; 128 << 20];
@@ -398,22 +408,11 @@ fn attention_decode_throughput() {
 #[ignore = "benchmark"]
 fn attention_prefill_throughput() {
     use super::attention::{KvCache, attend};
-    use crate::backend::{AttentionShape, KvRows, KvType};
+    use crate::backend::{KvRows, KvType};
 
-    let shape = AttentionShape {
-        num_heads: 32,
-        num_kv_heads: 4,
-        head_dim: 128,
-        window: None,
-        latent: false,
-    };
+    let shape = qwen3_30b_attention();
     let (n, width) = (512, 4 * 128);
-    let mut rng = crate::util::SplitMix64(7);
-    let mut values = |n: usize| -> Vec<f32> {
-        (0..n)
-            .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-            .collect()
-    };
+    let mut values = uniform_values(7);
     let (q, k, v) = (values(n * 32 * 128), values(n * width), values(n * width));
     let macs = 2 * (n * (n + 1) / 2) * 32 * 128;
     for isa in Isa::available() {
