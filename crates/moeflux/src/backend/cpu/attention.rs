@@ -268,7 +268,8 @@ impl HeadGroup<'_> {
         let heads = self.queries.len() / hd;
         let at = |j: usize| (self.visible.start + j) * self.width + self.offset;
         let n = self.visible.len();
-        let mut decoded = vec![0f32; KEYS * hd];
+        // Decoded rows of keys, then of values (borrowed in place for f32).
+        let mut decoded = vec![0f32; KEYS.max(VALUES) * hd];
         // scores[h * n + j], KEYS keys at a time (each score as `dot`
         // gives it alone).
         scores.clear();
@@ -304,11 +305,9 @@ impl HeadGroup<'_> {
         }
         // The weighted sums, `VALUES` positions at a time: their rows
         // (decoded once) are read by every head.
-        let mut rows = std::mem::take(&mut decoded);
-        rows.resize(VALUES * hd, 0.0);
         for first in (0..n).step_by(VALUES) {
             let count = VALUES.min(n - first);
-            let mut scratch = rows.chunks_exact_mut(hd);
+            let mut scratch = decoded.chunks_exact_mut(hd);
             let block: [&[f32]; VALUES] = std::array::from_fn(|k| match scratch.next() {
                 Some(scratch) if k < count => values.row(at(first + k), scratch),
                 _ => &[],
