@@ -6,7 +6,10 @@ the launch geometry of geometry.rs as -D options), and prints NVRTC's log.
 Needs libnvrtc: `pip install nvidia-cuda-nvrtc` puts it in
 site-packages/nvidia/cu13/lib, which this script finds; or pass --lib PATH.
 
-    python3 tools/nvrtc_check.py [--arch sm_90] [-D NAME=VALUE ...]
+    python3 tools/nvrtc_check.py [--arch sm_90] [-D NAME=VALUE ...] [--ptxas REGEX]
+
+--ptxas prints ptxas's registers, stack and spills of the kernels whose
+names match REGEX (a real architecture such as sm_90 compiles to a CUBIN).
 
 -D adds tuning defines as MOEFLUX_CUDA_DEFINES does; like it, it may not
 set a constant of geometry.rs.
@@ -50,11 +53,33 @@ def geometry():
     return [(name, value.replace("_", "")) for name, _, value in found]
 
 
+def ptxas_summary(log, pattern):
+    """One line per kernel matching `pattern` from ptxas's verbose log: its
+    registers, stack frame and spills; NVRTC's other messages unchanged."""
+    lines, kernel, out = log.splitlines(), None, []
+    for line in lines:
+        entry = re.search(r"Compiling entry function '(\w+)'", line)
+        if entry:
+            kernel = entry.group(1)
+            continue
+        if not line.startswith("ptxas"):
+            out.append(line)
+        elif kernel and pattern.search(kernel):
+            stats = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores", line)
+            regs = re.search(r"Used (\d+) registers", line)
+            if stats:
+                out.append(f"{kernel}: stack {stats.group(1)} B, spill stores {stats.group(2)} B")
+            if regs:
+                out.append(f"{kernel}: {regs.group(1)} registers")
+    return "\n".join(out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--lib", default=None)
     parser.add_argument("-D", dest="defines", action="append", default=[])
+    parser.add_argument("--ptxas", metavar="REGEX", default=None)
     args = parser.parse_args()
     nvrtc = ctypes.CDLL(args.lib or find_lib())
     prog = ctypes.c_void_p()
@@ -69,6 +94,8 @@ def main():
     options = [f"--gpu-architecture={args.arch}".encode()] + [
         f"-D{name}={value}".encode() for name, value in defines
     ] + [f"-D{d}".encode() for d in args.defines]
+    if args.ptxas:
+        options.append(b"--ptxas-options=--verbose")
     array = (ctypes.c_char_p * len(options))(*options)
     rc = nvrtc.nvrtcCompileProgram(prog, len(options), array)
     size = ctypes.c_size_t()
@@ -76,6 +103,8 @@ def main():
     log = ctypes.create_string_buffer(size.value)
     nvrtc.nvrtcGetProgramLog(prog, log)
     text = log.value.decode(errors="replace").strip()
+    if args.ptxas:
+        text = ptxas_summary(text, re.compile(args.ptxas))
     if text:
         print(text)
     print(f"NVRTC: {'compiled' if rc == 0 else 'FAILED'} for {args.arch}")

@@ -4,7 +4,8 @@
 //! query heads per block where they can (each key and value read once),
 //! and split long contexts over several blocks per head (flash-decoding);
 //! the decode step of several sequences, each over its own cache; and
-//! flash-style tiles from [`FLASH_MIN_TOKENS`] tokens.
+//! from [`FLASH_MIN_TOKENS`] tokens FlashAttention's tiles on the tensor
+//! cores (TF32 MMAs at about f32 accuracy; sm_80 and later).
 
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
 
@@ -26,18 +27,26 @@ const MAX_HEAD_DIM: usize = ATTN_MAX_PER_LANE * 32;
 /// attention.cu).
 const FA_ROWS: usize = FA_WARPS * FA_ROWS_PER_WARP;
 /// Largest head dimension of the prefill attention kernels.
-pub(super) const FLASH_MAX_HEAD_DIM: usize = 256;
+const FLASH_MAX_HEAD_DIM: usize = 256;
 /// Tokens from which attention takes the prefill kernels: with fewer, the
 /// (token, head) blocks of the other kernel are more parallel.
 const FLASH_MIN_TOKENS: usize = 16;
 
-/// Dynamic shared memory of a prefill attention block: the query rows,
-/// a tile of keys (rows padded) and values, and each warp's probabilities.
-pub(super) fn flash_attention_shared_bytes(head_dim: usize) -> usize {
-    4 * (FA_ROWS * head_dim
-        + FA_KEYS * (head_dim + FA_KEY_PAD)
-        + FA_KEYS * head_dim
-        + FA_WARPS * FA_KEYS * FA_ROWS_PER_WARP)
+/// The head dimension a prefill attention kernel is compiled for: the
+/// smallest of 128 and 256 that holds `head_dim`.
+fn flash_kernel_dim(head_dim: usize) -> usize {
+    if head_dim <= 128 {
+        128
+    } else {
+        FLASH_MAX_HEAD_DIM
+    }
+}
+
+/// Dynamic shared memory of a prefill attention block whose kernel is
+/// compiled for `kernel_dim`: its query rows and a tile of keys and of
+/// values, every row padded.
+fn flash_attention_shared_bytes(kernel_dim: usize) -> usize {
+    4 * (FA_ROWS + 2 * FA_KEYS) * (kernel_dim + FA_KEY_PAD)
 }
 
 /// Most blocks a head's positions are split over by the decode kernels
@@ -187,11 +196,18 @@ impl CudaBackend {
             long(start),
         );
         let kernels = self.kernels.kv(cache.kv_type());
-        if n >= FLASH_MIN_TOKENS && head_dim <= FLASH_MAX_HEAD_DIM && head_dim.is_multiple_of(4) {
+        let flash_shared = flash_attention_shared_bytes(flash_kernel_dim(head_dim));
+        if n >= FLASH_MIN_TOKENS
+            && head_dim <= FLASH_MAX_HEAD_DIM
+            && head_dim.is_multiple_of(4)
+            && self
+                .tc_shared_limit
+                .is_some_and(|limit| flash_shared <= limit)
+        {
             // Its start is the host's: a recording could not move it on.
             self.note_unrecordable();
-            let kernel = match head_dim {
-                ..=128 => &kernels.flash_attention_128,
+            let kernel = match flash_kernel_dim(head_dim) {
+                128 => &kernels.flash_attention_128,
                 _ => &kernels.flash_attention_256,
             };
             let rows = n * (heads / kv_heads);
@@ -202,7 +218,7 @@ impl CudaBackend {
                     1,
                 ),
                 block_dim: ((FA_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: flash_attention_shared_bytes(head_dim) as u32,
+                shared_mem_bytes: flash_shared as u32,
             };
             launch!(
                 self,

@@ -75,11 +75,11 @@ geometry! {
     /// Warps per block of the one-token attention kernels that take a KV
     /// head's whole group of query heads (`attention_decode_grouped_*`).
     GD_WARPS: usize = 8;
-    /// Warps, query rows per warp, keys per staged tile and the padding of
-    /// a staged key row of the prefill attention kernels
-    /// (`flash_attention_*`).
+    /// Warps, query rows per warp (the tensor-core MMA's 16), keys per
+    /// staged tile and the padding of a staged row (its stride ≡ 4 mod 32
+    /// words) of the prefill attention kernels (`flash_attention_*`).
     FA_WARPS: usize = 4;
-    FA_ROWS_PER_WARP: usize = 8;
+    FA_ROWS_PER_WARP: usize = 16;
     FA_KEYS: usize = 32;
     FA_KEY_PAD: usize = 4;
 

@@ -368,23 +368,13 @@ impl CudaBackend {
             keep_freed_memory(&ctx).map_err(|e| fail("configuring the memory pool", e))?;
         }
         let kernels = compile::load(&ctx).map_err(|e| device_error(ordinal, "kernels", e))?;
-        let flash_shared =
-            attention::flash_attention_shared_bytes(attention::FLASH_MAX_HEAD_DIM) as i32;
-        let flash = KvType::ALL.into_iter().flat_map(|kv| {
-            let k = kernels.kv(kv);
-            [&k.flash_attention_128, &k.flash_attention_256]
-        });
-        let shared = flash
-            .map(|kernel| (kernel, flash_shared))
-            .chain([(&kernels.mla_attention, mla::MLA_MAX_SHARED_BYTES as i32)]);
-        for (kernel, bytes) in shared {
-            kernel
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    bytes,
-                )
-                .map_err(|e| fail("allowing the attention kernels their shared memory", e))?;
-        }
+        kernels
+            .mla_attention
+            .set_attribute(
+                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                mla::MLA_MAX_SHARED_BYTES as i32,
+            )
+            .map_err(|e| fail("allowing the attention kernels their shared memory", e))?;
         let name = ctx.name().map_err(|e| fail("reading the device name", e))?;
         let sm_count =
             ctx.attribute(
@@ -407,7 +397,12 @@ impl CudaBackend {
                 &kernels.gdn_chunk_prepare,
                 &kernels.gdn_chunk_state,
                 &kernels.gdn_chunk_output,
-            ] {
+            ]
+            .into_iter()
+            .chain(KvType::ALL.into_iter().flat_map(|kv| {
+                let k = kernels.kv(kv);
+                [&k.flash_attention_128, &k.flash_attention_256]
+            })) {
                 kernel
                     .set_attribute(
                         cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,

@@ -876,23 +876,11 @@ ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8_q8, 
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16_q8, 4, 16, KV_Q8)
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_q8, 8, 8, KV_Q8)
 
-// ---- Prefill: a block per tile of query rows, keys and values shared ----
+// ---- Tiles of keys staged in shared memory, scored lane by lane ----
 //
-// attend() gives every (token, head) its own block, so a prefill of n
-// tokens reads each layer's keys and values about n · heads / 2 times
-// (from L2, which then bounds it). Here a block takes FA_ROWS query rows
-// of one KV head (rows are (token, head) pairs, token-major, over the heads
-// that share the KV head) and walks the visible keys in tiles of FA_KEYS
-// staged in shared memory, FlashAttention-style: each tile is read once
-// for all the block's rows. Scores: lane j scores key j of the tile for the
-// warp's FA_ROWS_PER_WARP rows; values: lane l accumulates dimensions
-// l, l + 32, ... of those rows. Running maxima and sums per row as in
-// attend(); everything in f32.
-
-// FA_WARPS, FA_ROWS_PER_WARP, FA_KEYS and FA_KEY_PAD come from geometry.rs;
-// FA_KEY_PAD pads a staged key row, so lanes reading the same dimension of
-// consecutive keys hit different banks (16-byte reads stay aligned).
-#define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
+// mla.cu's attention walks its keys in tiles one lane per key: each lane
+// scores its staged key against a warp's rows and the rows keep a running
+// (online) softmax, as attend() does for one row.
 
 // Lane `lane`'s staged key `my_key` (`dim` values, 16-byte aligned)
 // against each of a warp's ROWS query rows (`warp_q`, `dim` apart): the
@@ -952,137 +940,286 @@ __device__ __forceinline__ void online_softmax_tile(const float* s, float* runni
     }
 }
 
-template <int PER_LANE, int KV>
-__device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, KvSide<KV> values,
-                                             float* out, int n, int heads, int kv_heads,
-                                             int head_dim, i64 start, float scale, int window,
-                                             const float* sinks) {
-    extern __shared__ float4 fa_shared[];
-    const int group = heads / kv_heads;
-    const int key_stride = head_dim + FA_KEY_PAD;
-    float* q_tile = (float*)fa_shared;                      // [FA_ROWS][head_dim]
-    float* k_tile = q_tile + FA_ROWS * head_dim;             // [FA_KEYS][key_stride]
-    float* v_tile = k_tile + FA_KEYS * key_stride;           // [FA_KEYS][head_dim]
-    float* p_tile = v_tile + FA_KEYS * head_dim;             // [FA_WARPS][FA_KEYS][8]
-    const int warp = threadIdx.x / WARP_SIZE;
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int kv_head = blockIdx.y;
-    const i64 rows = (i64)n * group;
-    const i64 row0 = (i64)blockIdx.x * FA_ROWS;
-    const i64 kv_width = (i64)kv_heads * head_dim;
-    const i64 q_width = (i64)heads * head_dim;
-    const int quads = head_dim / 4;
+// ---- Prefill: FlashAttention on the tensor cores ----
+//
+// attend() gives every (token, head) its own block, so a prefill of n
+// tokens would read each layer's keys and values about n · heads / 2
+// times. Here a block takes FA_ROWS query rows of one KV head (rows are
+// (token, head) pairs, token-major, over the heads that share the KV
+// head), FA_ROWS_PER_WARP = 16 rows a warp (the MMA's M), and walks the
+// visible keys in tiles of FA_KEYS staged in shared memory, each read once
+// for all the block's rows (FlashAttention-2's loop):
+//   S = Q Kᵀ (16 rows × FA_KEYS keys a warp), masked and scaled;
+//   each row's running maximum m and sum l, O rescaled to the new maximum;
+//   O += exp(S - m) V, the probabilities taken from S's accumulators.
+// Both products run on the tensor cores as three TF32 MMAs per step
+// (hi·lo + lo·hi + hi·hi of the operands split as x = hi + lo, both TF32;
+// gdn_chunked.cu's scheme): about f32 accuracy, so prefill stays within the
+// tests' bound of the one-token decode kernels; exp is expf as there.
+//
+// Fragments of mma.m16n8k8.row.col.tf32 (g = lane / 4, i = lane % 4):
+//   A: a0 = (g, i), a1 = (g+8, i), a2 = (g, i+4), a3 = (g+8, i+4)
+//   B: b0 = (k i, n g), b1 = (k i+4, n g)
+//   C: c0 = (g, 2i), c1 = (g, 2i+1), c2 = (g+8, 2i), c3 = (g+8, 2i+1)
+// For O += P V the 8 keys of one S tile are the k of one step, taken in the
+// order 0, 2, 4, 6, 1, 3, 5, 7 (k = i is key 2i, k = i + 4 key 2i + 1): then
+// S's c0, c2, c1, c3 are exactly P's a0..a3, with no exchange between lanes,
+// and V's b0, b1 are keys 2i and 2i + 1.
+//
+// Staged rows (queries, keys, values, f32) are D + FA_KEY_PAD words apart,
+// ≡ 4 (mod 32): the fragments' loads (rows g, columns i or dimension g of
+// keys 2i) hit 32 different banks. Dimensions from head_dim to D are
+// staged as zeros, so any head_dim ≤ D (a multiple of 4) takes the kernel
+// of the next larger D.
 
-    // The block's query rows; rows past the end repeat the last one.
-    for (int i = threadIdx.x; i < FA_ROWS * quads; i += blockDim.x) {
-        int local = i / quads;
-        i64 row = min(row0 + local, rows - 1);
-        i64 t = row / group;
-        int h = kv_head * group + (int)(row % group);
-        ((float4*)q_tile)[i] = ((const float4*)(q + t * q_width + (i64)h * head_dim))[i % quads];
-    }
-    // Keys visible to this warp's rows and to the block (rows are
-    // token-major, so the block's last row sees the most).
-    // With a window, each row sees only the last `window` of them, and the
-    // block starts at its first row's oldest.
-    i64 visible[FA_ROWS_PER_WARP];
-    i64 oldest[FA_ROWS_PER_WARP];
+// FA_WARPS, FA_ROWS_PER_WARP, FA_KEYS and FA_KEY_PAD come from geometry.rs.
+#define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
+#if FA_ROWS_PER_WARP != 16 || FA_KEYS % 8 != 0 || FA_KEY_PAD % 32 != 4
+#error "attention.cu: the tensor-core prefill needs 16 rows a warp, tiles of 8 keys, rows ≡ 4 (mod 32)"
+#endif
+
+#if __CUDA_ARCH__ >= 800
+
+// (hi, lo) of x as TF32 with x ≈ hi + lo.
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// c += a · b in three TF32 MMAs of the split operands.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const float (&a)[4], const float (&b)[2]) {
+    u32 ah[4], al[4], bh[2], bl[2];
 #pragma unroll
-    for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-        i64 row = min(row0 + warp * FA_ROWS_PER_WARP + r, rows - 1);
-        visible[r] = start + row / group + 1;
-        oldest[r] = window > 0 ? max((i64)0, visible[r] - window) : 0;
-    }
-    const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
-    const i64 block_oldest = window > 0 ? max((i64)0, start + row0 / group + 1 - window) : 0;
+    for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) split_tf32(b[r], bh[r], bl[r]);
+    mma_tf32(c, al, bh);
+    mma_tf32(c, ah, bl);
+    mma_tf32(c, ah, bh);
+}
 
-    float running_max[FA_ROWS_PER_WARP];
-    float lane_total[FA_ROWS_PER_WARP];
-    float acc[FA_ROWS_PER_WARP][PER_LANE];
-    start_online_softmax<FA_ROWS_PER_WARP, PER_LANE>(running_max, lane_total, acc);
-    const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * head_dim;
-    float* warp_p = p_tile + warp * FA_KEYS * FA_ROWS_PER_WARP;
-
-    for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
-        int tile = (int)min((i64)FA_KEYS, block_visible - j0);
-        __syncthreads();  // the previous tile is no longer read
-        for (int i = threadIdx.x; i < FA_KEYS * quads; i += blockDim.x) {
-            int key = i / quads;
-            int quad = i % quads;
-            float4 kq = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            float4 vq = kq;
-            if (key < tile) {
-                i64 at = (j0 + key) * kv_width + (i64)kv_head * head_dim + 4 * quad;
-                kq = keys.quad(at);
-                vq = values.quad(at);
-            }
-            *(float4*)(k_tile + key * key_stride + 4 * quad) = kq;
-            ((float4*)v_tile)[i] = vq;
+// Stages COUNT rows of D values, the first `head_dim` of row r from
+// `src(r, column)` (a float4 at a multiple of 4), zeros after, into `dst`
+// (rows D + FA_KEY_PAD apart). Each thread issues FA_STAGE_BATCH loads
+// before it stores any, so a tile waits for memory about once, not once
+// per load.
+#ifndef FA_STAGE_BATCH
+#define FA_STAGE_BATCH 8
+#endif
+template <int D, int COUNT, typename Src>
+__device__ __forceinline__ void stage_rows(float* dst, int head_dim, Src src) {
+    constexpr int QUADS = D / 4;
+    constexpr int THREADS = FA_WARPS * WARP_SIZE;
+    constexpr int PER_THREAD = COUNT * QUADS / THREADS;
+    static_assert(COUNT * QUADS % (THREADS * FA_STAGE_BATCH) == 0, "whole batches of loads");
+#pragma unroll 1
+    for (int b0 = 0; b0 < PER_THREAD; b0 += FA_STAGE_BATCH) {
+        float4 v[FA_STAGE_BATCH];
+#pragma unroll
+        for (int j = 0; j < FA_STAGE_BATCH; ++j) {
+            const int at = threadIdx.x + (b0 + j) * THREADS;
+            const int r = at / QUADS, c = 4 * (at % QUADS);
+            v[j] = c < head_dim ? src(r, c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-        __syncthreads();
-
-        // Lane `lane` scores key j0 + lane against each of the warp's rows
-        // (before its window's first key, a row's maximum is still -inf).
-        float score[FA_ROWS_PER_WARP];
-        score_staged_key<FA_ROWS_PER_WARP>(k_tile + lane * key_stride, warp_q, head_dim, score);
 #pragma unroll
-        for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-            bool seen = j0 + lane < visible[r] && j0 + lane >= oldest[r];
-            score[r] = seen ? score[r] * scale : NEG_INF;
-        }
-        online_softmax_tile<FA_ROWS_PER_WARP, PER_LANE>(score, running_max, lane_total, acc, warp_p,
-                                                        lane);
-        __syncwarp();
-        for (int j = 0; j < tile; ++j) {
-            float4 p_lo = *(const float4*)(warp_p + j * FA_ROWS_PER_WARP);
-            float4 p_hi = *(const float4*)(warp_p + j * FA_ROWS_PER_WARP + 4);
-            float p[FA_ROWS_PER_WARP] = {p_lo.x, p_lo.y, p_lo.z, p_lo.w,
-                                         p_hi.x, p_hi.y, p_hi.z, p_hi.w};
-            const float* value = v_tile + j * head_dim;
-#pragma unroll
-            for (int k = 0; k < PER_LANE; ++k) {
-                int d = lane + k * WARP_SIZE;
-                float v = d < head_dim ? value[d] : 0.0f;
-#pragma unroll
-                for (int r = 0; r < FA_ROWS_PER_WARP; ++r) acc[r][k] = fmaf(p[r], v, acc[r][k]);
-            }
-        }
-        __syncwarp();  // warp_p is rewritten by the next tile
-    }
-
-#pragma unroll
-    for (int r = 0; r < FA_ROWS_PER_WARP; ++r) {
-        float total = warp_sum(lane_total[r]);
-        i64 row = row0 + warp * FA_ROWS_PER_WARP + r;
-        if (row >= rows) continue;
-        i64 t = row / group;
-        int h = kv_head * group + (int)(row % group);
-        if (sinks) total += expf(sinks[h] - running_max[r]);
-        float* o = out + t * q_width + (i64)h * head_dim;
-#pragma unroll
-        for (int k = 0; k < PER_LANE; ++k) {
-            int d = lane + k * WARP_SIZE;
-            if (d < head_dim) o[d] = acc[r][k] / total;
+        for (int j = 0; j < FA_STAGE_BATCH; ++j) {
+            const int at = threadIdx.x + (b0 + j) * THREADS;
+            *(float4*)(dst + (at / QUADS) * (D + FA_KEY_PAD) + 4 * (at % QUADS)) = v[j];
         }
     }
 }
 
+template <int D, int KV>
+__device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, KvSide<KV> values,
+                                             float* out, int n, int heads, int kv_heads,
+                                             int head_dim, i64 start, float scale, int window,
+                                             const float* sinks) {
+    constexpr int LD = D + FA_KEY_PAD;
+    constexpr int KEY_TILES = FA_KEYS / 8;
+    constexpr int DIM_TILES = D / 8;
+    extern __shared__ float4 fa_shared[];
+    float* q_tile = (float*)fa_shared;       // [FA_ROWS][LD]
+    float* k_tile = q_tile + FA_ROWS * LD;   // [FA_KEYS][LD]
+    float* v_tile = k_tile + FA_KEYS * LD;   // [FA_KEYS][LD]
+    const int warp = threadIdx.x / WARP_SIZE;
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, i = lane % 4;
+    const int group = heads / kv_heads;
+    const int kv_head = blockIdx.y;
+    const i64 rows = (i64)n * group;
+    // The last rows see the most keys: their blocks start first.
+    const i64 row0 = (i64)(gridDim.x - 1 - blockIdx.x) * FA_ROWS;
+    const i64 kv_width = (i64)kv_heads * head_dim;
+    const i64 q_width = (i64)heads * head_dim;
+
+    // The block's query rows; rows past the end repeat the last one.
+    stage_rows<D, FA_ROWS>(q_tile, head_dim, [&](int r, int c) {
+        const i64 row = min(row0 + r, rows - 1);
+        const int h = kv_head * group + (int)(row % group);
+        return *(const float4*)(q + (row / group) * q_width + (i64)h * head_dim + c);
+    });
+
+    // Keys visible to this lane's rows g and g + 8, to the warp and to the
+    // block (rows are token-major, so a range's last row sees the most);
+    // with a window a row sees only its last `window` keys.
+    const i64 warp_row0 = row0 + warp * FA_ROWS_PER_WARP;
+    i64 visible[2], oldest[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const i64 row = min(warp_row0 + g + 8 * h, rows - 1);
+        visible[h] = start + row / group + 1;
+        oldest[h] = window > 0 ? max((i64)0, visible[h] - window) : 0;
+    }
+    auto first_key = [&](i64 first_row) {
+        return window > 0 ? max((i64)0, start + min(first_row, rows - 1) / group + 1 - window)
+                          : (i64)0;
+    };
+    const i64 warp_visible = start + min(warp_row0 + FA_ROWS_PER_WARP - 1, rows - 1) / group + 1;
+    const i64 warp_oldest = first_key(warp_row0);
+    const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
+    const i64 block_oldest = first_key(row0);
+
+    // Rows g (h = 0) and g + 8 (h = 1): running maximum, this lane's part
+    // of the sum, and O's columns 8·t + 2i, + 1 in o[t][2h], o[t][2h + 1].
+    float running_max[2] = {NEG_INF, NEG_INF};
+    float lane_total[2] = {0.0f, 0.0f};
+    float o[DIM_TILES][4];
+#pragma unroll
+    for (int t = 0; t < DIM_TILES; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+    const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * LD;
+
+    for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
+        const int tile = (int)min((i64)FA_KEYS, block_visible - j0);
+        __syncthreads();  // the previous tile is no longer read
+        // Keys and values together (v_tile follows k_tile): rows FA_KEYS..
+        // of the staged rows are the values.
+        const i64 column0 = (i64)kv_head * head_dim;
+        stage_rows<D, 2 * FA_KEYS>(k_tile, head_dim, [&](int r, int c) {
+            const bool value = r >= FA_KEYS;
+            const int key = value ? r - FA_KEYS : r;
+            const i64 at = (j0 + key) * kv_width + column0 + c;
+            return key >= tile    ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                   : value ? values.quad(at)
+                           : keys.quad(at);
+        });
+        __syncthreads();
+        // A warp none of whose rows sees a key of the tile skips it.
+        if (j0 >= warp_visible || j0 + FA_KEYS <= warp_oldest) continue;
+
+        float s[KEY_TILES][4];
+#pragma unroll
+        for (int t = 0; t < KEY_TILES; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
+#pragma unroll 4
+        for (int k0 = 0; k0 < D; k0 += 8) {
+            const float a[4] = {warp_q[g * LD + k0 + i], warp_q[(g + 8) * LD + k0 + i],
+                                warp_q[g * LD + k0 + i + 4], warp_q[(g + 8) * LD + k0 + i + 4]};
+#pragma unroll
+            for (int t = 0; t < KEY_TILES; ++t) {
+                const float* key = k_tile + (8 * t + g) * LD + k0;
+                const float b[2] = {key[i], key[i + 4]};
+                mma_3xtf32(s[t], a, b);
+            }
+        }
+
+        // Mask and scale; each row's new maximum over its quad of lanes.
+        float tile_max[2] = {NEG_INF, NEG_INF};
+#pragma unroll
+        for (int t = 0; t < KEY_TILES; ++t) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int h = c / 2;
+                const i64 key = j0 + 8 * t + 2 * i + c % 2;
+                const bool seen = key < visible[h] && key >= oldest[h];
+                s[t][c] = seen ? s[t][c] * scale : NEG_INF;
+                tile_max[h] = fmaxf(tile_max[h], s[t][c]);
+            }
+        }
+        float rescale[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float m = tile_max[h];
+            m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 1));
+            m = fmaxf(m, __shfl_xor_sync(FULL_MASK, m, 2));
+            const float new_max = fmaxf(running_max[h], m);
+            const bool none = new_max == NEG_INF;
+            rescale[h] = none ? 1.0f : expf(running_max[h] - new_max);
+            float sum = 0.0f;
+#pragma unroll
+            for (int t = 0; t < KEY_TILES; ++t) {
+#pragma unroll
+                for (int c = 2 * h; c < 2 * h + 2; ++c) {
+                    s[t][c] = none ? 0.0f : expf(s[t][c] - new_max);
+                    sum += s[t][c];
+                }
+            }
+            lane_total[h] = lane_total[h] * rescale[h] + sum;
+            running_max[h] = new_max;
+        }
+#pragma unroll
+        for (int t = 0; t < DIM_TILES; ++t) {
+            o[t][0] *= rescale[0];
+            o[t][1] *= rescale[0];
+            o[t][2] *= rescale[1];
+            o[t][3] *= rescale[1];
+        }
+
+        // O += P V, a step of 8 keys per S tile.
+#pragma unroll
+        for (int t = 0; t < KEY_TILES; ++t) {
+            const float a[4] = {s[t][0], s[t][2], s[t][1], s[t][3]};
+            const float* key = v_tile + (8 * t + 2 * i) * LD + g;
+#pragma unroll
+            for (int d = 0; d < DIM_TILES; ++d) {
+                const float b[2] = {key[8 * d], key[LD + 8 * d]};
+                mma_3xtf32(o[d], a, b);
+            }
+        }
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float total = lane_total[h];
+        total += __shfl_xor_sync(FULL_MASK, total, 1);
+        total += __shfl_xor_sync(FULL_MASK, total, 2);
+        const i64 row = warp_row0 + g + 8 * h;
+        if (row >= rows) continue;
+        const i64 t = row / group;
+        const int head = kv_head * group + (int)(row % group);
+        if (sinks) total += expf(sinks[head] - running_max[h]);
+        float* dst = out + t * q_width + (i64)head * head_dim;
+#pragma unroll
+        for (int d = 0; d < DIM_TILES; ++d) {
+            const int c = 8 * d + 2 * i;
+            if (c < head_dim) *(float2*)(dst + c) = make_float2(o[d][2 * h] / total, o[d][2 * h + 1] / total);
+        }
+    }
+}
+
+#endif
+
 // Grid: (ceil(n · heads / kv_heads / FA_ROWS), kv_heads), FA_WARPS warps,
 // dynamic shared memory from flash_attention_shared_bytes (Rust side).
-#define FLASH_ATTENTION_KERNEL(name, PER_LANE, KV)                                          \
+// sm_80+ (TF32 MMAs); on older devices the kernels are empty and
+// attention.rs takes attend() instead.
+#define FLASH_ATTENTION_KERNEL(name, D, KV)                                                 \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                      \
         name(const float* q, const u8* keys, const float* key_scales, const u8* values,     \
              const float* value_scales, float* out, int n, int heads, int kv_heads,         \
              int head_dim, i64 start, float scale, int window, const float* sinks) {        \
-        await_inputs();                                                                     \
-        flash_attend<PER_LANE, KV>(q, KvSide<KV>{keys, key_scales},                         \
-                                   KvSide<KV>{values, value_scales}, out, n, heads,         \
-                                   kv_heads, head_dim, start, scale, window, sinks);        \
+        FLASH_ATTENTION_BODY(D, KV)                                                         \
     }
+#if __CUDA_ARCH__ >= 800
+#define FLASH_ATTENTION_BODY(D, KV)                                                    \
+    await_inputs();                                                                    \
+    flash_attend<D, KV>(q, KvSide<KV>{keys, key_scales}, KvSide<KV>{values, value_scales}, \
+                        out, n, heads, kv_heads, head_dim, start, scale, window, sinks);
+#else
+#define FLASH_ATTENTION_BODY(D, KV)
+#endif
 
-FLASH_ATTENTION_KERNEL(flash_attention_128_f32, 4, KV_F32)
-FLASH_ATTENTION_KERNEL(flash_attention_256_f32, 8, KV_F32)
-FLASH_ATTENTION_KERNEL(flash_attention_128_bf16, 4, KV_BF16)
-FLASH_ATTENTION_KERNEL(flash_attention_256_bf16, 8, KV_BF16)
-FLASH_ATTENTION_KERNEL(flash_attention_128_q8, 4, KV_Q8)
-FLASH_ATTENTION_KERNEL(flash_attention_256_q8, 8, KV_Q8)
+FLASH_ATTENTION_KERNEL(flash_attention_128_f32, 128, KV_F32)
+FLASH_ATTENTION_KERNEL(flash_attention_256_f32, 256, KV_F32)
+FLASH_ATTENTION_KERNEL(flash_attention_128_bf16, 128, KV_BF16)
+FLASH_ATTENTION_KERNEL(flash_attention_256_bf16, 256, KV_BF16)
+FLASH_ATTENTION_KERNEL(flash_attention_128_q8, 128, KV_Q8)
+FLASH_ATTENTION_KERNEL(flash_attention_256_q8, 256, KV_Q8)

@@ -48,6 +48,25 @@ __device__ __forceinline__ void await_inputs() {
 #endif
 }
 
+#if __CUDA_ARCH__ >= 800
+// x rounded to TF32 (its upper 19 bits), for the TF32 MMAs.
+__device__ __forceinline__ u32 to_tf32(float x) {
+    u32 r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+// c += a · b, one m16n8k8 TF32 MMA (fragments as gdn_chunked.cu and
+// attention.cu's prefill describe them).
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
+        "{%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
 __device__ __forceinline__ float bf16_to_float(u16 v) {
     return __int_as_float(((u32)v) << 16);
 }
