@@ -7,8 +7,9 @@
 
 use std::arch::x86_64::*;
 
+use super::int8::GROUP_LANES;
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Int8Kernel, Int8Params, Kernels, Mxfp4Rows, QuantRows,
+    Acts, FloatRows, Int8Acts, Int8Kernel, Int8Params, Kernels, Mxfp4Rows, QuantRows,
     float_rows_with, int8_rows_with, mxfp4_rows_with, quant_rows_with,
 };
 use crate::quant::GROUP_SIZE;

@@ -9,10 +9,11 @@ use std::arch::x86_64::*;
 
 use half::bf16;
 
+use super::int8::GROUP_LANES;
 use super::{
-    Acts, FloatRows, GROUP_LANES, Int8Acts, Kernels, Mxfp4Rows, PARAMS_AHEAD, QuantRows,
-    float_rows_with, mean_code, mxfp4_rows_with, prefetch, prefetch_first_params, quant_rows_with,
-    tile, tile_count, tile_tokens, with_bits, with_tile,
+    Acts, FloatRows, Int8Acts, Kernels, Mxfp4Rows, PARAMS_AHEAD, QuantRows, float_rows_with,
+    mean_code, mxfp4_rows_with, prefetch, prefetch_first_params, quant_rows_with, tile, tile_count,
+    tile_tokens, with_bits, with_tile,
 };
 use crate::quant::GROUP_SIZE;
 use crate::quant::lowbit::PLANE_BYTES;
@@ -310,7 +311,7 @@ unsafe fn int8_tile<const BITS: u32, const R: usize, const T: usize>(
     sums(&acc)
 }
 
-/// The groups of a block in [`super::q4_lane`] order, for `vpermps`.
+/// The groups of a block in [`super::int8::q4_lane`] order, for `vpermps`.
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn q4_lane_groups() -> __m512i {
@@ -332,12 +333,12 @@ fn fold_pairs<const EPI64: bool>(a: __m512i, b: __m512i) -> __m512i {
 }
 
 /// The int8 tile kernel of 4-bit rows for inputs not interleaved (fewer
-/// than [`super::WIDE_TOKENS`] tokens). A pair of groups' 64 code bytes
+/// than [`super::int8::WIDE_TOKENS`] tokens). A pair of groups' 64 code bytes
 /// are one register, unpacked at once into their low nibbles (evens) and
 /// high ones (odds); each pair of `vpdpbusd` sums both groups, the first's
 /// partial sums in lanes 0-7, the second's in 8-15. Interleaving adds of a
 /// block's 8 pairs (two levels of [`fold_pairs`], then one across 128-bit
-/// lanes) leave each group's exact sum in its [`super::q4_lane`], scaled
+/// lanes) leave each group's exact sum in its [`super::int8::q4_lane`], scaled
 /// by `s·d` as [`wide_tile`] does: the two kernels give the same numbers
 /// to the bit, so prefill and decode agree.
 #[inline]
@@ -438,7 +439,7 @@ unsafe fn q4_tile<const R: usize, const T: usize>(
 }
 
 /// Adds the exact sums of the block of groups from `first` (one a lane, in
-/// [`super::q4_lane`] order), each scaled by its `s·d`, to every pair of a
+/// [`super::int8::q4_lane`] order), each scaled by its `s·d`, to every pair of a
 /// tile: where both 4-bit kernels scale, so they round alike.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
@@ -511,7 +512,7 @@ unsafe fn add_group_terms<const BITS: u32, const R: usize, const T: usize>(
 
 /// Interleaves row `r`'s 4-bit codes as [`Int8Acts`] interleaves many
 /// tokens' inputs: per block of [`GROUP_LANES`] groups, 16 vectors whose
-/// lane [`super::q4_lane`]`(g)` holds four codes of group `g`, one per
+/// lane [`super::int8::q4_lane`]`(g)` holds four codes of group `g`, one per
 /// byte (the low nibbles of the group's `k`-th four bytes in vector `k`,
 /// their high nibbles in vector `k + 8`). Groups past the row's end are
 /// zero.
@@ -530,7 +531,7 @@ unsafe fn interleave_row(w: &QuantRows<'_>, r: usize, groups: usize, out: &mut [
     // `+ 4`, `+ 2`, `+ 1` the next dwords.
     let level1 = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
     let level2 = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29);
-    // Level 3 in the kernels' lane order ([`super::q4_lane`]).
+    // Level 3 in the kernels' lane order ([`super::int8::q4_lane`]).
     let level3 = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 16, 20, 24, 28, 18, 22, 26, 30);
     let shifted = |idx: __m512i, by: i32| _mm512_add_epi32(idx, _mm512_set1_epi32(by));
     let gather = |a: __m512i, idx: __m512i, b: __m512i| _mm512_permutex2var_epi32(a, idx, b);
