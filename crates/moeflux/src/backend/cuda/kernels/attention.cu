@@ -1201,21 +1201,21 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
 // dynamic shared memory from flash_attention_shared_bytes (Rust side).
 // sm_80+ (TF32 MMAs); on older devices the kernels are empty and
 // attention.rs takes attend() instead.
-#define FLASH_ATTENTION_KERNEL(name, D, KV)                                                 \
-    extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                      \
-        name(const float* q, const u8* keys, const float* key_scales, const u8* values,     \
-             const float* value_scales, float* out, int n, int heads, int kv_heads,         \
-             int head_dim, i64 start, float scale, int window, const float* sinks) {        \
-        FLASH_ATTENTION_BODY(D, KV)                                                         \
-    }
 #if __CUDA_ARCH__ >= 800
-#define FLASH_ATTENTION_BODY(D, KV)                                                    \
-    await_inputs();                                                                    \
+#define FLASH_ATTEND(D, KV)                                                                \
     flash_attend<D, KV>(q, KvSide<KV>{keys, key_scales}, KvSide<KV>{values, value_scales}, \
                         out, n, heads, kv_heads, head_dim, start, scale, window, sinks);
 #else
-#define FLASH_ATTENTION_BODY(D, KV)
+#define FLASH_ATTEND(D, KV)
 #endif
+#define FLASH_ATTENTION_KERNEL(name, D, KV)                                             \
+    extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                  \
+        name(const float* q, const u8* keys, const float* key_scales, const u8* values, \
+             const float* value_scales, float* out, int n, int heads, int kv_heads,     \
+             int head_dim, i64 start, float scale, int window, const float* sinks) {    \
+        await_inputs();                                                                 \
+        FLASH_ATTEND(D, KV)                                                             \
+    }
 
 FLASH_ATTENTION_KERNEL(flash_attention_128_f32, 128, KV_F32)
 FLASH_ATTENTION_KERNEL(flash_attention_256_f32, 256, KV_F32)
