@@ -196,7 +196,8 @@ impl CudaBackend {
             long(start),
         );
         let kernels = self.kernels.kv(cache.kv_type());
-        let flash_shared = flash_attention_shared_bytes(flash_kernel_dim(head_dim));
+        let flash_dim = flash_kernel_dim(head_dim);
+        let flash_shared = flash_attention_shared_bytes(flash_dim);
         if n >= FLASH_MIN_TOKENS
             && head_dim <= FLASH_MAX_HEAD_DIM
             && head_dim.is_multiple_of(4)
@@ -206,7 +207,7 @@ impl CudaBackend {
         {
             // Its start is the host's: a recording could not move it on.
             self.note_unrecordable();
-            let kernel = match flash_kernel_dim(head_dim) {
+            let kernel = match flash_dim {
                 128 => &kernels.flash_attention_128,
                 _ => &kernels.flash_attention_256,
             };
