@@ -195,6 +195,7 @@ kernels!(
     moe_prefill_down_q2,
     moe_prefill_down_mxfp4,
     moe_prefill_combine,
+    split_activations,
     moe_group_slots,
     moe_few_gate_up_q4,
     moe_few_down_q4,

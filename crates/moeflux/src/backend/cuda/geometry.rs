@@ -144,6 +144,12 @@ geometry! {
     MP_BM: usize = 128;
     MP_BN: usize = 32;
     MP_THREADS: u32 = 128;
+    /// Stages in flight in the q4 kernels, and the bytes of one
+    /// (`MoeQ4Stage`: 128 rows of 48 bytes of codes, 32 slots' hi and lo
+    /// rows of 72 bf16, 128 scales and biases and 32 sums as f32; the
+    /// kernel checks the size).
+    MP_STAGES: usize = 3;
+    MP_Q4_STAGE_BYTES: usize = 16512;
 
     // ---- moe_few.cu
     /// Threads of the one block that groups a call's slots by expert.

@@ -390,6 +390,19 @@ impl CudaBackend {
                     cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
                 )
                 .map_err(|e| fail("reading the shared memory limit", e))?;
+            // The q4 expert kernels also have static shared memory, so they
+            // are allowed what they launch with rather than the limit.
+            for kernel in [
+                &kernels.moe_prefill_gate_up_q4,
+                &kernels.moe_prefill_down_q4,
+            ] {
+                kernel
+                    .set_attribute(
+                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        prefill::Q4_SHARED_BYTES as i32,
+                    )
+                    .map_err(|e| fail("allowing the q4 expert kernels their shared memory", e))?;
+            }
             for kernel in [
                 &kernels.moe_down_tc_q4,
                 &kernels.moe_few_gate_up_q4,

@@ -18,11 +18,11 @@
 
 use std::ops::Range;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::device_expert::expert_inter;
 use super::experts::FfnArgs;
-use super::geometry::{MP_BM, MP_BN, MP_THREADS};
+use super::geometry::{MP_BM, MP_BN, MP_Q4_STAGE_BYTES, MP_STAGES, MP_THREADS};
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::error::Result;
 use crate::quant::{DType, MatrixLayout};
@@ -49,6 +49,23 @@ impl Part {
         }
     }
 }
+
+/// Dynamic shared memory of the q4 kernels: their stages in flight.
+pub(super) const Q4_SHARED_BYTES: usize = MP_STAGES * MP_Q4_STAGE_BYTES;
+
+/// Activations split for the q4 kernels (`SplitRows` in moe_prefill.cu):
+/// the device addresses of their hi and lo bf16 rows and of their sums
+/// per group of 64 columns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct SplitRows {
+    hi: u64,
+    lo: u64,
+    sums: u64,
+}
+
+// SAFETY: three u64s, laid out as the kernels' struct of three pointers.
+unsafe impl DeviceRepr for SplitRows {}
 
 /// The tiles of a call, four u32 each: expert (index in the table), first
 /// sorted slot, slots, 0.
@@ -134,12 +151,22 @@ impl CudaBackend {
             return Ok(());
         }
         let gate = parts[0].1;
+        if gate.dtype == DType::Q4 {
+            return self.launch_prefill_q4(
+                x,
+                top_k,
+                table,
+                (tiles, tile_count),
+                count,
+                slots,
+                parts,
+                ffn,
+                act,
+                y,
+            );
+        }
         let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
         let (gate_up, down_kernel) = match gate.dtype {
-            DType::Q4 => (
-                &self.kernels.moe_prefill_gate_up_q4,
-                &self.kernels.moe_prefill_down_q4,
-            ),
             DType::Q8 => (
                 &self.kernels.moe_prefill_gate_up_q8,
                 &self.kernels.moe_prefill_down_q8,
@@ -160,6 +187,7 @@ impl CudaBackend {
                 &self.kernels.moe_prefill_gate_up_mxfp4,
                 &self.kernels.moe_prefill_down_mxfp4,
             ),
+            DType::Q4 => unreachable!("q4 experts take launch_prefill_q4"),
             DType::F32 => unreachable!("f32 experts take the per-expert path"),
         };
         let tiles_x = u32::try_from(count).expect("tiles fit a grid");
@@ -208,6 +236,117 @@ impl CudaBackend {
             slots,
             &*act,
             y,
+            &hidden_i,
+            &inter_i,
+            &top_k_i,
+            &down_part,
+            &down_part,
+            &ffn
+        );
+        Ok(())
+    }
+
+    /// [`launch_prefill_experts`](Self::launch_prefill_experts) for q4
+    /// experts: the layer input split once, then the pipelined kernels,
+    /// gate/up writing `act` split for down (hi in its first half, lo in
+    /// its second; its sums in a buffer of their own).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_prefill_q4(
+        &self,
+        x: &Tensor,
+        top_k: usize,
+        table: &CudaSlice<u64>,
+        (tiles, tile_count): (&CudaSlice<u32>, u64),
+        count: usize,
+        slots: &CudaSlice<u32>,
+        parts: &[(usize, MatrixLayout); 3],
+        ffn: FfnArgs,
+        act: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        const OP: &str = "routed experts (tensor cores)";
+        let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
+        let groups = |cols: usize| cols / crate::quant::GROUP_SIZE;
+        let x_halves = self.alloc::<u16>(OP, 2 * x.rows * hidden)?;
+        let x_sums = self.alloc::<f32>(OP, x.rows * groups(hidden))?;
+        let act_rows = act.len() / inter;
+        let act_sums = self.alloc::<f32>(OP, act_rows * groups(inter))?;
+        let split = |halves: u64, rows: usize, cols: usize, sums: &CudaSlice<f32>| SplitRows {
+            hi: halves,
+            lo: halves + (2 * rows * cols) as u64,
+            sums: sums.device_ptr(&self.stream).0,
+        };
+        let x_split = split(x_halves.device_ptr(&self.stream).0, x.rows, hidden, &x_sums);
+        let act_split = split(
+            act.device_ptr_mut(&self.stream).0,
+            act_rows,
+            inter,
+            &act_sums,
+        );
+        let (rows_i, hidden_i, inter_i, top_k_i) = (
+            int(x.rows, "tokens"),
+            int(hidden, "hidden size"),
+            int(inter, "expert intermediate size"),
+            int(top_k, "top-k"),
+        );
+        launch!(
+            self,
+            "routed experts: splitting the input",
+            &self.kernels.split_activations,
+            grid_stride(x.rows * hidden / 8),
+            &x.data,
+            &x_split,
+            &rows_i,
+            &hidden_i
+        );
+        let tiles_x = u32::try_from(count).expect("tiles fit a grid");
+        let (gate_part, up_part, down_part) = (
+            Part::new(parts[0]),
+            Part::new(parts[1]),
+            Part::new(parts[2]),
+        );
+        let config = |rows_per_block: usize, rows: usize| LaunchConfig {
+            grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
+            block_dim: (MP_THREADS, 1, 1),
+            shared_mem_bytes: Q4_SHARED_BYTES as u32,
+        };
+        let none = 0u64;
+        launch!(
+            self,
+            "routed experts gate/up (tensor cores)",
+            &self.kernels.moe_prefill_gate_up_q4,
+            config(MP_BM / 2, inter),
+            table,
+            tiles,
+            &tile_count,
+            slots,
+            &x_split,
+            &none,
+            &act_split,
+            &inter_i,
+            &hidden_i,
+            &top_k_i,
+            &gate_part,
+            &up_part,
+            &ffn
+        );
+        let no_split = SplitRows {
+            hi: 0,
+            lo: 0,
+            sums: 0,
+        };
+        launch!(
+            self,
+            "routed experts down (tensor cores)",
+            &self.kernels.moe_prefill_down_q4,
+            config(MP_BM, hidden),
+            table,
+            tiles,
+            &tile_count,
+            slots,
+            &act_split,
+            y,
+            &no_split,
             &hidden_i,
             &inter_i,
             &top_k_i,

@@ -980,24 +980,6 @@ __device__ __forceinline__ void online_softmax_tile(const float* s, float* runni
 
 #if __CUDA_ARCH__ >= 800
 
-// (hi, lo) of x as TF32 with x ≈ hi + lo.
-__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
-    hi = to_tf32(x);
-    lo = to_tf32(x - __uint_as_float(hi));
-}
-
-// c += a · b in three TF32 MMAs of the split operands.
-__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const float (&a)[4], const float (&b)[2]) {
-    u32 ah[4], al[4], bh[2], bl[2];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) split_tf32(b[r], bh[r], bl[r]);
-    mma_tf32(c, al, bh);
-    mma_tf32(c, ah, bl);
-    mma_tf32(c, ah, bh);
-}
-
 // Stages COUNT rows of D values, the first `head_dim` of row r from
 // `src(r, column)` (a float4 at a multiple of 4), zeros after, into `dst`
 // (rows D + FA_KEY_PAD apart). Each thread issues FA_STAGE_BATCH loads
@@ -1113,11 +1095,16 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
         for (int k0 = 0; k0 < D; k0 += 8) {
             const float a[4] = {warp_q[g * LD + k0 + i], warp_q[(g + 8) * LD + k0 + i],
                                 warp_q[g * LD + k0 + i + 4], warp_q[(g + 8) * LD + k0 + i + 4]};
+            u32 ah[4], al[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
 #pragma unroll
             for (int t = 0; t < KEY_TILES; ++t) {
                 const float* key = k_tile + (8 * t + g) * LD + k0;
-                const float b[2] = {key[i], key[i + 4]};
-                mma_3xtf32(s[t], a, b);
+                u32 bh[2], bl[2];
+                split_tf32(key[i], bh[0], bl[0]);
+                split_tf32(key[i + 4], bh[1], bl[1]);
+                mma_3xtf32(s[t], ah, al, bh, bl);
             }
         }
 
@@ -1167,11 +1154,16 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
 #pragma unroll
         for (int t = 0; t < KEY_TILES; ++t) {
             const float a[4] = {s[t][0], s[t][2], s[t][1], s[t][3]};
+            u32 ah[4], al[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
             const float* key = v_tile + (8 * t + 2 * i) * LD + g;
 #pragma unroll
             for (int d = 0; d < DIM_TILES; ++d) {
-                const float b[2] = {key[8 * d], key[LD + 8 * d]};
-                mma_3xtf32(o[d], a, b);
+                u32 bh[2], bl[2];
+                split_tf32(key[8 * d], bh[0], bl[0]);
+                split_tf32(key[LD + 8 * d], bh[1], bl[1]);
+                mma_3xtf32(o[d], ah, al, bh, bl);
             }
         }
     }

@@ -65,6 +65,54 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
+
+// (hi, lo) of x as TF32 with x ≈ hi + lo (x - hi is exact in f32).
+__device__ __forceinline__ void split_tf32(float x, u32& hi, u32& lo) {
+    hi = to_tf32(x);
+    lo = to_tf32(x - __uint_as_float(hi));
+}
+
+// c += a · b at about f32 accuracy: three TF32 MMAs of operands split by
+// split_tf32, the small terms first. Callers split each fragment once and
+// reuse it across the tiles it meets.
+__device__ __forceinline__ void mma_3xtf32(float (&c)[4], const u32 (&ah)[4], const u32 (&al)[4],
+                                           const u32 (&bh)[2], const u32 (&bl)[2]) {
+    mma_tf32(c, al, bh);
+    mma_tf32(c, ah, bl);
+    mma_tf32(c, ah, bh);
+}
+#endif
+
+#if __CUDA_ARCH__ >= 800
+// Asynchronous copies from global to shared memory (cp.async): the data
+// does not pass through registers, so a kernel can keep several stages in
+// flight without holding them. `valid` false fills the destination with
+// zeros (the source is not read). A commit closes the group of copies
+// issued since the last one; copy_async_wait<N> returns once at most N
+// groups are still in flight (the thread's own copies only: a barrier
+// makes them visible to the block).
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :
+                 : "r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async4(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                 :
+                 : "r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 4 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void copy_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 #endif
 
 __device__ __forceinline__ float bf16_to_float(u16 v) {

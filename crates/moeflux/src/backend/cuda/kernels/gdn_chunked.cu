@@ -61,22 +61,13 @@ __device__ __forceinline__ void warp_product(float (&acc)[NT][4], int k_len, Loa
         float av[4] = {a(g, k0 + i), a(g + 8, k0 + i), a(g, k0 + i + 4), a(g + 8, k0 + i + 4)};
         u32 ah[4], al[4];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            ah[r] = to_tf32(av[r]);
-            al[r] = to_tf32(av[r] - __uint_as_float(ah[r]));
-        }
+        for (int r = 0; r < 4; ++r) split_tf32(av[r], ah[r], al[r]);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            float bv[2] = {b(k0 + i, nt * 8 + g), b(k0 + i + 4, nt * 8 + g)};
             u32 bh[2], bl[2];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                bh[r] = to_tf32(bv[r]);
-                bl[r] = to_tf32(bv[r] - __uint_as_float(bh[r]));
-            }
-            mma_tf32(acc[nt], al, bh);
-            mma_tf32(acc[nt], ah, bl);
-            mma_tf32(acc[nt], ah, bh);
+            split_tf32(b(k0 + i, nt * 8 + g), bh[0], bl[0]);
+            split_tf32(b(k0 + i + 4, nt * 8 + g), bh[1], bl[1]);
+            mma_3xtf32(acc[nt], ah, al, bh, bl);
         }
     }
 }

@@ -284,30 +284,27 @@ struct GemmStage {
 };
 
 // One stage of a warp's tensor-core products, shared by linear_tc and the
-// grouped expert kernels (moe_prefill.cu): two 16-row A tiles of the staged
-// weights at rows[0] and rows[1], against four 8-token tiles of the split
+// grouped expert kernels (moe_prefill.cu): two 16-row A tiles of weights,
+// whose fragments load_a(mi, k, a) produces for tile mi at the stage's
+// column k (a multiple of 16), against four 8-token tiles of the split
 // activations (hi + lo) from token0 (those from tiles_n on skipped), over
 // the stage's GEMM_BK columns; the result is folded into acc, with the
-// stage's scale and bias per row for quantized weights (bias · Σx per
-// token). Element e of a C fragment is row g + 8·(e / 2), token
-// 2·i4 + e % 2 of its tile. `Shared` is the kernel's shared-memory stage
-// (fields w, hi, lo, scale, bias, xsum).
-template <bool QUANTIZED, typename Shared>
-__device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2], int token0,
-                                          int tiles_n, float (&acc)[2][4][4]) {
+// stage's scale and bias of rows[mi] + g (+ 8) for quantized weights
+// (bias · Σx per token). Element e of a C fragment is row g + 8·(e / 2),
+// token 2·i4 + e % 2 of its tile. `Shared` is the stage in shared memory
+// (fields hi, lo, scale, bias, xsum).
+template <bool QUANTIZED, typename Shared, typename LoadA>
+__device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
+                                               const int (&rows)[2], int token0, int tiles_n,
+                                               float (&acc)[2][4][4]) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
     float part[2][4][4] = {};
 #pragma unroll
     for (int k = 0; k < GEMM_BK; k += 16) {
-        // A: lanes 0-7 address rows 0-7 at k, 8-15 rows 8-15 at k,
-        // 16-23 rows 0-7 at k+8, 24-31 rows 8-15 at k+8.
         u32 a[2][4];
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            ldmatrix_x4(a[mi], &sm.w[rows[mi] + (lane % 8) + 8 * ((lane / 8) % 2)]
-                                    [k + 8 * (lane / 16)]);
-        }
+        for (int mi = 0; mi < 2; ++mi) load_a(mi, k, a[mi]);
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             if (2 * p >= tiles_n) continue;
@@ -357,6 +354,22 @@ __device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2]
             }
         }
     }
+}
+
+// mma_stage_with for weights staged as bf16 in sm.w (rows × k), whose A
+// fragments come from ldmatrix: lanes 0-7 address rows 0-7 at k, 8-15 rows
+// 8-15 at k, 16-23 rows 0-7 at k+8, 24-31 rows 8-15 at k+8.
+template <bool QUANTIZED, typename Shared>
+__device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2], int token0,
+                                          int tiles_n, float (&acc)[2][4][4]) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    mma_stage_with<QUANTIZED>(
+        sm,
+        [&](int mi, int k, u32(&a)[4]) {
+            ldmatrix_x4(a, &sm.w[rows[mi] + (lane % 8) + 8 * ((lane / 8) % 2)]
+                                [k + 8 * (lane / 16)]);
+        },
+        rows, token0, tiles_n, acc);
 }
 
 // The kernels' body. Grid: (ceil(rows / GEMM_BM), ceil(n / GEMM_BN),

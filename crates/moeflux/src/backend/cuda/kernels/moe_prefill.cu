@@ -55,6 +55,32 @@ struct MoeMatrices {
     const u16* biases[2];
 };
 
+// The weight matrices of an expert whose buffer starts at `base`: gate
+// and up (GATE_UP), or down twice.
+template <bool GATE_UP>
+__device__ __forceinline__ MoeMatrices moe_matrices(const u8* base, ExpertPart pa,
+                                                    ExpertPart pb) {
+    const ExpertPart second = GATE_UP ? pb : pa;
+    MoeMatrices m;
+    m.codes[0] = base + pa.offset;
+    m.scales[0] = (const u16*)(m.codes[0] + pa.scales);
+    m.biases[0] = (const u16*)(m.codes[0] + pa.biases);
+    m.codes[1] = base + second.offset;
+    m.scales[1] = (const u16*)(m.codes[1] + second.scales);
+    m.biases[1] = (const u16*)(m.codes[1] + second.biases);
+    return m;
+}
+
+// The input row of slot j of a tile (its first sorted slot `start`,
+// `count` slots): for gate/up the slot's token, for down its sorted
+// position (act's row); -1 past the tile's end.
+template <bool GATE_UP>
+__device__ __forceinline__ int moe_input_row(const u32* slots, int start, int count, int top_k,
+                                             int j) {
+    if (j >= count) return -1;
+    return GATE_UP ? (int)(slots[start + j] / (u32)top_k) : start + j;
+}
+
 #if __CUDA_ARCH__ >= 800
 
 // The bf16 pair (q_a - centre, q_b - centre) of two codes at bits 0-1 or
@@ -268,24 +294,8 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
     const int start = (int)tile[1], count = (int)tile[2];
     const int split = GATE_UP ? MP_BM / 2 : MP_BM;
     const int r0 = blockIdx.y * split;
-    const u8* base = (const u8*)table[tile[0]];
-
-    MoeMatrices m;
-    {
-        const u8* ca = base + pa.offset;
-        const u8* cb = base + (GATE_UP ? pb.offset : pa.offset);
-        m.codes[0] = ca;
-        m.scales[0] = (const u16*)(ca + pa.scales);
-        m.biases[0] = (const u16*)(ca + pa.biases);
-        m.codes[1] = cb;
-        m.scales[1] = (const u16*)(cb + (GATE_UP ? pb.scales : pa.scales));
-        m.biases[1] = (const u16*)(cb + (GATE_UP ? pb.biases : pa.biases));
-    }
-    if (tid < MP_BN) {
-        int src = -1;
-        if (tid < count) src = GATE_UP ? (int)(slots[start + tid] / (u32)top_k) : start + tid;
-        sm.in_row[tid] = src;
-    }
+    const MoeMatrices m = moe_matrices<GATE_UP>((const u8*)table[tile[0]], pa, pb);
+    if (tid < MP_BN) sm.in_row[tid] = moe_input_row<GATE_UP>(slots, start, count, top_k, tid);
     __syncthreads();
 
     // 8-slot tiles holding slots of the tile (block-uniform): the MMAs of
@@ -363,12 +373,6 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 #define MOE_PREFILL_ARGS table, tiles, tile_count, slots, x, out, rows, cols, top_k, a, b, ffn
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
-    moe_prefill_gate_up_q4(MOE_PREFILL_PARAMS) {
-    await_inputs();
-    moe_prefill_tc<DT_Q4, true>(MOE_PREFILL_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_gate_up_q8(MOE_PREFILL_PARAMS) {
     await_inputs();
     moe_prefill_tc<DT_Q8, true>(MOE_PREFILL_ARGS);
@@ -417,12 +421,6 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
-    moe_prefill_down_q4(MOE_PREFILL_PARAMS) {
-    await_inputs();
-    moe_prefill_tc<DT_Q4, false>(MOE_PREFILL_ARGS);
-}
-
-extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_down_q8(MOE_PREFILL_PARAMS) {
     await_inputs();
     moe_prefill_tc<DT_Q8, false>(MOE_PREFILL_ARGS);
@@ -432,6 +430,311 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
     moe_prefill_down_bf16(MOE_PREFILL_PARAMS) {
     await_inputs();
     moe_prefill_tc<DT_BF16, false>(MOE_PREFILL_ARGS);
+}
+
+// ---- q4: stages copied asynchronously, codes widened in registers ----
+//
+// q4 experts (the format prefill mostly meets) take kernels whose stages
+// never pass through registers, so a block keeps MP_STAGES of them in
+// flight and holds only its accumulators:
+// - the activations come split already (split_activations below; gate/up
+//   writes act split for down): hi and lo bf16 rows in gemm.cu's column
+//   order and Σx per 64-column group, with store_activation_run's
+//   arithmetic; a stage copies the rows of its tile's slots as they are;
+// - the codes are copied as stored, 32 bytes a row per stage, and each
+//   warp widens the codes of its own A fragments to bf16 (q4_pair) right
+//   before its MMAs: lane (g, i) needs, of rows g and g + 8, the pair of
+//   columns (c + i, c + i + 4) of each run of 8 columns, which q4_pair
+//   takes from the run's 32-bit word shifted by 4·i;
+// - the rows' scales and biases are read a stage ahead into registers and
+//   stored the stage after, so their loads overlap a stage of MMAs.
+// The products are mma_stage_with's, the same operations as the other
+// types' kernels; only how the operands reach the tensor cores differs.
+// One __syncthreads per stage: it makes stage s visible and frees the
+// buffer of stage s - 1 for the copies of stage s + MP_STAGES - 1.
+#if !defined(MP_STAGES) || !defined(MP_Q4_STAGE_BYTES)
+#error "moe_prefill.cu: q4 pipeline geometry missing (geometry.rs)"
+#endif
+
+// Blocks per multiprocessor the q4 kernels' registers are bounded for
+// (a tuning define: 4 caps them at 128 registers, which spills).
+#ifndef MP_Q4_MIN_BLOCKS
+#define MP_Q4_MIN_BLOCKS 3
+#endif
+
+// Bytes of a staged q4 row: the stage's 32 bytes of codes and 16 of
+// padding, so the 8-byte reads of one fragment's eight rows (48 bytes
+// apart) fall in distinct banks.
+#define MQ_ROW_BYTES 48
+
+// Activations split for the tensor cores, as the q4 kernels read them:
+// `hi`, `lo` [rows, cols] bf16 in gemm.cu's column order and `sums`
+// [rows, cols / 64] f32, Σx over each group of 64 columns.
+struct SplitRows {
+    u16* hi;
+    u16* lo;
+    float* sums;
+};
+
+struct MoeQ4Stage {
+    u8 w[MP_BM][MQ_ROW_BYTES];  // codes as stored
+    u16 hi[MP_BN][GEMM_LD];      // the tile's slots' activations, split
+    u16 lo[MP_BN][GEMM_LD];
+    float scale[MP_BM];  // each row's scale, and bias + 8 · scale
+    float bias[MP_BM];
+    float xsum[MP_BN];  // Σx of each slot over the stage's columns
+};
+static_assert(sizeof(MoeQ4Stage) == MP_Q4_STAGE_BYTES,
+              "geometry.rs's MP_Q4_STAGE_BYTES must be the size of MoeQ4Stage");
+static_assert(MP_STAGES >= 3, "scales are stored one stage after they are read");
+static_assert(MP_THREADS == MP_BM, "a thread reads one row's scale and bias");
+static_assert(MP_BM / 2 == GROUP_SIZE, "a gate/up block makes one group of act's columns");
+
+// x [rows, cols] split (SplitRows); cols a multiple of 64. A thread takes
+// a run of 8 columns, the 8 lanes of a group its runs; the grid strides
+// by whole warps so every lane of a group is present.
+extern "C" __global__ void split_activations(const float* x, SplitRows out, int rows, int cols) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    const i64 runs = (i64)rows * (cols / 8);
+    const int lane = threadIdx.x % WARP_SIZE;
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x - lane; first < runs;
+         first += step) {
+        const i64 i = first + lane;
+        const bool inside = i < runs;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        if (inside) {
+            a = ((const float4*)(x + 8 * i))[0];
+            b = ((const float4*)(x + 8 * i))[1];
+        }
+        uint4 hi, lo;
+        split_pair(a.x, b.x, hi.x, lo.x);
+        split_pair(a.y, b.y, hi.y, lo.y);
+        split_pair(a.z, b.z, hi.z, lo.z);
+        split_pair(a.w, b.w, hi.w, lo.w);
+        float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+        s += __shfl_xor_sync(FULL_MASK, s, 4);
+        s += __shfl_xor_sync(FULL_MASK, s, 2);
+        s += __shfl_xor_sync(FULL_MASK, s, 1);
+        if (inside) {
+            store16(out.hi + 8 * i, hi);
+            store16(out.lo + 8 * i, lo);
+            if (lane % 8 == 0) out.sums[i / 8] = s;
+        }
+    }
+#endif
+}
+
+#if __CUDA_ARCH__ >= 800
+
+// The q4 kernels' body. GATE_UP: x is the layer input split, `a` gate and
+// `b` up; act (written) is silu(gate)·up split, by sorted position.
+// Otherwise x is act split, `a` down (b unused), and out is y
+// [n · top_k, rows] by slot. Dynamic shared memory: MP_STAGES stages.
+template <bool GATE_UP>
+__device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restrict__ table,
+                                               const u32* __restrict__ tiles,
+                                               const u32* __restrict__ tile_count,
+                                               const u32* __restrict__ slots, SplitRows x,
+                                               float* __restrict__ out, SplitRows act,
+                                               int rows, int cols, int top_k, ExpertPart pa,
+                                               ExpertPart pb, ExpertFfn ffn) {
+    extern __shared__ __align__(16) u8 moe_q4_shared[];
+    MoeQ4Stage* stages = (MoeQ4Stage*)moe_q4_shared;
+    __shared__ int in_row[MP_BN];
+    __shared__ float warp_sums[MP_THREADS / WARP_SIZE][MP_BN];
+    if (tile_count && blockIdx.x >= *tile_count) return;
+    const int tid = threadIdx.x;
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+    const u32* tile = tiles + 4 * (i64)blockIdx.x;
+    const int start = (int)tile[1], count = (int)tile[2];
+    const int split = GATE_UP ? MP_BM / 2 : MP_BM;
+    const int r0 = blockIdx.y * split;
+    const MoeMatrices m = moe_matrices<GATE_UP>((const u8*)table[tile[0]], pa, pb);
+    if (tid < MP_BN) in_row[tid] = moe_input_row<GATE_UP>(slots, start, count, top_k, tid);
+    __syncthreads();
+
+    const int groups = cols / GROUP_SIZE;  // = stages
+    const i64 row_bytes = cols / 2;
+    // Whether shared row `row` is of the second matrix, and its row r there
+    // (selected, not indexed, so `m` stays in registers).
+    const auto source = [&](int row, int& r) {
+        const bool second = row >= split;
+        r = r0 + row - (second ? split : 0);
+        return second;
+    };
+    // Queues the copies of stage s (none past the last) and closes the group.
+    const auto issue = [&](int s) {
+        if (s < groups) {
+            MoeQ4Stage& st = stages[s % MP_STAGES];
+            const int k0 = s * GEMM_BK;
+#pragma unroll
+            for (int j = 0; j < 2 * MP_BM / MP_THREADS; ++j) {
+                const int c = tid + j * MP_THREADS, row = c / 2, part = c % 2;
+                int r;
+                const u8* codes = source(row, r) ? m.codes[1] : m.codes[0];
+                const bool valid = r < rows;
+                const u8* p = codes + (valid ? r * row_bytes + k0 / 2 + 16 * part : 0);
+                copy_async16(&st.w[row][16 * part], p, valid);
+            }
+#pragma unroll
+            for (int j = 0; j < 16 * MP_BN / MP_THREADS; ++j) {
+                const int c = tid + j * MP_THREADS, slot = c / 16, piece = c % 8;
+                const bool low = (c / 8) % 2;
+                const int src = in_row[slot];
+                const u16* p = (low ? x.lo : x.hi) + (src >= 0 ? (i64)src * cols + k0 + 8 * piece : 0);
+                copy_async16(low ? &st.lo[slot][8 * piece] : &st.hi[slot][8 * piece], p, src >= 0);
+            }
+            if (tid < MP_BN) {
+                const int src = in_row[tid];
+                copy_async4(&st.xsum[tid], x.sums + (src >= 0 ? (i64)src * groups + s : 0),
+                            src >= 0);
+            }
+        }
+        copy_async_commit();
+    };
+    // Row tid's scale and bias of stage s (zero past the matrix or the stages).
+    const auto read_params = [&](int s, u16& scale, u16& bias) {
+        int r;
+        const bool second = source(tid, r);
+        scale = bias = 0;
+        if (s < groups && r < rows) {
+            const i64 at = (i64)r * groups + s;
+            scale = (second ? m.scales[1] : m.scales[0])[at];
+            bias = (second ? m.biases[1] : m.biases[0])[at];
+        }
+    };
+    const auto store_params = [&](int s, u16 scale, u16 bias) {
+        MoeQ4Stage& st = stages[s % MP_STAGES];
+        const float f = bf16_to_float(scale);
+        st.scale[tid] = f;
+        st.bias[tid] = fmaf(8.0f, f, bf16_to_float(bias));
+    };
+
+    const int tiles_n = min(4, (count + 7) / 8);
+    const int rows_of_warp[2] = {moe_tile_row<GATE_UP>(warp, 0),
+                                 moe_tile_row<GATE_UP>(warp, 1)};
+    float acc[2][4][4] = {};
+    for (int s = 0; s < MP_STAGES - 1; ++s) {
+        issue(s);
+        u16 scale, bias;
+        read_params(s, scale, bias);
+        store_params(s, scale, bias);
+    }
+    u16 next_scale = 0, next_bias = 0;  // of stage s + MP_STAGES - 2
+    for (int s = 0; s < groups; ++s) {
+        copy_async_wait<MP_STAGES - 2>();
+        __syncthreads();
+        if (s > 0) store_params(s + MP_STAGES - 2, next_scale, next_bias);
+        issue(s + MP_STAGES - 1);
+        read_params(s + MP_STAGES - 1, next_scale, next_bias);
+        const MoeQ4Stage& st = stages[s % MP_STAGES];
+        mma_stage_with<true>(
+            st,
+            [&](int mi, int k, u32(&a)[4]) {
+                const u8* top = &st.w[rows_of_warp[mi] + g][k / 2];
+                const uint2 t = *(const uint2*)top;                      // row g
+                const uint2 b = *(const uint2*)(top + 8 * MQ_ROW_BYTES);  // row g + 8
+                const int shift = 4 * i4;
+                a[0] = q4_pair(t.x >> shift);
+                a[1] = q4_pair(b.x >> shift);
+                a[2] = q4_pair(t.y >> shift);
+                a[3] = q4_pair(b.y >> shift);
+            },
+            rows_of_warp, 0, tiles_n, acc);
+    }
+    copy_async_wait<0>();
+
+    if (GATE_UP) {
+        // acc[0] is gate, acc[1] up, of rows r0 + 16·warp + g (+ 8). act's
+        // column r sits at position 2·(r % 4) + (r / 4) % 2 of its run of 8.
+        float sums[4][2] = {};
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = r0 + 16 * warp + g + 8 * (e / 2);
+                const int t = 8 * nj + 2 * i4 + e % 2;
+                if (r < rows && t < count) {
+                    const float v =
+                        expert_act(ffn, tile[0], r, rows, acc[0][nj][e], acc[1][nj][e]);
+                    u32 hi, lo;
+                    split_pair(v, 0.0f, hi, lo);
+                    const i64 at =
+                        (i64)(start + t) * rows + (r & ~7) + 2 * (r & 3) + ((r >> 2) & 1);
+                    act.hi[at] = (u16)hi;
+                    act.lo[at] = (u16)lo;
+                    sums[nj][e % 2] += v;
+                }
+            }
+        }
+        // Σ over the block's 64 rows (one group of down's columns) per slot:
+        // over g in the warp, then over the warps in order.
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                float v = sums[nj][e];
+                v += __shfl_xor_sync(FULL_MASK, v, 4);
+                v += __shfl_xor_sync(FULL_MASK, v, 8);
+                v += __shfl_xor_sync(FULL_MASK, v, 16);
+                if (g == 0) warp_sums[warp][8 * nj + 2 * i4 + e] = v;
+            }
+        }
+        __syncthreads();
+        if (tid < count) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < MP_THREADS / WARP_SIZE; ++w) v += warp_sums[w][tid];
+            act.sums[(i64)(start + tid) * (rows / GROUP_SIZE) + blockIdx.y] = v;
+        }
+    } else {
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int t = 8 * nj + 2 * i4 + e % 2;
+                if (t >= count) continue;
+                const i64 slot = slots[start + t];
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    const int r = r0 + 32 * warp + 16 * mi + g + 8 * (e / 2);
+                    if (r < rows) {
+                        out[slot * rows + r] =
+                            acc[mi][nj][e] + expert_down_bias(ffn, tile[0], r, rows);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
+// The q4 kernels. Grids as the other types'; MP_THREADS threads;
+// MP_STAGES · MP_Q4_STAGE_BYTES of dynamic shared memory. sm_80+.
+#define MOE_Q4_PARAMS                                                                 \
+    const unsigned long long *table, const u32 *tiles, const u32 *tile_count,         \
+        const u32 *slots, SplitRows x, float *out, SplitRows act, int rows, int cols,  \
+        int top_k, ExpertPart a, ExpertPart b, ExpertFfn ffn
+#define MOE_Q4_ARGS table, tiles, tile_count, slots, x, out, act, rows, cols, top_k, a, b, ffn
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
+    moe_prefill_gate_up_q4(MOE_Q4_PARAMS) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    moe_prefill_q4<true>(MOE_Q4_ARGS);
+#endif
+}
+
+extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
+    moe_prefill_down_q4(MOE_Q4_PARAMS) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    moe_prefill_q4<false>(MOE_Q4_ARGS);
+#endif
 }
 
 // out[t, c] (+)= Σ_k weights[t · top_k + k] · y[t · top_k + k, c], k in
