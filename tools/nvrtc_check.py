@@ -80,6 +80,8 @@ def main():
     parser.add_argument("--lib", default=None)
     parser.add_argument("-D", dest="defines", action="append", default=[])
     parser.add_argument("--ptxas", metavar="REGEX", default=None)
+    parser.add_argument("--cubin", metavar="PATH", default=None,
+                        help="write the CUBIN there (for nvdisasm; a real architecture only)")
     args = parser.parse_args()
     nvrtc = ctypes.CDLL(args.lib or find_lib())
     prog = ctypes.c_void_p()
@@ -107,6 +109,12 @@ def main():
         text = ptxas_summary(text, re.compile(args.ptxas))
     if text:
         print(text)
+    if rc == 0 and args.cubin:
+        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+        with open(args.cubin, "wb") as f:
+            f.write(cubin.raw)
     print(f"NVRTC: {'compiled' if rc == 0 else 'FAILED'} for {args.arch}")
     sys.exit(0 if rc == 0 else 1)
 

@@ -82,7 +82,7 @@ pub struct ModelArgs {
     /// available memory).
     #[arg(long)]
     pub expert_cache_mb: Option<f64>,
-    /// Prompt tokens processed together (default: 512 on the CPU and on
+    /// Prompt tokens processed together (default: 512 on the CPU, 2048 on
     /// CUDA).
     #[arg(long)]
     pub prefill_chunk: Option<usize>,

@@ -300,6 +300,13 @@ __device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
     float part[2][4][4] = {};
+    // B for 8-token tiles 2p and 2p+1: lanes 0-7 address tokens 0-7 at k,
+    // 8-15 tokens 0-7 at k+8, 16-23 tokens 8-15 at k, 24-31 tokens 8-15 at
+    // k+8; registers 0,1 are b0,b1 of tile 2p, registers 2,3 those of tile
+    // 2p+1. The lane's address at p = 0, k = 0; the others are constant
+    // offsets from it.
+    const u16* b_lane = &sm.hi[token0 + (lane % 8) + 8 * (lane / 16)][8 * ((lane / 8) % 2)];
+    const int lo_offset = (int)(&sm.lo[0][0] - &sm.hi[0][0]);
 #pragma unroll
     for (int k = 0; k < GEMM_BK; k += 16) {
         u32 a[2][4];
@@ -308,15 +315,10 @@ __device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
             if (2 * p >= tiles_n) continue;
-            // B for 8-token tiles 2p and 2p+1: lanes 0-7 address tokens
-            // 0-7 at k, 8-15 tokens 0-7 at k+8, 16-23 tokens 8-15 at k,
-            // 24-31 tokens 8-15 at k+8; registers 0,1 are b0,b1 of tile
-            // 2p, registers 2,3 those of tile 2p+1.
-            const int token = token0 + 16 * p + (lane % 8) + 8 * (lane / 16);
-            const int col = k + 8 * ((lane / 8) % 2);
+            const u16* b = b_lane + 16 * p * GEMM_LD + k;
             u32 bh[4], bl[4];
-            ldmatrix_x4(bh, &sm.hi[token][col]);
-            ldmatrix_x4(bl, &sm.lo[token][col]);
+            ldmatrix_x4(bh, b);
+            ldmatrix_x4(bl, b + lo_offset);
 #pragma unroll
             for (int mi = 0; mi < 2; ++mi) {
                 mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);

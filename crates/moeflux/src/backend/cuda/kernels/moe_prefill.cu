@@ -558,52 +558,74 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
 
     const int groups = cols / GROUP_SIZE;  // = stages
     const i64 row_bytes = cols / 2;
-    // Whether shared row `row` is of the second matrix, and its row r there
-    // (selected, not indexed, so `m` stays in registers).
-    const auto source = [&](int row, int& r) {
+    // What this thread copies, worked out once (a stage moves each source
+    // along its row): codes of shared rows tid / 2 and tid / 2 + 64 (half
+    // `tid % 2` of the stage's 32 bytes); activation pieces tid % 8 of
+    // slots tid / 16 + 8·j, hi or lo by (tid / 8) % 2; Σx of slot tid; the
+    // scale and bias of shared row tid. An invalid source is copied as
+    // zeros (and not read).
+    const u8* codes_from[2];
+    bool codes_valid[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int row = tid / 2 + (MP_BM / 2) * j;
         const bool second = row >= split;
-        r = r0 + row - (second ? split : 0);
-        return second;
-    };
+        const int r = r0 + row - (second ? split : 0);
+        codes_valid[j] = r < rows;
+        codes_from[j] = (second ? m.codes[1] : m.codes[0]) +
+                        (codes_valid[j] ? r * row_bytes + 16 * (tid % 2) : 0);
+    }
+    const bool low = (tid / 8) % 2;
+    const u16* act_from[MP_BN / 8];
+    bool act_valid[MP_BN / 8];
+#pragma unroll
+    for (int j = 0; j < MP_BN / 8; ++j) {
+        const int src = in_row[tid / 16 + 8 * j];
+        act_valid[j] = src >= 0;
+        act_from[j] = (low ? x.lo : x.hi) + (act_valid[j] ? (i64)src * cols + 8 * (tid % 8) : 0);
+    }
+    const int sum_src = tid < MP_BN ? in_row[tid] : -1;
+    const float* sum_from = x.sums + (sum_src >= 0 ? (i64)sum_src * groups : 0);
+    const u16 *scale_from, *bias_from;
+    bool params_valid;
+    {
+        const bool second = tid >= split;
+        const int r = r0 + tid - (second ? split : 0);
+        params_valid = r < rows;
+        const i64 at = params_valid ? (i64)r * groups : 0;
+        scale_from = (second ? m.scales[1] : m.scales[0]) + at;
+        bias_from = (second ? m.biases[1] : m.biases[0]) + at;
+    }
+    static_assert(2 * MP_BM / MP_THREADS == 2 && 16 * MP_BN / MP_THREADS == MP_BN / 8,
+                  "the copies' layout above");
     // Queues the copies of stage s (none past the last) and closes the group.
     const auto issue = [&](int s) {
         if (s < groups) {
             MoeQ4Stage& st = stages[s % MP_STAGES];
-            const int k0 = s * GEMM_BK;
 #pragma unroll
-            for (int j = 0; j < 2 * MP_BM / MP_THREADS; ++j) {
-                const int c = tid + j * MP_THREADS, row = c / 2, part = c % 2;
-                int r;
-                const u8* codes = source(row, r) ? m.codes[1] : m.codes[0];
-                const bool valid = r < rows;
-                const u8* p = codes + (valid ? r * row_bytes + k0 / 2 + 16 * part : 0);
-                copy_async16(&st.w[row][16 * part], p, valid);
+            for (int j = 0; j < 2; ++j) {
+                copy_async16(&st.w[tid / 2 + (MP_BM / 2) * j][16 * (tid % 2)],
+                             codes_from[j] + (codes_valid[j] ? GEMM_BK / 2 * s : 0),
+                             codes_valid[j]);
             }
 #pragma unroll
-            for (int j = 0; j < 16 * MP_BN / MP_THREADS; ++j) {
-                const int c = tid + j * MP_THREADS, slot = c / 16, piece = c % 8;
-                const bool low = (c / 8) % 2;
-                const int src = in_row[slot];
-                const u16* p = (low ? x.lo : x.hi) + (src >= 0 ? (i64)src * cols + k0 + 8 * piece : 0);
-                copy_async16(low ? &st.lo[slot][8 * piece] : &st.hi[slot][8 * piece], p, src >= 0);
+            for (int j = 0; j < MP_BN / 8; ++j) {
+                u16* dst = low ? st.lo[tid / 16 + 8 * j] : st.hi[tid / 16 + 8 * j];
+                copy_async16(dst + 8 * (tid % 8), act_from[j] + (act_valid[j] ? GEMM_BK * s : 0),
+                             act_valid[j]);
             }
             if (tid < MP_BN) {
-                const int src = in_row[tid];
-                copy_async4(&st.xsum[tid], x.sums + (src >= 0 ? (i64)src * groups + s : 0),
-                            src >= 0);
+                copy_async4(&st.xsum[tid], sum_from + (sum_src >= 0 ? s : 0), sum_src >= 0);
             }
         }
         copy_async_commit();
     };
     // Row tid's scale and bias of stage s (zero past the matrix or the stages).
     const auto read_params = [&](int s, u16& scale, u16& bias) {
-        int r;
-        const bool second = source(tid, r);
         scale = bias = 0;
-        if (s < groups && r < rows) {
-            const i64 at = (i64)r * groups + s;
-            scale = (second ? m.scales[1] : m.scales[0])[at];
-            bias = (second ? m.biases[1] : m.biases[0])[at];
+        if (s < groups && params_valid) {
+            scale = scale_from[s];
+            bias = bias_from[s];
         }
     };
     const auto store_params = [&](int s, u16 scale, u16 bias) {
