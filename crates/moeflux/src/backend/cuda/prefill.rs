@@ -67,6 +67,23 @@ struct SplitRows {
 // SAFETY: three u64s, laid out as the kernels' struct of three pointers.
 unsafe impl DeviceRepr for SplitRows {}
 
+impl SplitRows {
+    /// For a kernel's parameter it does not use.
+    const NONE: SplitRows = SplitRows {
+        hi: 0,
+        lo: 0,
+        sums: 0,
+    };
+}
+
+/// The split inputs of the q4 kernels, and the buffers behind them (kept
+/// until the kernels are queued; freed in stream order after).
+struct Q4Inputs {
+    x: SplitRows,
+    act: SplitRows,
+    _buffers: (CudaSlice<u16>, CudaSlice<f32>, CudaSlice<f32>),
+}
+
 /// The tiles of a call, four u32 each: expert (index in the table), first
 /// sorted slot, slots, 0.
 pub(super) struct Tiles {
@@ -151,21 +168,66 @@ impl CudaBackend {
             return Ok(());
         }
         let gate = parts[0].1;
-        if gate.dtype == DType::Q4 {
-            return self.launch_prefill_q4(
-                x,
-                top_k,
-                table,
-                (tiles, tile_count),
-                count,
-                slots,
-                parts,
-                ffn,
-                act,
-                y,
-            );
-        }
         let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
+        let tiles_x = u32::try_from(count).expect("tiles fit a grid");
+        let (inter_i, hidden_i, top_k_i) = (
+            int(inter, "expert intermediate size"),
+            int(hidden, "hidden size"),
+            int(top_k, "top-k"),
+        );
+        let (gate_part, up_part, down_part) = (
+            Part::new(parts[0]),
+            Part::new(parts[1]),
+            Part::new(parts[2]),
+        );
+        let config = |rows_per_block: usize, rows: usize, shared_mem_bytes: usize| LaunchConfig {
+            grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
+            block_dim: (MP_THREADS, 1, 1),
+            shared_mem_bytes: shared_mem_bytes as u32,
+        };
+        if gate.dtype == DType::Q4 {
+            let split = self.split_q4_inputs(x, act, inter)?;
+            let (none, no_split) = (0u64, SplitRows::NONE);
+            launch!(
+                self,
+                "routed experts gate/up (tensor cores)",
+                &self.kernels.moe_prefill_gate_up_q4,
+                config(MP_BM / 2, inter, Q4_SHARED_BYTES),
+                table,
+                tiles,
+                &tile_count,
+                slots,
+                &split.x,
+                &none,
+                &split.act,
+                &inter_i,
+                &hidden_i,
+                &top_k_i,
+                &gate_part,
+                &up_part,
+                &ffn
+            );
+            launch!(
+                self,
+                "routed experts down (tensor cores)",
+                &self.kernels.moe_prefill_down_q4,
+                config(MP_BM, hidden, Q4_SHARED_BYTES),
+                table,
+                tiles,
+                &tile_count,
+                slots,
+                &split.act,
+                y,
+                &no_split,
+                &hidden_i,
+                &inter_i,
+                &top_k_i,
+                &down_part,
+                &down_part,
+                &ffn
+            );
+            return Ok(());
+        }
         let (gate_up, down_kernel) = match gate.dtype {
             DType::Q8 => (
                 &self.kernels.moe_prefill_gate_up_q8,
@@ -187,31 +249,15 @@ impl CudaBackend {
                 &self.kernels.moe_prefill_gate_up_mxfp4,
                 &self.kernels.moe_prefill_down_mxfp4,
             ),
-            DType::Q4 => unreachable!("q4 experts take launch_prefill_q4"),
+            DType::Q4 => unreachable!("q4 experts take their own kernels above"),
             DType::F32 => unreachable!("f32 experts take the per-expert path"),
         };
-        let tiles_x = u32::try_from(count).expect("tiles fit a grid");
-        let (inter_i, hidden_i, top_k_i) = (
-            int(inter, "expert intermediate size"),
-            int(hidden, "hidden size"),
-            int(top_k, "top-k"),
-        );
-        let (gate_part, up_part, down_part) = (
-            Part::new(parts[0]),
-            Part::new(parts[1]),
-            Part::new(parts[2]),
-        );
-        let config = |rows_per_block: usize, rows: usize| LaunchConfig {
-            grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
-            block_dim: (MP_THREADS, 1, 1),
-            // The kernels' tiles are static shared memory (29 KiB).
-            shared_mem_bytes: 0,
-        };
+        // These kernels' tiles are static shared memory (29 KiB).
         launch!(
             self,
             "routed experts gate/up (tensor cores)",
             gate_up,
-            config(MP_BM / 2, inter),
+            config(MP_BM / 2, inter, 0),
             table,
             tiles,
             &tile_count,
@@ -229,7 +275,7 @@ impl CudaBackend {
             self,
             "routed experts down (tensor cores)",
             down_kernel,
-            config(MP_BM, hidden),
+            config(MP_BM, hidden, 0),
             table,
             tiles,
             &tile_count,
@@ -246,26 +292,18 @@ impl CudaBackend {
         Ok(())
     }
 
-    /// [`launch_prefill_experts`](Self::launch_prefill_experts) for q4
-    /// experts: the layer input split once, then the pipelined kernels,
-    /// gate/up writing `act` split for down (hi in its first half, lo in
-    /// its second; its sums in a buffer of their own).
-    #[allow(clippy::too_many_arguments)]
-    fn launch_prefill_q4(
+    /// The q4 kernels' inputs: the layer input `x` split (one launch), and
+    /// `act` laid out split for gate/up to write and down to read (hi in
+    /// its first half, lo in its second, the sums in a buffer of their
+    /// own).
+    fn split_q4_inputs(
         &self,
         x: &Tensor,
-        top_k: usize,
-        table: &CudaSlice<u64>,
-        (tiles, tile_count): (&CudaSlice<u32>, u64),
-        count: usize,
-        slots: &CudaSlice<u32>,
-        parts: &[(usize, MatrixLayout); 3],
-        ffn: FfnArgs,
         act: &mut CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
-    ) -> Result<()> {
+        inter: usize,
+    ) -> Result<Q4Inputs> {
         const OP: &str = "routed experts (tensor cores)";
-        let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
+        let hidden = x.cols;
         let groups = |cols: usize| cols / crate::quant::GROUP_SIZE;
         let x_halves = self.alloc::<u16>(OP, 2 * x.rows * hidden)?;
         let x_sums = self.alloc::<f32>(OP, x.rows * groups(hidden))?;
@@ -283,12 +321,7 @@ impl CudaBackend {
             inter,
             &act_sums,
         );
-        let (rows_i, hidden_i, inter_i, top_k_i) = (
-            int(x.rows, "tokens"),
-            int(hidden, "hidden size"),
-            int(inter, "expert intermediate size"),
-            int(top_k, "top-k"),
-        );
+        let (rows_i, hidden_i) = (int(x.rows, "tokens"), int(hidden, "hidden size"));
         launch!(
             self,
             "routed experts: splitting the input",
@@ -299,62 +332,11 @@ impl CudaBackend {
             &rows_i,
             &hidden_i
         );
-        let tiles_x = u32::try_from(count).expect("tiles fit a grid");
-        let (gate_part, up_part, down_part) = (
-            Part::new(parts[0]),
-            Part::new(parts[1]),
-            Part::new(parts[2]),
-        );
-        let config = |rows_per_block: usize, rows: usize| LaunchConfig {
-            grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
-            block_dim: (MP_THREADS, 1, 1),
-            shared_mem_bytes: Q4_SHARED_BYTES as u32,
-        };
-        let none = 0u64;
-        launch!(
-            self,
-            "routed experts gate/up (tensor cores)",
-            &self.kernels.moe_prefill_gate_up_q4,
-            config(MP_BM / 2, inter),
-            table,
-            tiles,
-            &tile_count,
-            slots,
-            &x_split,
-            &none,
-            &act_split,
-            &inter_i,
-            &hidden_i,
-            &top_k_i,
-            &gate_part,
-            &up_part,
-            &ffn
-        );
-        let no_split = SplitRows {
-            hi: 0,
-            lo: 0,
-            sums: 0,
-        };
-        launch!(
-            self,
-            "routed experts down (tensor cores)",
-            &self.kernels.moe_prefill_down_q4,
-            config(MP_BM, hidden),
-            table,
-            tiles,
-            &tile_count,
-            slots,
-            &act_split,
-            y,
-            &no_split,
-            &hidden_i,
-            &inter_i,
-            &top_k_i,
-            &down_part,
-            &down_part,
-            &ffn
-        );
-        Ok(())
+        Ok(Q4Inputs {
+            x: x_split,
+            act: act_split,
+            _buffers: (x_halves, x_sums, act_sums),
+        })
     }
 
     /// `out (+)= Σ_k weight[t, k] · y[t · top_k + k]` for every token `t`

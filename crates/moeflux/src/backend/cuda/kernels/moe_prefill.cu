@@ -71,6 +71,27 @@ __device__ __forceinline__ MoeMatrices moe_matrices(const u8* base, ExpertPart p
     return m;
 }
 
+// Block (blockIdx.x, blockIdx.y)'s work: tile blockIdx.x's expert, its
+// matrices, its first sorted slot and slot count, and the first row of
+// each matrix the block computes (shared rows below SPLIT are of matrix
+// 0, the others of matrix 1).
+template <bool GATE_UP>
+struct MoeTile {
+    static constexpr int SPLIT = GATE_UP ? MP_BM / 2 : MP_BM;
+    u32 expert;
+    int start, count, r0;
+    MoeMatrices m;
+    __device__ __forceinline__ MoeTile(const unsigned long long* table, const u32* tiles,
+                                       ExpertPart pa, ExpertPart pb) {
+        const u32* tile = tiles + 4 * (i64)blockIdx.x;
+        expert = tile[0];
+        start = (int)tile[1];
+        count = (int)tile[2];
+        r0 = blockIdx.y * SPLIT;
+        m = moe_matrices<GATE_UP>((const u8*)table[expert], pa, pb);
+    }
+};
+
 // The input row of slot j of a tile (its first sorted slot `start`,
 // `count` slots): for gate/up the slot's token, for down its sorted
 // position (act's row); -1 past the tile's end.
@@ -267,6 +288,32 @@ __device__ __forceinline__ int moe_tile_row(int warp, int mi) {
     return GATE_UP ? mi * (MP_BM / 2) + 16 * warp : 32 * warp + 16 * mi;
 }
 
+// y[slot, r] = down · act + down bias from a down block's accumulators:
+// warp w's rows r0 + 32·w + 16·mi + g (+ 8), the tile's slots
+// 8·nj + 2·i4 (+ 1) (sorted positions start.., `slots` their slot numbers).
+__device__ __forceinline__ void store_down_tile(const float (&acc)[2][4][4], float* out,
+                                                const u32* slots, int start, int count, int r0,
+                                                int rows, u32 expert, const ExpertFfn& ffn) {
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+#pragma unroll
+    for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int t = 8 * nj + 2 * i4 + e % 2;
+            if (t >= count) continue;
+            const i64 slot = slots[start + t];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                const int r = r0 + 32 * warp + 16 * mi + g + 8 * (e / 2);
+                if (r < rows) {
+                    out[slot * rows + r] = acc[mi][nj][e] + expert_down_bias(ffn, expert, r, rows);
+                }
+            }
+        }
+    }
+}
+
 #endif  // __CUDA_ARCH__ >= 800
 
 // One block: tile blockIdx.x (none past *tile_count when the tiles were
@@ -287,14 +334,12 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 #if __CUDA_ARCH__ >= 800
     __shared__ __align__(16) MoePrefillShared sm;
     if (tile_count && blockIdx.x >= *tile_count) return;
+    const MoeTile<GATE_UP> tile(table, tiles, pa, pb);
+    const int start = tile.start, count = tile.count, r0 = tile.r0, split = tile.SPLIT;
+    const MoeMatrices& m = tile.m;
     const int tid = threadIdx.x;
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
-    const u32* tile = tiles + 4 * (i64)blockIdx.x;
-    const int start = (int)tile[1], count = (int)tile[2];
-    const int split = GATE_UP ? MP_BM / 2 : MP_BM;
-    const int r0 = blockIdx.y * split;
-    const MoeMatrices m = moe_matrices<GATE_UP>((const u8*)table[tile[0]], pa, pb);
     if (tid < MP_BN) sm.in_row[tid] = moe_input_row<GATE_UP>(slots, start, count, top_k, tid);
     __syncthreads();
 
@@ -335,28 +380,12 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
                 const int t = 8 * nj + 2 * i4 + e % 2;
                 if (r < rows && t < count) {
                     out[(i64)(start + t) * rows + r] =
-                        expert_act(ffn, tile[0], r, rows, acc[0][nj][e], acc[1][nj][e]);
+                        expert_act(ffn, tile.expert, r, rows, acc[0][nj][e], acc[1][nj][e]);
                 }
             }
         }
     } else {
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = 8 * nj + 2 * i4 + e % 2;
-                if (t >= count) continue;
-                const i64 slot = slots[start + t];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    const int r = r0 + 32 * warp + 16 * mi + g + 8 * (e / 2);
-                    if (r < rows) {
-                        out[slot * rows + r] =
-                            acc[mi][nj][e] + expert_down_bias(ffn, tile[0], r, rows);
-                    }
-                }
-            }
-        }
+        store_down_tile(acc, out, slots, start, count, r0, rows, tile.expert, ffn);
     }
 #endif  // __CUDA_ARCH__ >= 800
 }
@@ -545,14 +574,12 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
     __shared__ int in_row[MP_BN];
     __shared__ float warp_sums[MP_THREADS / WARP_SIZE][MP_BN];
     if (tile_count && blockIdx.x >= *tile_count) return;
+    const MoeTile<GATE_UP> tile(table, tiles, pa, pb);
+    const int start = tile.start, count = tile.count, r0 = tile.r0, split = tile.SPLIT;
+    const MoeMatrices& m = tile.m;
     const int tid = threadIdx.x;
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
-    const u32* tile = tiles + 4 * (i64)blockIdx.x;
-    const int start = (int)tile[1], count = (int)tile[2];
-    const int split = GATE_UP ? MP_BM / 2 : MP_BM;
-    const int r0 = blockIdx.y * split;
-    const MoeMatrices m = moe_matrices<GATE_UP>((const u8*)table[tile[0]], pa, pb);
     if (tid < MP_BN) in_row[tid] = moe_input_row<GATE_UP>(slots, start, count, top_k, tid);
     __syncthreads();
 
@@ -681,7 +708,7 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
                 const int t = 8 * nj + 2 * i4 + e % 2;
                 if (r < rows && t < count) {
                     const float v =
-                        expert_act(ffn, tile[0], r, rows, acc[0][nj][e], acc[1][nj][e]);
+                        expert_act(ffn, tile.expert, r, rows, acc[0][nj][e], acc[1][nj][e]);
                     u32 hi, lo;
                     split_pair(v, 0.0f, hi, lo);
                     const i64 at =
@@ -713,23 +740,7 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
             act.sums[(i64)(start + tid) * (rows / GROUP_SIZE) + blockIdx.y] = v;
         }
     } else {
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int t = 8 * nj + 2 * i4 + e % 2;
-                if (t >= count) continue;
-                const i64 slot = slots[start + t];
-#pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    const int r = r0 + 32 * warp + 16 * mi + g + 8 * (e / 2);
-                    if (r < rows) {
-                        out[slot * rows + r] =
-                            acc[mi][nj][e] + expert_down_bias(ffn, tile[0], r, rows);
-                    }
-                }
-            }
-        }
+        store_down_tile(acc, out, slots, start, count, r0, rows, tile.expert, ffn);
     }
 }
 
