@@ -599,6 +599,7 @@ impl CudaBackend {
         let slots = self.upload("routed experts", flat)?;
         let all_tiles = self.upload("routed experts", tiles.all())?;
         let mut act = self.alloc::<f32>("routed experts", flat.len() * inter)?;
+        let inputs = self.prefill_inputs(x, &mut act, blob.gate.1)?;
         // Outputs by slot: slots of other GPUs' experts stay zero.
         let mut y = match flat.len() < n * top_k {
             true => self.zeros::<f32>("routed experts", n * top_k * hidden)?,
@@ -614,6 +615,7 @@ impl CudaBackend {
                 let complete = cache.complete_layer(id, layer as u32).expect("checked");
                 self.launch_prefill_experts(
                     x,
+                    &inputs,
                     top_k,
                     &complete.addresses,
                     (&all_tiles, 0),
@@ -647,6 +649,7 @@ impl CudaBackend {
             };
             let call = PrefillCall {
                 x,
+                inputs: &inputs,
                 top_k,
                 order,
                 tiles: &tiles,
@@ -711,6 +714,7 @@ impl CudaBackend {
         };
         self.launch_prefill_experts(
             call.x,
+            call.inputs,
             call.top_k,
             &table,
             (tiles, 0),
@@ -729,6 +733,7 @@ impl CudaBackend {
 /// [`CudaBackend::launch_prefill_group`]).
 struct PrefillCall<'a> {
     x: &'a Tensor,
+    inputs: &'a super::prefill::PrefillInputs,
     top_k: usize,
     order: &'a [(u32, Vec<u32>)],
     tiles: &'a super::prefill::Tiles,

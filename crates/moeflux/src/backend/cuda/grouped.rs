@@ -96,6 +96,11 @@ impl CudaBackend {
         let mut tile_count = self.alloc::<u32>(op, 1)?;
         let mut act = self.alloc::<f32>(op, slots * inter)?;
         let mut y = self.alloc::<f32>(op, slots * hidden)?;
+        // moe_few.cu's kernels read x and act as they are.
+        let inputs = match few {
+            true => None,
+            false => Some(self.prefill_inputs(x, &mut act, blob.gate.1)?),
+        };
         {
             let cache = self.experts.lock().unwrap();
             let Some(complete) = cache.complete_layer(store.id(), layer as u32) else {
@@ -144,6 +149,7 @@ impl CudaBackend {
                 let count = tile_count.device_ptr(&self.stream).0;
                 self.launch_prefill_experts(
                     x,
+                    inputs.as_ref().expect("made where not few"),
                     top_k,
                     &complete.addresses,
                     (&tile_list, count),

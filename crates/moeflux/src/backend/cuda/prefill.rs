@@ -84,6 +84,15 @@ struct Q4Inputs {
     _buffers: (CudaSlice<u16>, CudaSlice<f32>, CudaSlice<f32>),
 }
 
+/// What the grouped kernels of one call read besides the experts, made
+/// once per call ([`CudaBackend::prefill_inputs`]) and shared by all its
+/// launches: for q4 experts the layer input split and `act`'s split
+/// layout; nothing for the other types, which read `x` and `act` as they
+/// are.
+pub(super) struct PrefillInputs {
+    q4: Option<Q4Inputs>,
+}
+
 /// The tiles of a call, four u32 each: expert (index in the table), first
 /// sorted slot, slots, 0.
 pub(super) struct Tiles {
@@ -145,15 +154,33 @@ impl CudaBackend {
         Ok(widths_fit && major >= 8 && down.dtype == gate.dtype)
     }
 
+    /// The inputs of a call's grouped kernels over experts whose gate is
+    /// laid out as `gate`, `act` its activations' buffer. Made before the
+    /// expert cache is locked: its allocations may evict experts.
+    pub(super) fn prefill_inputs(
+        &self,
+        x: &Tensor,
+        act: &mut CudaSlice<f32>,
+        gate: MatrixLayout,
+    ) -> Result<PrefillInputs> {
+        let q4 = match gate.dtype {
+            DType::Q4 => Some(self.split_q4_inputs(x, act, gate.rows)?),
+            _ => None,
+        };
+        Ok(PrefillInputs { q4 })
+    }
+
     /// `act` and `y` for the tiles `tiles.0` (`count` of them, or as many
     /// as the device word at address `tiles.1` says, when not 0) of a call:
     /// `act[i] = act(gate · x, up · x)` and `y[slots[i]] = down · act[i] + bias`
     /// for each sorted slot `i` of the tiles, the experts found through
-    /// `table` at offsets `parts` (gate, up, down).
+    /// `table` at offsets `parts` (gate, up, down); `inputs` from
+    /// [`prefill_inputs`](Self::prefill_inputs) for this `x` and `act`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn launch_prefill_experts(
         &self,
         x: &Tensor,
+        inputs: &PrefillInputs,
         top_k: usize,
         table: &CudaSlice<u64>,
         (tiles, tile_count): (&CudaSlice<u32>, u64),
@@ -186,7 +213,10 @@ impl CudaBackend {
             shared_mem_bytes: shared_mem_bytes as u32,
         };
         if gate.dtype == DType::Q4 {
-            let split = self.split_q4_inputs(x, act, inter)?;
+            let split = inputs
+                .q4
+                .as_ref()
+                .expect("prefill_inputs splits the inputs of q4 experts");
             let (none, no_split) = (0u64, SplitRows::NONE);
             launch!(
                 self,
