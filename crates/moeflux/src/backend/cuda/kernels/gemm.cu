@@ -179,6 +179,24 @@ __device__ __forceinline__ void store_weight_chunk(u16* dst, uint4 w) {
     }
 }
 
+// A run of 8 activations (a: columns c..c+3, b: c+4..c+7) split into hi
+// and lo bf16 in the shared column order; with SUM, Σx over the 64-column
+// group whose 8 runs the aligned, consecutive lanes around this one hold
+// (every lane of the warp takes part), else 0.
+template <bool SUM>
+__device__ __forceinline__ float split_run(float4 a, float4 b, uint4& hi, uint4& lo) {
+    split_pair(a.x, b.x, hi.x, lo.x);
+    split_pair(a.y, b.y, hi.y, lo.y);
+    split_pair(a.z, b.z, hi.z, lo.z);
+    split_pair(a.w, b.w, hi.w, lo.w);
+    if (!SUM) return 0.0f;
+    float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
+    s += __shfl_xor_sync(FULL_MASK, s, 4);
+    s += __shfl_xor_sync(FULL_MASK, s, 2);
+    s += __shfl_xor_sync(FULL_MASK, s, 1);
+    return s;
+}
+
 // Stores 8 activations (a, b) of `token` from column `col` of a stage as
 // their hi and lo bf16 halves; with QUANTIZED also the token's Σx over the
 // stage. The 8 lanes holding one token's stage must be aligned and
@@ -187,19 +205,10 @@ template <bool QUANTIZED, typename Shared>
 __device__ __forceinline__ void store_activation_run(Shared& sm, int token, int col, float4 a,
                                                      float4 b) {
     uint4 hi, lo;
-    split_pair(a.x, b.x, hi.x, lo.x);
-    split_pair(a.y, b.y, hi.y, lo.y);
-    split_pair(a.z, b.z, hi.z, lo.z);
-    split_pair(a.w, b.w, hi.w, lo.w);
+    const float s = split_run<QUANTIZED>(a, b, hi, lo);
     store16(&sm.hi[token][col], hi);
     store16(&sm.lo[token][col], lo);
-    if (QUANTIZED) {
-        float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-        s += __shfl_xor_sync(FULL_MASK, s, 4);
-        s += __shfl_xor_sync(FULL_MASK, s, 2);
-        s += __shfl_xor_sync(FULL_MASK, s, 1);
-        if (threadIdx.x % 8 == 0) sm.xsum[token] = s;
-    }
+    if (QUANTIZED && threadIdx.x % 8 == 0) sm.xsum[token] = s;
 }
 
 // One stage in flight between global and shared memory, held in registers.

@@ -172,16 +172,12 @@ struct MoeStage {
     // `high`, the group's 8 bytes of high bits.
     // MXFP4 rows are values (exact in bf16), like bf16 ones: a vector is
     // one block of 32 codes, `exponents` its power of two.
-    static constexpr int ROW_VECS = LOW_BIT ? 1 : DT == DT_Q4 || DT == DT_MXFP4 ? 2
-                                                : DT == DT_Q8                   ? 4
-                                                                                : 8;
+    static_assert(DT != DT_Q4, "q4 experts take the pipelined kernels below");
+    static constexpr int ROW_VECS = LOW_BIT ? 1 : DT == DT_MXFP4 ? 2 : DT == DT_Q8 ? 4 : 8;
     static constexpr int VECS = MP_BM * ROW_VECS / MP_THREADS;
     static constexpr int VEC_COLS = GEMM_BK / ROW_VECS;
-    static constexpr float CENTRE = DT == DT_Q2   ? 2.0f
-                                    : DT == DT_Q3 ? 4.0f
-                                    : DT == DT_Q4 ? 8.0f
-                                                  : 128.0f;
-    static constexpr bool QUANTIZED = LOW_BIT || DT == DT_Q4 || DT == DT_Q8;
+    static constexpr float CENTRE = DT == DT_Q2 ? 2.0f : DT == DT_Q3 ? 4.0f : 128.0f;
+    static constexpr bool QUANTIZED = LOW_BIT || DT == DT_Q8;
     // Runs of 8 activations per thread: slots tid/8 + 16·j, columns
     // 8·(tid%8)..+7 of the stage.
     static constexpr int RUNS = MP_BN * 8 / MP_THREADS;
@@ -390,7 +386,8 @@ __device__ __forceinline__ void moe_prefill_tc(const unsigned long long* __restr
 #endif  // __CUDA_ARCH__ >= 800
 }
 
-// The kernels (one pair per stored type). Grids: gate/up
+// The kernels of the other types (one pair per stored type; q4's come
+// after them). Grids: gate/up
 // (tiles, ceil(inter / 64)), down (tiles, ceil(hidden / 128)), `tiles` the
 // most there can be when tile_count is given (null: all); MP_THREADS
 // threads; static shared memory (29 KiB). The quantized types have whole
@@ -468,8 +465,8 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, 3)
 // flight and holds only its accumulators:
 // - the activations come split already (split_activations below; gate/up
 //   writes act split for down): hi and lo bf16 rows in gemm.cu's column
-//   order and Σx per 64-column group, with store_activation_run's
-//   arithmetic; a stage copies the rows of its tile's slots as they are;
+//   order and Σx per 64-column group (split_run, as the other kernels
+//   stage them); a stage copies the rows of its tile's slots as they are;
 // - the codes are copied as stored, 32 bytes a row per stage, and each
 //   warp widens the codes of its own A fragments to bf16 (q4_pair) right
 //   before its MMAs: lane (g, i) needs, of rows g and g + 8, the pair of
@@ -538,14 +535,7 @@ extern "C" __global__ void split_activations(const float* x, SplitRows out, int 
             b = ((const float4*)(x + 8 * i))[1];
         }
         uint4 hi, lo;
-        split_pair(a.x, b.x, hi.x, lo.x);
-        split_pair(a.y, b.y, hi.y, lo.y);
-        split_pair(a.z, b.z, hi.z, lo.z);
-        split_pair(a.w, b.w, hi.w, lo.w);
-        float s = ((a.x + a.y) + (a.z + a.w)) + ((b.x + b.y) + (b.z + b.w));
-        s += __shfl_xor_sync(FULL_MASK, s, 4);
-        s += __shfl_xor_sync(FULL_MASK, s, 2);
-        s += __shfl_xor_sync(FULL_MASK, s, 1);
+        const float s = split_run<true>(a, b, hi, lo);
         if (inside) {
             store16(out.hi + 8 * i, hi);
             store16(out.lo + 8 * i, lo);
