@@ -14,6 +14,7 @@
 //! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
 //! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
 //! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
+//! | `MOEFLUX_CUDA_FEW_LINEAR_MAX` | most tokens (from 2) whose q4 products take the few-token tensor-core kernels (`0`: none, they take the 64-token tiles or the CUDA-core kernels) | 32 |
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which a decode step's attention takes a block per KV head's group of query heads | 2048 |
 //! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 8 | 8 |
@@ -117,6 +118,11 @@ pub fn cuda_defines() -> Vec<String> {
 /// `MOEFLUX_CUDA_WHOLE_ROWS_MIN`, else `default`.
 pub fn cuda_whole_rows_min(default: usize) -> usize {
     number("MOEFLUX_CUDA_WHOLE_ROWS_MIN", default)
+}
+
+/// `MOEFLUX_CUDA_FEW_LINEAR_MAX`, else `default`.
+pub fn cuda_few_linear_max(default: usize) -> usize {
+    number("MOEFLUX_CUDA_FEW_LINEAR_MAX", default)
 }
 
 /// `MOEFLUX_CUDA_GDN_CHUNKED_MIN`, else `default`.

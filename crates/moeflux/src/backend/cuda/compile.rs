@@ -24,7 +24,7 @@ use crate::backend::KvType;
 
 /// The sources, compiled as one program in this order (common.cuh first:
 /// NVRTC is given no include paths).
-const SOURCES: [(&str, &str); 14] = [
+const SOURCES: [(&str, &str); 15] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("linear.cu", include_str!("kernels/linear.cu")),
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -40,6 +40,7 @@ const SOURCES: [(&str, &str); 14] = [
     ("gemm.cu", include_str!("kernels/gemm.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("matvec_tc.cu", include_str!("kernels/matvec_tc.cu")),
+    ("linear_few.cu", include_str!("kernels/linear_few.cu")),
     ("moe_prefill.cu", include_str!("kernels/moe_prefill.cu")),
     ("moe_few.cu", include_str!("kernels/moe_few.cu")),
 ];
@@ -182,6 +183,10 @@ kernels!(
     moe_down_mxfp4,
     moe_down_tc_q4,
     linear_vector_tc_q4,
+    linear_few_q4_1,
+    linear_few_q4_2,
+    linear_few_q4_4,
+    sum_few_splits,
     moe_prefill_gate_up_q4,
     moe_prefill_gate_up_q8,
     moe_prefill_gate_up_bf16,
@@ -398,6 +403,7 @@ mod tests {
                 || source.contains(&format!("ATTENTION_DECODE_GROUPED_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_BATCH_GROUPED_KERNEL({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
+                || source.contains(&format!("LINEAR_FEW_Q4({name},"))
                 || ["_rows", "_normed", "_rows_normed"].iter().any(|suffix| {
                     name.strip_suffix(suffix).is_some_and(|base| {
                         source.contains(&format!("LINEAR_VECTOR_KERNEL({base},"))

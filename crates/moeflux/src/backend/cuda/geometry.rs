@@ -36,6 +36,12 @@ geometry! {
     /// `MatvecJobs`).
     MAX_JOBS: usize = 4;
 
+    // ---- linear_few.cu
+    /// Warps (16-row tiles) per block and tokens per pass of the products
+    /// of a few tokens on the tensor cores (`linear_few_q4`).
+    FEW_LINEAR_WARPS: usize = 8;
+    FEW_LINEAR_TOKENS: usize = 16;
+
     // ---- matvec_tc.cu
     /// Lanes of a warp whose B registers hold values in the tensor-core
     /// products (so 4 · 2 · 12 = 96 words of B table per 64 columns).

@@ -27,11 +27,11 @@ pub(super) const WHOLE_ROWS_MIN: usize = 1024;
 /// shape, 2048 × 4096: 6.3 µs split, 7.7 µs whole rows, H100).
 const SPLIT_COLS_MIN: usize = 4096;
 
-/// One matrix of a one-token linear launch (`MatvecJob` in linear.cu):
-/// device addresses, its rows, and its first block of the grid.
+/// One matrix of a launch of several (`MatvecJob` in linear.cu): device
+/// addresses, its rows, and its first block of the grid.
 #[repr(C)]
 #[derive(Clone, Copy, Default)]
-struct MatvecJob {
+pub(super) struct MatvecJob {
     codes: u64,
     scales: u64,
     biases: u64,
@@ -42,9 +42,45 @@ struct MatvecJob {
 
 #[repr(C)]
 #[derive(Clone, Copy)]
-struct MatvecJobs {
+pub(super) struct MatvecJobs {
     job: [MatvecJob; MAX_JOBS],
     count: i32,
+}
+
+impl CudaBackend {
+    /// The jobs of one launch over up to [`MAX_JOBS`] matrices, each
+    /// writing its output, whose blocks take `rows_per_block` rows each;
+    /// and the blocks of the whole grid.
+    pub(super) fn pack_jobs(
+        &self,
+        jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
+        rows_per_block: usize,
+    ) -> (MatvecJobs, usize) {
+        let mut packed = MatvecJobs {
+            job: [MatvecJob::default(); MAX_JOBS],
+            count: jobs.len() as i32,
+        };
+        let mut blocks = 0;
+        for (slot, (w, out)) in packed.job.iter_mut().zip(jobs.iter_mut()) {
+            let l = w.layout;
+            assert!(
+                out.len() >= l.rows,
+                "linear: output of {} too short",
+                w.name
+            );
+            let (codes, scales, biases) = w.sections();
+            *slot = MatvecJob {
+                codes: codes.device_ptr(&self.stream).0,
+                scales: scales.device_ptr(&self.stream).0,
+                biases: biases.device_ptr(&self.stream).0,
+                out: out.device_ptr_mut(&self.stream).0,
+                rows: int(l.rows, "rows"),
+                first_block: int(blocks, "blocks"),
+            };
+            blocks += l.rows.div_ceil(rows_per_block);
+        }
+        (packed, blocks)
+    }
 }
 
 // SAFETY: plain data laid out as the kernels' structs (C layout, device
@@ -135,7 +171,11 @@ impl CudaBackend {
     }
 
     pub(super) fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
-        let data = self.matmul(&x.data, x.rows, x.cols, &w.matrix())?;
+        let m = w.matrix();
+        if self.few_products_fit(x.rows, x.cols, &[&m]) {
+            return Ok(self.few_products_to_tensors(x, &[&m])?.remove(0));
+        }
+        let data = self.matmul(&x.data, x.rows, x.cols, &m)?;
         Ok(Tensor {
             rows: x.rows,
             cols: w.layout.rows,
@@ -146,10 +186,33 @@ impl CudaBackend {
     pub(super) fn linear_many(&self, x: &Tensor, ws: &[&Weight]) -> Result<Vec<Tensor>> {
         let matrices: Vec<Matrix<'_>> = ws.iter().map(|w| w.matrix()).collect();
         let refs: Vec<&Matrix<'_>> = matrices.iter().collect();
+        if self.few_products_fit(x.rows, x.cols, &refs) {
+            return self.few_products_to_tensors(x, &refs);
+        }
         if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
             return ws.iter().map(|w| self.linear(x, w)).collect();
         }
         self.matvecs_to_tensors(&x.data, &refs, None)
+    }
+
+    /// [`CudaBackend::few_products`] into a new tensor per matrix.
+    fn few_products_to_tensors(&self, x: &Tensor, matrices: &[&Matrix<'_>]) -> Result<Vec<Tensor>> {
+        let mut outs: Vec<CudaSlice<f32>> = matrices
+            .iter()
+            .map(|m| self.alloc("linear", x.rows * m.layout.rows))
+            .collect::<Result<_>>()?;
+        let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
+            matrices.iter().copied().zip(outs.iter_mut()).collect();
+        self.few_products(&x.data, x.rows, x.cols, &mut jobs, false)?;
+        Ok(outs
+            .into_iter()
+            .zip(matrices)
+            .map(|(data, m)| Tensor {
+                rows: x.rows,
+                cols: m.layout.rows,
+                data,
+            })
+            .collect())
     }
 
     pub(super) fn rms_norm_linear_many(
@@ -192,6 +255,9 @@ impl CudaBackend {
         );
         if x.rows == 1 && Self::matvecs_fit(x.cols, &[&m]) {
             self.matvecs(&x.data, &mut [(&m, &mut residual.data)], true, None)?;
+        } else if self.few_products_fit(x.rows, x.cols, &[&m]) {
+            let jobs = &mut [(&m, &mut residual.data)];
+            self.few_products(&x.data, x.rows, x.cols, jobs, true)?;
         } else {
             let y = self.linear(x, w)?;
             self.add_assign(residual, &y)?;
@@ -410,29 +476,7 @@ impl CudaBackend {
         };
         let kernel = kernels[usize::from(whole_rows) + 2 * usize::from(norm.is_some())];
         let rows_per_block = if whole_rows { WHOLE_ROWS } else { VEC_ROWS };
-        let mut packed = MatvecJobs {
-            job: [MatvecJob::default(); MAX_JOBS],
-            count: jobs.len() as i32,
-        };
-        let mut blocks = 0;
-        for (slot, (w, out)) in packed.job.iter_mut().zip(jobs.iter_mut()) {
-            let l = w.layout;
-            assert!(
-                out.len() >= l.rows,
-                "linear: output of {} too short",
-                w.name
-            );
-            let (codes, scales, biases) = w.sections();
-            *slot = MatvecJob {
-                codes: codes.device_ptr(&self.stream).0,
-                scales: scales.device_ptr(&self.stream).0,
-                biases: biases.device_ptr(&self.stream).0,
-                out: out.device_ptr_mut(&self.stream).0,
-                rows: int(l.rows, "rows"),
-                first_block: int(blocks, "blocks"),
-            };
-            blocks += l.rows.div_ceil(rows_per_block);
-        }
+        let (packed, blocks) = self.pack_jobs(jobs, rows_per_block);
         let config = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: ((VEC_WARPS * 32) as u32, 1, 1),

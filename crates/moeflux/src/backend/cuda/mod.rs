@@ -62,6 +62,7 @@ mod geometry;
 mod graph;
 mod grouped;
 mod linear;
+mod linear_few;
 mod mla;
 mod nccl;
 mod norm;
@@ -191,6 +192,8 @@ pub struct CudaBackend {
     programmatic_launch: bool,
     /// See [`linear::WHOLE_ROWS_MIN`].
     whole_rows_min: usize,
+    /// See [`linear_few::FEW_LINEAR_MAX_TOKENS`].
+    few_linear_max: usize,
     /// See [`delta_net::GDN_CHUNKED_MIN`].
     gdn_chunked_min: usize,
     /// Most blocks a head's positions are split over in a decode step.
@@ -460,6 +463,7 @@ impl CudaBackend {
             batched_expert_bytes,
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
+            few_linear_max: crate::tuning::cuda_few_linear_max(linear_few::FEW_LINEAR_MAX_TOKENS),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
             decode_splits_max: crate::tuning::cuda_decode_splits(attention::DECODE_ATTN_MAX_SPLITS),
             grouped_decode_min: crate::tuning::cuda_grouped_decode_min(

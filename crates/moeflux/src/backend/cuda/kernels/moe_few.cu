@@ -51,6 +51,11 @@
 #ifndef FEW_DOWN_GROUPS
 #define FEW_DOWN_GROUPS 6
 #endif
+// Blocks a multiprocessor holds at once, which bounds the registers of
+// the two expert kernels.
+#ifndef FEW_EXPERT_MIN_BLOCKS
+#define FEW_EXPERT_MIN_BLOCKS 1
+#endif
 
 // The inclusive sum of two counts over the block's threads, in thread
 // order; `scratch` is 32 pairs of shared memory. The block's totals are
@@ -283,7 +288,7 @@ __device__ __forceinline__ bool few_tile(const u32* tiles, const u32* tile_count
 // up · ...) for the slots j of each tile, rows r of gate and up. Grid:
 // (ceil(inter / (16 · FEW_WARPS)), the most tiles the call can have);
 // warp w of block b takes rows 16 · (FEW_WARPS · b + w) .. + 15.
-extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
+extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_MIN_BLOCKS)
     moe_few_gate_up_q4(const unsigned long long* table_of_experts, const u32* tiles,
                        const u32* tile_count, const u32* slots, const float* x, float* act,
                        int inter, int hidden, int top_k, ExpertPart gate, ExpertPart up,
@@ -352,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
 // (ceil(hidden / (16 · FEW_WARPS · FEW_DOWN_TILES)), the most tiles the
 // call can have); warp w of block b takes the 16-row tiles
 // FEW_DOWN_TILES · FEW_WARPS · b + w + FEW_WARPS · k.
-extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE)
+extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_MIN_BLOCKS)
     moe_few_down_q4(const unsigned long long* table_of_experts, const u32* tiles,
                     const u32* tile_count, const u32* slots, const float* act, float* y,
                     int hidden, int inter, ExpertPart down, ExpertFfn ffn) {
