@@ -2,7 +2,8 @@
 //! lookup, the CUDA-core products of a few tokens, and one token's
 //! products, several matrices per launch and optionally with the input's
 //! RMSNorm fused in. A one-token q4 product of many rows (an LM head) runs
-//! on the tensor cores (matvec_tc.cu), and 16 tokens or more take gemm.rs.
+//! on the tensor cores (matvec_tc.cu), q4 products of a few tokens take
+//! linear_few.rs, and 16 tokens or more of other types take gemm.rs.
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
