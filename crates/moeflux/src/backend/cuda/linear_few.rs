@@ -38,6 +38,16 @@ fn staged_bytes(groups: usize) -> usize {
     FEW_LINEAR_TOKENS * (groups * 32 + 8) * 8 + FEW_LINEAR_TOKENS * groups * 4
 }
 
+/// The groups per split and the splits of `groups` 64-column groups for
+/// a launch of `tiles` blocks before splitting: enough splits for
+/// [`BLOCKS_PER_SM`] blocks a multiprocessor, at most
+/// [`MAX_SPLIT_GROUPS`] groups a split, none empty.
+fn column_splits(groups: usize, tiles: usize, sm_count: usize) -> (usize, usize) {
+    let wanted = (BLOCKS_PER_SM * sm_count / tiles.max(1)).clamp(1, groups.max(1));
+    let split_groups = groups.div_ceil(wanted).clamp(1, MAX_SPLIT_GROUPS);
+    (split_groups, groups.div_ceil(split_groups))
+}
+
 impl CudaBackend {
     /// Whether [`CudaBackend::few_products`] takes these matrices for `n`
     /// tokens `cols` wide: 2 to `few_linear_max` tokens, compute
@@ -82,9 +92,7 @@ impl CudaBackend {
         };
         let (packed, blocks) = self.pack_jobs(jobs, 16 * FEW_LINEAR_WARPS);
         let passes = n.div_ceil(pass_tokens);
-        let wanted = (BLOCKS_PER_SM * self.sm_count / (blocks * passes)).clamp(1, groups);
-        let split_groups = groups.div_ceil(wanted).min(MAX_SPLIT_GROUPS);
-        let splits = groups.div_ceil(split_groups);
+        let (split_groups, splits) = column_splits(groups, blocks * passes, self.sm_count);
         let outputs: usize = jobs.iter().map(|(w, _)| n * w.layout.rows).sum();
         let mut partial = match splits {
             1 => None,
@@ -129,5 +137,33 @@ impl CudaBackend {
             );
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::MAX_SHARED_BYTES;
+    use super::*;
+
+    /// Every split has groups, together they cover the columns once, and
+    /// a split's staged inputs fit the shared memory a block has without
+    /// opting in.
+    #[test]
+    fn column_splits_cover_the_columns_within_shared_memory() {
+        assert!(staged_bytes(MAX_SPLIT_GROUPS) <= MAX_SHARED_BYTES);
+        for groups in 1..=160 {
+            for tiles in [1, 3, 40, 132, 500, 5000] {
+                for sm_count in [1, 78, 132] {
+                    let (split_groups, splits) = column_splits(groups, tiles, sm_count);
+                    assert!((1..=MAX_SPLIT_GROUPS).contains(&split_groups));
+                    assert!(
+                        splits * split_groups >= groups,
+                        "{groups} {tiles} {sm_count}"
+                    );
+                    assert!((splits - 1) * split_groups < groups, "an empty split");
+                    assert!(staged_bytes(split_groups) <= MAX_SHARED_BYTES);
+                }
+            }
+        }
     }
 }
