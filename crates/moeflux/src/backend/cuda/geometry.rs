@@ -38,7 +38,7 @@ geometry! {
 
     // ---- linear_few.cu
     /// Warps (16-row tiles) per block and tokens per pass of the products
-    /// of a few tokens on the tensor cores (`linear_few_q4`).
+    /// of a few tokens on the tensor cores (`linear_few_q4_*`).
     FEW_LINEAR_WARPS: usize = 8;
     FEW_LINEAR_TOKENS: usize = 16;
 

@@ -48,13 +48,18 @@ pub(super) struct MatvecJobs {
     count: i32,
 }
 
+// SAFETY: plain data laid out as the kernels' structs (C layout, device
+// addresses as 64-bit integers).
+unsafe impl DeviceRepr for MatvecJobs {}
+
 impl CudaBackend {
     /// The jobs of one launch over up to [`MAX_JOBS`] matrices, each
-    /// writing its output, whose blocks take `rows_per_block` rows each;
-    /// and the blocks of the whole grid.
+    /// writing its output for `tokens` tokens, whose blocks take
+    /// `rows_per_block` rows each; and the blocks of the whole grid.
     pub(super) fn pack_jobs(
         &self,
         jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
+        tokens: usize,
         rows_per_block: usize,
     ) -> (MatvecJobs, usize) {
         let mut packed = MatvecJobs {
@@ -65,8 +70,8 @@ impl CudaBackend {
         for (slot, (w, out)) in packed.job.iter_mut().zip(jobs.iter_mut()) {
             let l = w.layout;
             assert!(
-                out.len() >= l.rows,
-                "linear: output of {} too short",
+                out.len() >= tokens * l.rows,
+                "linear: output of {} too short for {tokens} token(s)",
                 w.name
             );
             let (codes, scales, biases) = w.sections();
@@ -83,10 +88,6 @@ impl CudaBackend {
         (packed, blocks)
     }
 }
-
-// SAFETY: plain data laid out as the kernels' structs (C layout, device
-// addresses as 64-bit integers).
-unsafe impl DeviceRepr for MatvecJobs {}
 
 /// The RMSNorm a one-token product applies to its input (`FusedNorm` in
 /// linear.cu): the norm's weight, where block 0 stores the normalised
@@ -477,7 +478,7 @@ impl CudaBackend {
         };
         let kernel = kernels[usize::from(whole_rows) + 2 * usize::from(norm.is_some())];
         let rows_per_block = if whole_rows { WHOLE_ROWS } else { VEC_ROWS };
-        let (packed, blocks) = self.pack_jobs(jobs, rows_per_block);
+        let (packed, blocks) = self.pack_jobs(jobs, 1, rows_per_block);
         let config = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: ((VEC_WARPS * 32) as u32, 1, 1),

@@ -47,7 +47,7 @@ __device__ __forceinline__ i64 few_outputs_before(const MatvecJobs& jobs, int in
 }
 
 // uint2 of shared memory a token's staged B registers take in a block of
-// linear_few_q4 whose split has `count` groups: 32 a group, and 64 bytes
+// linear_few_q4_* whose split has `count` groups: 32 a group, and 64 bytes
 // of padding so that the four tokens an MMA reads fall on both halves of
 // the banks. The block's dynamic shared memory: FEW_LINEAR_TOKENS such
 // rows, then Σ x of each group of the split for FEW_LINEAR_TOKENS tokens
@@ -226,7 +226,7 @@ LINEAR_FEW_Q4(linear_few_q4_1, 1)
 LINEAR_FEW_Q4(linear_few_q4_2, 2)
 LINEAR_FEW_Q4(linear_few_q4_4, FEW_LINEAR_TOKENS / 4)
 
-// out_j (+)= the sum, in split order, of linear_few_q4's `splits` parts of
+// out_j (+)= the sum, in split order, of linear_few_q4_*'s `splits` parts of
 // each of the launch's outputs.
 extern "C" __global__ void sum_few_splits(const float* partial, MatvecJobs jobs, int n,
                                           int splits, int accumulate) {
