@@ -383,7 +383,7 @@ fn recorded_steps_of_several_rows_equal_unrecorded_ones() {
                 moeflux::forward_batch(&mut items)
                     .unwrap()
                     .into_iter()
-                    .flat_map(|l| l.data)
+                    .flat_map(|l| l.into_vec())
                     .collect::<Vec<f32>>()
             };
             let mut logits = Vec::new();
@@ -517,7 +517,10 @@ fn tiny_expert_caches_give_identical_results() {
         );
         let run = |model: &Arc<Model<CudaBackend>>| {
             let mut session = model.session();
-            let mut logits = session.forward(&tokens, LogitsWanted::All).unwrap().data;
+            let mut logits = session
+                .forward(&tokens, LogitsWanted::All)
+                .unwrap()
+                .into_vec();
             for &t in tokens.iter().take(8) {
                 logits.extend(session.decode(t).unwrap());
             }
@@ -565,19 +568,19 @@ fn low_bit_expert_logits_match_cpu() {
                 .session()
                 .forward(&tokens, LogitsWanted::All)
                 .unwrap()
-                .data;
+                .into_vec();
             for chunk in [moeflux::model::DEFAULT_PREFILL_CHUNK, 7] {
                 let gpu = open_cuda(&converted.dir, chunked(chunk), cuda().expect("a device"));
                 let got = gpu
                     .session()
                     .forward(&tokens, LogitsWanted::All)
                     .unwrap()
-                    .data;
+                    .into_vec();
                 let mut session = gpu.session();
                 let mut decoded = session
                     .forward(&tokens[..1], LogitsWanted::All)
                     .unwrap()
-                    .data;
+                    .into_vec();
                 for &t in &tokens[1..] {
                     decoded.extend(session.decode(t).unwrap());
                 }
@@ -698,7 +701,7 @@ fn streamed_expert_statistics_are_consistent() {
             let mut logits = session
                 .forward(&tokens[..prompt], LogitsWanted::All)
                 .unwrap()
-                .data;
+                .into_vec();
             let before = model.backend().expert_cache_stats();
             for &t in &tokens[prompt..] {
                 logits.extend(session.decode(t).unwrap());
@@ -1070,7 +1073,7 @@ fn prefill_then_decode<B: Backend>(model: &Arc<Model<B>>, tokens: &[u32]) -> Vec
     let mut logits = session
         .forward(&tokens[..5], LogitsWanted::All)
         .unwrap()
-        .data;
+        .into_vec();
     for &t in &tokens[5..] {
         logits.extend(session.decode(t).unwrap());
     }
@@ -1158,7 +1161,7 @@ fn check_two_gpus(label: &str, dir: &Path, tokens: &[u32]) {
                 let mut logits = session
                     .forward(&tokens[..5], LogitsWanted::Last)
                     .unwrap()
-                    .data;
+                    .into_vec();
                 let mut out = Vec::new();
                 for _ in 0..12 {
                     let t = argmax(&logits) as u32;

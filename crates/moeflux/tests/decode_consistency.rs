@@ -110,7 +110,10 @@ fn one_cached_expert_per_layer_gives_identical_results() {
         );
         let run = |model: &std::sync::Arc<moeflux::Model>| {
             let mut session = model.session();
-            let mut logits = session.forward(&tokens, LogitsWanted::All).unwrap().data;
+            let mut logits = session
+                .forward(&tokens, LogitsWanted::All)
+                .unwrap()
+                .into_vec();
             for t in tokens.iter().take(8) {
                 logits.extend(session.decode(*t).unwrap());
             }
@@ -153,7 +156,10 @@ fn cpu_worker_pool_gives_identical_logits() {
                     .unwrap();
                 threads.install(|| {
                     let mut session = model.session();
-                    let mut logits = session.forward(&tokens, LogitsWanted::All).unwrap().data;
+                    let mut logits = session
+                        .forward(&tokens, LogitsWanted::All)
+                        .unwrap()
+                        .into_vec();
                     for &t in tokens.iter().take(6) {
                         logits.extend(session.decode(t).unwrap());
                     }

@@ -86,7 +86,7 @@ fn every_kv_type_saves_truncates_and_restores() {
                     .session()
                     .forward(tokens, LogitsWanted::All)
                     .unwrap()
-                    .data
+                    .into_vec()
             };
             let mut session = model.session();
             session.prefill(&tokens[..20]).unwrap();
@@ -227,7 +227,10 @@ fn sessions_of_several_kv_types_batch_as_they_run_alone() {
         .iter()
         .map(|&kv| {
             let mut s = session(kv);
-            let mut logits = s.forward(&tokens[..20], LogitsWanted::All).unwrap().data;
+            let mut logits = s
+                .forward(&tokens[..20], LogitsWanted::All)
+                .unwrap()
+                .into_vec();
             logits.extend(decode_all(&mut s, &tokens[20..24]));
             logits
         })
@@ -245,7 +248,7 @@ fn sessions_of_several_kv_types_batch_as_they_run_alone() {
             })
             .collect();
         for (out, logits) in together.iter_mut().zip(forward_batch(&mut items).unwrap()) {
-            out.extend(logits.data);
+            out.extend_from_slice(&logits.data);
         }
     };
     run(&mut sessions, &tokens[..20], Phase::Prefill, &mut together);

@@ -32,7 +32,7 @@ fn fresh(model: &Arc<Model>, tokens: &[u32]) -> Vec<f32> {
         .session()
         .forward(tokens, LogitsWanted::All)
         .unwrap()
-        .data
+        .into_vec()
 }
 
 fn max_rel_error(got: &[f32], want: &[f32], vocab: usize) -> f64 {
@@ -93,7 +93,10 @@ fn restore_to_checkpoint_then_continue_equals_fresh_prefill() {
         );
         // Continue with a different suffix than the one dropped.
         let suffix: Vec<u32> = tokens[60..80].to_vec();
-        let got = session.forward(&suffix, LogitsWanted::All).unwrap().data;
+        let got = session
+            .forward(&suffix, LogitsWanted::All)
+            .unwrap()
+            .into_vec();
         let mut whole = tokens[..20].to_vec();
         whole.extend(&suffix);
         let want = fresh(&model, &whole);
@@ -144,7 +147,10 @@ fn truncate_then_continue_equals_fresh_prefill() {
             assert_eq!(session.position(), 41);
             assert_eq!(session.tokens(), &tokens[..41]);
             let suffix = &tokens[70..80];
-            let got = session.forward(suffix, LogitsWanted::All).unwrap().data;
+            let got = session
+                .forward(suffix, LogitsWanted::All)
+                .unwrap()
+                .into_vec();
             let mut whole = tokens[..41].to_vec();
             whole.extend(suffix);
             let want = fresh(&model, &whole);
@@ -384,7 +390,7 @@ fn a_failed_forward_leaves_a_consistent_session() {
         let got = session
             .forward(&tokens[10..30], LogitsWanted::All)
             .unwrap()
-            .data;
+            .into_vec();
         let want = fresh(&model, &tokens[..30]);
         assert_eq!(
             got,

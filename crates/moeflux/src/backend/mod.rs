@@ -256,6 +256,12 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn concat_rows(&self, parts: &[Self::Tensor]) -> Result<Self::Tensor>;
     /// Copies a tensor to host memory, row-major.
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
+    /// A tensor's values on the host, row-major, cut into consecutive
+    /// parts of `lens` values (which add up to all of them): a batch's
+    /// logits, each sequence's in a vector of its own, copied once.
+    fn host_parts(&self, x: Self::Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        Ok(split_parts(&self.to_host(&x)?, lens))
+    }
 
     /// Rows of the embedding table for `tokens`.
     fn embed(&self, table: &Self::Weight, tokens: &[u32]) -> Result<Self::Tensor>;
@@ -617,4 +623,20 @@ pub(crate) fn check_host_kv(shape: AttentionShape, host: &HostKv) {
         host.keys.kv_type(),
         host.values.kv_type()
     );
+}
+
+/// `values` cut into consecutive parts of `lens` values.
+pub(crate) fn split_parts(values: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
+    debug_assert_eq!(
+        lens.iter().sum::<usize>(),
+        values.len(),
+        "parts cover the values"
+    );
+    let mut at = 0;
+    lens.iter()
+        .map(|&len| {
+            at += len;
+            values[at - len..at].to_vec()
+        })
+        .collect()
 }

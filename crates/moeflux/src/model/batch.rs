@@ -51,9 +51,9 @@ pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<L
             return Err(err);
         }
     }
-    // The logits are taken, not copied (a vocabulary's worth per step):
-    // a successful pass replaces them, a failed one puts them back.
-    let starts: Vec<(usize, Option<Vec<f32>>)> = items
+    // The logits are taken, not copied: a successful pass replaces them, a
+    // failed one puts them back.
+    let starts: Vec<(usize, Option<Arc<Vec<f32>>>)> = items
         .iter_mut()
         .map(|it| (it.session.position(), it.session.logits.take()))
         .collect();
@@ -124,8 +124,8 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
             model.run_batch(&mut states, &batch, keep_hidden)?
         };
         let single = members.len() == 1;
-        let mut logits = logits;
-        let mut offset = 0;
+        // One part per segment when any row's logits were asked for.
+        let mut parts = logits.map(Vec::into_iter);
         // Each sequence's rows, where hidden states are split among them.
         let sequence_rows = match keep_hidden && !single {
             true => batch.ranges(),
@@ -142,30 +142,32 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
                     .transpose()?,
             };
             session.append(part, rows_kept)?;
+            let values = parts.as_mut().and_then(Iterator::next);
             if rows == 0 {
                 continue;
             }
-            let all = logits.as_mut().expect("logit rows were asked for");
-            // One sequence's first logits (a decode step's) are moved, not
+            let values = values.expect("logit rows were asked for");
+            // A sequence's first logits (a decode step's) are moved, not
             // copied.
-            if single && data[i].is_empty() {
-                data[i] = std::mem::take(all);
-            } else {
-                data[i].extend_from_slice(&all[offset * vocab..(offset + rows) * vocab]);
+            match data[i].is_empty() {
+                true => data[i] = values,
+                false => data[i].extend_from_slice(&values),
             }
-            offset += rows;
         }
     }
     Ok(items
         .iter_mut()
         .zip(data)
         .map(|(item, data)| {
-            item.session.logits = Some(data[data.len() - vocab..].to_vec());
-            Logits {
-                rows: data.len() / vocab,
-                vocab,
-                data,
-            }
+            let rows = data.len() / vocab;
+            let data = Arc::new(data);
+            // The session keeps the last row: these logits themselves when
+            // they are one row.
+            item.session.logits = Some(match rows {
+                1 => data.clone(),
+                _ => Arc::new(data[data.len() - vocab..].to_vec()),
+            });
+            Logits { rows, vocab, data }
         })
         .collect())
 }

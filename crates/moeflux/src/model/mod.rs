@@ -138,8 +138,9 @@ pub struct Model<B: Backend = CpuBackend> {
 
 /// What [`Model::run_batch`] returns.
 pub(crate) struct BatchOutput<B: Backend> {
-    /// The logits of the rows the batch wants, on the host.
-    pub logits: Option<Vec<f32>>,
+    /// The logits of the rows the batch wants, on the host: each segment's
+    /// rows (`logit_rows` of them, possibly none) in a vector of its own.
+    pub logits: Option<Vec<Vec<f32>>>,
     /// Every row's hidden state after the final norm, when asked for.
     pub hidden: Option<B::Tensor>,
 }
@@ -160,8 +161,11 @@ pub struct Logits {
     pub rows: usize,
     /// Logits per position: the vocabulary size.
     pub vocab: usize,
-    /// `rows * vocab` values.
-    pub data: Vec<f32>,
+    /// `rows * vocab` values. Shared with the session when they are one
+    /// row (the session keeps its last row), so that a step of many
+    /// sequences copies each vocabulary's worth once on the host;
+    /// `Arc::unwrap_or_clone` gives a vector of one's own.
+    pub data: Arc<Vec<f32>>,
 }
 
 impl Logits {
@@ -173,6 +177,12 @@ impl Logits {
     /// The logits of the last row.
     pub fn last(&self) -> &[f32] {
         self.row(self.rows - 1)
+    }
+
+    /// The values as a vector of one's own: moved out, or copied while the
+    /// session still shares them.
+    pub fn into_vec(self) -> Vec<f32> {
+        Arc::unwrap_or_clone(self.data)
     }
 }
 
@@ -458,8 +468,17 @@ impl<B: Backend> Model<B> {
         keep_hidden: bool,
     ) -> Result<BatchOutput<B>> {
         let out = self.on_worker(|| self.forward_on_backend(states, batch, keep_hidden))?;
+        let vocab = self.config().vocab_size;
+        let parts: Vec<usize> = batch
+            .segments
+            .iter()
+            .map(|s| s.logit_rows * vocab)
+            .collect();
         Ok(BatchOutput {
-            logits: out.logits.map(|l| self.backend.to_host(&l)).transpose()?,
+            logits: out
+                .logits
+                .map(|l| self.backend.host_parts(l, &parts))
+                .transpose()?,
             hidden: out.hidden,
         })
     }

@@ -3,6 +3,8 @@
 //! its KV caches cut and its Gated DeltaNet states taken from the steps the
 //! backend kept or from a copy.
 
+use std::sync::Arc;
+
 use super::Session;
 use crate::backend::Backend;
 use crate::blocks::decoder::LayerState;
@@ -106,7 +108,7 @@ impl<B: Backend> Session<B> {
             }
             self.truncate_tokens(target)?;
             self.checkpoints.retain(|c| c.position <= target);
-            self.logits = Some(logits);
+            self.logits = Some(Arc::new(logits));
             self.sync_kv();
             return Ok(());
         }
@@ -139,7 +141,7 @@ impl<B: Backend> Session<B> {
             rebuilt?;
             return Err(err);
         }
-        self.logits = Some(logits);
+        self.logits = Some(Arc::new(logits));
         self.sync_kv();
         Ok(())
     }

@@ -69,7 +69,7 @@ pub(super) struct Checkpoint<B: Backend> {
     /// a Gated DeltaNet state or a sliding window's KV cache (`None` for
     /// full attention, whose KV cache is truncated instead).
     saved: Vec<Option<LayerState<B>>>,
-    logits: Option<Vec<f32>>,
+    logits: Option<Arc<Vec<f32>>>,
     created: u64,
     used: u64,
 }
@@ -103,8 +103,9 @@ pub struct Session<B: Backend = CpuBackend> {
     pub(super) layers: Vec<LayerState<B>>,
     pub(super) tokens: Vec<u32>,
     capacity: usize,
-    /// Logits after the last token, when known.
-    pub(super) logits: Option<Vec<f32>>,
+    /// Logits after the last token, when known (shared with the
+    /// [`Logits`] of the forward pass that made them).
+    pub(super) logits: Option<Arc<Vec<f32>>>,
     pub(super) checkpoints: Vec<Checkpoint<B>>,
     max_checkpoints: usize,
     clock: u64,
@@ -182,7 +183,7 @@ impl<B: Backend> Session<B> {
     /// forward, a restore, or a load; not after an exact truncation of a
     /// model without linear attention).
     pub fn last_logits(&self) -> Option<&[f32]> {
-        self.logits.as_deref()
+        self.logits.as_deref().map(Vec::as_slice)
     }
 
     /// Positions of the stored checkpoints, ascending.
@@ -266,7 +267,9 @@ impl<B: Backend> Session<B> {
     /// # Ok::<(), moeflux::Error>(())
     /// ```
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        Ok(self.forward(tokens, LogitsWanted::Last)?.data)
+        Ok(Arc::unwrap_or_clone(
+            self.forward(tokens, LogitsWanted::Last)?.data,
+        ))
     }
 
     /// Appends one token; returns the logits predicting the next.
@@ -287,9 +290,10 @@ impl<B: Backend> Session<B> {
     /// # Ok::<(), moeflux::Error>(())
     /// ```
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
-        Ok(self
-            .forward_as(&[token], LogitsWanted::Last, Phase::Decode)?
-            .data)
+        Ok(Arc::unwrap_or_clone(
+            self.forward_as(&[token], LogitsWanted::Last, Phase::Decode)?
+                .data,
+        ))
     }
 
     /// Generates up to `max_new_tokens`, fewer if the context fills up
@@ -349,7 +353,7 @@ impl<B: Backend> Session<B> {
     /// truncation dropped them.
     pub(crate) fn current_logits(&mut self) -> Result<Vec<f32>> {
         if let Some(logits) = &self.logits {
-            return Ok(logits.clone());
+            return Ok(logits.to_vec());
         }
         let Some(&last) = self.tokens.last() else {
             return Err(Error::invalid(
@@ -690,7 +694,7 @@ impl<B: Backend> Session<B> {
         } else {
             &self.layers
         };
-        let logits = self.logits.as_deref();
+        let logits = self.logits.as_deref().map(Vec::as_slice);
         state::encode(&self.model, self.kv_type, layers, &self.tokens, logits)
     }
 
@@ -741,7 +745,7 @@ impl<B: Backend> Session<B> {
         self.reserve_kv(loaded.tokens.len())?;
         self.layers = loaded.layers;
         self.tokens = loaded.tokens;
-        self.logits = loaded.logits;
+        self.logits = loaded.logits.map(Arc::new);
         if self.hidden.is_some() {
             self.hidden = Some(HiddenStates::starting_at(self.position()));
         }

@@ -70,7 +70,7 @@ impl<B: Backend> MtpDrafter<B> {
         let mut rows = Logits {
             rows: 0,
             vocab,
-            data: Vec::new(),
+            data: Arc::new(Vec::new()),
         };
         let p = session.position();
         if !model.has_mtp() {
@@ -128,7 +128,7 @@ impl<B: Backend> MtpDrafter<B> {
         for step in 0..k {
             let logits = model.backend().to_host(&out.logits)?;
             let guess = argmax(&logits);
-            rows.data.extend_from_slice(&logits);
+            Arc::make_mut(&mut rows.data).extend_from_slice(&logits);
             rows.rows += 1;
             if step + 1 < k {
                 out = model.mtp_forward(state, &out.chained, &[guess], p + step, 1)?;

@@ -68,7 +68,10 @@ pub fn alone<B: Backend>(model: &Arc<Model<B>>, plans: &[Plan]) -> Vec<Vec<f32>>
             if !p.history.is_empty() {
                 session.prefill(&p.history).unwrap();
             }
-            session.forward(&p.step, LogitsWanted::All).unwrap().data
+            session
+                .forward(&p.step, LogitsWanted::All)
+                .unwrap()
+                .into_vec()
         })
         .collect()
 }
@@ -102,7 +105,7 @@ pub fn batched<B: Backend>(model: &Arc<Model<B>>, plans: &[Plan]) -> Vec<Vec<f32
     forward_batch(&mut items)
         .unwrap()
         .into_iter()
-        .map(|l| l.data)
+        .map(|l| l.into_vec())
         .collect()
 }
 
@@ -133,7 +136,7 @@ pub fn greedy_both<B: Backend>(
     let mut last: Vec<Vec<f32>> = forward_batch(&mut items)
         .unwrap()
         .into_iter()
-        .map(|l| l.data)
+        .map(|l| l.into_vec())
         .collect();
     let mut out = vec![Vec::new(); plans.len()];
     for _ in 0..n {
@@ -154,7 +157,7 @@ pub fn greedy_both<B: Backend>(
         last = forward_batch(&mut items)
             .unwrap()
             .into_iter()
-            .map(|l| l.data)
+            .map(|l| l.into_vec())
             .collect();
     }
     (alone, out)
@@ -259,8 +262,11 @@ pub fn check_device_failure_is_contained<B: Backend>(dir: &Path, inner: impl Fn(
     let got_c = c
         .forward(steps[2], LogitsWanted::Last)
         .expect("c goes on")
-        .data;
-    let want_c = want[2].forward(steps[2], LogitsWanted::Last).unwrap().data;
+        .into_vec();
+    let want_c = want[2]
+        .forward(steps[2], LogitsWanted::Last)
+        .unwrap()
+        .into_vec();
     assert_eq!(got_c, want_c, "the other sequence");
     // The failed batch, run again, gives what a never-failed model gives.
     let got = forward_batch(&mut [item(a, steps[0]), item(b, steps[1])]).expect("the retry");

@@ -191,7 +191,7 @@ pub fn fresh_mtp_row<B: Backend>(session: &Session<B>, next: u32) -> Vec<f32> {
     let mut drafter = MtpDrafter::new(session.model()).unwrap();
     let rows = drafter.draft_logits(session, next, 1).unwrap();
     assert_eq!(rows.rows, 1);
-    rows.data
+    rows.into_vec()
 }
 
 /// The largest relative error of the multi-token-prediction head of

@@ -88,7 +88,7 @@ pub fn logits(dir: &Path, tokens: &[u32]) -> Vec<f32> {
         .session()
         .forward(tokens, LogitsWanted::All)
         .unwrap()
-        .data
+        .into_vec()
 }
 
 /// A safetensors file's tensor as raw bytes and shape.

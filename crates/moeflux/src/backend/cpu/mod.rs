@@ -311,6 +311,13 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
+    fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        Ok(match lens {
+            [_] => vec![x.data],
+            _ => crate::backend::split_parts(&x.data, lens),
+        })
+    }
+
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Tensor> {
         let view = table.tensor.view();
         let cols = view.cols();

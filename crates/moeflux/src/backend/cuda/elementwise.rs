@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::geometry::TABLE_WORDS;
 use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
-use crate::backend::Rope;
+use crate::backend::{Rope, split_parts};
 use crate::error::Result;
 
 /// Values from which [`crate::backend::Backend::to_host`] copies through page-locked
@@ -97,9 +97,16 @@ impl CudaBackend {
     }
 
     pub(super) fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
+        let mut parts = self.to_host_parts(x, &[x.rows * x.cols])?;
+        Ok(parts.pop().expect("one part"))
+    }
+
+    /// `x`'s values cut into consecutive parts of `lens` values, each
+    /// copied once from the page-locked buffer the device writes to.
+    pub(super) fn to_host_parts(&self, x: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
         let len = x.rows * x.cols;
         if len < PINNED_DOWNLOAD_MIN {
-            return self.download("to_host", &x.data, len);
+            return Ok(split_parts(&self.download("to_host", &x.data, len)?, lens));
         }
         let op = "to_host";
         let mut staging = self.download_staging.lock().unwrap();
@@ -117,7 +124,7 @@ impl CudaBackend {
         ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host))?;
         ok(op, self.stream.synchronize())?;
         ok(op, self.ctx.check_err())?;
-        Ok(host.to_vec())
+        Ok(split_parts(host, lens))
     }
 
     pub(super) fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {

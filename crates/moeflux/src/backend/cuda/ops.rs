@@ -118,6 +118,10 @@ impl Backend for CudaBackend {
         CudaBackend::to_host(self, x)
     }
 
+    fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+        CudaBackend::to_host_parts(self, &x, lens)
+    }
+
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Tensor> {
         CudaBackend::embed(self, table, tokens)
     }
