@@ -625,18 +625,43 @@ pub(crate) fn check_host_kv(shape: AttentionShape, host: &HostKv) {
     );
 }
 
-/// `values` cut into consecutive parts of `lens` values.
+/// `values` cut into consecutive parts of `lens` values: a batch's logits,
+/// tens of megabytes for many sequences, so large ones are copied by the
+/// thread pool, a part a task.
 pub(crate) fn split_parts(values: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
+    use rayon::prelude::*;
+    /// Values from which the parts are copied in parallel (4 MiB).
+    const PARALLEL_MIN: usize = 1 << 20;
     debug_assert_eq!(
         lens.iter().sum::<usize>(),
         values.len(),
         "parts cover the values"
     );
-    let mut at = 0;
-    lens.iter()
-        .map(|&len| {
-            at += len;
-            values[at - len..at].to_vec()
+    let ranges: Vec<Range<usize>> = lens
+        .iter()
+        .scan(0, |at, &len| {
+            *at += len;
+            Some(*at - len..*at)
         })
-        .collect()
+        .collect();
+    match values.len() >= PARALLEL_MIN && lens.len() > 1 {
+        true => ranges.into_par_iter().map(|r| values[r].to_vec()).collect(),
+        false => ranges.into_iter().map(|r| values[r].to_vec()).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_parts;
+
+    #[test]
+    fn parts_cover_the_values_in_order_small_and_large() {
+        for total in [10, (1 << 20) + 7] {
+            let values: Vec<f32> = (0..total).map(|i| i as f32).collect();
+            let lens = [3, 0, total - 5, 2];
+            let parts = split_parts(&values, &lens);
+            assert_eq!(parts.iter().map(Vec::len).collect::<Vec<_>>(), lens);
+            assert_eq!(parts.concat(), values);
+        }
+    }
 }
