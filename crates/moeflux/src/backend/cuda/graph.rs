@@ -536,8 +536,11 @@ impl CudaBackend {
             for word in cache.identity(self) {
                 key.update(&word.to_le_bytes());
             }
-            // The step's attention kernels depend on the context's length.
-            key.update(&[u8::from(self.grouped_decode(cache.attended_next()))]);
+            // One sequence's attention kernels depend on the context's
+            // length (several sequences' take the grouped kernels always).
+            if sequences == 1 {
+                key.update(&[u8::from(self.grouped_decode(cache.attended_next()))]);
+            }
         }
         for state in linear {
             key.update(&state.conv.device_ptr(&self.stream).0.to_le_bytes());
