@@ -260,7 +260,7 @@ pub trait Backend: Send + Sync + Sized + 'static {
     /// parts of `lens` values (which add up to all of them): a batch's
     /// logits, each sequence's in a vector of its own, copied once.
     fn host_parts(&self, x: Self::Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
-        Ok(split_parts(&self.to_host(&x)?, lens))
+        Ok(into_parts(self.to_host(&x)?, lens))
     }
 
     /// Rows of the embedding table for `tokens`.
@@ -625,6 +625,15 @@ pub(crate) fn check_host_kv(shape: AttentionShape, host: &HostKv) {
     );
 }
 
+/// [`split_parts`] of values the caller owns: one part is the values
+/// themselves, moved.
+pub(crate) fn into_parts(values: Vec<f32>, lens: &[usize]) -> Vec<Vec<f32>> {
+    match lens {
+        [_] => vec![values],
+        _ => split_parts(&values, lens),
+    }
+}
+
 /// `values` cut into consecutive parts of `lens` values: a batch's logits,
 /// tens of megabytes for many sequences, so large ones are copied by the
 /// thread pool, a part a task.
@@ -652,7 +661,25 @@ pub(crate) fn split_parts(values: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::split_parts;
+    use super::{into_parts, split_parts};
+
+    #[test]
+    fn owned_parts_move_one_and_split_several() {
+        let values: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let at = values.as_ptr();
+        let one = into_parts(values.clone(), &[6]);
+        assert_eq!(one, std::slice::from_ref(&values));
+        assert_eq!(
+            into_parts(values, &[6])[0].as_ptr(),
+            at,
+            "one part is moved"
+        );
+        let values: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        assert_eq!(
+            into_parts(values, &[2, 4]),
+            [vec![0.0, 1.0], vec![2.0, 3.0, 4.0, 5.0]]
+        );
+    }
 
     #[test]
     fn parts_cover_the_values_in_order_small_and_large() {

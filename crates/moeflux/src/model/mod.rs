@@ -164,7 +164,7 @@ pub struct Logits {
     /// `rows * vocab` values. Shared with the session when they are one
     /// row (the session keeps its last row), so that a step of many
     /// sequences copies each vocabulary's worth once on the host;
-    /// `Arc::unwrap_or_clone` gives a vector of one's own.
+    /// [`Logits::into_vec`] gives a vector of one's own.
     pub data: Arc<Vec<f32>>,
 }
 

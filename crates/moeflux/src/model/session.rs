@@ -267,9 +267,7 @@ impl<B: Backend> Session<B> {
     /// # Ok::<(), moeflux::Error>(())
     /// ```
     pub fn prefill(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        Ok(Arc::unwrap_or_clone(
-            self.forward(tokens, LogitsWanted::Last)?.data,
-        ))
+        Ok(self.forward(tokens, LogitsWanted::Last)?.into_vec())
     }
 
     /// Appends one token; returns the logits predicting the next.
@@ -290,10 +288,9 @@ impl<B: Backend> Session<B> {
     /// # Ok::<(), moeflux::Error>(())
     /// ```
     pub fn decode(&mut self, token: u32) -> Result<Vec<f32>> {
-        Ok(Arc::unwrap_or_clone(
-            self.forward_as(&[token], LogitsWanted::Last, Phase::Decode)?
-                .data,
-        ))
+        Ok(self
+            .forward_as(&[token], LogitsWanted::Last, Phase::Decode)?
+            .into_vec())
     }
 
     /// Generates up to `max_new_tokens`, fewer if the context fills up

@@ -312,10 +312,7 @@ impl Backend for CpuBackend {
     }
 
     fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
-        Ok(match lens {
-            [_] => vec![x.data],
-            _ => crate::backend::split_parts(&x.data, lens),
-        })
+        Ok(crate::backend::into_parts(x.data, lens))
     }
 
     fn embed(&self, table: &Weight, tokens: &[u32]) -> Result<Tensor> {

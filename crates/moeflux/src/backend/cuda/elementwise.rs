@@ -11,7 +11,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::geometry::TABLE_WORDS;
 use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
-use crate::backend::{Rope, split_parts};
+use crate::backend::{Rope, into_parts, split_parts};
 use crate::error::Result;
 
 /// Values from which [`crate::backend::Backend::to_host`] copies through page-locked
@@ -106,7 +106,7 @@ impl CudaBackend {
     pub(super) fn to_host_parts(&self, x: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
         let len = x.rows * x.cols;
         if len < PINNED_DOWNLOAD_MIN {
-            return Ok(split_parts(&self.download("to_host", &x.data, len)?, lens));
+            return Ok(into_parts(self.download("to_host", &x.data, len)?, lens));
         }
         let op = "to_host";
         let mut staging = self.download_staging.lock().unwrap();
