@@ -33,6 +33,9 @@
 #ifndef FEW_LINEAR_BATCH
 #define FEW_LINEAR_BATCH 2
 #endif
+#if FEW_LINEAR_BATCH % 2
+#error "linear_few.cu: the weights are loaded two groups at a time (FEW_LINEAR_BATCH even)"
+#endif
 // Blocks a multiprocessor holds at once, which bounds the registers.
 #ifndef FEW_LINEAR_MIN_BLOCKS
 #define FEW_LINEAR_MIN_BLOCKS 3
@@ -58,14 +61,14 @@ __device__ __forceinline__ int few_linear_stride(int count) { return count * 32 
 #if __CUDA_ARCH__ >= 800
 
 // Loads groups [g0, min(g0 + FEW_LINEAR_BATCH, end)) of the tile whose
-// lane rows are `row_g` and `row_g8`.
-__device__ __forceinline__ void load_few_linear_batch(TcGroup (&w)[FEW_LINEAR_BATCH],
+// lane rows are `row_g` and `row_g8`, two at a time (load_tc_pair).
+__device__ __forceinline__ void load_few_linear_batch(TcPair (&w)[FEW_LINEAR_BATCH / 2],
                                                       const WeightRow& row_g,
                                                       const WeightRow& row_g8, int g0, int end,
                                                       int t) {
 #pragma unroll
-    for (int b = 0; b < FEW_LINEAR_BATCH; ++b) {
-        if (g0 + b < end) w[b] = load_tc_group(row_g, row_g8, g0 + b, t);
+    for (int b = 0; b < FEW_LINEAR_BATCH / 2; ++b) {
+        if (g0 + 2 * b < end) w[b] = load_tc_pair(row_g, row_g8, g0 + 2 * b, end, t);
     }
 }
 
@@ -170,7 +173,7 @@ __device__ __forceinline__ void linear_few(const MatvecJobs& jobs, const float* 
         weight_row(DT_Q4, job.codes, job.scales, job.biases, min(first + g, last), cols);
     const WeightRow row_g8 =
         weight_row(DT_Q4, job.codes, job.scales, job.biases, min(first + g + 8, last), cols);
-    TcGroup w[FEW_LINEAR_BATCH];
+    TcPair w[FEW_LINEAR_BATCH / 2];
     if (active) load_few_linear_batch(w, row_g, row_g8, begin, end, t);
     const int stride = few_linear_stride(count);
     float* staged_sums = (float*)(few_linear_shared + FEW_LINEAR_TOKENS * stride);
@@ -185,8 +188,8 @@ __device__ __forceinline__ void linear_few(const MatvecJobs& jobs, const float* 
 #pragma unroll
         for (int b = 0; b < FEW_LINEAR_BATCH; ++b) {
             if (g0 + b < end) {
-                mma_few_linear_group<TILES>(w[b], lane_b, 4 * stride, staged_sums, g0 + b - begin,
-                                            t, acc);
+                mma_few_linear_group<TILES>(w[b / 2].group(b % 2), lane_b, 4 * stride,
+                                            staged_sums, g0 + b - begin, t, acc);
             }
         }
     }

@@ -124,6 +124,58 @@ __device__ __forceinline__ TcGroup load_tc_group(const WeightRow& row_g, const W
     return w;
 }
 
+// Two bf16 values from p[0] and p[1] (p[1] only where `second`), the first
+// in the low half: one 4-byte load where p is aligned for it, so a row's
+// scales (or biases) of two groups cost one load.
+__device__ __forceinline__ u32 load_bf16_pair(const u16* p, bool second) {
+    if (second && ((u64)p & 3u) == 0) return *(const u32*)p;
+    return (u32)p[0] | (second ? (u32)p[1] << 16 : 0u);
+}
+
+// Groups `group` and `group + 1` (the second only where it is below
+// `groups`) of the tile, as lane (g, t) holds them: the words of rows g
+// and g + 8 per group, and each row's scales and biases of both groups
+// as bf16 pairs (the first group's in the low half). Six loads a pair of
+// groups rather than load_tc_group's twelve, and twelve registers in
+// flight rather than sixteen; group(k) gives group + k as load_tc_group
+// does.
+struct TcPair {
+    uint2 row_g[2], row_g8[2];
+    u32 scale_g, bias_g, scale_g8, bias_g8;
+
+    __device__ __forceinline__ static float half(u32 pair, int k) {
+        return __uint_as_float(k == 0 ? pair << 16 : pair & 0xffff0000u);
+    }
+
+    __device__ __forceinline__ TcGroup group(int k) const {
+        TcGroup w;
+        w.row_g = row_g[k];
+        w.row_g8 = row_g8[k];
+        w.scale_g = half(scale_g, k);
+        w.offset_g = fmaf(8.0f, w.scale_g, half(bias_g, k));
+        w.scale_g8 = half(scale_g8, k);
+        w.offset_g8 = fmaf(8.0f, w.scale_g8, half(bias_g8, k));
+        return w;
+    }
+};
+
+__device__ __forceinline__ TcPair load_tc_pair(const WeightRow& row_g, const WeightRow& row_g8,
+                                               int group, int groups, int t) {
+    TcPair w;
+    const bool second = group + 1 < groups;
+    w.row_g[0] = load_u64_streaming(row_g.codes + group * 32 + 8 * t);
+    w.row_g8[0] = load_u64_streaming(row_g8.codes + group * 32 + 8 * t);
+    if (second) {
+        w.row_g[1] = load_u64_streaming(row_g.codes + (group + 1) * 32 + 8 * t);
+        w.row_g8[1] = load_u64_streaming(row_g8.codes + (group + 1) * 32 + 8 * t);
+    }
+    w.scale_g = load_bf16_pair(row_g.scales + group, second);
+    w.bias_g = load_bf16_pair(row_g.biases + group, second);
+    w.scale_g8 = load_bf16_pair(row_g8.scales + group, second);
+    w.bias_g8 = load_bf16_pair(row_g8.biases + group, second);
+    return w;
+}
+
 // acc_g / acc_g8 (lanes with t = 0: rows g and g + 8) += the tile's
 // products over one group, B table and Σ x at `table` and `sums`.
 __device__ __forceinline__ void mma_tc_group(const TcGroup& w, const u32* table,

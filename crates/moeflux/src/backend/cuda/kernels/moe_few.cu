@@ -54,6 +54,9 @@
 // Blocks a multiprocessor holds at once, which bounds the registers of
 // the two expert kernels: two (128 registers), where unbounded gate/up
 // took 147 and the device held one block of it, 8 warps a multiprocessor.
+#if FEW_GATE_UP_GROUPS % 2 || FEW_DOWN_GROUPS % 2
+#error "moe_few.cu: the weights are loaded two groups at a time (FEW_*_GROUPS even)"
+#endif
 #ifndef FEW_EXPERT_MIN_BLOCKS
 #define FEW_EXPERT_MIN_BLOCKS 2
 #endif
@@ -230,22 +233,32 @@ __device__ __forceinline__ void stage_few_rows(const float* x, const int* in_row
     }
 }
 
-// acc[nt][0] / acc[nt][1] (rows g and g + 8 of the tile, token 4·nt + t of
-// lane (g, t)) += the tile's products over one group, for the first
-// `tiles_n` column tiles of the B table.
-__device__ __forceinline__ void mma_few_group(const TcGroup& w, const uint2* table,
+// acc[m][nt][0] / acc[m][nt][1] (rows g and g + 8 of the tile, token
+// 4·nt + t of lane (g, t)) += the products of matrix m's tile (w[m]) over
+// one group, for the first `tiles_n` column tiles of the B table. The M
+// matrices (gate and up: two) share each B fragment and Σ x read from
+// shared memory.
+template <int M>
+__device__ __forceinline__ void mma_few_group(const TcGroup (&w)[M], const uint2* table,
                                               const float* sums, int group, int groups,
-                                              int tiles_n, int lane, float (&acc)[2][2]) {
-    float c[2][4] = {};
+                                              int tiles_n, int lane, float (&acc)[M][2][2]) {
+    float c[M][2][4] = {};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-        const u32 a[4] = {q4_pair(w.row_g.x >> (4 * s)), q4_pair(w.row_g8.x >> (4 * s)),
-                          q4_pair(w.row_g.y >> (4 * s)), q4_pair(w.row_g8.y >> (4 * s))};
+        u32 a[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            a[m][0] = q4_pair(w[m].row_g.x >> (4 * s));
+            a[m][1] = q4_pair(w[m].row_g8.x >> (4 * s));
+            a[m][2] = q4_pair(w[m].row_g.y >> (4 * s));
+            a[m][3] = q4_pair(w[m].row_g8.y >> (4 * s));
+        }
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
             if (nt < tiles_n) {
                 const uint2 b = table[((nt * groups + group) * 4 + s) * WARP_SIZE + lane];
-                mma_bf16(c[nt], a, b.x, b.y);
+#pragma unroll
+                for (int m = 0; m < M; ++m) mma_bf16(c[m][nt], a[m], b.x, b.y);
             }
         }
     }
@@ -253,8 +266,13 @@ __device__ __forceinline__ void mma_few_group(const TcGroup& w, const uint2* tab
     for (int nt = 0; nt < 2; ++nt) {
         if (nt < tiles_n) {
             const float xs = sums[(nt * 4 + lane % 4) * groups + group];
-            acc[nt][0] = fmaf(w.scale_g, c[nt][0] + c[nt][1], fmaf(w.offset_g, xs, acc[nt][0]));
-            acc[nt][1] = fmaf(w.scale_g8, c[nt][2] + c[nt][3], fmaf(w.offset_g8, xs, acc[nt][1]));
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+                acc[m][nt][0] = fmaf(w[m].scale_g, c[m][nt][0] + c[m][nt][1],
+                                     fmaf(w[m].offset_g, xs, acc[m][nt][0]));
+                acc[m][nt][1] = fmaf(w[m].scale_g8, c[m][nt][2] + c[m][nt][3],
+                                     fmaf(w[m].offset_g8, xs, acc[m][nt][1]));
+            }
         }
     }
 }
@@ -319,21 +337,21 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
     const WeightRow gate_g8 = expert_row(DT_Q4, base, gate, min(first + lane / 4 + 8, last), hidden);
     const WeightRow up_g = expert_row(DT_Q4, base, up, min(first + lane / 4, last), hidden);
     const WeightRow up_g8 = expert_row(DT_Q4, base, up, min(first + lane / 4 + 8, last), hidden);
-    float acc_gate[2][2] = {}, acc_up[2][2] = {};
+    float acc[2][2][2] = {};  // gate, up
     for (int g0 = 0; g0 < groups; g0 += FEW_GATE_UP_GROUPS) {
-        TcGroup wg[FEW_GATE_UP_GROUPS], wu[FEW_GATE_UP_GROUPS];
+        TcPair wg[FEW_GATE_UP_GROUPS / 2], wu[FEW_GATE_UP_GROUPS / 2];
 #pragma unroll
-        for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
-            if (g0 + j < groups) {
-                wg[j] = load_tc_group(gate_g, gate_g8, g0 + j, lane % 4);
-                wu[j] = load_tc_group(up_g, up_g8, g0 + j, lane % 4);
+        for (int i = 0; i < FEW_GATE_UP_GROUPS / 2; ++i) {
+            if (g0 + 2 * i < groups) {
+                wg[i] = load_tc_pair(gate_g, gate_g8, g0 + 2 * i, groups, lane % 4);
+                wu[i] = load_tc_pair(up_g, up_g8, g0 + 2 * i, groups, lane % 4);
             }
         }
 #pragma unroll
         for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
             if (g0 + j < groups) {
-                mma_few_group(wg[j], few_shared, sums, g0 + j, groups, tiles_n, lane, acc_gate);
-                mma_few_group(wu[j], few_shared, sums, g0 + j, groups, tiles_n, lane, acc_up);
+                const TcGroup w[2] = {wg[j / 2].group(j % 2), wu[j / 2].group(j % 2)};
+                mma_few_group(w, few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
             }
         }
     }
@@ -346,7 +364,7 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
             const i64 r = first + lane / 4 + 8 * h;
             if (r < inter) {
                 act[(i64)(tile.start + j) * inter + r] =
-                    expert_act(ffn, tile.expert, r, inter, acc_gate[nt][h], acc_up[nt][h]);
+                    expert_act(ffn, tile.expert, r, inter, acc[0][nt][h], acc[1][nt][h]);
             }
         }
     }
@@ -385,17 +403,20 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
         const WeightRow row_g = expert_row(DT_Q4, base, down, min(first + lane / 4, last), inter);
         const WeightRow row_g8 =
             expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
-        float acc[2][2] = {};
+        float acc[1][2][2] = {};
         for (int g0 = 0; g0 < groups; g0 += FEW_DOWN_GROUPS) {
-            TcGroup w[FEW_DOWN_GROUPS];
+            TcPair pairs[FEW_DOWN_GROUPS / 2];
 #pragma unroll
-            for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
-                if (g0 + j < groups) w[j] = load_tc_group(row_g, row_g8, g0 + j, lane % 4);
+            for (int i = 0; i < FEW_DOWN_GROUPS / 2; ++i) {
+                if (g0 + 2 * i < groups) {
+                    pairs[i] = load_tc_pair(row_g, row_g8, g0 + 2 * i, groups, lane % 4);
+                }
             }
 #pragma unroll
             for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
                 if (g0 + j < groups) {
-                    mma_few_group(w[j], few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
+                    const TcGroup w[1] = {pairs[j / 2].group(j % 2)};
+                    mma_few_group(w, few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
                 }
             }
         }
@@ -409,7 +430,7 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
                 const i64 r = first + lane / 4 + 8 * h;
                 if (r < hidden) {
                     y[slot * hidden + r] =
-                        acc[nt][h] + expert_down_bias(ffn, tile.expert, r, hidden);
+                        acc[0][nt][h] + expert_down_bias(ffn, tile.expert, r, hidden);
                 }
             }
         }
