@@ -51,12 +51,12 @@
 #ifndef FEW_DOWN_GROUPS
 #define FEW_DOWN_GROUPS 6
 #endif
-// Blocks a multiprocessor holds at once, which bounds the registers of
-// the two expert kernels: two (128 registers), where unbounded gate/up
-// took 147 and the device held one block of it, 8 warps a multiprocessor.
 #if FEW_GATE_UP_GROUPS % 2 || FEW_DOWN_GROUPS % 2
 #error "moe_few.cu: the weights are loaded two groups at a time (FEW_*_GROUPS even)"
 #endif
+// Blocks a multiprocessor holds at once, which bounds the registers of
+// the two expert kernels: two (128 registers), where unbounded gate/up
+// took 147 and the device held one block of it, 8 warps a multiprocessor.
 #ifndef FEW_EXPERT_MIN_BLOCKS
 #define FEW_EXPERT_MIN_BLOCKS 2
 #endif
