@@ -54,6 +54,11 @@
 #if FEW_GATE_UP_GROUPS % 2 || FEW_DOWN_GROUPS % 2
 #error "moe_few.cu: the weights are loaded two groups at a time (FEW_*_GROUPS even)"
 #endif
+// 1: each row's scales (and biases) of four groups in one 8-byte load
+// where aligned (load_few_batch); 0: two groups a load.
+#ifndef FEW_QUAD_SCALES
+#define FEW_QUAD_SCALES 1
+#endif
 // Blocks a multiprocessor holds at once, which bounds the registers of
 // the two expert kernels: two (128 registers), where unbounded gate/up
 // took 147 and the device held one block of it, 8 warps a multiprocessor.
@@ -186,6 +191,66 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
 }
 
 #if __CUDA_ARCH__ >= 800
+
+// The scales (or biases) at p of four groups as two bf16 pairs, in one
+// 8-byte load where p is aligned to it.
+__device__ __forceinline__ void load_bf16_quad(const u16* p, u32& low, u32& high) {
+    if (((u64)p & 7u) == 0) {
+        const uint2 v = *(const uint2*)p;
+        low = v.x;
+        high = v.y;
+    } else {
+        low = load_bf16_pair(p, true);
+        high = load_bf16_pair(p + 2, true);
+    }
+}
+
+// N pairs of groups of a tile in registers, pair[i] = groups g0 + 2i and
+// g0 + 2i + 1 (those below `groups`) as load_tc_pair leaves them: every
+// code load of the batch first, then the scales and biases, with
+// FEW_QUAD_SCALES a row's of two pairs in one load each.
+template <int N>
+__device__ __forceinline__ void load_few_batch(TcPair (&pair)[N], const WeightRow& row_g,
+                                               const WeightRow& row_g8, int g0, int groups,
+                                               int t) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int group = g0 + 2 * i;
+        if (group >= groups) break;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            if (group + k < groups) {
+                const int at = (group + k) * 32 + 8 * t;
+                pair[i].row_g[k] = load_u64_streaming(row_g.codes + at);
+                pair[i].row_g8[k] = load_u64_streaming(row_g8.codes + at);
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const int group = g0 + 2 * i;
+        if (group >= groups) break;
+        if (FEW_QUAD_SCALES && i % 2 == 1) continue;  // loaded with pair i - 1
+        if (FEW_QUAD_SCALES && i + 1 < N && group + 4 <= groups) {
+            load_bf16_quad(row_g.scales + group, pair[i].scale_g, pair[i + 1].scale_g);
+            load_bf16_quad(row_g.biases + group, pair[i].bias_g, pair[i + 1].bias_g);
+            load_bf16_quad(row_g8.scales + group, pair[i].scale_g8, pair[i + 1].scale_g8);
+            load_bf16_quad(row_g8.biases + group, pair[i].bias_g8, pair[i + 1].bias_g8);
+            continue;
+        }
+        // Alone: the last pairs, or every pair without FEW_QUAD_SCALES.
+#pragma unroll
+        for (int k = 0; k < (FEW_QUAD_SCALES ? 2 : 1); ++k) {
+            const int at = group + 2 * k;
+            if (i + k >= N || at >= groups) break;
+            const bool second = at + 1 < groups;
+            pair[i + k].scale_g = load_bf16_pair(row_g.scales + at, second);
+            pair[i + k].bias_g = load_bf16_pair(row_g.biases + at, second);
+            pair[i + k].scale_g8 = load_bf16_pair(row_g8.scales + at, second);
+            pair[i + k].bias_g8 = load_bf16_pair(row_g8.biases + at, second);
+        }
+    }
+}
 
 // Stages `count` input rows (row j at in_row[j] of x, `cols` wide) as the
 // B table of the few-token kernels, and Σ x per row and 64-column group:
@@ -340,13 +405,8 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
     float acc[2][2][2] = {};  // gate, up
     for (int g0 = 0; g0 < groups; g0 += FEW_GATE_UP_GROUPS) {
         TcPair wg[FEW_GATE_UP_GROUPS / 2], wu[FEW_GATE_UP_GROUPS / 2];
-#pragma unroll
-        for (int i = 0; i < FEW_GATE_UP_GROUPS / 2; ++i) {
-            if (g0 + 2 * i < groups) {
-                wg[i] = load_tc_pair(gate_g, gate_g8, g0 + 2 * i, groups, lane % 4);
-                wu[i] = load_tc_pair(up_g, up_g8, g0 + 2 * i, groups, lane % 4);
-            }
-        }
+        load_few_batch(wg, gate_g, gate_g8, g0, groups, lane % 4);
+        load_few_batch(wu, up_g, up_g8, g0, groups, lane % 4);
 #pragma unroll
         for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
             if (g0 + j < groups) {
@@ -405,17 +465,12 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
             expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
         float acc[1][2][2] = {};
         for (int g0 = 0; g0 < groups; g0 += FEW_DOWN_GROUPS) {
-            TcPair pairs[FEW_DOWN_GROUPS / 2];
-#pragma unroll
-            for (int i = 0; i < FEW_DOWN_GROUPS / 2; ++i) {
-                if (g0 + 2 * i < groups) {
-                    pairs[i] = load_tc_pair(row_g, row_g8, g0 + 2 * i, groups, lane % 4);
-                }
-            }
+            TcPair batch[FEW_DOWN_GROUPS / 2];
+            load_few_batch(batch, row_g, row_g8, g0, groups, lane % 4);
 #pragma unroll
             for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
                 if (g0 + j < groups) {
-                    const TcGroup w[1] = {pairs[j / 2].group(j % 2)};
+                    const TcGroup w[1] = {batch[j / 2].group(j % 2)};
                     mma_few_group(w, few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
                 }
             }
