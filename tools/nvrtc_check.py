@@ -4,7 +4,13 @@ the CUDA backend does at run time (the sources of
 crates/moeflux/src/backend/cuda/compile.rs, in its order, one program, with
 the launch geometry of geometry.rs as -D options), and prints NVRTC's log.
 Needs libnvrtc: `pip install nvidia-cuda-nvrtc` puts it in
-site-packages/nvidia/cu13/lib, which this script finds; or pass --lib PATH.
+site-packages/nvidia/cu13/lib, which this script finds; or pass --lib PATH
+(its libnvrtc-builtins is loaded from the same folder).
+
+NVRTC releases differ in what they accept (13.5 compiles a generic lambda
+in device code that 13.0 refuses): check with CUDA 13.0's as well, e.g.
+`pip download --no-deps nvidia-cuda-nvrtc==13.0.*`, unzip the wheel and
+pass --lib .../nvidia/cu13/lib/libnvrtc.so.13.
 
     python3 tools/nvrtc_check.py [--arch sm_90] [-D NAME=VALUE ...] [--ptxas REGEX]
 
@@ -83,6 +89,11 @@ def main():
     parser.add_argument("--cubin", metavar="PATH", default=None,
                         help="write the CUBIN there (for nvdisasm; a real architecture only)")
     args = parser.parse_args()
+    if args.lib:
+        # NVRTC opens its builtins by name; load the ones beside --lib first.
+        for path in glob.glob(os.path.join(os.path.dirname(args.lib), "libnvrtc-builtins.so*")):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            break
     nvrtc = ctypes.CDLL(args.lib or find_lib())
     prog = ctypes.c_void_p()
     source = program().encode()
