@@ -157,22 +157,36 @@ struct TcPair {
         w.offset_g8 = fmaf(8.0f, w.scale_g8, half(bias_g8, k));
         return w;
     }
+
+    // The words of the pair's groups in rows `g` and `g8` (load_tc_pair's
+    // first four loads).
+    __device__ __forceinline__ void load_codes(const WeightRow& g, const WeightRow& g8,
+                                               int group, int groups, int t) {
+        row_g[0] = load_u64_streaming(g.codes + group * 32 + 8 * t);
+        row_g8[0] = load_u64_streaming(g8.codes + group * 32 + 8 * t);
+        if (group + 1 < groups) {
+            row_g[1] = load_u64_streaming(g.codes + (group + 1) * 32 + 8 * t);
+            row_g8[1] = load_u64_streaming(g8.codes + (group + 1) * 32 + 8 * t);
+        }
+    }
+
+    // Rows `g`'s and `g8`'s scales and biases of the pair's groups (its
+    // last two).
+    __device__ __forceinline__ void load_scales(const WeightRow& g, const WeightRow& g8,
+                                                int group, int groups) {
+        const bool second = group + 1 < groups;
+        scale_g = load_bf16_pair(g.scales + group, second);
+        bias_g = load_bf16_pair(g.biases + group, second);
+        scale_g8 = load_bf16_pair(g8.scales + group, second);
+        bias_g8 = load_bf16_pair(g8.biases + group, second);
+    }
 };
 
 __device__ __forceinline__ TcPair load_tc_pair(const WeightRow& row_g, const WeightRow& row_g8,
                                                int group, int groups, int t) {
     TcPair w;
-    const bool second = group + 1 < groups;
-    w.row_g[0] = load_u64_streaming(row_g.codes + group * 32 + 8 * t);
-    w.row_g8[0] = load_u64_streaming(row_g8.codes + group * 32 + 8 * t);
-    if (second) {
-        w.row_g[1] = load_u64_streaming(row_g.codes + (group + 1) * 32 + 8 * t);
-        w.row_g8[1] = load_u64_streaming(row_g8.codes + (group + 1) * 32 + 8 * t);
-    }
-    w.scale_g = load_bf16_pair(row_g.scales + group, second);
-    w.bias_g = load_bf16_pair(row_g.biases + group, second);
-    w.scale_g8 = load_bf16_pair(row_g8.scales + group, second);
-    w.bias_g8 = load_bf16_pair(row_g8.biases + group, second);
+    w.load_codes(row_g, row_g8, group, groups, t);
+    w.load_scales(row_g, row_g8, group, groups);
     return w;
 }
 

@@ -215,16 +215,8 @@ __device__ __forceinline__ void load_few_batch(TcPair (&pair)[N], const WeightRo
                                                int t) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
-        const int group = g0 + 2 * i;
-        if (group >= groups) break;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            if (group + k < groups) {
-                const int at = (group + k) * 32 + 8 * t;
-                pair[i].row_g[k] = load_u64_streaming(row_g.codes + at);
-                pair[i].row_g8[k] = load_u64_streaming(row_g8.codes + at);
-            }
-        }
+        if (g0 + 2 * i >= groups) break;
+        pair[i].load_codes(row_g, row_g8, g0 + 2 * i, groups, t);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -241,13 +233,8 @@ __device__ __forceinline__ void load_few_batch(TcPair (&pair)[N], const WeightRo
         // Alone: the last pairs, or every pair without FEW_QUAD_SCALES.
 #pragma unroll
         for (int k = 0; k < (FEW_QUAD_SCALES ? 2 : 1); ++k) {
-            const int at = group + 2 * k;
-            if (i + k >= N || at >= groups) break;
-            const bool second = at + 1 < groups;
-            pair[i + k].scale_g = load_bf16_pair(row_g.scales + at, second);
-            pair[i + k].bias_g = load_bf16_pair(row_g.biases + at, second);
-            pair[i + k].scale_g8 = load_bf16_pair(row_g8.scales + at, second);
-            pair[i + k].bias_g8 = load_bf16_pair(row_g8.biases + at, second);
+            if (i + k >= N || group + 2 * k >= groups) break;
+            pair[i + k].load_scales(row_g, row_g8, group + 2 * k, groups);
         }
     }
 }
