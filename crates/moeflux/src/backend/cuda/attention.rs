@@ -49,11 +49,6 @@ fn flash_attention_shared_bytes(kernel_dim: usize) -> usize {
     4 * (FA_ROWS + 2 * FA_KEYS) * (kernel_dim + FA_KEY_PAD)
 }
 
-/// Most blocks a head's positions are split over by the decode kernels
-/// (flash-decoding; the `partials` of a KV cache are sized for it). The
-/// kernels take the number as an argument.
-pub(super) const DECODE_ATTN_MAX_SPLITS: usize = 32;
-
 /// Positions from which a decode step of one sequence takes the grouped
 /// kernels, unless `MOEFLUX_CUDA_GROUPED_DECODE_MIN` says otherwise (a
 /// tuning knob): with fewer, a block per query head spreads the work over

@@ -81,6 +81,11 @@ geometry! {
     /// Warps per block of the one-token attention kernels that take a KV
     /// head's whole group of query heads (`attention_decode_grouped_*`).
     GD_WARPS: usize = 8;
+    /// Most blocks a head's positions are split over by the one-token
+    /// kernels (flash-decoding; a KV cache's `partials` are sized for it,
+    /// and their merge takes a lane per split, so at most 32). The kernels
+    /// take the number in use as an argument.
+    DECODE_ATTN_MAX_SPLITS: usize = 32;
     /// Warps, query rows per warp (the tensor-core MMA's 16), keys per
     /// staged tile and the padding of a staged row (its stride ≡ 4 mod 32
     /// words) of the prefill attention kernels (`flash_attention_*`).

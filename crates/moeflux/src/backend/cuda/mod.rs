@@ -465,7 +465,7 @@ impl CudaBackend {
             whole_rows_min: crate::tuning::cuda_whole_rows_min(linear::WHOLE_ROWS_MIN),
             few_linear_max: crate::tuning::cuda_few_linear_max(linear_few::FEW_LINEAR_MAX_TOKENS),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
-            decode_splits_max: crate::tuning::cuda_decode_splits(attention::DECODE_ATTN_MAX_SPLITS),
+            decode_splits_max: crate::tuning::cuda_decode_splits(geometry::DECODE_ATTN_MAX_SPLITS),
             grouped_decode_min: crate::tuning::cuda_grouped_decode_min(
                 attention::GROUPED_DECODE_MIN,
             ),

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
-use super::attention::DECODE_ATTN_MAX_SPLITS;
+use super::geometry::DECODE_ATTN_MAX_SPLITS;
 use super::{CudaBackend, grid_stride, int, long, ok};
 use crate::backend::{AttentionShape, HostDeltaNetState, HostKv, KvRows, KvType};
 use crate::config::LinearAttentionConfig;

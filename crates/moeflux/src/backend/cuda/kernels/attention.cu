@@ -14,7 +14,7 @@
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ATTN_WARPS) || !defined(ATTN_MAX_PER_LANE) || !defined(DECODE_ATTN_WARPS) || \
     !defined(FA_WARPS) || !defined(FA_ROWS_PER_WARP) || !defined(FA_KEYS) || \
-    !defined(FA_KEY_PAD) || !defined(GD_WARPS)
+    !defined(FA_KEY_PAD) || !defined(GD_WARPS) || !defined(DECODE_ATTN_MAX_SPLITS)
 #error "attention.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 
@@ -352,49 +352,63 @@ __device__ bool last_of_splits(u32* ticket, int used) {
     return is_last;
 }
 
-// One head's output from the partials of its `used` splits (`[splits]
-// [head_dim + 2]`: weighted values, maximum, sum) and its sink logit
-// (-inf: none), which joins the denominator. Read through L2 (`__ldcg`):
-// L1 is not coherent across blocks. By the whole block, or by one warp
-// (ONE_WARP: lanes over the splits, then over the dimensions).
-template <bool ONE_WARP>
-__device__ void merge_split_partials(const float* partials, int used, int head_dim, float sink,
-                                     float* out) {
-    const int lane = threadIdx.x % WARP_SIZE;
-    const int first_split = ONE_WARP ? lane : 0;
-    const int split_step = ONE_WARP ? WARP_SIZE : 1;
-    // Every split saw at least one position, so every maximum is finite.
-    float overall = NEG_INF;
-    for (int s = first_split; s < used; s += split_step)
-        overall = fmaxf(overall, __ldcg(partials + (i64)s * (head_dim + 2) + head_dim));
-    if (ONE_WARP) overall = warp_max(overall);
-    // The block's sum starts from the sink's share; the warp's lanes add
-    // theirs, and the sink's share after.
-    float denominator = ONE_WARP ? 0.0f : expf(sink - overall);
-    for (int s = first_split; s < used; s += split_step) {
-        const float* part = partials + (i64)s * (head_dim + 2);
-        denominator += __ldcg(part + head_dim + 1) * expf(__ldcg(part + head_dim) - overall);
+// The outputs of `rows` rows (query heads, or MLA's rows) from the
+// partials of their `used` splits: row r's at partials + r · row_stride,
+// `[used][width + 2]` (weighted values, maximum, sum), each joined in the
+// denominator by its sink logit (sinks[r]; null: none), into
+// out + r · width. By the whole block: a warp per row takes its splits'
+// maxima and sums, a lane per split, and leaves each split's share
+// exp(maximum - overall) in shared memory; then the threads take the
+// (row, column) pairs, MERGE_LOADS splits' values loaded before any is
+// added, so a pair costs a round of loads per MERGE_LOADS splits instead
+// of one per split. Read through L2 (`__ldcg`): L1 is not coherent across
+// blocks. ROWS bounds `rows`.
+#define MERGE_LOADS 16
+template <int ROWS>
+__device__ void merge_split_partials(const float* partials, i64 row_stride, int rows, int used,
+                                     int width, const float* sinks, float* out) {
+    static_assert(DECODE_ATTN_MAX_SPLITS <= WARP_SIZE, "the merge takes a lane per split");
+    __shared__ float share[ROWS][DECODE_ATTN_MAX_SPLITS];
+    __shared__ float denominator[ROWS];
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    for (int r = warp; r < rows; r += blockDim.x / WARP_SIZE) {
+        const float* part = partials + r * row_stride + (i64)lane * (width + 2);
+        // Every split saw at least one position, so every maximum is finite.
+        const float maximum = lane < used ? __ldcg(part + width) : NEG_INF;
+        const float total = lane < used ? __ldcg(part + width + 1) : 0.0f;
+        const float overall = warp_max(maximum);
+        const float e = lane < used ? expf(maximum - overall) : 0.0f;
+        const float sum = warp_sum(total * e);
+        if (lane < DECODE_ATTN_MAX_SPLITS) share[r][lane] = e;
+        if (lane == 0) denominator[r] = sum + (sinks ? expf(sinks[r] - overall) : 0.0f);
     }
-    if (ONE_WARP) denominator = warp_sum(denominator) + expf(sink - overall);
-    const int first_d = ONE_WARP ? lane : (int)threadIdx.x;
-    const int d_step = ONE_WARP ? WARP_SIZE : (int)blockDim.x;
-    for (int d = first_d; d < head_dim; d += d_step) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < rows * width; i += blockDim.x) {
+        const int r = i / width, d = i % width;
+        const float* part = partials + r * row_stride + d;
         float sum = 0.0f;
-        for (int s = 0; s < used; ++s) {
-            const float* part = partials + (i64)s * (head_dim + 2);
-            sum += __ldcg(part + d) * expf(__ldcg(part + head_dim) - overall);
+        for (int s0 = 0; s0 < used; s0 += MERGE_LOADS) {
+            float v[MERGE_LOADS];
+#pragma unroll
+            for (int k = 0; k < MERGE_LOADS; ++k)
+                v[k] = s0 + k < used ? __ldcg(part + (i64)(s0 + k) * (width + 2)) : 0.0f;
+#pragma unroll
+            for (int k = 0; k < MERGE_LOADS; ++k)
+                if (s0 + k < used) sum = fmaf(v[k], share[r][s0 + k], sum);
         }
-        out[d] = sum / denominator;
+        out[(i64)r * width + d] = sum / denominator[r];
     }
 }
 
 // One split's result of a head (its warps' weighted sums `warp_acc`, rows
 // `stride` apart, and the block's maximum and sum) into `partials`
 // ([splits][head_dim + 2]: the weighted values, then maximum and sum);
-// the last of the `used` blocks to arrive merges them into `out`.
+// the last of the `used` blocks to arrive merges them into `out`, the
+// head's sink logit at `sink` (null: none) joining the denominator.
 __device__ void merge_decode_splits(const float* warp_acc, int stride, int head_dim,
                                     float running_max, float total, int split, int used,
-                                    float* partials, u32* ticket, float sink, float* out) {
+                                    float* partials, u32* ticket, const float* sink,
+                                    float* out) {
     float* mine = partials + (i64)split * (head_dim + 2);
     for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
         float sum = 0.0f;
@@ -406,7 +420,7 @@ __device__ void merge_decode_splits(const float* warp_acc, int stride, int head_
         mine[head_dim + 1] = total;
     }
     if (last_of_splits(ticket, used))
-        merge_split_partials<false>(partials, used, head_dim, sink, out);
+        merge_split_partials<1>(partials, 0, 1, used, head_dim, sink, out);
 }
 
 // Head dimensions up to PER_LANE · 32.
@@ -544,7 +558,7 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
     } else {
         merge_decode_splits(warp_acc[0], PER_LANE * WARP_SIZE, head_dim, running_max, total,
                             split, used, partials + (i64)h * splits * (head_dim + 2),
-                            tickets + h, sink, o);
+                            tickets + h, sinks ? sinks + h : nullptr, o);
     }
 }
 
@@ -828,11 +842,9 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
         __syncthreads();  // reduce[] is rewritten for the next head
     }
     if (used > 1 && last_of_splits(tickets + kv_head, used)) {
-        // A warp per head.
-        for (int g = warp; g < group; g += GD_WARPS)
-            merge_split_partials<true>(partials + (i64)(h0 + g) * splits * (head_dim + 2), used,
-                                       head_dim, sinks ? sinks[h0 + g] : NEG_INF,
-                                       out + (i64)(h0 + g) * head_dim);
+        merge_split_partials<GROUP>(partials + (i64)h0 * splits * (head_dim + 2),
+                                    (i64)splits * (head_dim + 2), group, used, head_dim,
+                                    sinks ? sinks + h0 : nullptr, out + (i64)h0 * head_dim);
     }
 }
 

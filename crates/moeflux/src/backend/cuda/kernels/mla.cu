@@ -213,13 +213,9 @@ extern "C" __global__ void __launch_bounds__(MLA_WARPS * WARP_SIZE)
         }
     }
     if (used > 1 && last_of_splits(tickets + blockIdx.x, used)) {
-        // A warp per row.
-        for (int r = warp; r < MLA_ROWS; r += MLA_WARPS) {
-            const i64 row = row0 + r;
-            if (row < rows)
-                merge_split_partials<true>(partials + row * splits * (lora + 2), used, lora,
-                                           NEG_INF, out + row * lora);
-        }
+        merge_split_partials<MLA_ROWS>(partials + row0 * splits * (lora + 2),
+                                       (i64)splits * (lora + 2), (int)min((i64)MLA_ROWS, rows - row0),
+                                       used, lora, nullptr, out + row0 * lora);
     }
 }
 
