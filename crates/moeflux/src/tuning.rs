@@ -17,7 +17,7 @@
 //! | `MOEFLUX_CUDA_FEW_LINEAR_MAX` | most tokens (from 2) whose q4 products take the few-token tensor-core kernels (`0`: none, they take the 64-token tiles or the CUDA-core kernels) | 32 |
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which one sequence's decode step takes a block per KV head's group of query heads for its attention (several sequences' steps take it at every length) | 2048 |
-//! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 8 | 8 |
+//! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 32 (`DECODE_ATTN_MAX_SPLITS`) | 32 |
 //!
 //! The `MOEFLUX_CPU_*` variables and the `MOEFLUX_CUDA_*` ones other than
 //! `GRAPHS` are for measuring the kernels (docs/PERFORMANCE.md); a user's settings are the command's
