@@ -16,7 +16,8 @@
 //! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
 //! | `MOEFLUX_CUDA_FEW_LINEAR_MAX` | most tokens (from 2) whose q4 products take the few-token tensor-core kernels (`0`: none, they take the 64-token tiles or the CUDA-core kernels) | 32 |
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
-//! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which one sequence's decode step takes a block per KV head's group of query heads for its attention (several sequences' steps take it at every length) | 2048 |
+//! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which one sequence's decode step takes a block per KV head's group of query heads for its attention (several sequences' steps take it at every length) | 2048; on the tensor cores (`MOEFLUX_CUDA_GROUPED_DECODE_TC`) 0 for bf16 caches, 256 for f32 |
+//! | `MOEFLUX_CUDA_GROUPED_DECODE_TC` | `0`: the grouped decode attention of bf16 and f32 KV caches multiplies on the CUDA cores instead of the tensor cores (to compare) | on from compute capability 8.0 |
 //! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 32 (`DECODE_ATTN_MAX_SPLITS`) | 32 |
 //!
 //! The `MOEFLUX_CPU_*` variables and the `MOEFLUX_CUDA_*` ones other than
@@ -136,7 +137,12 @@ pub fn cuda_decode_splits(default: usize) -> usize {
     number("MOEFLUX_CUDA_DECODE_SPLITS", default).clamp(1, default)
 }
 
-/// `MOEFLUX_CUDA_GROUPED_DECODE_MIN`, else `default`.
-pub fn cuda_grouped_decode_min(default: usize) -> usize {
-    number("MOEFLUX_CUDA_GROUPED_DECODE_MIN", default)
+/// Whether `MOEFLUX_CUDA_GROUPED_DECODE_TC` is not `0`.
+pub fn cuda_grouped_decode_tc() -> bool {
+    switched_on("MOEFLUX_CUDA_GROUPED_DECODE_TC")
+}
+
+/// `MOEFLUX_CUDA_GROUPED_DECODE_MIN`, if set to a number.
+pub fn cuda_grouped_decode_min() -> Option<usize> {
+    var("MOEFLUX_CUDA_GROUPED_DECODE_MIN").and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
 }

@@ -1399,8 +1399,8 @@ fn long_context_decode_of_type<B: Conformance>(b: &B, kv: KvType) {
 
 /// Decode steps after long contexts with sink logits, with and without a
 /// sliding window (one short of a GPU's grouped kernels and one past), for
-/// gpt-oss's head shape and an odd one (96 for q8), against the reference,
-/// for every KV type.
+/// gpt-oss's head shape, qwen3's (a GPU's tensor-core kernels for bf16)
+/// and an odd one (96 for q8), against the reference, for every KV type.
 fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
     let r = reference();
     for (kv, (heads, kv_heads, head_dim, window)) in KvType::ALL.into_iter().flat_map(|kv| {
@@ -1409,6 +1409,8 @@ fn long_context_decode_with_sinks_and_windows<B: Conformance>(b: &B) {
             (64, 8, 64, None),
             (6, 2, 40, Some(700)),
             (64, 8, 64, Some(1500)),
+            (32, 4, 128, Some(3000)),
+            (32, 4, 128, None),
         ]
         .map(|case| (kv, case))
     }) {

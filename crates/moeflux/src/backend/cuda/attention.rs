@@ -50,15 +50,27 @@ fn flash_attention_shared_bytes(kernel_dim: usize) -> usize {
 }
 
 /// Positions from which a decode step of one sequence takes the grouped
-/// kernels, unless `MOEFLUX_CUDA_GROUPED_DECODE_MIN` says otherwise (a
-/// tuning knob): with fewer, a block per query head spreads the work over
-/// more blocks. A step of several sequences has blocks enough for every
+/// kernels on the CUDA cores, unless `MOEFLUX_CUDA_GROUPED_DECODE_MIN` says
+/// otherwise (a tuning knob): with fewer, a block per query head spreads
+/// the work over more blocks. The tensor-core kernel of bf16 caches is
+/// faster than a block per query head from the first position (H200,
+/// qwen3-30b-a3b: after 1024 positions 392.9 tok/s against 362.6, after
+/// 4000 377.5 against 369.7, level after 128) and is taken at every
+/// length; that of f32 caches from [`GROUPED_DECODE_TC_F32_MIN`]. A step of several sequences has blocks enough for every
 /// multiprocessor at any length and takes the grouped kernels always: the
 /// per-head kernels' blocks of 16 warps, one a multiprocessor, made 4
 /// waves of 16 sequences' 512 (H200, qwen3-30b-a3b shape: 16 sequences
 /// 1559.2, 1562.7 tok/s against 1508.1, 1517.2; 64 sequences 3432.2,
 /// 3371.8 against 2986.5, 2996.3).
 pub(super) const GROUPED_DECODE_MIN: usize = 2048;
+
+/// Positions from which one sequence's decode step over an f32 cache takes
+/// the tensor-core grouped kernel, whose steps load the values after the
+/// scores: against a block per query head (H200, qwen3-30b-a3b) it is
+/// slower after 128 positions (404.0, 409.6 tok/s against 423.1, 424.7),
+/// level after 256 (402.9 against 399.5) and faster from 384 (406.0
+/// against 374.4; after 512 392.1 against 337.0).
+pub(super) const GROUPED_DECODE_TC_F32_MIN: usize = 256;
 
 /// A decode step's attention kernels: after long contexts, a block per KV
 /// head and its group of query heads, which reads each key and value once,
@@ -116,19 +128,58 @@ impl CudaBackend {
             .clamp(1, self.decode_splits_max)
     }
 
-    /// Whether a decode step attending to `positions` takes the grouped
-    /// kernels when its shape has them (so recorded steps are told apart).
-    pub(super) fn grouped_decode(&self, positions: usize) -> bool {
-        positions >= self.grouped_decode_min
+    /// Whether the grouped kernels of `shape` over a `kv` cache run on the
+    /// tensor cores: bf16 and f32 caches, heads of 128 and groups up to 8.
+    fn grouped_on_tensor_cores(&self, shape: AttentionShape, kv: KvType) -> bool {
+        self.grouped_decode_tc
+            && matches!(kv, KvType::Bf16 | KvType::F32)
+            && shape.head_dim == 128
+            && matches!(
+                DecodeKernels::at_every_length(shape),
+                DecodeKernels::Grouped { max_group: 8 }
+            )
+    }
+
+    /// Positions from which one sequence's decode step over a `kv` cache of
+    /// `shape` takes the grouped kernels (see [`GROUPED_DECODE_MIN`]).
+    fn grouped_decode_min(&self, shape: AttentionShape, kv: KvType) -> usize {
+        match (
+            self.grouped_decode_min,
+            self.grouped_on_tensor_cores(shape, kv),
+        ) {
+            (Some(min), _) => min,
+            (None, true) if kv == KvType::Bf16 => 0,
+            (None, true) => GROUPED_DECODE_TC_F32_MIN,
+            (None, false) => GROUPED_DECODE_MIN,
+        }
+    }
+
+    /// Whether one sequence's next decode step over `cache` takes the
+    /// grouped kernels when its shape has them (so recorded steps are told
+    /// apart).
+    pub(super) fn grouped_decode(&self, cache: &KvCache) -> bool {
+        cache.attended_next() >= self.grouped_decode_min(cache.shape(), cache.kv_type())
     }
 
     fn decode_kernel(
         &self,
         kernels: DecodeKernels,
-        head_dim: usize,
+        shape: AttentionShape,
         many: bool,
         kv: KvType,
     ) -> &CudaFunction {
+        let head_dim = shape.head_dim;
+        if matches!(kernels, DecodeKernels::Grouped { .. })
+            && self.grouped_on_tensor_cores(shape, kv)
+        {
+            let k = &self.kernels;
+            return match (kv, many) {
+                (KvType::Bf16, false) => &k.attention_decode_grouped_tc_bf16,
+                (KvType::Bf16, true) => &k.attention_decode_batch_grouped_tc_bf16,
+                (_, false) => &k.attention_decode_grouped_tc_f32,
+                (_, true) => &k.attention_decode_batch_grouped_tc_f32,
+            };
+        }
         let k = self.kernels.kv(kv);
         match (kernels, head_dim, many) {
             (DecodeKernels::Grouped { max_group: 8 }, ..=128, false) => {
@@ -279,8 +330,9 @@ impl CudaBackend {
         // One token: the kernel reads the token's key and value from k and
         // v and writes them into the cache.
         let attended = shape.window.map_or(start + 1, |w| w.min(start + 1));
-        let kernels = DecodeKernels::choose(shape, attended, self.grouped_decode_min);
-        let kernel = self.decode_kernel(kernels, head_dim, false, cache.kv_type());
+        let kv = cache.kv_type();
+        let kernels = DecodeKernels::choose(shape, attended, self.grouped_decode_min(shape, kv));
+        let kernel = self.decode_kernel(kernels, shape, false, kv);
         let (new_k, new_v) = (
             k.data.device_ptr(&self.stream).0,
             v.data.device_ptr(&self.stream).0,
@@ -395,7 +447,7 @@ impl CudaBackend {
         let splits = self.decode_splits(blocks * n);
         let splits_i = int(splits, "splits");
         let mut out = self.tensor(op, n, heads * head_dim)?;
-        let kernel = self.decode_kernel(kernels, head_dim, true, kv);
+        let kernel = self.decode_kernel(kernels, shape, true, kv);
         let config = LaunchConfig {
             grid_dim: (
                 u32::try_from(blocks).expect("attention: too many heads"),

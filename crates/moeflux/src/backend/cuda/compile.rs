@@ -204,6 +204,10 @@ kernels!(
     moe_group_slots,
     moe_few_gate_up_q4,
     moe_few_down_q4,
+    attention_decode_grouped_tc_bf16,
+    attention_decode_batch_grouped_tc_bf16,
+    attention_decode_grouped_tc_f32,
+    attention_decode_batch_grouped_tc_f32,
 );
 
 kv_kernels!(
@@ -402,6 +406,8 @@ mod tests {
                 || source.contains(&format!("ATTENTION_DECODE_BATCH_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_GROUPED_KERNEL({name},"))
                 || source.contains(&format!("ATTENTION_DECODE_BATCH_GROUPED_KERNEL({name},"))
+                || source.contains(&format!("ATTENTION_DECODE_GROUPED({name},"))
+                || source.contains(&format!("ATTENTION_DECODE_BATCH({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_FEW_Q4({name},"))
                 || ["_rows", "_normed", "_rows_normed"].iter().any(|suffix| {

@@ -539,7 +539,7 @@ impl CudaBackend {
             // One sequence's attention kernels depend on the context's
             // length (several sequences' take the grouped kernels always).
             if sequences == 1 {
-                key.update(&[u8::from(self.grouped_decode(cache.attended_next()))]);
+                key.update(&[u8::from(self.grouped_decode(cache))]);
             }
         }
         for state in linear {

@@ -198,8 +198,14 @@ pub struct CudaBackend {
     gdn_chunked_min: usize,
     /// Most blocks a head's positions are split over in a decode step.
     decode_splits_max: usize,
-    /// See [`attention::GROUPED_DECODE_MIN`].
-    grouped_decode_min: usize,
+    /// Positions from which one sequence's decode step takes the grouped
+    /// attention kernels, when set (else [`attention::GROUPED_DECODE_MIN`],
+    /// or on the tensor cores every length for bf16 caches and
+    /// [`attention::GROUPED_DECODE_TC_F32_MIN`] for f32).
+    grouped_decode_min: Option<usize>,
+    /// Whether the grouped decode attention of bf16 and f32 caches takes
+    /// the tensor-core kernels (compute capability 8.0 and later).
+    grouped_decode_tc: bool,
     /// Streaming multiprocessors of the device.
     sm_count: usize,
     /// Page-locked memory that large downloads (a decode step's logits)
@@ -466,9 +472,8 @@ impl CudaBackend {
             few_linear_max: crate::tuning::cuda_few_linear_max(linear_few::FEW_LINEAR_MAX_TOKENS),
             gdn_chunked_min: crate::tuning::cuda_gdn_chunked_min(delta_net::GDN_CHUNKED_MIN),
             decode_splits_max: crate::tuning::cuda_decode_splits(geometry::DECODE_ATTN_MAX_SPLITS),
-            grouped_decode_min: crate::tuning::cuda_grouped_decode_min(
-                attention::GROUPED_DECODE_MIN,
-            ),
+            grouped_decode_min: crate::tuning::cuda_grouped_decode_min(),
+            grouped_decode_tc: major >= 8 && crate::tuning::cuda_grouped_decode_tc(),
             sm_count,
             download_staging: Mutex::new(None),
             tc_shared_limit,

@@ -1,7 +1,9 @@
 // Causal grouped-query attention over a KV cache `[capacity, kv_heads ·
 // head_dim]` that already holds the new keys and values, stored in any of
 // kv_cache.cu's encodings: every kernel here is compiled once per encoding
-// (KV) and reads the cache through KvSide, computing in f32.
+// (KV) and reads the cache through KvSide, computing in f32 (but the
+// grouped decode kernels on the tensor cores, which read bf16 and f32
+// caches themselves and multiply bf16 pieces of f32 values).
 //
 // One block per (query token, head). Each of the block's W warps takes
 // every W-th visible position and keeps a running (online) softmax: its
@@ -856,8 +858,10 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
     }
 }
 
-// Same parameters as attention_decode_*; grid (kv_heads, 1, splits).
-#define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP, KV)                            \
+// One sequence's grouped kernel: same parameters as attention_decode_*;
+// grid (kv_heads, 1, splits). `...` is the device function with its
+// template arguments, as in ATTENTION_DECODE_BATCH.
+#define ATTENTION_DECODE_GROUPED(name, ...)                                                   \
     extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
         name(const float* q, u8* keys, float* key_scales, u8* values, float* value_scales,    \
              float* out, int n, int heads, int kv_heads, int head_dim, i64 start,             \
@@ -865,10 +869,13 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
              int window, const float* sinks, int splits, float* partials, u32* tickets) {     \
         await_inputs();                                                                       \
         if (position) start = *position;                                                      \
-        attend_decode_grouped<PER_LANE, GROUP, KV, WARP_SIZE>(                                \
-            q, keys, key_scales, values, value_scales, out, heads, kv_heads, head_dim, start, \
-            scale, new_k, new_v, window, sinks, splits, partials, tickets);                   \
+        __VA_ARGS__(q, keys, key_scales, values, value_scales, out, heads, kv_heads,          \
+                    head_dim, start, scale, new_k, new_v, window, sinks, splits, partials,    \
+                    tickets);                                                                 \
     }
+
+#define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP, KV) \
+    ATTENTION_DECODE_GROUPED(name, attend_decode_grouped<PER_LANE, GROUP, KV, WARP_SIZE>)
 
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8_f32, 4, 8, KV_F32)
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16_f32, 4, 16, KV_F32)
@@ -895,6 +902,312 @@ ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_bf16
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g8_q8, 4, 8, KV_Q8)
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_128_g16_q8, 4, 16, KV_Q8)
 ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_q8, 8, 8, KV_Q8)
+
+// ---- One token, a KV head's group on the tensor cores (bf16, f32 caches) ----
+//
+// attend_decode_grouped issues GROUP · head_dim f32 multiply-adds and as
+// many shared-memory reads of the queries per position and thread: with
+// the few blocks of one sequence's step that issuing, not the cache's
+// bytes, bounds a long context. Here the products run on bf16 MMAs
+// (m16n8k16, fragments as gemm.cu describes them), each warp taking 16
+// positions at a time with its own running softmax:
+//   scores: A = the group's queries (rows g < 8) and their remainders
+//     q - bf16(q) (rows g + 8), B = 8 keys; row g plus row g + 8 is the
+//     score with 16 bits of each query;
+//   weighted values: A = the weights (rows g) and their remainders (rows
+//     g + 8), B = the values; both rows add up to the head's sum.
+// A bf16 cache's keys and values are exact as B; an f32 cache's are split
+// the same way, each B and its remainder multiplied in turn (two MMAs).
+// The two rows of a head land in the same lane, so the halves are added
+// in registers. A k-step need not take consecutive dimensions: keys and
+// queries agree on the order (k-step s = 2u + h covers dimensions
+// 32u + 8i + 4h + 0..3 of lane quad i), so a lane's key bytes are whole
+// 16-byte loads; an output tile j's column n is dimension 8n + j (j < 8)
+// or 64 + 8n + j - 8, so a lane's value bytes are too, paired across rows
+// by byte permutes (bf16) or conversions (f32). An f32 step loads its
+// values after the scores (both at once would not fit in registers),
+// asked of L2 first. At the end the warps' results are merged through
+// shared memory and the splits' as in attend_decode. Head dimension 128,
+// groups up to 8 query heads.
+
+// Positions a warp takes at a time.
+#define GT_STEP 16
+
+#if __CUDA_ARCH__ >= 800
+// The 16-byte pieces of a warp step's keys a lane takes (rows p0 + 8t + g,
+// dimensions 32u + 8i ...; f32: 32u + 8i + 4h ...), 0 at or past `end`,
+// the newest row from `fresh` (shared memory, f32).
+template <int KV>
+__device__ __forceinline__ void tc_load_keys(const u8* keys, i64 kv_width, i64 head_at, i64 p0,
+                                             i64 end, i64 newest, const float* fresh, int g,
+                                             int i, uint4 (&k)[2][8]) {
+    constexpr int PIECES = KV == KV_F32 ? 8 : 4;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+        const i64 row = p0 + 8 * t + g;
+        const u8* at = keys + ((row * kv_width + head_at) + 8 * i) * KV_BYTES(KV);
+#pragma unroll
+        for (int c = 0; c < PIECES; ++c) {
+            // bf16: piece u = c; f32: u = c / 2, h = c % 2.
+            const int d = KV == KV_F32 ? 32 * (c / 2) + 4 * (c % 2) : 32 * c;
+            k[t][c] = row < end ? *(const uint4*)(at + d * KV_BYTES(KV)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (row == newest) {
+            const float* f = fresh + 8 * i;
+#pragma unroll
+            for (int c = 0; c < PIECES; ++c) {
+                const int d = KV == KV_F32 ? 32 * (c / 2) + 4 * (c % 2) : 32 * c;
+                k[t][c] = KV == KV_F32 ? *(const uint4*)(f + d)
+                                       : make_uint4(bf16x2_exact(f[d], f[d + 1]),
+                                                    bf16x2_exact(f[d + 2], f[d + 3]),
+                                                    bf16x2_exact(f[d + 4], f[d + 5]),
+                                                    bf16x2_exact(f[d + 6], f[d + 7]));
+            }
+        }
+    }
+}
+
+// The 16-byte pieces of a warp step's values a lane takes (rows
+// p0 + 2i + {0, 1, 8, 9}, dimensions 8g ... and 64 + 8g ...), 0 at or past
+// `end`, the newest row from `fresh`.
+template <int KV>
+__device__ __forceinline__ void tc_load_values(const u8* values, i64 kv_width, i64 head_at,
+                                               i64 p0, i64 end, i64 newest, const float* fresh,
+                                               int g, int i, uint4 (&v)[4][4]) {
+    constexpr int PER_HALF = KV == KV_F32 ? 2 : 1;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+        const i64 row = p0 + 2 * i + (r & 1) + 8 * (r >> 1);
+        const u8* at = values + ((row * kv_width + head_at) + 8 * g) * KV_BYTES(KV);
+#pragma unroll
+        for (int c = 0; c < 2 * PER_HALF; ++c) {
+            const int d = 64 * (c / PER_HALF) + 4 * (c % PER_HALF);
+            v[r][c] = row < end ? *(const uint4*)(at + d * KV_BYTES(KV)) : make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (row == newest) {
+            const float* f = fresh + 8 * g;
+#pragma unroll
+            for (int c = 0; c < 2 * PER_HALF; ++c) {
+                const int d = KV == KV_F32 ? 64 * (c / 2) + 4 * (c % 2) : 64 * c;
+                v[r][c] = KV == KV_F32 ? *(const uint4*)(f + d)
+                                       : make_uint4(bf16x2_exact(f[d], f[d + 1]),
+                                                    bf16x2_exact(f[d + 2], f[d + 3]),
+                                                    bf16x2_exact(f[d + 4], f[d + 5]),
+                                                    bf16x2_exact(f[d + 6], f[d + 7]));
+            }
+        }
+    }
+}
+
+// Word `w` of a piece.
+__device__ __forceinline__ u32 tc_word(const uint4& piece, int w) {
+    return w == 0 ? piece.x : w == 1 ? piece.y : w == 2 ? piece.z : piece.w;
+}
+#endif
+
+// Same parameters as attend_decode_grouped (the scales are unused: the
+// cache is bf16 or f32, head_dim is 128).
+template <int KV, int SPLIT_ROWS>
+__device__ __forceinline__ void attend_decode_grouped_tc(const float* q, u8* keys, float*, u8* values,
+                                                         float*, float* out, int heads, int kv_heads,
+                                                         int, i64 start, float scale,
+                                                         const float* new_k, const float* new_v,
+                                                         int window, const float* sinks,
+                                                         int splits, float* partials,
+                                                         u32* tickets) {
+#if __CUDA_ARCH__ >= 800
+    static_assert(KV == KV_BF16 || KV == KV_F32, "bf16 or f32 caches");
+    constexpr int D = 128, G = 8;
+    __shared__ float4 fresh4[2][D / 4];
+    __shared__ float warp_max_score[GD_WARPS][G], warp_total[GD_WARPS][G];
+    __shared__ float warp_out[GD_WARPS][G][D + 4];  // padded: 2-way bank conflicts
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, i = lane % 4;
+    const int kv_head = blockIdx.x, split = blockIdx.z;
+    const int group = heads / kv_heads;
+    const i64 kv_width = (i64)kv_heads * D, head_at = (i64)kv_head * D;
+    float* fresh_k = (float*)fresh4[0];
+    float* fresh_v = (float*)fresh4[1];
+    const i64 newest = start;
+    i64 first, end;
+    const int used = begin_decode_split<KV>(new_k, new_v, keys, nullptr, values, nullptr, start,
+                                            window, splits, SPLIT_ROWS, kv_width, head_at, D,
+                                            true, fresh_k, fresh_v, &first, &end);
+    if (split >= used) return;
+    // Query fragments of head g: k-step s = 2u + h.
+    u32 qa[8][4];
+    const float* query = q + ((i64)kv_head * group + g) * D;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+        const float4 x = g < group ? *(const float4*)(query + 32 * (s / 2) + 8 * i + 4 * (s % 2))
+                                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        split_pair(x.x, x.y, qa[s][0], qa[s][1]);
+        split_pair(x.z, x.w, qa[s][2], qa[s][3]);
+    }
+    __syncthreads();  // fresh_k and fresh_v
+
+    float o[16][4];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+    float max_score = NEG_INF, total = 0.0f;
+    for (i64 p0 = first + (i64)GT_STEP * warp; p0 < end; p0 += (i64)GT_STEP * GD_WARPS) {
+        uint4 k[2][8], v[4][4];
+        tc_load_keys<KV>(keys, kv_width, head_at, p0, end, newest, fresh_k, g, i, k);
+        if (KV == KV_BF16) {
+            tc_load_values<KV>(values, kv_width, head_at, p0, end, newest, fresh_v, g, i, v);
+        } else {
+            // Each row's four 128-byte lines, a line a lane.
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const i64 row = p0 + 2 * i + (r & 1) + 8 * (r >> 1);
+                if ((r >> 1) == (g >> 2) && row < end)
+                    prefetch_l2(values + (row * kv_width + head_at) * 4 + 128 * (g & 3));
+            }
+        }
+        // Scores of head g at positions p0 + 8t + 2i + {0, 1}.
+        float score[2][2];
+        float step_max = NEG_INF;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+            float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+            for (int s = 0; s < 8; ++s) {
+                if (KV == KV_BF16) {
+                    const uint4 w = k[t][s / 2];
+                    if (s % 2 == 0) mma_bf16(c, qa[s], w.x, w.y);
+                    else mma_bf16(c, qa[s], w.z, w.w);
+                } else {
+                    const uint4 w = k[t][s];
+                    u32 hi0, lo0, hi1, lo1;
+                    split_pair(__uint_as_float(w.x), __uint_as_float(w.y), hi0, lo0);
+                    split_pair(__uint_as_float(w.z), __uint_as_float(w.w), hi1, lo1);
+                    mma_bf16(c, qa[s], lo0, lo1);
+                    mma_bf16(c, qa[s], hi0, hi1);
+                }
+            }
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const bool valid = p0 + 8 * t + 2 * i + e < end;
+                score[t][e] = valid ? (c[e] + c[2 + e]) * scale : NEG_INF;
+                step_max = fmaxf(step_max, score[t][e]);
+            }
+        }
+        step_max = fmaxf(step_max, __shfl_xor_sync(FULL_MASK, step_max, 1));
+        step_max = fmaxf(step_max, __shfl_xor_sync(FULL_MASK, step_max, 2));
+        // Row p0 is in range, so every head's maximum is finite.
+        const float new_max = fmaxf(max_score, step_max);
+        const float rescale = expf(max_score - new_max);  // 0 for the first step
+        max_score = new_max;
+        float p[2][2];
+        float sum = 0.0f;
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                p[t][e] = expf(score[t][e] - new_max);
+                sum += p[t][e];
+            }
+        total = total * rescale + sum;
+        u32 pa[4];
+        split_pair(p[0][0], p[0][1], pa[0], pa[1]);
+        split_pair(p[1][0], p[1][1], pa[2], pa[3]);
+        if (KV == KV_F32)
+            tc_load_values<KV>(values, kv_width, head_at, p0, end, newest, fresh_v, g, i, v);
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o[j][c] *= rescale;
+            // Rows 2i, 2i + 1 (b0) and 2i + 8, 2i + 9 (b1), column g:
+            // dimension 8g + j, or 64 + 8g + j - 8.
+            if (KV == KV_BF16) {
+                const int word = (j % 8) / 2;
+                const u32 select = j % 2 ? 0x7632 : 0x5410;
+                const int piece = j / 8;
+                mma_bf16(o[j], pa,
+                         __byte_perm(tc_word(v[0][piece], word), tc_word(v[1][piece], word), select),
+                         __byte_perm(tc_word(v[2][piece], word), tc_word(v[3][piece], word), select));
+            } else {
+                const int piece = 2 * (j / 8) + (j % 8) / 4, word = j % 4;
+                u32 hi0, lo0, hi1, lo1;
+                split_pair(__uint_as_float(tc_word(v[0][piece], word)),
+                           __uint_as_float(tc_word(v[1][piece], word)), hi0, lo0);
+                split_pair(__uint_as_float(tc_word(v[2][piece], word)),
+                           __uint_as_float(tc_word(v[3][piece], word)), hi1, lo1);
+                mma_bf16(o[j], pa, lo0, lo1);
+                mma_bf16(o[j], pa, hi0, hi1);
+            }
+        }
+    }
+    // The warp's results: head g's maximum, sum and weighted values
+    // (tile j's columns 2i and 2i + 1: dimensions 16i + j and 16i + 8 + j,
+    // or 64 + 16i + j - 8 and 64 + 16i + j).
+    total += __shfl_xor_sync(FULL_MASK, total, 1);
+    total += __shfl_xor_sync(FULL_MASK, total, 2);
+    if (i == 0) {
+        warp_max_score[warp][g] = max_score;
+        warp_total[warp][g] = total;
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+        const int d = (j < 8 ? 0 : 56) + 16 * i + j;
+        warp_out[warp][g][d] = o[j][0] + o[j][2];
+        warp_out[warp][g][d + 8] = o[j][1] + o[j][3];
+    }
+    __syncthreads();
+    // The block's result per head, merged over the warps: 4 dimensions a
+    // thread (GD_WARPS · 32 threads over G · D values).
+    static_assert(GD_WARPS * WARP_SIZE * 4 == G * D, "four dimensions a thread");
+    const int h = threadIdx.x / (D / 4), d = 4 * (threadIdx.x % (D / 4));
+    const int h0 = kv_head * group;
+    if (h < group) {
+        float overall = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < GD_WARPS; ++w) overall = fmaxf(overall, warp_max_score[w][h]);
+        float sum = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < GD_WARPS; ++w) {
+            // A warp that saw no position weighs 0.
+            const float e = expf(warp_max_score[w][h] - overall);
+            sum += warp_total[w][h] * e;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) acc[c] += warp_out[w][h][d + c] * e;
+        }
+        if (used == 1) {
+            const float sink = sinks ? sinks[h0 + h] : NEG_INF;
+            const float inverse = 1.0f / (sum + expf(sink - overall));
+            float* o_row = out + (i64)(h0 + h) * D + d;
+#pragma unroll
+            for (int c = 0; c < 4; ++c) o_row[c] = acc[c] * inverse;
+        } else {
+            float* part = partials + ((i64)(h0 + h) * splits + split) * (D + 2);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[d + c] = acc[c];
+            if (d == 0) {
+                part[D] = overall;
+                part[D + 1] = sum;
+            }
+        }
+    }
+    if (used > 1 && last_of_splits(tickets + kv_head, used)) {
+        merge_split_partials<G>(partials + (i64)h0 * splits * (D + 2), (i64)splits * (D + 2),
+                                group, used, D, sinks ? sinks + h0 : nullptr,
+                                out + (i64)h0 * D);
+    }
+#endif
+}
+
+// Same parameters as attention_decode_grouped_*; grid (kv_heads, 1, splits).
+ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_bf16,
+                         attend_decode_grouped_tc<KV_BF16, WARP_SIZE>)
+ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_f32,
+                         attend_decode_grouped_tc<KV_F32, WARP_SIZE>)
+
+// Same parameters as attention_decode_batch_*; grid (kv_heads, sequences,
+// splits).
+ATTENTION_DECODE_BATCH(attention_decode_batch_grouped_tc_bf16, GD_WARPS, KV_BF16,
+                       attend_decode_grouped_tc<KV_BF16, GD_CHUNK>)
+ATTENTION_DECODE_BATCH(attention_decode_batch_grouped_tc_f32, GD_WARPS, KV_F32,
+                       attend_decode_grouped_tc<KV_F32, GD_CHUNK>)
 
 // ---- Tiles of keys staged in shared memory, scored lane by lane ----
 //

@@ -84,6 +84,41 @@ __device__ __forceinline__ void mma_3xtf32(float (&c)[4], const u32 (&ah)[4], co
 #endif
 
 #if __CUDA_ARCH__ >= 800
+// bf16 MMAs and the conversions that feed them.
+// c += a · b for one m16n8k16 tile (fragments as gemm.cu describes them).
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (first, second) rounded to nearest bf16, first in the low half.
+// cvt.rn.bf16x2.f32 d, a, b puts a in the upper half and b in the lower.
+__device__ __forceinline__ u32 bf16x2_rn(float first, float second) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(second), "f"(first));
+    return r;
+}
+
+// The upper halves of two f32 whose lower halves are zero (so the bf16 is
+// exact), first in the low half.
+__device__ __forceinline__ u32 bf16x2_exact(float first, float second) {
+    return __byte_perm(__float_as_uint(first), __float_as_uint(second), 0x7632);
+}
+
+// Splits a pair of activations into hi = bf16(x) and lo = bf16(x - hi);
+// x - hi is exact in f32.
+__device__ __forceinline__ void split_pair(float first, float second, u32& hi, u32& lo) {
+    hi = bf16x2_rn(first, second);
+    float h0 = __uint_as_float(hi << 16);
+    float h1 = __uint_as_float(hi & 0xffff0000u);
+    lo = bf16x2_rn(first - h0, second - h1);
+}
+#endif
+
+#if __CUDA_ARCH__ >= 800
 // Asynchronous copies from global to shared memory (cp.async): the data
 // does not pass through registers, so a kernel can keep several stages in
 // flight without holding them. `valid` false fills the destination with
