@@ -56,12 +56,13 @@ fn flash_attention_shared_bytes(kernel_dim: usize) -> usize {
 /// faster than a block per query head from the first position (H200,
 /// qwen3-30b-a3b: after 1024 positions 392.9 tok/s against 362.6, after
 /// 4000 377.5 against 369.7, level after 128) and is taken at every
-/// length; that of f32 caches from [`GROUPED_DECODE_TC_F32_MIN`]. A step of several sequences has blocks enough for every
-/// multiprocessor at any length and takes the grouped kernels always: the
-/// per-head kernels' blocks of 16 warps, one a multiprocessor, made 4
-/// waves of 16 sequences' 512 (H200, qwen3-30b-a3b shape: 16 sequences
-/// 1559.2, 1562.7 tok/s against 1508.1, 1517.2; 64 sequences 3432.2,
-/// 3371.8 against 2986.5, 2996.3).
+/// length; that of f32 caches from [`GROUPED_DECODE_TC_F32_MIN`]. A step
+/// of several sequences has blocks enough for every multiprocessor at any
+/// length and takes the grouped kernels always: the per-head kernels'
+/// blocks of 16 warps, one a multiprocessor, made 4 waves of 16 sequences'
+/// 512 (H200, qwen3-30b-a3b shape: 16 sequences 1559.2, 1562.7 tok/s
+/// against 1508.1, 1517.2; 64 sequences 3432.2, 3371.8 against 2986.5,
+/// 2996.3).
 pub(super) const GROUPED_DECODE_MIN: usize = 2048;
 
 /// Positions from which one sequence's decode step over an f32 cache takes
