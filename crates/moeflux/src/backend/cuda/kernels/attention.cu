@@ -934,6 +934,15 @@ ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_q8, 
 #define GT_STEP 16
 
 #if __CUDA_ARCH__ >= 800
+// The newest row's 16-byte piece at `f` (shared memory: f32 values the
+// cache's type holds exactly) as the cache holds it.
+template <int KV>
+__device__ __forceinline__ uint4 tc_fresh_piece(const float* f) {
+    if (KV == KV_F32) return *(const uint4*)f;
+    return make_uint4(bf16x2_exact(f[0], f[1]), bf16x2_exact(f[2], f[3]),
+                      bf16x2_exact(f[4], f[5]), bf16x2_exact(f[6], f[7]));
+}
+
 // The 16-byte pieces of a warp step's keys a lane takes (rows p0 + 8t + g,
 // dimensions 32u + 8i ...; f32: 32u + 8i + 4h ...), 0 at or past `end`,
 // the newest row from `fresh` (shared memory, f32).
@@ -953,15 +962,10 @@ __device__ __forceinline__ void tc_load_keys(const u8* keys, i64 kv_width, i64 h
             k[t][c] = row < end ? *(const uint4*)(at + d * KV_BYTES(KV)) : make_uint4(0u, 0u, 0u, 0u);
         }
         if (row == newest) {
-            const float* f = fresh + 8 * i;
 #pragma unroll
             for (int c = 0; c < PIECES; ++c) {
                 const int d = KV == KV_F32 ? 32 * (c / 2) + 4 * (c % 2) : 32 * c;
-                k[t][c] = KV == KV_F32 ? *(const uint4*)(f + d)
-                                       : make_uint4(bf16x2_exact(f[d], f[d + 1]),
-                                                    bf16x2_exact(f[d + 2], f[d + 3]),
-                                                    bf16x2_exact(f[d + 4], f[d + 5]),
-                                                    bf16x2_exact(f[d + 6], f[d + 7]));
+                k[t][c] = tc_fresh_piece<KV>(fresh + 8 * i + d);
             }
         }
     }
@@ -985,15 +989,10 @@ __device__ __forceinline__ void tc_load_values(const u8* values, i64 kv_width, i
             v[r][c] = row < end ? *(const uint4*)(at + d * KV_BYTES(KV)) : make_uint4(0u, 0u, 0u, 0u);
         }
         if (row == newest) {
-            const float* f = fresh + 8 * g;
 #pragma unroll
             for (int c = 0; c < 2 * PER_HALF; ++c) {
-                const int d = KV == KV_F32 ? 64 * (c / 2) + 4 * (c % 2) : 64 * c;
-                v[r][c] = KV == KV_F32 ? *(const uint4*)(f + d)
-                                       : make_uint4(bf16x2_exact(f[d], f[d + 1]),
-                                                    bf16x2_exact(f[d + 2], f[d + 3]),
-                                                    bf16x2_exact(f[d + 4], f[d + 5]),
-                                                    bf16x2_exact(f[d + 6], f[d + 7]));
+                const int d = 64 * (c / PER_HALF) + 4 * (c % PER_HALF);
+                v[r][c] = tc_fresh_piece<KV>(fresh + 8 * g + d);
             }
         }
     }
