@@ -37,11 +37,14 @@ fn switched_on(name: &str) -> bool {
     var(name).is_none_or(|v| v != "0")
 }
 
+/// A number from `name`, if set to one.
+fn optional_number(name: &str) -> Option<usize> {
+    var(name).and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
+}
+
 /// A number from `name`, or `default` when unset or not a number.
 fn number(name: &str, default: usize) -> usize {
-    var(name)
-        .and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
-        .unwrap_or(default)
+    optional_number(name).unwrap_or(default)
 }
 
 /// `MOEFLUX_CACHE`, else `$XDG_CACHE_HOME/moeflux`, else
@@ -144,5 +147,5 @@ pub fn cuda_grouped_decode_tc() -> bool {
 
 /// `MOEFLUX_CUDA_GROUPED_DECODE_MIN`, if set to a number.
 pub fn cuda_grouped_decode_min() -> Option<usize> {
-    var("MOEFLUX_CUDA_GROUPED_DECODE_MIN").and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
+    optional_number("MOEFLUX_CUDA_GROUPED_DECODE_MIN")
 }
