@@ -564,29 +564,29 @@ __device__ __forceinline__ void attend_decode(const float* q, u8* keys, float* k
     }
 }
 
-// Asks L2 for the keys and values of the first chunk of positions the
-// blocks of one KV head and split read, before waiting for the step's
-// inputs: they were stored by earlier steps, which no kernel of this one
-// changes (the recorded position is written before the step starts). The
-// first block of each KV head's group asks.
+// Asks L2 for the keys and values of the first `max_rows` positions a decode
+// block of KV head `kv_head` and split blockIdx.z reads (its split of the
+// rows in whole chunks of `chunk`), before waiting for the step's inputs:
+// they were stored by earlier steps, which no kernel of this one changes
+// (the recorded position is written before the step starts), so the reads
+// overlap the kernels before instead of following them.
 template <int KV>
-__device__ __forceinline__ void prefetch_kv_history(const u8* keys, const float* key_scales,
-                                                    const u8* values, const float* value_scales,
-                                                    int heads, int kv_heads, int head_dim,
-                                                    i64 start, const u32* position,
-                                                    int window, int splits) {
+__device__ __forceinline__ void prefetch_split_history(const u8* keys, const float* key_scales,
+                                                       const u8* values,
+                                                       const float* value_scales, int kv_head,
+                                                       int kv_heads, int head_dim, i64 start,
+                                                       const u32* position, int window,
+                                                       int splits, int chunk, int max_rows) {
     if (position) start = *position;
-    const int group = heads / kv_heads;
-    if (blockIdx.x % group != 0) return;
     i64 first, end;
     if ((int)blockIdx.z >= decode_split_range(oldest_visible(start + 1, window), start + 1, splits,
-                                              blockIdx.z, DECODE_ATTN_CHUNK, &first, &end))
+                                              blockIdx.z, chunk, &first, &end))
         return;
     // The newest position is not in the cache yet.
-    const i64 rows = min(min(end, start) - first, (i64)DECODE_ATTN_CHUNK);
+    const i64 rows = min(min(end, start) - first, (i64)max_rows);
     const i64 kv_width = (i64)kv_heads * head_dim;
     const int lines = (KV_BYTES(KV) * head_dim + 127) / 128;
-    const i64 head = (i64)(blockIdx.x / group) * head_dim;
+    const i64 head = (i64)kv_head * head_dim;
     for (i64 i = threadIdx.x; i < rows * lines; i += blockDim.x) {
         i64 at = (first + i / lines) * kv_width + head;
         int line = (int)(i % lines);
@@ -597,6 +597,21 @@ __device__ __forceinline__ void prefetch_kv_history(const u8* keys, const float*
             prefetch_l2(value_scales + at / KV_Q8_BLOCK);
         }
     }
+}
+
+// The per-head kernels' history ahead of the wait: the first chunk of the
+// split, asked by the first block of each KV head's group.
+template <int KV>
+__device__ __forceinline__ void prefetch_kv_history(const u8* keys, const float* key_scales,
+                                                    const u8* values, const float* value_scales,
+                                                    int heads, int kv_heads, int head_dim,
+                                                    i64 start, const u32* position,
+                                                    int window, int splits) {
+    const int group = heads / kv_heads;
+    if (blockIdx.x % group != 0) return;
+    prefetch_split_history<KV>(keys, key_scales, values, value_scales, blockIdx.x / group,
+                               kv_heads, head_dim, start, position, window, splits,
+                               DECODE_ATTN_CHUNK, DECODE_ATTN_CHUNK);
 }
 
 // One kernel per bound on the head dimension (128, 256, 512), so a lane
@@ -858,15 +873,25 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
     }
 }
 
-// One sequence's grouped kernel: same parameters as attention_decode_*;
-// grid (kv_heads, 1, splits). `...` is the device function with its
+// Positions of its split a one-sequence grouped block asks L2 for before
+// it waits for the step's inputs (prefetch_split_history).
+#ifndef GD_PREFETCH_ROWS
+#define GD_PREFETCH_ROWS 64
+#endif
+
+// One sequence's grouped kernel over a KV cache of type KV: same
+// parameters as attention_decode_*; grid (kv_heads, 1, splits), splits in
+// whole warps' chunks of positions. `...` is the device function with its
 // template arguments, as in ATTENTION_DECODE_BATCH.
-#define ATTENTION_DECODE_GROUPED(name, ...)                                                   \
+#define ATTENTION_DECODE_GROUPED(name, KV, ...)                                               \
     extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
         name(const float* q, u8* keys, float* key_scales, u8* values, float* value_scales,    \
              float* out, int n, int heads, int kv_heads, int head_dim, i64 start,             \
              const u32* position, float scale, const float* new_k, const float* new_v,        \
              int window, const float* sinks, int splits, float* partials, u32* tickets) {     \
+        prefetch_split_history<KV>(keys, key_scales, values, value_scales, blockIdx.x,        \
+                                   kv_heads, head_dim, start, position, window, splits,       \
+                                   WARP_SIZE, GD_PREFETCH_ROWS);                              \
         await_inputs();                                                                       \
         if (position) start = *position;                                                      \
         __VA_ARGS__(q, keys, key_scales, values, value_scales, out, heads, kv_heads,          \
@@ -875,7 +900,7 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
     }
 
 #define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP, KV) \
-    ATTENTION_DECODE_GROUPED(name, attend_decode_grouped<PER_LANE, GROUP, KV, WARP_SIZE>)
+    ATTENTION_DECODE_GROUPED(name, KV, attend_decode_grouped<PER_LANE, GROUP, KV, WARP_SIZE>)
 
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8_f32, 4, 8, KV_F32)
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16_f32, 4, 16, KV_F32)
@@ -1196,9 +1221,9 @@ __device__ __forceinline__ void attend_decode_grouped_tc(const float* q, u8* key
 }
 
 // Same parameters as attention_decode_grouped_*; grid (kv_heads, 1, splits).
-ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_bf16,
+ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_bf16, KV_BF16,
                          attend_decode_grouped_tc<KV_BF16, WARP_SIZE>)
-ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_f32,
+ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_f32, KV_F32,
                          attend_decode_grouped_tc<KV_F32, WARP_SIZE>)
 
 // Same parameters as attention_decode_batch_*; grid (kv_heads, sequences,
