@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs Debian's `chromium` (and a font for its text) when missing, for
-# the chat page test crates/moeflux-server/tests/chromium.rs; uses sudo only
+# the chat page test crates/moeflux-server/tests/api/chromium.rs; uses sudo only
 # when not root. Prints the browser's path. About 20 s on a fresh machine.
 set -euo pipefail
 if ! command -v chromium >/dev/null || [[ ! -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ]]; then

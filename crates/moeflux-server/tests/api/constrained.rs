@@ -2,9 +2,7 @@
 //! answers parse and fit their schema whatever the model would rather
 //! write (the bundled model was trained on novels, not JSON).
 
-mod common;
-
-use common::{Events, start};
+use crate::common::{Events, start};
 use serde_json::{Value, json};
 
 fn person() -> Value {

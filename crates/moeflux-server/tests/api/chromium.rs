@@ -15,8 +15,6 @@
 //! MOEFLUX_REQUIRE_CHROMIUM is set (as .ci/run sets it), when it fails.
 //! MOEFLUX_CHROMIUM names another browser binary.
 
-mod common;
-
 use std::fs::File;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -24,8 +22,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, channel};
 use std::time::{Duration, Instant};
 
+use crate::common::start;
 use base64::Engine;
-use common::start;
 use serde_json::{Value, json};
 
 const QUESTION: &str = "Who is Mr. Darcy?";

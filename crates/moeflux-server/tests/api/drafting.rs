@@ -3,9 +3,7 @@
 //! batch with others; the drafts checked and kept show in /metrics; bad
 //! drafting fields are 400s naming them.
 
-mod common;
-
-use common::{Events, TestServer, start, start_on};
+use crate::common::{Events, TestServer, start, start_on};
 use moeflux::ModelOptions;
 use serde_json::{Value, json};
 
@@ -170,7 +168,7 @@ async fn drafting_with_a_head_the_model_lacks_is_refused() {
         mtp_head: false,
         ..ModelOptions::default()
     };
-    let server = start_on(common::bundled_with(&without), |_| {}).await;
+    let server = start_on(crate::common::bundled_with(&without), |_| {}).await;
     let body = json!({"prompt": "Emma", "max_tokens": 4, "draft": "mtp"});
     let (status, answer) = server.post("/v1/completions", &body).await;
     assert_eq!(status, 400, "{answer}");

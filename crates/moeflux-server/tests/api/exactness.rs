@@ -2,9 +2,7 @@
 //! library's for the same prompt (TextGeneration on one session), alone
 //! and while 15 other requests run in the same batch.
 
-mod common;
-
-use common::{Events, TestServer, start};
+use crate::common::{Events, TestServer, start};
 use moeflux::sampling::{Sampler, SamplerConfig};
 use moeflux::text::{Generated, TextGeneration, Tokenizer};
 use serde_json::{Value, json};

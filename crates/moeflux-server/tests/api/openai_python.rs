@@ -4,12 +4,10 @@
 //! runs). Skipped, saying so, only where there is no python3 and
 //! MOEFLUX_REQUIRE_PYTHON is unset (.ci/run sets it: there it fails).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::start;
+use crate::common::start;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")

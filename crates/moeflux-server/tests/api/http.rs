@@ -2,9 +2,7 @@
 //! clients read them, errors as OpenAI error objects with 4xx codes, the
 //! API key, the queue's 429.
 
-mod common;
-
-use common::{Events, start};
+use crate::common::{Events, start};
 use serde_json::{Value, json};
 
 fn chat(content: &str, extra: Value) -> Value {

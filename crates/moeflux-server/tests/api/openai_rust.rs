@@ -4,8 +4,7 @@
 //! errors, each read through the client's own types. What the client
 //! cannot parse fails here as it would for a Rust application.
 
-mod common;
-
+use crate::common::start;
 use async_openai::Client;
 use async_openai::config::OpenAIConfig;
 use async_openai::error::OpenAIError;
@@ -17,7 +16,6 @@ use async_openai::types::chat::{
     ResponseFormatJsonSchema, Role, ToolChoiceOptions,
 };
 use async_openai::types::completions::CreateCompletionRequestArgs;
-use common::start;
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
