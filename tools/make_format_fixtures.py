@@ -67,7 +67,7 @@ gguf/malformed/     damaged GGUF files (truncated, huge counts, bad types,
                     error.
 
 Not committed (too large), for the opt-in tests
-(`cargo test -p moeflux --test format_gguf -- --ignored`):
+(`cargo test -p moeflux --test engine format_gguf -- --ignored`):
 
     tools/make_format_fixtures.py bundled-gguf --out target/format-fixtures/qwen35-tiny.gguf
         the bundled model (bundled/qwen35-tiny) as a BF16 GGUF with its

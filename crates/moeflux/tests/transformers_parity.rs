@@ -225,7 +225,7 @@ fn kv_type_logits_are_close_to_transformers() {
                 };
                 let chunkings = [moeflux::model::DEFAULT_PREFILL_CHUNK, 7].map(open);
                 let [Ok(first), Ok(second)] = chunkings else {
-                    // The refusal's message: tests/kv_types.rs.
+                    // The refusal's message: tests/engine/kv_types.rs.
                     assert!(name.starts_with("deepseek"), "{name} refused {kv}");
                     continue;
                 };

@@ -3,11 +3,8 @@
 //! way `mlx_lm.convert -q` writes it, mx.quantize reproduced in numpy by
 //! tools/make_format_fixtures.py (MLX does not run on Linux x86).
 
-mod common;
-mod format_support;
-
-use common::{Reference, fixtures_root};
-use format_support::*;
+use crate::common::{Reference, fixtures_root};
+use crate::format_support::*;
 use moeflux::convert::Input;
 use moeflux::quant::DType;
 
@@ -172,7 +169,7 @@ fn mlx_logits_are_close_to_the_bf16_fixture() {
     let mlx = convert_as(&mlx_dir(), DType::Q4, false);
     let got = logits(&mlx.dir, &tokens);
     let err = max_row_error(&got, &want, vocab);
-    let top1 = common::top1_agreement(&got, &want, vocab);
+    let top1 = crate::common::top1_agreement(&got, &want, vocab);
     println!(
         "mlx q4 vs bf16 fixture: max rel err {err:.3e}, top-1 {:.0}%",
         top1 * 100.0

@@ -1,9 +1,7 @@
 //! The engine against itself: prefill against token-by-token decode, and a
 //! one-expert-per-layer cache against an unbounded one.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use moeflux::backend::KvType;
 use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
 use moeflux::quant::DType;

@@ -5,14 +5,11 @@
 //! written as transformers' bf16 layout (input-major `[E, H, 2I]`,
 //! alternating columns). Both conversions must give the same model.
 
-mod common;
-mod format_support;
-
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use common::{Reference, fixtures_root};
-use format_support::{convert_as, expert_tensor, logits, manifest, max_row_error};
+use crate::common::{Reference, fixtures_root};
+use crate::format_support::{convert_as, expert_tensor, logits, manifest, max_row_error};
 use half::bf16;
 use moeflux::quant::{DType, MatrixView};
 use moeflux::util::AlignedBuf;
@@ -183,7 +180,7 @@ fn mxfp4_experts_convert_to_the_same_model_as_their_bf16_values() {
     // whatever the reader did).
     let reference = Reference::load("gpt_oss");
     let (_, vocab, exact) = reference.logits("logits_long");
-    let errors = common::row_errors(&got, &exact, vocab);
+    let errors = crate::common::row_errors(&got, &exact, vocab);
     let worst = errors.iter().copied().fold(0.0, f64::max);
     println!("MXFP4 experts against the bf16 fixture: max rel err {worst:.2e}");
     assert!(worst > 1e-4 && worst < 0.5, "{worst}");

@@ -5,13 +5,11 @@
 //! oldest positions) and one of multi-head latent attention (a latent cache
 //! without values), since their states rewind differently.
 
-mod common;
-
 use std::ops::ControlFlow;
 use std::path::Path;
 use std::sync::{Arc, Barrier};
 
-use common::*;
+use crate::common::*;
 use moeflux::quant::DType;
 use moeflux::{LogitsWanted, Model, ModelOptions, Session, SessionOptions};
 

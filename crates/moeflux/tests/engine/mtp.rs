@@ -4,15 +4,13 @@
 //! through checks, rewinds and truncations, and greedy decoding with its
 //! drafts equals plain decoding.
 
-mod common;
-
 use std::ops::ControlFlow;
 
-use common::speculative::{
+use crate::common::speculative::{
     Oracle, check_greedy_equal_with_mtp, drafted, fresh_mtp_row, mtp_reference_error, mtp_session,
     plain,
 };
-use common::*;
+use crate::common::*;
 use moeflux::backend::Backend;
 use moeflux::backend::cpu::CpuBackend;
 use moeflux::format::Manifest;
@@ -26,7 +24,7 @@ use moeflux::{BatchItem, LogitsWanted, ModelOptions, Phase, Result, Session};
 /// differs, as in tests/transformers_parity.rs.
 const REFERENCE_TOLERANCE: f64 = 1e-3;
 /// The head run row by row as a session grows against one run over every
-/// row: the prefill = decode bound of tests/decode_consistency.rs.
+/// row: the prefill = decode bound of tests/engine/decode_consistency.rs.
 const INCREMENTAL_TOLERANCE: f64 = 1e-4;
 
 #[test]

@@ -4,9 +4,7 @@
 //! (common/ops.rs: tests/backend_ops.rs for the CPU's kernel sets,
 //! tests/cuda.rs for CUDA).
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use moeflux::quant::DType;
 use moeflux::{BatchItem, LogitsWanted, ModelOptions, Phase, forward_batch};
 

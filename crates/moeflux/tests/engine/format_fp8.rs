@@ -3,11 +3,8 @@
 //! fixtures/formats/fp8_qwen3_moe is fixtures/qwen3_moe_sparse_step
 //! re-encoded by tools/make_format_fixtures.py with ml_dtypes.
 
-mod common;
-mod format_support;
-
-use common::{Reference, fixtures_root};
-use format_support::*;
+use crate::common::{Reference, fixtures_root};
+use crate::format_support::*;
 use moeflux::convert::Input;
 use moeflux::quant::DType;
 

@@ -1,8 +1,6 @@
 //! The expert store's cache filled before decoding.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use moeflux::experts::{CachePolicy, ExpertStore, IoMode, StoreOptions};
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::quant::DType;

@@ -6,17 +6,14 @@
 //! and compared by logits, the bundled model's tokenizer rebuilt from a
 //! vocabulary-only GGUF, and a corpus of malformed files.
 //!
-//! tests/fuzz_headers.rs fuzzes the header parser (`GgufFile::validate`)
+//! tests/engine/fuzz_headers.rs fuzzes the header parser (`GgufFile::validate`)
 //! for a few seconds in every run; `gguf_headers_survive_byte_flips` is a
 //! deterministic check beside it.
 
-mod common;
-mod format_support;
-
 use std::path::{Path, PathBuf};
 
-use common::{Reference, fixtures_root};
-use format_support::*;
+use crate::common::{Reference, fixtures_root};
+use crate::format_support::*;
 use moeflux::convert::gguf::{GgufFile, rebuild_tokenizer};
 use moeflux::convert::{ConvertOptions, Input, convert};
 use moeflux::quant::DType;
@@ -207,7 +204,7 @@ fn gguf_logits_are_close_to_the_bf16_fixture() {
         );
         let got = logits(&converted.dir, &tokens);
         let err = max_row_error(&got, &want, vocab);
-        let top1 = common::top1_agreement(&got, &want, vocab);
+        let top1 = crate::common::top1_agreement(&got, &want, vocab);
         println!(
             "gguf (keep-nearest {keep_nearest}) vs bf16 fixture: max rel err {err:.3e}, top-1 {:.0}%",
             top1 * 100.0
@@ -492,13 +489,13 @@ fn every_family_round_trips_through_gguf() {
         let (_, vocab, _) = reference.logits("logits_long");
         let want = logits(&convert_as(&hf, DType::Bf16, false).dir, &tokens);
         let got = logits(&convert_as(&path, DType::Bf16, false).dir, &tokens);
-        let mut errors = common::row_errors(&got, &want, vocab);
+        let mut errors = crate::common::row_errors(&got, &want, vocab);
         errors.sort_by(f64::total_cmp);
         let (p95, max) = (
             errors[(errors.len() - 1) * 95 / 100],
             errors[errors.len() - 1],
         );
-        let top1 = common::top1_agreement(&got, &want, vocab);
+        let top1 = crate::common::top1_agreement(&got, &want, vocab);
         println!(
             "{name} Q8_0 GGUF vs bf16 fixture: rel err p95 {p95:.3e}, max {max:.3e}, top-1 {:.0}%",
             top1 * 100.0

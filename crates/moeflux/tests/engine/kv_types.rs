@@ -5,12 +5,10 @@
 //! multi-head latent attention keeps its latent cache in f32; sessions of
 //! several types batch together as they run alone.
 
-mod common;
-
 use std::path::Path;
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use moeflux::backend::KvType;
 use moeflux::quant::DType;
 use moeflux::{

@@ -1,10 +1,8 @@
 //! Speculative decoding on the CPU: greedy output with drafts equals plain
 //! decoding on every fixture architecture and the bundled model.
 
-mod common;
-
-use common::speculative::check_greedy_equal;
-use common::*;
+use crate::common::speculative::check_greedy_equal;
+use crate::common::*;
 use moeflux::quant::DType;
 use moeflux::{Model, ModelOptions};
 

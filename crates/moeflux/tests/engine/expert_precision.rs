@@ -2,9 +2,7 @@
 //! `--expert-quant`, everything else at `--quant`, routers at 8 bits or
 //! more, and the options refused where the converter writes no such type.
 
-mod common;
-
-use common::{convert_fixture_with, fixtures_root};
+use crate::common::{convert_fixture_with, fixtures_root};
 use moeflux::convert::{ConvertOptions, convert};
 use moeflux::format::{MANIFEST_FILE, Manifest};
 use moeflux::quant::DType;
@@ -37,7 +35,7 @@ fn experts_and_the_rest_take_their_own_precisions() {
         assert_eq!(dense("moe.router"), DType::Q8);
         assert_eq!(dense("moe.shared_expert_gate"), DType::Q8);
         assert_eq!(m.quantization, experts, "the experts hold most weights");
-        let model = common::open(&converted.dir, moeflux::ModelOptions::default());
+        let model = crate::common::open(&converted.dir, moeflux::ModelOptions::default());
         let logits = model
             .session()
             .forward(&[1, 2, 3], moeflux::LogitsWanted::All)

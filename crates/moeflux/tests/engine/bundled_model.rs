@@ -2,11 +2,9 @@
 //! training script recorded with PyTorch: held-out perplexity over the
 //! same windows, and the tokenizer producing the same ids.
 
-mod common;
-
 use std::path::PathBuf;
 
-use common::*;
+use crate::common::*;
 use moeflux::ModelOptions;
 use moeflux::perplexity::perplexity;
 use moeflux::quant::DType;
