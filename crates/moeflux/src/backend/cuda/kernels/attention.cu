@@ -881,9 +881,10 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
 
 // One sequence's grouped kernel over a KV cache of type KV: same
 // parameters as attention_decode_*; grid (kv_heads, 1, splits), splits in
-// whole warps' chunks of positions. `...` is the device function with its
-// template arguments, as in ATTENTION_DECODE_BATCH.
-#define ATTENTION_DECODE_GROUPED(name, KV, ...)                                               \
+// whole multiples of SPLIT_ROWS positions. `...` is the device function
+// with its template arguments (SPLIT_ROWS among them), as in
+// ATTENTION_DECODE_BATCH.
+#define ATTENTION_DECODE_GROUPED(name, KV, SPLIT_ROWS, ...)                                   \
     extern "C" __global__ void __launch_bounds__(GD_WARPS * WARP_SIZE)                        \
         name(const float* q, u8* keys, float* key_scales, u8* values, float* value_scales,    \
              float* out, int n, int heads, int kv_heads, int head_dim, i64 start,             \
@@ -891,7 +892,7 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
              int window, const float* sinks, int splits, float* partials, u32* tickets) {     \
         prefetch_split_history<KV>(keys, key_scales, values, value_scales, blockIdx.x,        \
                                    kv_heads, head_dim, start, position, window, splits,       \
-                                   WARP_SIZE, GD_PREFETCH_ROWS);                              \
+                                   SPLIT_ROWS, GD_PREFETCH_ROWS);                             \
         await_inputs();                                                                       \
         if (position) start = *position;                                                      \
         __VA_ARGS__(q, keys, key_scales, values, value_scales, out, heads, kv_heads,          \
@@ -900,7 +901,8 @@ __device__ __forceinline__ void attend_decode_grouped(const float* q, u8* keys, 
     }
 
 #define ATTENTION_DECODE_GROUPED_KERNEL(name, PER_LANE, GROUP, KV) \
-    ATTENTION_DECODE_GROUPED(name, KV, attend_decode_grouped<PER_LANE, GROUP, KV, WARP_SIZE>)
+    ATTENTION_DECODE_GROUPED(name, KV, WARP_SIZE,                  \
+                             attend_decode_grouped<PER_LANE, GROUP, KV, WARP_SIZE>)
 
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g8_f32, 4, 8, KV_F32)
 ATTENTION_DECODE_GROUPED_KERNEL(attention_decode_grouped_128_g16_f32, 4, 16, KV_F32)
@@ -957,6 +959,14 @@ ATTENTION_DECODE_BATCH_GROUPED_KERNEL(attention_decode_batch_grouped_256_g8_q8, 
 
 // Positions a warp takes at a time.
 #define GT_STEP 16
+
+// One sequence's split takes whole multiples of GT_SPLIT_ROWS positions:
+// by default a step of every warp, so no warp of a block takes a step more
+// than the others (8193 positions: 22 splits of 384, three steps a warp,
+// where tiles of 32 gave 29 splits of 288, two or three).
+#ifndef GT_SPLIT_ROWS
+#define GT_SPLIT_ROWS (GT_STEP * GD_WARPS)
+#endif
 
 #if __CUDA_ARCH__ >= 800
 // The newest row's 16-byte piece at `f` (shared memory: f32 values the
@@ -1221,10 +1231,10 @@ __device__ __forceinline__ void attend_decode_grouped_tc(const float* q, u8* key
 }
 
 // Same parameters as attention_decode_grouped_*; grid (kv_heads, 1, splits).
-ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_bf16, KV_BF16,
-                         attend_decode_grouped_tc<KV_BF16, WARP_SIZE>)
-ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_f32, KV_F32,
-                         attend_decode_grouped_tc<KV_F32, WARP_SIZE>)
+ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_bf16, KV_BF16, GT_SPLIT_ROWS,
+                         attend_decode_grouped_tc<KV_BF16, GT_SPLIT_ROWS>)
+ATTENTION_DECODE_GROUPED(attention_decode_grouped_tc_f32, KV_F32, GT_SPLIT_ROWS,
+                         attend_decode_grouped_tc<KV_F32, GT_SPLIT_ROWS>)
 
 // Same parameters as attention_decode_batch_*; grid (kv_heads, sequences,
 // splits).
