@@ -242,29 +242,3 @@ fn summary_quant(dir: &std::path::Path) -> Option<&'static str> {
         moeflux::format::Manifest::read(&dir.join(moeflux::format::MANIFEST_FILE)).ok()?;
     Some(manifest.quantization.name())
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Without `--quant`, experts below 4 bits come with q8 elsewhere,
-    /// any other expert width with q4.
-    #[test]
-    fn the_rest_defaults_to_q8_beside_experts_below_four_bits() {
-        for (experts, rest) in [
-            (None, DType::Q4),
-            (Some(ExpertQuant::Q2), DType::Q8),
-            (Some(ExpertQuant::Q3), DType::Q8),
-            (Some(ExpertQuant::Q4), DType::Q4),
-            (Some(ExpertQuant::Mxfp4), DType::Q4),
-            (Some(ExpertQuant::Bf16), DType::Q4),
-        ] {
-            assert_eq!(ExpertQuant::default_rest(experts), rest);
-        }
-        assert_eq!(
-            precision_label(DType::Q8, Some(DType::Q2)),
-            "q2 experts, q8 elsewhere"
-        );
-        assert_eq!(precision_label(DType::Q4, Some(DType::Q4)), "q4");
-    }
-}

@@ -705,22 +705,3 @@ pub fn parse_tokens(option: &str, text: &str) -> Result<Vec<u32>> {
         })
         .collect()
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn device_names_parse() {
-        assert_eq!(parse_device("auto").unwrap(), Device::Auto);
-        assert_eq!(parse_device("cpu").unwrap(), Device::Cpu);
-        assert_eq!(parse_device("cuda").unwrap(), Device::Cuda(vec![0]));
-        assert_eq!(parse_device("cuda:3").unwrap(), Device::Cuda(vec![3]));
-        assert_eq!(parse_device("cuda:0,1").unwrap(), Device::Cuda(vec![0, 1]));
-        for bad in [
-            "gpu", "cuda:", "cuda:x", "cuda:-1", "CPU", "cuda:0,", "cuda:1,1", "cuda:0;1",
-        ] {
-            assert!(parse_device(bad).is_err(), "{bad}");
-        }
-    }
-}

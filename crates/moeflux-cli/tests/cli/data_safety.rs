@@ -21,6 +21,23 @@ fn moeflux() -> Command {
     Command::cargo_bin("moeflux").unwrap()
 }
 
+/// Asserts that the model at `model` loads and generates.
+fn generates(model: &Path) {
+    moeflux()
+        .args([
+            "generate",
+            "--prompt-tokens",
+            "1,2,3",
+            "-n",
+            "2",
+            "-q",
+            "-m",
+        ])
+        .arg(model)
+        .assert()
+        .success();
+}
+
 /// A copy of the fixture checkpoint at `to`.
 fn checkpoint_at(to: &Path) {
     fs::create_dir_all(to).unwrap();
@@ -204,19 +221,7 @@ fn leftovers_of_killed_conversions_are_cleaned_and_a_moved_model_restored() {
         "the model was not put back"
     );
     assert_eq!(leftovers(tmp.path()), Vec::<String>::new());
-    moeflux()
-        .args([
-            "generate",
-            "--prompt-tokens",
-            "1,2,3",
-            "-n",
-            "2",
-            "-q",
-            "-m",
-        ])
-        .arg(&model)
-        .assert()
-        .success();
+    generates(&model);
 }
 
 /// Holds `output`'s conversion lock, as a process converting into it
@@ -359,19 +364,7 @@ fn concurrent_conversions_to_one_output_all_succeed() {
         assert_eq!(*status, Some(0), "stderr:\n{stderr}");
     }
     assert_eq!(leftovers(&tmp.path().join("out")), Vec::<String>::new());
-    moeflux()
-        .args([
-            "generate",
-            "--prompt-tokens",
-            "1,2,3",
-            "-n",
-            "2",
-            "-q",
-            "-m",
-        ])
-        .arg(&model)
-        .assert()
-        .success();
+    generates(&model);
 }
 
 #[test]
