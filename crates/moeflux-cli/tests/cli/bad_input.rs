@@ -6,6 +6,7 @@ use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+use super::moeflux;
 use assert_cmd::Command;
 use tempfile::TempDir;
 
@@ -14,10 +15,6 @@ fn fixture(name: &str) -> PathBuf {
         .join("../../fixtures")
         .join(name)
         .join("hf")
-}
-
-fn moeflux() -> Command {
-    Command::cargo_bin("moeflux").unwrap()
 }
 
 /// Runs a command expected to fail cleanly; returns its stderr.

@@ -10,15 +10,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command as Process, Stdio};
 use std::time::{Duration, Instant};
 
+use super::moeflux;
 use assert_cmd::Command;
 use assert_cmd::cargo::CommandCargoExt;
 
 fn fixture() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_moe/hf")
-}
-
-fn moeflux() -> Command {
-    Command::cargo_bin("moeflux").unwrap()
 }
 
 /// Asserts that the model at `model` loads and generates.

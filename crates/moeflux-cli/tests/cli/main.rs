@@ -4,6 +4,13 @@
 //! module runs the built `moeflux` executable; one binary compiles and
 //! links their helpers once instead of once per file.
 
+use assert_cmd::Command;
+
+/// The built `moeflux` executable, as a command to run.
+fn moeflux() -> Command {
+    Command::cargo_bin("moeflux").unwrap()
+}
+
 mod bad_input;
 mod data_safety;
 mod expert_placement;

@@ -5,12 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use assert_cmd::Command;
+use super::moeflux;
 use tempfile::TempDir;
-
-fn moeflux() -> Command {
-    Command::cargo_bin("moeflux").unwrap()
-}
 
 /// A fixture converted to q4 in a temporary directory.
 fn converted(name: &str) -> (TempDir, PathBuf) {

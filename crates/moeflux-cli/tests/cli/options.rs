@@ -4,11 +4,7 @@
 
 use std::path::Path;
 
-use assert_cmd::Command;
-
-fn moeflux() -> Command {
-    Command::cargo_bin("moeflux").unwrap()
-}
+use super::moeflux;
 
 /// `generate`'s stderr with `--device device` on a model that does not
 /// exist: a name the parser takes fails later, at the model.

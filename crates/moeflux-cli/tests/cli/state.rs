@@ -3,11 +3,7 @@
 
 use std::path::Path;
 
-use assert_cmd::Command;
-
-fn moeflux() -> Command {
-    Command::cargo_bin("moeflux").unwrap()
-}
+use super::moeflux;
 
 fn generate(model: &Path, extra: &[&str]) -> Vec<u32> {
     let out = moeflux()
