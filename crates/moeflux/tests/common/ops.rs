@@ -468,19 +468,35 @@ fn product_bounds(
     x: &[f32],
     activations: Activations,
 ) -> Vec<f64> {
+    exact_products(weights, name, rows, cols, x, activations)
+        .into_iter()
+        .map(|(_, bound)| bound)
+        .collect()
+}
+
+/// Per output of `x · wᵀ`, the sum in f64 of the dequantized weights times
+/// `x`, and the bound of [`ProductBounds::product`].
+fn exact_products(
+    weights: &TestWeights,
+    name: &str,
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    activations: Activations,
+) -> Vec<(f64, f64)> {
     let tensor = weights.dir.tensor(name, &[rows, cols]).unwrap();
     let matrix = ProductBounds::new(&tensor.view(), activations);
-    let mut bounds = vec![0f64; x.len() / cols * rows];
-    bounds
+    let mut products = vec![(0f64, 0f64); x.len() / cols * rows];
+    products
         .par_chunks_mut(rows)
         .zip(x.par_chunks(cols))
         .for_each(|(out, token)| {
             let groups = matrix.int8().then(|| TokenGroups::new(token));
-            for (r, bound) in out.iter_mut().enumerate() {
-                *bound = matrix.product(r, token, groups.as_ref()).1;
+            for (r, product) in out.iter_mut().enumerate() {
+                *product = matrix.product(r, token, groups.as_ref());
             }
         });
-    bounds
+    products
 }
 
 fn activations_name(activations: Activations) -> &'static str {
@@ -514,10 +530,21 @@ fn check_product<B: Conformance>(
     let want = cached(&key, || {
         let r = reference();
         let w = weights.load(&r, name, &[rows, cols]);
-        host(
+        let want = host(
             &r,
             &r.linear(&CpuTensor::new(n, cols, x.to_vec()), &w).unwrap(),
-        )
+        );
+        // The reference itself against the sums in f64, within the f32
+        // bound: the scalar kernels it runs (and the scalar entries of
+        // this suite, which are the reference) are held to the products'
+        // values, not only to themselves.
+        let (exact, bounds): (Vec<f32>, Vec<f64>) =
+            exact_products(weights, name, rows, cols, x, Activations::F32)
+                .into_iter()
+                .map(|(sum, bound)| (sum as f32, bound))
+                .unzip();
+        assert_within(&format!("reference {what}"), &want, &exact, &bounds);
+        want
     });
     let bounds = cached(
         &format!("{key} bounds {}", activations_name(activations)),
