@@ -35,8 +35,9 @@ use common::ops::{
     synthetic_moe_checkpoint, values, whole_store,
 };
 use common::*;
+use moeflux::backend::cpu::Activations;
 use moeflux::backend::cpu::CpuBackend;
-use moeflux::backend::cuda::{CudaBackend, CudaOptions, ExpertPlacement};
+use moeflux::backend::cuda::{CpuExperts, CudaBackend, CudaOptions, ExpertPlacement};
 use moeflux::backend::{Backend, ExpertFfn, KvType, RmsNorm};
 use moeflux::config::RouterSpec;
 use moeflux::format::{ModelDir, OpenOptions};
@@ -503,6 +504,7 @@ fn tiny_expert_caches_give_identical_results() {
         // the pinned host tier.
         let small_gpu = cuda_with(CudaOptions {
             expert_cache_bytes: Some(1),
+            cpu_experts: CpuExperts::Off,
             ..CudaOptions::default()
         })
         .unwrap();
@@ -635,6 +637,7 @@ fn resident_and_streamed_experts_give_identical_results() {
                 ModelOptions::default(),
                 cuda_with(CudaOptions {
                     expert_cache_bytes: Some(1),
+                    cpu_experts: CpuExperts::Off,
                     ..CudaOptions::default()
                 })
                 .unwrap(),
@@ -718,6 +721,7 @@ fn streamed_expert_statistics_are_consistent() {
             let what = format!("{name} (prefetch {prefetch:?}, pinned tier {pinned:?})");
             let backend = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(3 * expert_bytes),
+                cpu_experts: CpuExperts::Off,
                 ..CudaOptions::default()
             })
             .unwrap();
@@ -784,6 +788,80 @@ fn streamed_expert_statistics_are_consistent() {
         let bandwidth = resident.backend().host_to_device_bandwidth().unwrap();
         println!("{name:<22} pinned host-to-device bandwidth {bandwidth:.1} GB/s");
         assert!(bandwidth > 0.1);
+    }
+}
+
+/// Hybrid decode (the CUDA backend's hybrid.rs): experts missing from VRAM
+/// computed by the CPU from host memory, every one there (`All`) or as the
+/// cost model chooses (`Auto`), beside the GPU's. The logits stay within
+/// the 1e-3 relative L2 bound of CUDA against the CPU of those of resident
+/// experts at every position (the CPU's share sums in another order and
+/// f32); every expert a decode step uses is a hit, a miss or a CPU
+/// expert; with `All` and no VRAM cache the CPU computes some.
+#[test]
+fn hybrid_decode_matches_resident_experts() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+        resident
+            .prepare_experts(&moeflux::util::NoProgress)
+            .unwrap();
+        let want = prefill_then_decode(&resident, &tokens);
+        let vocab = resident.config().vocab_size;
+        let cfg = resident.config();
+        let moe_layers: Vec<usize> = cfg.moe_layers().collect();
+        let expert_bytes = resident
+            .backend()
+            .device_expert_bytes(resident.experts(), moe_layers[0]);
+        let activations = Activations::F32;
+        for (setting, experts_in_vram) in [
+            (CpuExperts::All { activations }, 0),
+            (CpuExperts::Auto { activations }, 0),
+            (CpuExperts::All { activations }, 3),
+        ] {
+            let budget = (experts_in_vram * expert_bytes).max(1);
+            let what = format!("{name} ({setting:?}, {experts_in_vram} experts in VRAM)");
+            let streamed = open_cuda(
+                &converted.dir,
+                ModelOptions::default(),
+                cuda_with(CudaOptions {
+                    expert_cache_bytes: Some(budget),
+                    cpu_experts: setting,
+                    ..CudaOptions::default()
+                })
+                .unwrap(),
+            );
+            let mut session = streamed.session();
+            let mut got = session
+                .forward(&tokens[..5], LogitsWanted::All)
+                .unwrap()
+                .into_vec();
+            let before = streamed.backend().expert_cache_stats();
+            for &t in &tokens[5..] {
+                got.extend(session.decode(t).unwrap());
+            }
+            let d = streamed.backend().expert_cache_stats().since(&before);
+            let error = max_error(&got, &want, vocab);
+            println!(
+                "{what:<60} vs resident {error:.2e}; decode: {} hits, {} misses, {} on the CPU ({} B in {} ns)",
+                d.hits, d.misses, d.cpu_experts, d.cpu_expert_bytes, d.cpu_nanos
+            );
+            assert!(
+                got.iter().all(|v| v.is_finite()),
+                "{what}: non-finite logits"
+            );
+            assert!(error <= 1e-3, "{what}: {error:.3e} from resident experts");
+            let uses = ((tokens.len() - 5) * moe_layers.len() * cfg.moe.router.top_k) as u64;
+            assert_eq!(d.hits + d.misses + d.cpu_experts, uses, "{what}: uses");
+            if matches!(setting, CpuExperts::All { .. }) {
+                assert!(d.cpu_experts > 0, "{what}: the CPU computed nothing");
+                assert!(d.cpu_expert_bytes > 0 && d.cpu_nanos > 0, "{what}");
+            }
+        }
     }
 }
 
@@ -1003,6 +1081,7 @@ fn grouped_prefill_experts_agree_however_cached() {
             let layer = cfg.moe_layers().next().expect("an MoE layer");
             let streamed_gpu = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(1),
+                cpu_experts: CpuExperts::Off,
                 ..CudaOptions::default()
             })
             .unwrap();
@@ -1011,6 +1090,7 @@ fn grouped_prefill_experts_agree_however_cached() {
             let layers = cfg.moe_layers().count() as u64;
             let half_gpu = cuda_with(CudaOptions {
                 expert_cache_bytes: Some(store.total_expert_bytes() / layers / 2),
+                cpu_experts: CpuExperts::Off,
                 ..CudaOptions::default()
             })
             .unwrap();
@@ -1127,6 +1207,7 @@ fn check_two_gpus(label: &str, dir: &Path, tokens: &[u32]) {
                 "streamed",
                 CudaOptions {
                     expert_cache_bytes: Some(1),
+                    cpu_experts: CpuExperts::Off,
                     ..CudaOptions::default()
                 },
             ),

@@ -167,6 +167,19 @@ fn print_device_experts(r: &BenchReport, d: &moeflux::backend::DeviceExpertStats
             d.pinned_misses
         ),
     );
+    if d.cpu_experts > 0 {
+        let used = (d.hits + d.misses + d.cpu_experts).max(1);
+        row(
+            "experts computed on the CPU",
+            format!(
+                "{:.1} per token ({:.1}% of those used; {} read at {})",
+                d.cpu_experts as f64 / tokens as f64,
+                100.0 * d.cpu_experts as f64 / used as f64,
+                human_bytes(d.cpu_expert_bytes / tokens),
+                gb(d.cpu_gb_s())
+            ),
+        );
+    }
     let share = match (d.copy_gb_s(), r.host_to_device_gb_s) {
         (Some(a), Some(p)) => format!(
             " = {:.0}% of pinned host-to-device bandwidth",

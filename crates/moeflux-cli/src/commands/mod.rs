@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use moeflux::backend::cpu::{Activations, CpuBackend, CpuOptions};
-use moeflux::backend::cuda::{CudaBackend, CudaOptions, ExpertPlacement, device_count};
+use moeflux::backend::cuda::{CpuExperts, CudaBackend, CudaOptions, ExpertPlacement, device_count};
 use moeflux::backend::{Backend, KvType};
 use moeflux::experts::{CachePolicy, IoMode, Prefetch, RoutingCounts};
 use moeflux::format::{MANIFEST_FILE, Manifest};
@@ -125,11 +125,21 @@ pub struct ModelArgs {
     #[arg(long)]
     pub pinned_cache_mb: Option<u64>,
     /// How the CPU multiplies activations by q2, q3, q4 and q8 weights (MXFP4
-    /// always takes f32): f32 (exact)
+    /// always takes f32), on the CPU device and for the experts it computes
+    /// beside a GPU: f32 (exact)
     /// or int8 (quantized per group of 64 inputs: faster decode, slightly
     /// less accurate; see docs/PERFORMANCE.md).
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: ActivationsArg,
+    /// On a GPU whose VRAM does not hold every expert: whether a decode
+    /// step's experts missing from VRAM may be computed by the CPU from host
+    /// memory (auto: where a cost model of the measured PCIe and CPU
+    /// throughputs says that is faster than uploading them), always when
+    /// they are in host memory (all: for a GPU behind a slow link), or
+    /// never (off: the GPU computes every expert, results repeat exactly
+    /// from run to run).
+    #[arg(long, value_enum, default_value = "auto")]
+    pub cpu_experts: CpuExpertsArg,
     /// How the KV cache stores keys and values: f32 (exact), bf16 (half the
     /// bytes) or q8 (int8 with a scale per 32 values, 28% of f32's bytes);
     /// default: the device's (see docs/PERFORMANCE.md). Multi-head latent
@@ -193,6 +203,22 @@ pub enum IoArg {
 pub enum ActivationsArg {
     F32,
     Int8,
+}
+
+impl ActivationsArg {
+    fn activations(self) -> Activations {
+        match self {
+            ActivationsArg::F32 => Activations::F32,
+            ActivationsArg::Int8 => Activations::Int8,
+        }
+    }
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum CpuExpertsArg {
+    Auto,
+    All,
+    Off,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -332,10 +358,7 @@ impl ModelArgs {
             }
             None => {
                 let cpu = CpuBackend::with_options(CpuOptions {
-                    activations: match self.activations {
-                        ActivationsArg::F32 => Activations::F32,
-                        ActivationsArg::Int8 => Activations::Int8,
-                    },
+                    activations: self.activations.activations(),
                     ..CpuOptions::default()
                 });
                 OpenedModel::Cpu(Arc::new(Model::open_with(cpu, dir, &options)?))
@@ -384,6 +407,15 @@ impl ModelArgs {
     fn cuda_backend(&self, counts: Option<&RoutingCounts>) -> Result<Option<CudaBackend>> {
         let options = CudaOptions {
             expert_cache_bytes: self.gpu_expert_cache_mb.map(|mb| mb << 20),
+            cpu_experts: match self.cpu_experts {
+                CpuExpertsArg::Auto => CpuExperts::Auto {
+                    activations: self.activations.activations(),
+                },
+                CpuExpertsArg::All => CpuExperts::All {
+                    activations: self.activations.activations(),
+                },
+                CpuExpertsArg::Off => CpuExperts::Off,
+            },
             ..CudaOptions::default()
         };
         match &self.device {

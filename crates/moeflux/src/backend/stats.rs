@@ -4,8 +4,9 @@ use serde::Serialize;
 
 /// What a device's own expert cache (a GPU's VRAM, fed from a pinned
 /// host tier) and the copies feeding it have done since the backend was
-/// created. Every routed expert a layer uses counts once,
-/// as a hit or a miss; misses and prefetches are uploaded.
+/// created. Every routed expert a layer uses counts once, as a hit, a
+/// miss or an expert computed on the CPU (hybrid decode); misses and
+/// prefetches are uploaded.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct DeviceExpertStats {
     /// Experts found in VRAM when a layer used them (prefetched included).
@@ -42,6 +43,13 @@ pub struct DeviceExpertStats {
     /// Bytes of activations, routing weights and partial sums sent between
     /// GPUs that divide the experts (0 on one).
     pub exchanged_bytes: u64,
+    /// Experts a decode step used that were not in VRAM and that the CPU
+    /// computed from host memory instead of uploading them.
+    pub cpu_experts: u64,
+    /// Bytes of those experts (read by the CPU, not copied).
+    pub cpu_expert_bytes: u64,
+    /// Host time the CPU spent computing them.
+    pub cpu_nanos: u64,
 }
 
 impl DeviceExpertStats {
@@ -61,11 +69,14 @@ impl DeviceExpertStats {
             pinned_misses: self.pinned_misses - earlier.pinned_misses,
             batched_expert_bytes: self.batched_expert_bytes - earlier.batched_expert_bytes,
             exchanged_bytes: self.exchanged_bytes - earlier.exchanged_bytes,
+            cpu_experts: self.cpu_experts - earlier.cpu_experts,
+            cpu_expert_bytes: self.cpu_expert_bytes - earlier.cpu_expert_bytes,
+            cpu_nanos: self.cpu_nanos - earlier.cpu_nanos,
             ..*self
         }
     }
 
-    /// Share of used experts found in VRAM.
+    /// Share of the experts the GPU computed that were found in VRAM.
     pub fn hit_rate(&self) -> f64 {
         match self.hits + self.misses {
             0 => 1.0,
@@ -77,5 +88,11 @@ impl DeviceExpertStats {
     /// copying, in GB/s.
     pub fn copy_gb_s(&self) -> Option<f64> {
         (self.copy_nanos > 0).then(|| self.uploaded_bytes as f64 / self.copy_nanos as f64)
+    }
+
+    /// The CPU's throughput on the experts it computed, in GB/s of their
+    /// bytes.
+    pub fn cpu_gb_s(&self) -> Option<f64> {
+        (self.cpu_nanos > 0).then(|| self.cpu_expert_bytes as f64 / self.cpu_nanos as f64)
     }
 }

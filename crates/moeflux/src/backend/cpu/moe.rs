@@ -305,6 +305,40 @@ pub fn routed_experts(
     Ok(out)
 }
 
+/// One token's `Σ weight · expert(x)` over `chosen` (experts and their
+/// routing weights), summed in ascending expert order as
+/// [`routed_experts`] sums: a GPU's decode step hands the CPU the experts
+/// it holds in host memory while the GPU computes the others. The
+/// machine's best kernels and every thread of the pool take them.
+pub fn weighted_experts(
+    x: &[f32],
+    chosen: &[(Arc<Expert>, f32)],
+    activations: Activations,
+    ffn: Ffn<'_>,
+) -> Vec<f32> {
+    let (isa, on_pool) = (Isa::get(), crate::tuning::cpu_pool());
+    let hidden = x.len();
+    let assigned: Assigned = chosen
+        .iter()
+        .map(|(e, w)| (e.index, vec![(0, *w)]))
+        .collect();
+    let experts_: Vec<Arc<Expert>> = chosen.iter().map(|(e, _)| e.clone()).collect();
+    let mut results = experts(
+        isa,
+        on_pool,
+        &experts_,
+        x,
+        hidden,
+        &assigned,
+        activations,
+        ffn,
+    );
+    results.sort_by_key(|(index, _)| *index);
+    let mut out = vec![0f32; hidden];
+    add_weighted(on_pool, &mut out, hidden, &results, &assigned);
+    out
+}
+
 /// Adds each expert's rows, times their routing weights, to its tokens'
 /// rows of `out`, in the order of `results`. Tasks own ranges of tokens,
 /// so every token's sum keeps that order whichever thread computes it.

@@ -22,7 +22,7 @@
 //! so the result does not depend on what was cached.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
@@ -30,12 +30,13 @@ use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_bytes, 
 use super::geometry::{
     DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
 };
+use super::hybrid::{CpuInputs, in_host_memory};
 use super::vram_cache::VramCache;
-use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int};
+use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int, ok};
 use crate::backend::ExpertFfn;
 use crate::config::ExpertActivation;
 use crate::error::Result;
-use crate::experts::{ExpertStore, Fetch};
+use crate::experts::{Expert, ExpertStore, Fetch};
 use crate::quant::DType;
 use crate::util::Progress;
 
@@ -139,6 +140,7 @@ impl CudaBackend {
         if let Some(parallel) = &self.parallel {
             return self.parallel_routed_experts(parallel, x, routing, store, layer, ffn);
         }
+        let cpu_ffn = ffn;
         let ffn = ffn_args(self, ffn);
         let (n, hidden) = (x.rows, x.cols);
         assert_eq!(
@@ -147,7 +149,16 @@ impl CudaBackend {
         );
         if n == 1 {
             let mut out = self.alloc::<f32>("routed experts", hidden)?;
-            self.decode_routed_experts(x, routing, store, layer, ffn, &mut out, false)?;
+            self.decode_routed_experts(
+                x,
+                routing,
+                store,
+                layer,
+                ffn,
+                Some(cpu_ffn),
+                &mut out,
+                false,
+            )?;
             return Ok(Tensor {
                 rows: 1,
                 cols: hidden,
@@ -249,7 +260,16 @@ impl CudaBackend {
         }
         let args = ffn_args(self, ffn);
         if x.rows == 1 {
-            return self.decode_routed_experts(x, routing, store, layer, args, &mut out.data, true);
+            return self.decode_routed_experts(
+                x,
+                routing,
+                store,
+                layer,
+                args,
+                Some(ffn),
+                &mut out.data,
+                true,
+            );
         }
         if let Some(y) = self.grouped_expert_outputs(x, routing, store, layer, args)? {
             return self.launch_prefill_combine(&y, routing, &mut out.data, x.cols, true);
@@ -260,7 +280,9 @@ impl CudaBackend {
 
     /// One token, into `out` (added to it with `accumulate`): the fused
     /// kernels over the layer's address table when the layer is complete,
-    /// else over a table of the selected experts made resident by the host.
+    /// else over a table of the selected experts made resident by the host,
+    /// less those the CPU computes (hybrid.rs; only given `cpu_ffn`, the
+    /// experts' computation for it).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn decode_routed_experts(
         &self,
@@ -269,6 +291,7 @@ impl CudaBackend {
         store: &ExpertStore,
         layer: usize,
         ffn: FfnArgs,
+        cpu_ffn: Option<ExpertFfn<'_, CudaBackend>>,
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
@@ -312,6 +335,13 @@ impl CudaBackend {
         // one batch on the copy stream, the same kernels over a table of
         // the selected experts.
         let ids = self.routing_on_host(routing)?;
+        if let Some(cpu_ffn) = cpu_ffn
+            && let Some(cpu) = self.experts_for_cpu(store, layer, ids, x, routing, cpu_ffn)?
+        {
+            return self.hybrid_decode_experts(
+                x, routing, store, layer, ffn, cpu, &mut act, out, accumulate,
+            );
+        }
         let experts = self.stream_experts(store, layer, ids)?;
         let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
         let table = self.upload("routed experts", &addresses)?;
@@ -323,6 +353,108 @@ impl CudaBackend {
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
         self.decode_layer_done(store, layer, Some((ids, &experts)))
+    }
+
+    /// The experts of `ids` the CPU takes now (see hybrid.rs): missing
+    /// from VRAM, in the store's memory, as many as the cost model gives
+    /// it (the last selected first); `None` when it takes none.
+    fn experts_for_cpu(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[u32],
+        x: &Tensor,
+        routing: &Routing,
+        cpu_ffn: ExpertFfn<'_, CudaBackend>,
+    ) -> Result<Option<CpuShare>> {
+        let missing: Vec<(usize, u32)> = {
+            let cache = self.experts.lock().unwrap();
+            ids.iter()
+                .copied()
+                .enumerate()
+                .filter(|&(_, e)| !cache.contains((store.id(), layer as u32, e)))
+                .collect()
+        };
+        // Those the prefetch left to the CPU go to it; the cost model
+        // shares the others.
+        let left = self.left_to_cpu(store, layer);
+        let (mut chosen, mut eligible): (Vec<_>, Vec<_>) =
+            in_host_memory(store, layer, missing.iter().copied())
+                .into_iter()
+                .partition(|(k, _)| left.contains(&ids[*k]));
+        let counts = (missing.len() - chosen.len(), eligible.len(), chosen.len());
+        let take = self.cpu_experts_now(store, layer, counts);
+        chosen.extend(eligible.split_off(eligible.len() - take));
+        if chosen.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(CpuShare {
+            inputs: self.cpu_inputs(x, routing, cpu_ffn)?,
+            chosen,
+        }))
+    }
+
+    /// A decode step's layer whose experts `cpu.chosen` the CPU computes
+    /// while the GPU computes the others (uploaded where missing); the next
+    /// layer's prefetch is queued before the CPU starts, so the copy
+    /// stream works meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    fn hybrid_decode_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+        ffn: FfnArgs,
+        cpu: CpuShare,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let ids = routing.experts_on_host()?;
+        let on_cpu: Vec<usize> = cpu.chosen.iter().map(|(k, _)| *k).collect();
+        let (gpu_ids, gpu_weights): (Vec<u32>, Vec<f32>) = (0..routing.top_k)
+            .filter(|k| !on_cpu.contains(k))
+            .map(|k| (ids[k], cpu.inputs.weights[k]))
+            .unzip();
+        let on_gpu = !gpu_ids.is_empty();
+        if on_gpu {
+            let experts = self.stream_experts(store, layer, &gpu_ids)?;
+            let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
+            let table = self.upload("routed experts", &addresses)?;
+            let n = gpu_ids.len();
+            let ranks = self.upload("routed experts", &(0..n as u32).collect::<Vec<_>>())?;
+            let share = Routing {
+                top_k: n,
+                rows: 1,
+                experts: self.upload("routed experts", &gpu_ids)?,
+                weights: self.upload("routed experts", &gpu_weights)?,
+                host_experts: gpu_ids.clone().into(),
+                host_weights: OnceLock::new(),
+            };
+            let parts = PartsLayout(experts[0].parts);
+            self.launch_decode_experts(
+                x, &table, &ranks, &share, parts, ffn, act, out, accumulate,
+            )?;
+            self.decode_layer_done(store, layer, Some((&gpu_ids, &experts)))?;
+        } else {
+            self.decode_layer_done(store, layer, None)?;
+        }
+        let chosen: Vec<(Arc<Expert>, f32)> = cpu
+            .chosen
+            .into_iter()
+            .map(|(k, e)| (e, cpu.inputs.weights[k]))
+            .collect();
+        let y = self.cpu_experts(&cpu.inputs, &chosen);
+        if on_gpu || accumulate {
+            let y = self.upload("experts on the CPU", &y)?;
+            self.add_vector(out, &y, x.cols)
+        } else {
+            ok(
+                "experts on the CPU",
+                self.stream.memcpy_htod(&y, &mut out.slice_mut(..x.cols)),
+            )
+        }
     }
 
     /// `act = act(gate · x, up · x)` for each selected expert, then
@@ -742,6 +874,13 @@ struct PrefillCall<'a> {
     ffn: FfnArgs,
     /// Experts of the layer (the table's length).
     experts: usize,
+}
+
+/// The experts the CPU takes in a decode step's layer (their places among
+/// the selected and their bytes in host memory), and the token's inputs.
+struct CpuShare {
+    inputs: CpuInputs,
+    chosen: Vec<(usize, Arc<Expert>)>,
 }
 
 /// [`ExpertFfn`] as the kernels take it (`ExpertFfn` in moe.cu): the

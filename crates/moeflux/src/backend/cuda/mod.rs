@@ -61,6 +61,7 @@ mod gemm;
 mod geometry;
 mod graph;
 mod grouped;
+mod hybrid;
 mod linear;
 mod linear_few;
 mod mla;
@@ -88,6 +89,7 @@ use cudarc::driver::{
 };
 
 pub use crate::backend::DeviceExpertStats as ExpertCacheStats;
+pub use hybrid::CpuExperts;
 pub use parallel::ExpertPlacement;
 pub use routing::Routing;
 pub use state::{DeltaNetState, KvCache};
@@ -157,6 +159,9 @@ pub struct CudaOptions {
     /// device and may be recorded; `None`: as `MOEFLUX_CUDA_BATCHED_STEPS`
     /// says (on).
     pub batched_steps: Option<bool>,
+    /// Whether decode steps may compute experts missing from VRAM on the
+    /// CPU (hybrid.rs; default: where the cost model says it is faster).
+    pub cpu_experts: CpuExperts,
 }
 
 /// Computes on one CUDA device (see the module documentation). Each model
@@ -225,6 +230,8 @@ pub struct CudaBackend {
     share: Option<parallel::Share>,
     /// The other GPUs, on the first of several.
     parallel: Option<parallel::ExpertParallel>,
+    /// Hybrid decode's settings and measurements; `None`: off.
+    hybrid: Option<hybrid::Hybrid>,
 }
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
@@ -479,6 +486,7 @@ impl CudaBackend {
             tc_shared_limit,
             share: None,
             parallel: None,
+            hybrid: hybrid::Hybrid::new(options.cpu_experts),
         })
     }
 
@@ -505,6 +513,9 @@ impl CudaBackend {
             all.pinned_bytes += s.pinned_bytes;
             all.pinned_budget_bytes += s.pinned_budget_bytes;
             all.batched_expert_bytes += s.batched_expert_bytes;
+            all.cpu_experts += s.cpu_experts;
+            all.cpu_expert_bytes += s.cpu_expert_bytes;
+            all.cpu_nanos += s.cpu_nanos;
         }
         all.exchanged_bytes = self.exchanged_bytes();
         all

@@ -343,6 +343,7 @@ impl CudaBackend {
                     Some((ids, _)) => OnceLock::from(ids.to_vec()),
                     None => OnceLock::new(),
                 },
+                host_weights: OnceLock::new(),
             };
             let biases = match ffn.biases {
                 Some(ws) => Some(
@@ -438,9 +439,10 @@ impl CudaBackend {
             experts,
             weights,
             host_experts: OnceLock::new(),
+            host_weights: OnceLock::new(),
         };
         let mut out = self.alloc::<f32>("routed experts", x.cols)?;
-        self.decode_routed_experts(x, &mine, store, layer, ffn, &mut out, false)?;
+        self.decode_routed_experts(x, &mine, store, layer, ffn, None, &mut out, false)?;
         Ok(Tensor {
             rows: 1,
             cols: x.cols,

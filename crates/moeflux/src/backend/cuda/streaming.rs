@@ -229,9 +229,12 @@ impl CudaBackend {
     /// Uploads the predicted experts of `layer` that are not in VRAM and
     /// whose bytes are at hand (pinned, or in the store's cache); the
     /// others are left to the store's read-ahead and the layer's demand.
+    /// Where the CPU computes experts (hybrid.rs), the cost model's share
+    /// of those in the store's memory, the least likely first, is left to
+    /// it.
     fn prefetch_now(&self, store: &ExpertStore, layer: usize, experts: &[u32]) -> Result<()> {
         let sid = store.id();
-        let uploads: Vec<Upload<'_>> = {
+        let mut uploads: Vec<Upload<'_>> = {
             let cache = self.experts.lock().unwrap();
             let bytes = DeviceLayout::of(store, layer).total as u64;
             if cache.budget.is_some_and(|budget| bytes > budget) {
@@ -250,6 +253,20 @@ impl CudaBackend {
                 })
                 .collect()
         };
+        let in_memory: Vec<usize> = uploads
+            .iter()
+            .enumerate()
+            .filter(|(_, u)| store.peek(layer, u.index as usize).is_some())
+            .map(|(i, _)| i)
+            .collect();
+        let for_cpu = self.cpu_experts_now(store, layer, (uploads.len(), in_memory.len(), 0));
+        let left: Vec<u32> = in_memory
+            .iter()
+            .rev()
+            .take(for_cpu)
+            .map(|&i| uploads.remove(i).index)
+            .collect();
+        self.leave_to_cpu(store, layer, left);
         if !uploads.is_empty() {
             self.upload_batch(store, layer, uploads, Purpose::Prefetch)?;
         }
@@ -411,7 +428,7 @@ impl CudaBackend {
                 cache.pinned.slots[*slot].read_by = Some(end.clone());
             }
         }
-        cache.timings.push((start, end.clone()));
+        cache.timings.push((start, end.clone(), n * bytes));
         cache.stats.uploads += n;
         cache.stats.uploaded_bytes += n * bytes;
         match purpose {

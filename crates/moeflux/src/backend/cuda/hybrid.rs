@@ -1,0 +1,426 @@
+//! Hybrid decode: when a layer of a decode step selects experts that are
+//! not in VRAM, the CPU computes some of them from the host's expert cache
+//! while the GPU computes the others, the missing ones among those
+//! uploaded over PCIe. What crosses the bus for a CPU expert is the token's
+//! activations (one row each way), not the expert's weights.
+//!
+//! Which experts go where is a cost model's choice, made per layer from
+//! throughputs measured as the model runs: the copy stream's bytes per
+//! second (its timed upload batches) and the CPU's on the experts it
+//! computed (a moving average). The CPU takes as many of the missing
+//! experts as finish no later than the uploads would, counting the uploads
+//! already queued ahead of them; the next layer's prefetch leaves it the
+//! same share of the experts predicted for it. Only experts whose bytes
+//! are in the expert store's memory qualify (the CPU never waits for a
+//! disk read), and an upload stays cached where a CPU computation does not,
+//! so ties go to the upload.
+//!
+//! Which experts the CPU takes depends on timing, so results may differ
+//! between runs in the last bits (the CPU sums in another order than the
+//! GPU, within the backends' agreed bounds); `CpuExperts::Off` gives the
+//! GPU every expert, as before.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DevicePtr};
+
+use super::{CudaBackend, Routing, Tensor, Weight, grid_stride, long, ok};
+use crate::backend::ExpertFfn;
+use crate::backend::cpu::Activations;
+use crate::backend::cpu::moe::{Ffn, weighted_experts};
+use crate::config::ExpertActivation;
+use crate::error::Result;
+use crate::experts::{Expert, ExpertStore};
+
+/// Whether decode steps may compute the experts missing from VRAM on the
+/// CPU (see the module documentation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CpuExperts {
+    /// The GPU computes every expert; missing ones are uploaded.
+    Off,
+    /// The cost model chooses, expert by expert; the CPU's products take
+    /// their activations as `activations` says.
+    Auto { activations: Activations },
+    /// The CPU computes every missing expert whose bytes are in the store's
+    /// memory (a GPU behind a slow link; and the tests of this path).
+    All { activations: Activations },
+}
+
+impl Default for CpuExperts {
+    fn default() -> CpuExperts {
+        CpuExperts::Auto {
+            activations: Activations::F32,
+        }
+    }
+}
+
+/// Host time a layer's CPU share costs beyond its products: the token's
+/// activations and routing weights down, the result back up, and the
+/// start of the parallel region.
+const CPU_OVERHEAD_SECONDS: f64 = 30e-6;
+
+/// The CPU's throughput before it has computed an expert, bytes per second.
+const CPU_FIRST_GUESS: f64 = 20e9;
+
+/// The copy stream's throughput before an upload has been timed.
+const PCIE_FIRST_GUESS: f64 = 20e9;
+
+/// Weight of the newest measurement in the CPU's moving average.
+const CPU_AVERAGE_WEIGHT: f64 = 0.1;
+
+/// The CPU's first computations, not measured: its threads start and the
+/// experts' pages are first touched.
+const CPU_WARM_UP: usize = 4;
+
+/// After this many layers in a row where the CPU could have taken experts
+/// and the cost model gave it none, it takes one: its throughput is
+/// measured again, so one slow measurement cannot shut it out for good.
+const CPU_RETRY_AFTER: usize = 32;
+
+/// Experts of a layer: (store, layer) and their indices.
+type LayerExperts = ((u64, u32), Vec<u32>);
+
+/// The experts' gate, up and down biases of a layer, on the host.
+type HostBiases = Arc<[Vec<f32>; 3]>;
+
+/// A token's inputs to the experts the CPU computes.
+pub(super) struct CpuInputs {
+    pub(super) x: Vec<f32>,
+    /// The routing weights of the token's selected experts, in order.
+    pub(super) weights: Vec<f32>,
+    activation: ExpertActivation,
+    biases: Option<HostBiases>,
+}
+
+/// The hybrid decode's settings and measurements.
+pub(super) struct Hybrid {
+    activations: Activations,
+    /// Every eligible expert to the CPU, without the cost model.
+    every: bool,
+    /// Seconds per byte the CPU's experts took (moving average), and
+    /// how many computations it has seen.
+    cpu_seconds_per_byte: Mutex<(Option<f64>, usize)>,
+    /// Layers in a row where the cost model gave the CPU nothing it could
+    /// have taken.
+    declined: AtomicUsize,
+    /// The experts of a layer (by store and layer) that its prefetch left
+    /// to the CPU: the layer gives them to the CPU if it selects them.
+    left: Mutex<Option<LayerExperts>>,
+    /// Host copies of the experts' biases (gpt-oss), by the device address
+    /// of the gate bias.
+    biases: Mutex<Vec<(u64, HostBiases)>>,
+}
+
+impl Hybrid {
+    pub(super) fn new(setting: CpuExperts) -> Option<Hybrid> {
+        match setting {
+            CpuExperts::Off => None,
+            CpuExperts::Auto { activations } | CpuExperts::All { activations } => Some(Hybrid {
+                activations,
+                every: matches!(setting, CpuExperts::All { .. }),
+                cpu_seconds_per_byte: Mutex::new((None, 0)),
+                declined: AtomicUsize::new(0),
+                left: Mutex::new(None),
+                biases: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    fn cpu_seconds_per_byte(&self) -> f64 {
+        self.cpu_seconds_per_byte
+            .lock()
+            .unwrap()
+            .0
+            .unwrap_or(1.0 / CPU_FIRST_GUESS)
+    }
+
+    fn measured(&self, bytes: u64, seconds: f64) {
+        let sample = seconds / bytes.max(1) as f64;
+        let mut guard = self.cpu_seconds_per_byte.lock().unwrap();
+        let (average, seen) = &mut *guard;
+        *seen += 1;
+        if *seen <= CPU_WARM_UP {
+            return;
+        }
+        *average = Some(match *average {
+            None => sample,
+            Some(a) => a + CPU_AVERAGE_WEIGHT * (sample - a),
+        });
+    }
+
+    /// The cost model's share for the CPU, or one expert after
+    /// [`CPU_RETRY_AFTER`] layers of none it could have taken.
+    fn retried(&self, share: usize, eligible: usize) -> usize {
+        if share > 0 || eligible == 0 {
+            self.declined.store(0, Ordering::Relaxed);
+            return share;
+        }
+        match self.declined.fetch_add(1, Ordering::Relaxed) + 1 >= CPU_RETRY_AFTER {
+            true => {
+                self.declined.store(0, Ordering::Relaxed);
+                1
+            }
+            false => 0,
+        }
+    }
+}
+
+/// How many of `missing` experts of `bytes` each the CPU takes (at most
+/// `eligible`) beside the `committed` it computes already: the count whose
+/// later finishing time is earliest, the CPU finishing after
+/// `(committed + c) · bytes · cpu` seconds (plus `overhead` when it
+/// computes any), the uploads after the copy stream's `backlog` seconds
+/// plus `(missing − c) · bytes · pcie`. Ties go to uploading.
+pub(super) fn cpu_share(
+    (missing, eligible, committed): (usize, usize, usize),
+    bytes: f64,
+    (cpu, pcie): (f64, f64),
+    backlog: f64,
+    overhead: f64,
+) -> usize {
+    let finish = |c: usize| {
+        let cpu_time = match committed + c {
+            0 => 0.0,
+            n => overhead + n as f64 * bytes * cpu,
+        };
+        let uploads = match missing - c {
+            0 => 0.0,
+            u => backlog + u as f64 * bytes * pcie,
+        };
+        cpu_time.max(uploads)
+    };
+    (0..=eligible.min(missing))
+        .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
+        .unwrap_or(0)
+}
+
+impl CudaBackend {
+    /// The number of `missing` experts of `layer` (of which `eligible`
+    /// have their bytes in host memory) the CPU takes now beside the
+    /// `committed` it computes already, or 0 when the backend does not
+    /// compute experts on the CPU.
+    pub(super) fn cpu_experts_now(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        (missing, eligible, committed): (usize, usize, usize),
+    ) -> usize {
+        let Some(hybrid) = self.hybrid_decode() else {
+            return 0;
+        };
+        if eligible == 0 || hybrid.every {
+            return eligible;
+        }
+        let bytes = self.device_expert_bytes(store, layer) as f64;
+        let (pcie, backlog) = {
+            let mut cache = self.experts.lock().unwrap();
+            (
+                cache
+                    .upload_seconds_per_byte()
+                    .unwrap_or(1.0 / PCIE_FIRST_GUESS),
+                cache.uploads_in_flight(),
+            )
+        };
+        let backlog = backlog as f64 * pcie;
+        let share = cpu_share(
+            (missing, eligible, committed),
+            bytes,
+            (hybrid.cpu_seconds_per_byte(), pcie),
+            backlog,
+            CPU_OVERHEAD_SECONDS,
+        );
+        // Experts the CPU computes anyway keep its throughput measured.
+        hybrid.retried(share + committed, eligible) - committed
+    }
+
+    /// Notes the experts of `layer` its prefetch left to the CPU.
+    pub(super) fn leave_to_cpu(&self, store: &ExpertStore, layer: usize, experts: Vec<u32>) {
+        if let Some(hybrid) = self.hybrid_decode() {
+            *hybrid.left.lock().unwrap() = Some(((store.id(), layer as u32), experts));
+        }
+    }
+
+    /// The experts the prefetch of `layer` left to the CPU (taken: once).
+    pub(super) fn left_to_cpu(&self, store: &ExpertStore, layer: usize) -> Vec<u32> {
+        let Some(hybrid) = self.hybrid_decode() else {
+            return Vec::new();
+        };
+        match hybrid.left.lock().unwrap().take() {
+            Some((key, experts)) if key == (store.id(), layer as u32) => experts,
+            _ => Vec::new(),
+        }
+    }
+
+    /// The hybrid decode's state when this GPU computes experts on the CPU
+    /// (not where several GPUs divide them).
+    fn hybrid_decode(&self) -> Option<&Hybrid> {
+        self.hybrid.as_ref().filter(|_| self.share.is_none())
+    }
+
+    /// What the CPU needs of a token before the GPU's share is queued (a
+    /// download then waits for nothing else): its activations, routing
+    /// weights, and the experts' biases where they have them.
+    pub(super) fn cpu_inputs(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        ffn: ExpertFfn<'_, CudaBackend>,
+    ) -> Result<CpuInputs> {
+        let hybrid = self.hybrid_decode().expect("the CPU computes experts");
+        let op = "experts on the CPU";
+        self.note_unrecordable();
+        routing.experts_on_host()?;
+        let x_host = ok(op, self.stream.clone_dtoh(&x.data.slice(..x.cols)))?;
+        let weights = match routing.host_weights.get() {
+            Some(weights) => weights.clone(),
+            None => ok(op, self.stream.clone_dtoh(&routing.weights))?,
+        };
+        ok(op, self.stream.synchronize())?;
+        let biases = match ffn.biases {
+            Some(ws) => Some(self.host_biases(hybrid, ws)?),
+            None => None,
+        };
+        Ok(CpuInputs {
+            x: x_host,
+            weights,
+            activation: ffn.activation,
+            biases,
+        })
+    }
+
+    /// `Σ weight · expert(x)` over `chosen` (experts in host memory with
+    /// their routing weights) on the CPU, counted in the cache's statistics
+    /// and the CPU's measured throughput.
+    pub(super) fn cpu_experts(
+        &self,
+        inputs: &CpuInputs,
+        chosen: &[(Arc<Expert>, f32)],
+    ) -> Vec<f32> {
+        let hybrid = self.hybrid_decode().expect("the CPU computes experts");
+        let ffn = Ffn {
+            activation: inputs.activation,
+            biases: inputs
+                .biases
+                .as_deref()
+                .map(|[g, u, d]| [&g[..], &u[..], &d[..]]),
+        };
+        let start = Instant::now();
+        let y = weighted_experts(&inputs.x, chosen, hybrid.activations, ffn);
+        let seconds = start.elapsed().as_secs_f64();
+        let bytes: u64 = chosen.iter().map(|(e, _)| e.nbytes() as u64).sum();
+        hybrid.measured(bytes, seconds);
+        let mut cache = self.experts.lock().unwrap();
+        cache.stats.cpu_experts += chosen.len() as u64;
+        cache.stats.cpu_expert_bytes += bytes;
+        cache.stats.cpu_nanos += (seconds * 1e9) as u64;
+        y
+    }
+
+    /// `out += y` for vectors of `len` on the device.
+    pub(super) fn add_vector(
+        &self,
+        out: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<()> {
+        let n = long(len);
+        launch!(
+            self,
+            "experts on the CPU",
+            &self.kernels.add_assign,
+            grid_stride(len),
+            out,
+            y,
+            &n
+        );
+        Ok(())
+    }
+
+    /// The experts' gate, up and down biases on the host, downloaded once.
+    fn host_biases(&self, hybrid: &Hybrid, ws: [&Weight; 3]) -> Result<Arc<[Vec<f32>; 3]>> {
+        let key = ws[0].data.device_ptr(&self.stream).0;
+        if let Some((_, b)) = hybrid
+            .biases
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(k, _)| *k == key)
+        {
+            return Ok(b.clone());
+        }
+        let mut host: [Vec<f32>; 3] = Default::default();
+        for (h, w) in host.iter_mut().zip(ws) {
+            let bytes = self.download("expert biases", &w.data, w.data.len())?;
+            *h = bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+        }
+        let host = Arc::new(host);
+        hybrid.biases.lock().unwrap().push((key, host.clone()));
+        Ok(host)
+    }
+}
+
+/// The experts of `ids` whose bytes the store holds in memory, with their
+/// places in `ids`.
+pub(super) fn in_host_memory(
+    store: &ExpertStore,
+    layer: usize,
+    ids: impl IntoIterator<Item = (usize, u32)>,
+) -> Vec<(usize, Arc<Expert>)> {
+    ids.into_iter()
+        .filter_map(|(k, e)| store.peek(layer, e as usize).map(|x| (k, x)))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cpu_share;
+
+    const MB: f64 = 1e6;
+
+    #[test]
+    fn nothing_missing_or_nothing_eligible_stays_on_the_gpu() {
+        assert_eq!(cpu_share((0, 0, 0), MB, (1e-9, 1e-9), 0.0, 0.0), 0);
+        assert_eq!(cpu_share((8, 0, 0), MB, (1e-12, 1e-9), 0.0, 0.0), 0);
+    }
+
+    #[test]
+    fn equal_throughputs_split_evenly_and_ties_upload() {
+        // 8 experts of 1 MB at 1 GB/s both ways: 4 and 4 finish together.
+        assert_eq!(cpu_share((8, 8, 0), MB, (1e-9, 1e-9), 0.0, 0.0), 4);
+        // One expert: either alone takes as long; the upload is kept.
+        assert_eq!(cpu_share((1, 1, 0), MB, (1e-9, 1e-9), 0.0, 0.0), 0);
+    }
+
+    #[test]
+    fn the_faster_side_takes_more() {
+        // The CPU three times as fast: it takes 6 of 8 (6 ms against 2).
+        assert_eq!(cpu_share((8, 8, 0), MB, (1e-9 / 3.0, 1e-9), 0.0, 0.0), 6);
+        // The CPU three times as slow: 2 of 8.
+        assert_eq!(cpu_share((8, 8, 0), MB, (3e-9, 1e-9), 0.0, 0.0), 2);
+        // But never more than the eligible ones.
+        assert_eq!(cpu_share((8, 3, 0), MB, (1e-12, 1e-9), 0.0, 0.0), 3);
+    }
+
+    #[test]
+    fn a_busy_copy_stream_and_the_cpus_overhead_move_the_split() {
+        // Uploads already queued for 4 ms: the CPU takes 6 of 8 at equal
+        // speeds (6 ms against 4 + 2).
+        assert_eq!(cpu_share((8, 8, 0), MB, (1e-9, 1e-9), 4e-3, 0.0), 6);
+        // An overhead longer than an upload of every expert: none.
+        assert_eq!(cpu_share((2, 2, 0), MB, (1e-9, 1e-9), 0.0, 5e-3), 0);
+    }
+
+    #[test]
+    fn experts_the_cpu_computes_already_count_against_it() {
+        // 4 committed and 4 more missing at equal speeds: the CPU would
+        // finish 4 + c, the uploads 4 − c; none more.
+        assert_eq!(cpu_share((4, 4, 4), MB, (1e-9, 1e-9), 0.0, 0.0), 0);
+        // 2 committed, 6 missing: 2 more make 4 and 4.
+        assert_eq!(cpu_share((6, 6, 2), MB, (1e-9, 1e-9), 0.0, 0.0), 2);
+    }
+}
