@@ -23,6 +23,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
@@ -388,9 +389,11 @@ impl CudaBackend {
         if chosen.is_empty() {
             return Ok(None);
         }
+        let start = Instant::now();
         Ok(Some(CpuShare {
             inputs: self.cpu_inputs(x, routing, cpu_ffn)?,
             chosen,
+            reading: start.elapsed(),
         }))
     }
 
@@ -446,15 +449,20 @@ impl CudaBackend {
             .map(|(k, e)| (e, cpu.inputs.weights[k]))
             .collect();
         let y = self.cpu_experts(&cpu.inputs, &chosen);
+        let start = Instant::now();
         if on_gpu || accumulate {
             let y = self.upload("experts on the CPU", &y)?;
-            self.add_vector(out, &y, x.cols)
+            self.add_vector(out, &y, x.cols)?;
         } else {
             ok(
                 "experts on the CPU",
                 self.stream.memcpy_htod(&y, &mut out.slice_mut(..x.cols)),
-            )
+            )?;
         }
+        if let Some(hybrid) = self.hybrid_decode() {
+            hybrid.measured_overhead((cpu.reading + start.elapsed()).as_secs_f64());
+        }
+        Ok(())
     }
 
     /// `act = act(gate · x, up · x)` for each selected expert, then
@@ -881,6 +889,8 @@ struct PrefillCall<'a> {
 struct CpuShare {
     inputs: CpuInputs,
     chosen: Vec<(usize, Arc<Expert>)>,
+    /// The decode thread's time reading the inputs.
+    reading: Duration,
 }
 
 /// [`ExpertFfn`] as the kernels take it (`ExpertFfn` in moe.cu): the

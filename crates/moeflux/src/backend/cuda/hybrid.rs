@@ -7,7 +7,10 @@
 //! Which experts go where is a cost model's choice, made per layer from
 //! throughputs measured as the model runs: the copy stream's bytes per
 //! second (its timed upload batches) and the CPU's on the experts it
-//! computed (a moving average). The CPU takes as many of the missing
+//! computed (a moving average). The decode thread computes the CPU's
+//! share itself, between queueing the GPU's share and the next layer, so
+//! the CPU takes experts only while it computes them faster per byte than
+//! the link uploads them; then it takes as many of the missing
 //! experts as finish no later than the uploads would, counting the uploads
 //! already queued ahead of them; the next layer's prefetch leaves it the
 //! same share of the experts predicted for it. Only experts whose bytes
@@ -56,10 +59,10 @@ impl Default for CpuExperts {
     }
 }
 
-/// Host time a layer's CPU share costs beyond its products: the token's
-/// activations and routing weights down, the result back up, and the
-/// start of the parallel region.
-const CPU_OVERHEAD_SECONDS: f64 = 30e-6;
+/// Host time a layer's CPU share costs beyond its products (the token's
+/// activations and routing weights down, the result back up) before it
+/// has been measured.
+const CPU_OVERHEAD_FIRST_GUESS: f64 = 30e-6;
 
 /// The CPU's throughput before it has computed an expert, bytes per second.
 const CPU_FIRST_GUESS: f64 = 20e9;
@@ -77,7 +80,7 @@ const CPU_WARM_UP: usize = 4;
 /// After this many layers in a row where the CPU could have taken experts
 /// and the cost model gave it none, it takes one: its throughput is
 /// measured again, so one slow measurement cannot shut it out for good.
-const CPU_RETRY_AFTER: usize = 32;
+const CPU_RETRY_AFTER: usize = 256;
 
 /// Experts of a layer: (store, layer) and their indices.
 type LayerExperts = ((u64, u32), Vec<u32>);
@@ -102,6 +105,9 @@ pub(super) struct Hybrid {
     /// Seconds per byte the CPU's experts took (moving average), and
     /// how many computations it has seen.
     cpu_seconds_per_byte: Mutex<(Option<f64>, usize)>,
+    /// Seconds the decode thread spent on a layer's CPU share beside its
+    /// products (moving average): the downloads, the result's upload.
+    overhead_seconds: Mutex<(Option<f64>, usize)>,
     /// Layers in a row where the cost model gave the CPU nothing it could
     /// have taken.
     declined: AtomicUsize,
@@ -121,6 +127,7 @@ impl Hybrid {
                 activations,
                 every: matches!(setting, CpuExperts::All { .. }),
                 cpu_seconds_per_byte: Mutex::new((None, 0)),
+                overhead_seconds: Mutex::new((None, 0)),
                 declined: AtomicUsize::new(0),
                 left: Mutex::new(None),
                 biases: Mutex::new(Vec::new()),
@@ -136,18 +143,22 @@ impl Hybrid {
             .unwrap_or(1.0 / CPU_FIRST_GUESS)
     }
 
+    fn overhead_seconds(&self) -> f64 {
+        self.overhead_seconds
+            .lock()
+            .unwrap()
+            .0
+            .unwrap_or(CPU_OVERHEAD_FIRST_GUESS)
+    }
+
     fn measured(&self, bytes: u64, seconds: f64) {
-        let sample = seconds / bytes.max(1) as f64;
-        let mut guard = self.cpu_seconds_per_byte.lock().unwrap();
-        let (average, seen) = &mut *guard;
-        *seen += 1;
-        if *seen <= CPU_WARM_UP {
-            return;
-        }
-        *average = Some(match *average {
-            None => sample,
-            Some(a) => a + CPU_AVERAGE_WEIGHT * (sample - a),
-        });
+        average_in(&self.cpu_seconds_per_byte, seconds / bytes.max(1) as f64);
+    }
+
+    /// Notes the decode thread's time on a layer's CPU share beside its
+    /// products.
+    pub(super) fn measured_overhead(&self, seconds: f64) {
+        average_in(&self.overhead_seconds, seconds);
     }
 
     /// The cost model's share for the CPU, or one expert after
@@ -165,6 +176,21 @@ impl Hybrid {
             false => 0,
         }
     }
+}
+
+/// Adds `sample` to a moving average after the first [`CPU_WARM_UP`]
+/// samples (its threads start, the experts' pages are first touched).
+fn average_in(average: &Mutex<(Option<f64>, usize)>, sample: f64) {
+    let mut guard = average.lock().unwrap();
+    let (average, seen) = &mut *guard;
+    *seen += 1;
+    if *seen <= CPU_WARM_UP {
+        return;
+    }
+    *average = Some(match *average {
+        None => sample,
+        Some(a) => a + CPU_AVERAGE_WEIGHT * (sample - a),
+    });
 }
 
 /// How many of `missing` experts of `bytes` each the CPU takes (at most
@@ -224,12 +250,19 @@ impl CudaBackend {
             )
         };
         let backlog = backlog as f64 * pcie;
+        let cpu = hybrid.cpu_seconds_per_byte();
+        if cpu >= pcie {
+            // The decode thread computes the CPU's share between the GPU's
+            // launches, so a CPU slower than the link per byte costs more
+            // than it saves (measured: docs/PERFORMANCE.md).
+            return hybrid.retried(committed, eligible) - committed;
+        }
         let share = cpu_share(
             (missing, eligible, committed),
             bytes,
-            (hybrid.cpu_seconds_per_byte(), pcie),
+            (cpu, pcie),
             backlog,
-            CPU_OVERHEAD_SECONDS,
+            hybrid.overhead_seconds(),
         );
         // Experts the CPU computes anyway keep its throughput measured.
         hybrid.retried(share + committed, eligible) - committed
@@ -255,7 +288,7 @@ impl CudaBackend {
 
     /// The hybrid decode's state when this GPU computes experts on the CPU
     /// (not where several GPUs divide them).
-    fn hybrid_decode(&self) -> Option<&Hybrid> {
+    pub(super) fn hybrid_decode(&self) -> Option<&Hybrid> {
         self.hybrid.as_ref().filter(|_| self.share.is_none())
     }
 
