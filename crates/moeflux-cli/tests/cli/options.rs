@@ -1,4 +1,5 @@
-//! Options as the command line reads them: `--device` names, and the
+//! Options as the command line reads them: `--device` names,
+//! `--cpu-experts` settings, and the
 //! precision `convert` gives the matrices other than the routed experts
 //! when only `--expert-quant` is given.
 
@@ -6,26 +7,25 @@ use std::path::Path;
 
 use super::moeflux;
 
-/// `generate`'s stderr with `--device device` on a model that does not
-/// exist: a name the parser takes fails later, at the model.
-fn device_error(device: &str) -> String {
+/// `generate`'s stderr with `option value` on a model that does not
+/// exist: a value the parser takes fails later, at the model.
+fn option_error(option: &str, value: &str) -> String {
     let tmp = tempfile::tempdir().unwrap();
     let out = moeflux()
-        .args([
-            "generate",
-            "--prompt-tokens",
-            "1",
-            "-n",
-            "1",
-            "--device",
-            device,
-        ])
+        .args(["generate", "--prompt-tokens", "1", "-n", "1", option, value])
         .arg("-m")
         .arg(tmp.path().join("absent"))
         .output()
         .unwrap();
-    assert!(!out.status.success(), "{device}: succeeded without a model");
+    assert!(
+        !out.status.success(),
+        "{option} {value}: succeeded without a model"
+    );
     String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+fn device_error(device: &str) -> String {
+    option_error("--device", device)
 }
 
 #[test]
@@ -52,6 +52,26 @@ fn device_names_are_taken_or_refused_with_the_forms_expected() {
         stderr.contains("invalid value") && stderr.contains("a device is named twice"),
         "{stderr}"
     );
+}
+
+/// Hybrid decode's setting: auto, all or off, anything else refused with
+/// the three named.
+#[test]
+fn cpu_experts_takes_auto_all_or_off() {
+    for good in ["auto", "all", "off"] {
+        let stderr = option_error("--cpu-experts", good);
+        assert!(
+            !stderr.contains("invalid value"),
+            "{good} refused:\n{stderr}"
+        );
+    }
+    for bad in ["on", "none", "AUTO"] {
+        let stderr = option_error("--cpu-experts", bad);
+        assert!(
+            stderr.contains("invalid value") && stderr.contains("auto, all, off"),
+            "{bad}:\n{stderr}"
+        );
+    }
 }
 
 /// Without `--quant`, experts below 4 bits come with q8 elsewhere, any
