@@ -667,6 +667,28 @@ fn resident_and_streamed_experts_give_identical_results() {
     }
 }
 
+/// A fixture at q4 on CUDA with every expert resident, its MoE layers,
+/// and the device bytes of one expert (checked the same in every layer).
+fn resident_q4(name: &str) -> (Converted, Arc<Model<CudaBackend>>, Vec<usize>, u64) {
+    let converted = convert_fixture(name, DType::Q4);
+    let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+    resident
+        .prepare_experts(&moeflux::util::NoProgress)
+        .unwrap();
+    let moe_layers: Vec<usize> = resident.config().moe_layers().collect();
+    let bytes = |l| {
+        resident
+            .backend()
+            .device_expert_bytes(resident.experts(), l)
+    };
+    let expert_bytes = bytes(moe_layers[0]);
+    assert!(
+        moe_layers.iter().all(|&l| bytes(l) == expert_bytes),
+        "{name}: the fixture's experts differ in size across layers"
+    );
+    (converted, resident, moe_layers, expert_bytes)
+}
+
 /// Experts streamed through a VRAM cache of three experts (through the
 /// pinned host tier, with and without prefetch, and from pageable memory
 /// with the pinned tier off): the logits equal those of resident experts
@@ -680,24 +702,9 @@ fn streamed_expert_statistics_are_consistent() {
         return;
     }
     for &name in FIXTURES {
-        let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
-        let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
-        resident
-            .prepare_experts(&moeflux::util::NoProgress)
-            .unwrap();
+        let (converted, resident, moe_layers, expert_bytes) = resident_q4(name);
         let cfg = resident.config();
-        let moe_layers: Vec<usize> = cfg.moe_layers().collect();
-        let expert_bytes = resident
-            .backend()
-            .device_expert_bytes(resident.experts(), moe_layers[0]);
-        assert!(
-            moe_layers.iter().all(|&l| resident
-                .backend()
-                .device_expert_bytes(resident.experts(), l)
-                == expert_bytes),
-            "{name}: the fixture's experts differ in size across layers"
-        );
         let prompt = 5;
         let run = |model: &Arc<Model<CudaBackend>>| {
             let mut session = model.session();
@@ -804,19 +811,11 @@ fn hybrid_decode_matches_resident_experts() {
         return;
     }
     for &name in FIXTURES {
-        let converted = convert_fixture(name, DType::Q4);
         let tokens = Reference::load(name).tokens("tokens_long");
-        let resident = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
-        resident
-            .prepare_experts(&moeflux::util::NoProgress)
-            .unwrap();
+        let (converted, resident, moe_layers, expert_bytes) = resident_q4(name);
         let want = prefill_then_decode(&resident, &tokens);
         let vocab = resident.config().vocab_size;
         let cfg = resident.config();
-        let moe_layers: Vec<usize> = cfg.moe_layers().collect();
-        let expert_bytes = resident
-            .backend()
-            .device_expert_bytes(resident.experts(), moe_layers[0]);
         let activations = Activations::F32;
         for (setting, experts_in_vram) in [
             (CpuExperts::All { activations }, 0),

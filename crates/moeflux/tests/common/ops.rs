@@ -1627,10 +1627,22 @@ fn check_gated_delta_net<B: Conformance>(r: &CpuBackend, b: &B, cfg: LinearAtten
 pub fn routing<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
     for (n, experts, top_k) in [(9, 37, 5), (1, 8, 2), (4, 300, 10), (3, 512, 1)] {
-        let (l_r, l_b) = both(b, n, experts, values(n * experts, experts as u64));
+        let logits = values(n * experts, experts as u64);
+        let (l_r, l_b) = both(b, n, experts, logits.clone());
         for normalize in [false, true] {
             let spec = RouterSpec::softmax(top_k, normalize);
             let want = r.route(&l_r, &spec, None).unwrap();
+            let (ids, weights) = softmax_top_k(&logits, experts, top_k, normalize);
+            assert_eq!(
+                want.experts, ids,
+                "reference route {n}x{experts} top-{top_k}: not the f64 choice"
+            );
+            assert_close(
+                &format!("reference route weights {n}x{experts} top-{top_k} normalize={normalize}"),
+                &want.weights,
+                &weights,
+                1e-6,
+            );
             let got = b.route(&l_b, &spec, None).unwrap();
             assert_eq!(
                 b.selected_experts(&got).unwrap(),
@@ -1645,6 +1657,39 @@ pub fn routing<B: Conformance>(b: &B, _: Activations) {
             );
         }
     }
+}
+
+/// Each row's softmax top-k in f64, as the reference is held to: the
+/// experts, most probable first (ties to the lower index), and their
+/// probabilities, renormalised over the chosen with `normalize`; rounded
+/// to f32 once at the end.
+fn softmax_top_k(
+    logits: &[f32],
+    experts: usize,
+    top_k: usize,
+    normalize: bool,
+) -> (Vec<u32>, Vec<f32>) {
+    let (mut ids, mut weights) = (Vec::new(), Vec::new());
+    for row in logits.chunks_exact(experts) {
+        let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let total: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
+        let p: Vec<f64> = row
+            .iter()
+            .map(|&x| (x as f64 - max).exp() / total)
+            .collect();
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+        let chosen = &order[..top_k];
+        let sum: f64 = chosen.iter().map(|&e| p[e]).sum();
+        for &e in chosen {
+            ids.push(e as u32);
+            weights.push(match normalize {
+                true => p[e] / sum,
+                false => p[e],
+            } as f32);
+        }
+    }
+    (ids, weights)
 }
 
 /// The expert store of a small converted model, every expert fitting its
