@@ -339,6 +339,57 @@ pub fn attend_random_rows<B: Conformance>(
     (want, got)
 }
 
+/// Causal attention in f64 of the `n` rows [`attend_random_rows`] draws
+/// with `seed`, after the keys and values of `history` (cut first to the
+/// positions before the rows: the cache holds `cached` with them; the new
+/// rows appended), each query head reading its group's KV head, scores
+/// scaled by 1/√head_dim; rounded to f32 once at the end.
+fn exact_attention(
+    shape: AttentionShape,
+    n: usize,
+    seed: u64,
+    (keys, vals): &mut (Vec<f32>, Vec<f32>),
+    cached: usize,
+) -> Vec<f32> {
+    let (heads, kv_heads, d) = (shape.num_heads, shape.num_kv_heads, shape.head_dim);
+    let kv_width = kv_heads * d;
+    let before = cached - n;
+    keys.truncate(before * kv_width);
+    vals.truncate(before * kv_width);
+    let q = values(n * heads * d, seed);
+    keys.extend(values(n * kv_width, seed + 1));
+    vals.extend(values(n * kv_width, seed + 2));
+    let scale = 1.0 / (d as f64).sqrt();
+    let mut out = Vec::with_capacity(n * heads * d);
+    for i in 0..n {
+        let positions = before + i + 1;
+        for h in 0..heads {
+            let g = h / (heads / kv_heads);
+            let qh = &q[(i * heads + h) * d..][..d];
+            let scores: Vec<f64> = (0..positions)
+                .map(|j| {
+                    let k = &keys[j * kv_width + g * d..][..d];
+                    qh.iter()
+                        .zip(k)
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+                        * scale
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let p: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = p.iter().sum();
+            for c in 0..d {
+                let v: f64 = (0..positions)
+                    .map(|j| p[j] * vals[j * kv_width + g * d + c] as f64)
+                    .sum();
+                out.push((v / total) as f32);
+            }
+        }
+    }
+    out
+}
+
 /// Plain SwiGLU experts without biases.
 pub fn swiglu<B: Backend>() -> ExpertFfn<'static, B> {
     ExpertFfn::swiglu()
@@ -1026,8 +1077,20 @@ pub fn attention<B: Conformance>(b: &B, _: Activations) {
         };
         let mut cache_r = r.new_kv_cache(shape, kv).unwrap();
         let mut cache_b = b.new_kv_cache(shape, kv).unwrap();
-        let step = |n: usize, seed: u64, cache_r: &mut CpuKv, cache_b: &mut B::KvCache| {
+        // The keys and values so far, for the f64 attention the reference's
+        // is held to (an f32 cache stores them as they are).
+        let mut history: (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
+        let mut step = |n: usize, seed: u64, cache_r: &mut CpuKv, cache_b: &mut B::KvCache| {
             let (want, got) = attend_random_rows(&r, b, (cache_r, cache_b), shape, n, seed);
+            if kv == KvType::F32 {
+                let exact = exact_attention(shape, n, seed, &mut history, r.kv_len(cache_r));
+                assert_close(
+                    &format!("reference attention chunk of {n} (seed {seed}) against f64"),
+                    &want,
+                    &exact,
+                    1e-5,
+                );
+            }
             assert_close(
                 &format!("{kv} attention chunk of {n} (seed {seed})"),
                 &got,
