@@ -157,14 +157,24 @@ impl CudaBackend {
     pub(super) fn add_assign(&self, x: &mut Tensor, y: &Tensor) -> Result<()> {
         let len = x.rows * x.cols;
         assert_eq!(len, y.rows * y.cols, "add_assign: shapes differ");
+        self.add_assign_raw(&mut x.data, &y.data, len)
+    }
+
+    /// `x += y` over their first `len` values.
+    pub(super) fn add_assign_raw(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        len: usize,
+    ) -> Result<()> {
         let n = long(len);
         launch!(
             self,
             "add_assign",
             &self.kernels.add_assign,
             grid_stride(len),
-            &mut x.data,
-            &y.data,
+            x,
+            y,
             &n
         );
         Ok(())

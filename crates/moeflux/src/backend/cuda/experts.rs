@@ -22,7 +22,7 @@
 //! so the result does not depend on what was cached.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
@@ -343,14 +343,33 @@ impl CudaBackend {
                 x, routing, store, layer, ffn, cpu, &mut act, out, accumulate,
             );
         }
+        self.run_streamed(
+            x, routing, ids, store, layer, ffn, &mut act, out, accumulate,
+        )
+    }
+
+    /// The experts `ids` (one for each of `routing`'s slots, in order) made
+    /// resident, the missing ones uploaded in one batch on the copy stream,
+    /// and run by the fused kernels over a table of their own.
+    #[allow(clippy::too_many_arguments)]
+    fn run_streamed(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        ids: &[u32],
+        store: &ExpertStore,
+        layer: usize,
+        ffn: FfnArgs,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
         let experts = self.stream_experts(store, layer, ids)?;
         let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
         let table = self.upload("routed experts", &addresses)?;
-        let ranks = self.upload("routed experts", &(0..top_k as u32).collect::<Vec<_>>())?;
+        let ranks = self.upload("routed experts", &(0..ids.len() as u32).collect::<Vec<_>>())?;
         let parts = PartsLayout(experts[0].parts);
-        self.launch_decode_experts(
-            x, &table, &ranks, routing, parts, ffn, &mut act, out, accumulate,
-        )?;
+        self.launch_decode_experts(x, &table, &ranks, routing, parts, ffn, act, out, accumulate)?;
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
         self.decode_layer_done(store, layer, Some((ids, &experts)))
@@ -368,6 +387,9 @@ impl CudaBackend {
         routing: &Routing,
         cpu_ffn: ExpertFfn<'_, CudaBackend>,
     ) -> Result<Option<CpuShare>> {
+        if self.hybrid_decode().is_none() {
+            return Ok(None);
+        }
         let missing: Vec<(usize, u32)> = {
             let cache = self.experts.lock().unwrap();
             ids.iter()
@@ -422,24 +444,14 @@ impl CudaBackend {
             .unzip();
         let on_gpu = !gpu_ids.is_empty();
         if on_gpu {
-            let experts = self.stream_experts(store, layer, &gpu_ids)?;
-            let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
-            let table = self.upload("routed experts", &addresses)?;
-            let n = gpu_ids.len();
-            let ranks = self.upload("routed experts", &(0..n as u32).collect::<Vec<_>>())?;
             let share = Routing {
-                top_k: n,
+                top_k: gpu_ids.len(),
                 rows: 1,
                 experts: self.upload("routed experts", &gpu_ids)?,
                 weights: self.upload("routed experts", &gpu_weights)?,
                 host_experts: gpu_ids.clone().into(),
-                host_weights: OnceLock::new(),
             };
-            let parts = PartsLayout(experts[0].parts);
-            self.launch_decode_experts(
-                x, &table, &ranks, &share, parts, ffn, act, out, accumulate,
-            )?;
-            self.decode_layer_done(store, layer, Some((&gpu_ids, &experts)))?;
+            self.run_streamed(x, &share, &gpu_ids, store, layer, ffn, act, out, accumulate)?;
         } else {
             self.decode_layer_done(store, layer, None)?;
         }
@@ -452,7 +464,7 @@ impl CudaBackend {
         let start = Instant::now();
         if on_gpu || accumulate {
             let y = self.upload("experts on the CPU", &y)?;
-            self.add_vector(out, &y, x.cols)?;
+            self.add_assign_raw(out, &y, x.cols)?;
         } else {
             ok(
                 "experts on the CPU",

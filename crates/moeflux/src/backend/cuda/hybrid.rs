@@ -23,13 +23,14 @@
 //! GPU, within the backends' agreed bounds); `CpuExperts::Off` gives the
 //! GPU every expert, as before.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::DevicePtr;
 
-use super::{CudaBackend, Routing, Tensor, Weight, grid_stride, long, ok};
+use super::{CudaBackend, Routing, Tensor, Weight, ok};
 use crate::backend::ExpertFfn;
 use crate::backend::cpu::Activations;
 use crate::backend::cpu::moe::{Ffn, weighted_experts};
@@ -116,7 +117,7 @@ pub(super) struct Hybrid {
     left: Mutex<Option<LayerExperts>>,
     /// Host copies of the experts' biases (gpt-oss), by the device address
     /// of the gate bias.
-    biases: Mutex<Vec<(u64, HostBiases)>>,
+    biases: Mutex<HashMap<u64, HostBiases>>,
 }
 
 impl Hybrid {
@@ -130,7 +131,7 @@ impl Hybrid {
                 overhead_seconds: Mutex::new((None, 0)),
                 declined: AtomicUsize::new(0),
                 left: Mutex::new(None),
-                biases: Mutex::new(Vec::new()),
+                biases: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -304,12 +305,8 @@ impl CudaBackend {
         let hybrid = self.hybrid_decode().expect("the CPU computes experts");
         let op = "experts on the CPU";
         self.note_unrecordable();
-        routing.experts_on_host()?;
         let x_host = ok(op, self.stream.clone_dtoh(&x.data.slice(..x.cols)))?;
-        let weights = match routing.host_weights.get() {
-            Some(weights) => weights.clone(),
-            None => ok(op, self.stream.clone_dtoh(&routing.weights))?,
-        };
+        let weights = ok(op, self.stream.clone_dtoh(&routing.weights))?;
         ok(op, self.stream.synchronize())?;
         let biases = match ffn.biases {
             Some(ws) => Some(self.host_biases(hybrid, ws)?),
@@ -351,48 +348,19 @@ impl CudaBackend {
         y
     }
 
-    /// `out += y` for vectors of `len` on the device.
-    pub(super) fn add_vector(
-        &self,
-        out: &mut CudaSlice<f32>,
-        y: &CudaSlice<f32>,
-        len: usize,
-    ) -> Result<()> {
-        let n = long(len);
-        launch!(
-            self,
-            "experts on the CPU",
-            &self.kernels.add_assign,
-            grid_stride(len),
-            out,
-            y,
-            &n
-        );
-        Ok(())
-    }
-
     /// The experts' gate, up and down biases on the host, downloaded once.
-    fn host_biases(&self, hybrid: &Hybrid, ws: [&Weight; 3]) -> Result<Arc<[Vec<f32>; 3]>> {
+    fn host_biases(&self, hybrid: &Hybrid, ws: [&Weight; 3]) -> Result<HostBiases> {
         let key = ws[0].data.device_ptr(&self.stream).0;
-        if let Some((_, b)) = hybrid
-            .biases
-            .lock()
-            .unwrap()
-            .iter()
-            .find(|(k, _)| *k == key)
-        {
-            return Ok(b.clone());
+        if let Some(biases) = hybrid.biases.lock().unwrap().get(&key) {
+            return Ok(biases.clone());
         }
         let mut host: [Vec<f32>; 3] = Default::default();
         for (h, w) in host.iter_mut().zip(ws) {
             let bytes = self.download("expert biases", &w.data, w.data.len())?;
-            *h = bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
+            *h = bytemuck::pod_collect_to_vec(&bytes);
         }
         let host = Arc::new(host);
-        hybrid.biases.lock().unwrap().push((key, host.clone()));
+        hybrid.biases.lock().unwrap().insert(key, host.clone());
         Ok(host)
     }
 }

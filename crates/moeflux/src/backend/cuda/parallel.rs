@@ -343,7 +343,6 @@ impl CudaBackend {
                     Some((ids, _)) => OnceLock::from(ids.to_vec()),
                     None => OnceLock::new(),
                 },
-                host_weights: OnceLock::new(),
             };
             let biases = match ffn.biases {
                 Some(ws) => Some(
@@ -439,7 +438,6 @@ impl CudaBackend {
             experts,
             weights,
             host_experts: OnceLock::new(),
-            host_weights: OnceLock::new(),
         };
         let mut out = self.alloc::<f32>("routed experts", x.cols)?;
         self.decode_routed_experts(x, &mine, store, layer, ffn, None, &mut out, false)?;

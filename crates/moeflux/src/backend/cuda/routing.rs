@@ -23,9 +23,6 @@ pub struct Routing {
     pub(super) experts: CudaSlice<u32>,
     pub(super) weights: CudaSlice<f32>,
     pub(super) host_experts: OnceLock<Vec<u32>>,
-    /// The weights on the host, read with the ids for one token (a decode
-    /// step's experts computed on the CPU take them).
-    pub(super) host_weights: OnceLock<Vec<f32>>,
 }
 
 impl Routing {
@@ -33,17 +30,12 @@ impl Routing {
         if let Some(ids) = self.host_experts.get() {
             return Ok(ids);
         }
-        let op = "reading the selected experts";
         let stream = self.experts.stream();
-        let ids = ok(op, stream.clone_dtoh(&self.experts))?;
-        let weights = match self.rows {
-            1 => Some(ok(op, stream.clone_dtoh(&self.weights))?),
-            _ => None,
-        };
-        ok(op, stream.synchronize())?;
-        if let Some(weights) = weights {
-            let _ = self.host_weights.set(weights);
-        }
+        let ids = ok(
+            "reading the selected experts",
+            stream.clone_dtoh(&self.experts),
+        )?;
+        ok("reading the selected experts", stream.synchronize())?;
         Ok(self.host_experts.get_or_init(|| ids))
     }
 
@@ -129,7 +121,6 @@ impl CudaBackend {
             experts: ids,
             weights,
             host_experts: OnceLock::new(),
-            host_weights: OnceLock::new(),
         })
     }
 
@@ -219,7 +210,6 @@ impl CudaBackend {
             experts: ids,
             weights,
             host_experts: OnceLock::new(),
-            host_weights: OnceLock::new(),
         })
     }
 

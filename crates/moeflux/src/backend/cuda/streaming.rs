@@ -36,6 +36,7 @@ use cudarc::driver::sys::{CUevent_flags, CUresult};
 use cudarc::driver::{CudaSlice, DevicePtr, DriverError};
 
 use super::device_expert::{DeviceExpert, DeviceLayout, PartsLayout, VramKey};
+use super::hybrid::in_host_memory;
 use super::pinned::SLOTS_PER_CHUNK;
 use super::vram_cache::{Buffer, CompleteLayer, Entry, LastUse, Streams, VramCache};
 use super::{CudaBackend, ExpertCacheStats, device_error};
@@ -253,20 +254,18 @@ impl CudaBackend {
                 })
                 .collect()
         };
-        let in_memory: Vec<usize> = uploads
-            .iter()
-            .enumerate()
-            .filter(|(_, u)| store.peek(layer, u.index as usize).is_some())
-            .map(|(i, _)| i)
-            .collect();
-        let for_cpu = self.cpu_experts_now(store, layer, (uploads.len(), in_memory.len(), 0));
-        let left: Vec<u32> = in_memory
-            .iter()
-            .rev()
-            .take(for_cpu)
-            .map(|&i| uploads.remove(i).index)
-            .collect();
-        self.leave_to_cpu(store, layer, left);
+        if self.hybrid_decode().is_some() {
+            let places = uploads.iter().enumerate().map(|(i, u)| (i, u.index));
+            let in_memory = in_host_memory(store, layer, places);
+            let for_cpu = self.cpu_experts_now(store, layer, (uploads.len(), in_memory.len(), 0));
+            let left: Vec<u32> = in_memory
+                .iter()
+                .rev()
+                .take(for_cpu)
+                .map(|&(i, _)| uploads.remove(i).index)
+                .collect();
+            self.leave_to_cpu(store, layer, left);
+        }
         if !uploads.is_empty() {
             self.upload_batch(store, layer, uploads, Purpose::Prefetch)?;
         }
