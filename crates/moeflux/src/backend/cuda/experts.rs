@@ -14,8 +14,8 @@
 //! resident and passes a table of just the selected ones: the same kernels,
 //! so the results are identical either way.
 //!
-//! Several tokens (prefill) are sorted by expert into tiles of up to 32
-//! slots and run in three launches of prefill.rs's kernels over the same
+//! Several tokens (prefill, in prefill.rs) are sorted by expert into tiles
+//! of up to 32 slots and run in three launches over the same
 //! kind of address table: the layer's, or a table per batch of streamed
 //! experts (host reads of the next batch run while the GPU computes the
 //! current one). Outputs are per slot and summed in rank order at the end,
@@ -23,7 +23,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
@@ -31,13 +30,12 @@ use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_bytes, 
 use super::geometry::{
     DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
 };
-use super::hybrid::{CpuInputs, in_host_memory};
 use super::vram_cache::VramCache;
-use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int, ok};
+use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int};
 use crate::backend::ExpertFfn;
 use crate::config::ExpertActivation;
 use crate::error::Result;
-use crate::experts::{Expert, ExpertStore, Fetch};
+use crate::experts::{ExpertStore, Fetch};
 use crate::quant::DType;
 use crate::util::Progress;
 
@@ -48,7 +46,7 @@ const RESERVE_BYTES: u64 = 4 << 30;
 /// Experts whose host reads are requested together: a batch is requested
 /// before the previous one computes, which bounds the host memory in
 /// flight beyond the caches.
-const EXPERTS_IN_FLIGHT: usize = 8;
+pub(super) const EXPERTS_IN_FLIGHT: usize = 8;
 
 /// Bytes of shared memory one token's input of `cols` values takes staged
 /// for the tensor-core products of matvec_tc.cu (`tc_staged_words`): a B
@@ -352,7 +350,7 @@ impl CudaBackend {
     /// resident, the missing ones uploaded in one batch on the copy stream,
     /// and run by the fused kernels over a table of their own.
     #[allow(clippy::too_many_arguments)]
-    fn run_streamed(
+    pub(super) fn run_streamed(
         &self,
         x: &Tensor,
         routing: &Routing,
@@ -373,108 +371,6 @@ impl CudaBackend {
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
         self.decode_layer_done(store, layer, Some((ids, &experts)))
-    }
-
-    /// The experts of `ids` the CPU takes now (see hybrid.rs): missing
-    /// from VRAM, in the store's memory, as many as the cost model gives
-    /// it (the last selected first); `None` when it takes none.
-    fn experts_for_cpu(
-        &self,
-        store: &ExpertStore,
-        layer: usize,
-        ids: &[u32],
-        x: &Tensor,
-        routing: &Routing,
-        cpu_ffn: ExpertFfn<'_, CudaBackend>,
-    ) -> Result<Option<CpuShare>> {
-        if self.hybrid_decode().is_none() {
-            return Ok(None);
-        }
-        let missing: Vec<(usize, u32)> = {
-            let cache = self.experts.lock().unwrap();
-            ids.iter()
-                .copied()
-                .enumerate()
-                .filter(|&(_, e)| !cache.contains((store.id(), layer as u32, e)))
-                .collect()
-        };
-        // Those the prefetch left to the CPU go to it; the cost model
-        // shares the others.
-        let left = self.left_to_cpu(store, layer);
-        let (mut chosen, mut eligible): (Vec<_>, Vec<_>) =
-            in_host_memory(store, layer, missing.iter().copied())
-                .into_iter()
-                .partition(|(k, _)| left.contains(&ids[*k]));
-        let counts = (missing.len() - chosen.len(), eligible.len(), chosen.len());
-        let take = self.cpu_experts_now(store, layer, counts);
-        chosen.extend(eligible.split_off(eligible.len() - take));
-        if chosen.is_empty() {
-            return Ok(None);
-        }
-        let start = Instant::now();
-        Ok(Some(CpuShare {
-            inputs: self.cpu_inputs(x, routing, cpu_ffn)?,
-            chosen,
-            reading: start.elapsed(),
-        }))
-    }
-
-    /// A decode step's layer whose experts `cpu.chosen` the CPU computes
-    /// while the GPU computes the others (uploaded where missing); the next
-    /// layer's prefetch is queued before the CPU starts, so the copy
-    /// stream works meanwhile.
-    #[allow(clippy::too_many_arguments)]
-    fn hybrid_decode_experts(
-        &self,
-        x: &Tensor,
-        routing: &Routing,
-        store: &ExpertStore,
-        layer: usize,
-        ffn: FfnArgs,
-        cpu: CpuShare,
-        act: &mut CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-        accumulate: bool,
-    ) -> Result<()> {
-        let ids = routing.experts_on_host()?;
-        let on_cpu: Vec<usize> = cpu.chosen.iter().map(|(k, _)| *k).collect();
-        let (gpu_ids, gpu_weights): (Vec<u32>, Vec<f32>) = (0..routing.top_k)
-            .filter(|k| !on_cpu.contains(k))
-            .map(|k| (ids[k], cpu.inputs.weights[k]))
-            .unzip();
-        let on_gpu = !gpu_ids.is_empty();
-        if on_gpu {
-            let share = Routing {
-                top_k: gpu_ids.len(),
-                rows: 1,
-                experts: self.upload("routed experts", &gpu_ids)?,
-                weights: self.upload("routed experts", &gpu_weights)?,
-                host_experts: gpu_ids.clone().into(),
-            };
-            self.run_streamed(x, &share, &gpu_ids, store, layer, ffn, act, out, accumulate)?;
-        } else {
-            self.decode_layer_done(store, layer, None)?;
-        }
-        let chosen: Vec<(Arc<Expert>, f32)> = cpu
-            .chosen
-            .into_iter()
-            .map(|(k, e)| (e, cpu.inputs.weights[k]))
-            .collect();
-        let y = self.cpu_experts(&cpu.inputs, &chosen);
-        let start = Instant::now();
-        if on_gpu || accumulate {
-            let y = self.upload("experts on the CPU", &y)?;
-            self.add_assign_raw(out, &y, x.cols)?;
-        } else {
-            ok(
-                "experts on the CPU",
-                self.stream.memcpy_htod(&y, &mut out.slice_mut(..x.cols)),
-            )?;
-        }
-        if let Some(hybrid) = self.hybrid_decode() {
-            hybrid.measured_overhead((cpu.reading + start.elapsed()).as_secs_f64());
-        }
-        Ok(())
     }
 
     /// `act = act(gate · x, up · x)` for each selected expert, then
@@ -704,205 +600,6 @@ impl CudaBackend {
         );
         Ok(())
     }
-}
-
-impl CudaBackend {
-    /// Several tokens' routed experts through the grouped tensor-core
-    /// kernels (see prefill.rs), or `None` when the layer's experts do not
-    /// qualify (f32 experts, a device older than sm_80). `order` is each
-    /// expert with its slots, ascending; `flat` the slots in that order.
-    /// A complete layer runs in one launch pair over its address table;
-    /// otherwise the resident experts run first, in one launch pair, while
-    /// the host reads the first missing ones, then the missing experts a
-    /// batch at a time. Outputs are per slot, so both give the same result.
-    #[allow(clippy::too_many_arguments)]
-    fn prefill_routed_experts(
-        &self,
-        x: &Tensor,
-        routing: &Routing,
-        store: &ExpertStore,
-        layer: usize,
-        ffn: FfnArgs,
-        order: &[(u32, Vec<u32>)],
-        flat: &[u32],
-    ) -> Result<Option<Tensor>> {
-        let blob = store
-            .blob_layout(layer)
-            .expect("routed experts of an MoE layer");
-        if !self.prefill_kernels_fit(blob.gate.1, blob.down.1)? {
-            if blob.gate.1.dtype.experts_only() {
-                return Err(crate::error::Error::invalid(
-                    "--device",
-                    format!(
-                        "{} experts of many tokens need the tensor-core kernels of sm_80 or \
-                         later; run on the CPU or convert the experts to q4",
-                        blob.gate.1.dtype.name()
-                    ),
-                ));
-            }
-            return Ok(None);
-        }
-        let (n, hidden, top_k) = (x.rows, x.cols, routing.top_k);
-        let inter = blob.gate.1.rows;
-        let tiles = super::prefill::Tiles::new(order);
-        let tile_count = tiles.all().len() / 4;
-        // Allocated first: an allocation may evict experts, which must not
-        // happen between looking the layer up and queueing its kernels.
-        let slots = self.upload("routed experts", flat)?;
-        let all_tiles = self.upload("routed experts", tiles.all())?;
-        let mut act = self.alloc::<f32>("routed experts", flat.len() * inter)?;
-        let inputs = self.prefill_inputs(x, &mut act, blob.gate.1)?;
-        // Outputs by slot: slots of other GPUs' experts stay zero.
-        let mut y = match flat.len() < n * top_k {
-            true => self.zeros::<f32>("routed experts", n * top_k * hidden)?,
-            false => self.alloc::<f32>("routed experts", flat.len() * hidden)?,
-        };
-        let mut out = self.alloc::<f32>("routed experts", n * hidden)?;
-        let id = store.id();
-        let complete = {
-            let mut cache = self.experts.lock().unwrap();
-            let complete = cache.complete_layer(id, layer as u32).is_some();
-            if complete {
-                cache.count_hits(order.len() as u64);
-                let complete = cache.complete_layer(id, layer as u32).expect("checked");
-                self.launch_prefill_experts(
-                    x,
-                    &inputs,
-                    top_k,
-                    &complete.addresses,
-                    (&all_tiles, 0),
-                    tile_count,
-                    &slots,
-                    &complete.parts.0,
-                    ffn,
-                    &mut act,
-                    &mut y,
-                )?;
-            }
-            complete
-        };
-        if !complete {
-            // The experts resident now, kept alive until their kernels are
-            // queued, and the others.
-            let resident: Vec<Option<Arc<DeviceExpert>>> = {
-                let mut cache = self.experts.lock().unwrap();
-                order
-                    .iter()
-                    .map(|&(e, _)| cache.get((id, layer as u32, e)))
-                    .collect()
-            };
-            let missing: Vec<usize> = (0..order.len())
-                .filter(|&i| resident[i].is_none())
-                .collect();
-            let batches: Vec<&[usize]> = missing.chunks(EXPERTS_IN_FLIGHT).collect();
-            let request = |batch: &[usize]| {
-                let ids: Vec<usize> = batch.iter().map(|&i| order[i].0 as usize).collect();
-                store.request(layer, &ids)
-            };
-            let call = PrefillCall {
-                x,
-                inputs: &inputs,
-                top_k,
-                order,
-                tiles: &tiles,
-                all_tiles: &all_tiles,
-                slots: &slots,
-                experts: store.expert_count(layer),
-                ffn,
-            };
-            // The first reads start before the resident experts compute.
-            let mut next = batches.first().map(|b| request(b));
-            let resident: Vec<(usize, Arc<DeviceExpert>)> = resident
-                .into_iter()
-                .enumerate()
-                .filter_map(|(i, e)| e.map(|e| (i, e)))
-                .collect();
-            self.launch_prefill_group(&call, &resident, &mut act, &mut y)?;
-            drop(resident);
-            for i in 0..batches.len() {
-                let current = next.take().expect("requested ahead");
-                next = batches.get(i + 1).map(|b| request(b));
-                let mut uploaded = Vec::with_capacity(batches[i].len());
-                for (&index, fetch) in batches[i].iter().zip(current) {
-                    let expert = self.upload_expert(store, layer, &*store.wait(fetch)?)?;
-                    uploaded.push((index, expert));
-                }
-                self.launch_prefill_group(&call, &uploaded, &mut act, &mut y)?;
-            }
-        }
-        self.launch_prefill_combine(&y, routing, &mut out, hidden, false)?;
-        Ok(Some(Tensor {
-            rows: n,
-            cols: hidden,
-            data: out,
-        }))
-    }
-
-    /// The grouped kernels over some experts of a call (indices into its
-    /// order, with their device buffers), through a table of just those
-    /// experts indexed by expert id.
-    fn launch_prefill_group(
-        &self,
-        call: &PrefillCall<'_>,
-        experts: &[(usize, Arc<DeviceExpert>)],
-        act: &mut CudaSlice<f32>,
-        y: &mut CudaSlice<f32>,
-    ) -> Result<()> {
-        let Some((_, first)) = experts.first() else {
-            return Ok(());
-        };
-        let mut addresses = vec![0u64; call.experts];
-        for (i, expert) in experts {
-            addresses[call.order[*i].0 as usize] = expert.address(&self.stream);
-        }
-        let table = self.upload("routed experts", &addresses)?;
-        let subset;
-        let (tiles, count) = if experts.len() == call.order.len() {
-            (call.all_tiles, call.tiles.all().len() / 4)
-        } else {
-            let chosen = call.tiles.of(experts.iter().map(|(i, _)| *i));
-            subset = self.upload("routed experts", &chosen)?;
-            (&subset, chosen.len() / 4)
-        };
-        self.launch_prefill_experts(
-            call.x,
-            call.inputs,
-            call.top_k,
-            &table,
-            (tiles, 0),
-            count,
-            call.slots,
-            &first.parts,
-            call.ffn,
-            act,
-            y,
-        )?;
-        Ok(())
-    }
-}
-
-/// What the launches of one prefill call share (see
-/// [`CudaBackend::launch_prefill_group`]).
-struct PrefillCall<'a> {
-    x: &'a Tensor,
-    inputs: &'a super::prefill::PrefillInputs,
-    top_k: usize,
-    order: &'a [(u32, Vec<u32>)],
-    tiles: &'a super::prefill::Tiles,
-    all_tiles: &'a CudaSlice<u32>,
-    slots: &'a CudaSlice<u32>,
-    ffn: FfnArgs,
-    /// Experts of the layer (the table's length).
-    experts: usize,
-}
-
-/// The experts the CPU takes in a decode step's layer (their places among
-/// the selected and their bytes in host memory), and the token's inputs.
-struct CpuShare {
-    inputs: CpuInputs,
-    chosen: Vec<(usize, Arc<Expert>)>,
-    /// The decode thread's time reading the inputs.
-    reading: Duration,
 }
 
 /// [`ExpertFfn`] as the kernels take it (`ExpertFfn` in moe.cu): the

@@ -18,6 +18,9 @@
 //! disk read), and an upload stays cached where a CPU computation does not,
 //! so ties go to the upload.
 //!
+//! The decode path asks `experts_for_cpu` for the CPU's share of a layer
+//! and, when there is one, runs the layer through `hybrid_decode_experts`.
+//!
 //! Which experts the CPU takes depends on timing, so results may differ
 //! between runs in the last bits (the CPU sums in another order than the
 //! GPU, within the backends' agreed bounds); `CpuExperts::Off` gives the
@@ -26,10 +29,11 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use cudarc::driver::DevicePtr;
+use cudarc::driver::{CudaSlice, DevicePtr};
 
+use super::experts::FfnArgs;
 use super::{CudaBackend, Routing, Tensor, Weight, ok};
 use crate::backend::ExpertFfn;
 use crate::backend::cpu::Activations;
@@ -375,6 +379,119 @@ pub(super) fn in_host_memory(
     ids.into_iter()
         .filter_map(|(k, e)| store.peek(layer, e as usize).map(|x| (k, x)))
         .collect()
+}
+
+impl CudaBackend {
+    /// The experts of `ids` the CPU takes now (see hybrid.rs): missing
+    /// from VRAM, in the store's memory, as many as the cost model gives
+    /// it (the last selected first); `None` when it takes none.
+    pub(super) fn experts_for_cpu(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[u32],
+        x: &Tensor,
+        routing: &Routing,
+        cpu_ffn: ExpertFfn<'_, CudaBackend>,
+    ) -> Result<Option<CpuShare>> {
+        if self.hybrid_decode().is_none() {
+            return Ok(None);
+        }
+        let missing: Vec<(usize, u32)> = {
+            let cache = self.experts.lock().unwrap();
+            ids.iter()
+                .copied()
+                .enumerate()
+                .filter(|&(_, e)| !cache.contains((store.id(), layer as u32, e)))
+                .collect()
+        };
+        // Those the prefetch left to the CPU go to it; the cost model
+        // shares the others.
+        let left = self.left_to_cpu(store, layer);
+        let (mut chosen, mut eligible): (Vec<_>, Vec<_>) =
+            in_host_memory(store, layer, missing.iter().copied())
+                .into_iter()
+                .partition(|(k, _)| left.contains(&ids[*k]));
+        let counts = (missing.len() - chosen.len(), eligible.len(), chosen.len());
+        let take = self.cpu_experts_now(store, layer, counts);
+        chosen.extend(eligible.split_off(eligible.len() - take));
+        if chosen.is_empty() {
+            return Ok(None);
+        }
+        let start = Instant::now();
+        Ok(Some(CpuShare {
+            inputs: self.cpu_inputs(x, routing, cpu_ffn)?,
+            chosen,
+            reading: start.elapsed(),
+        }))
+    }
+
+    /// A decode step's layer whose experts `cpu.chosen` the CPU computes
+    /// while the GPU computes the others (uploaded where missing); the next
+    /// layer's prefetch is queued before the CPU starts, so the copy
+    /// stream works meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn hybrid_decode_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+        ffn: FfnArgs,
+        cpu: CpuShare,
+        act: &mut CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        accumulate: bool,
+    ) -> Result<()> {
+        let ids = routing.experts_on_host()?;
+        let on_cpu: Vec<usize> = cpu.chosen.iter().map(|(k, _)| *k).collect();
+        let (gpu_ids, gpu_weights): (Vec<u32>, Vec<f32>) = (0..routing.top_k)
+            .filter(|k| !on_cpu.contains(k))
+            .map(|k| (ids[k], cpu.inputs.weights[k]))
+            .unzip();
+        let on_gpu = !gpu_ids.is_empty();
+        if on_gpu {
+            let share = Routing {
+                top_k: gpu_ids.len(),
+                rows: 1,
+                experts: self.upload("routed experts", &gpu_ids)?,
+                weights: self.upload("routed experts", &gpu_weights)?,
+                host_experts: gpu_ids.clone().into(),
+            };
+            self.run_streamed(x, &share, &gpu_ids, store, layer, ffn, act, out, accumulate)?;
+        } else {
+            self.decode_layer_done(store, layer, None)?;
+        }
+        let chosen: Vec<(Arc<Expert>, f32)> = cpu
+            .chosen
+            .into_iter()
+            .map(|(k, e)| (e, cpu.inputs.weights[k]))
+            .collect();
+        let y = self.cpu_experts(&cpu.inputs, &chosen);
+        let start = Instant::now();
+        if on_gpu || accumulate {
+            let y = self.upload("experts on the CPU", &y)?;
+            self.add_assign_raw(out, &y, x.cols)?;
+        } else {
+            ok(
+                "experts on the CPU",
+                self.stream.memcpy_htod(&y, &mut out.slice_mut(..x.cols)),
+            )?;
+        }
+        if let Some(hybrid) = self.hybrid_decode() {
+            hybrid.measured_overhead((cpu.reading + start.elapsed()).as_secs_f64());
+        }
+        Ok(())
+    }
+}
+
+/// The experts the CPU takes in a decode step's layer (their places among
+/// the selected and their bytes in host memory), and the token's inputs.
+pub(super) struct CpuShare {
+    inputs: CpuInputs,
+    chosen: Vec<(usize, Arc<Expert>)>,
+    /// The decode thread's time reading the inputs.
+    reading: Duration,
 }
 
 #[cfg(test)]

@@ -17,14 +17,16 @@
 //! so each product is within f32 rounding of the CPU's.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::device_expert::expert_inter;
-use super::experts::FfnArgs;
+use super::device_expert::{DeviceExpert, expert_inter};
+use super::experts::{EXPERTS_IN_FLIGHT, FfnArgs};
 use super::geometry::{MP_BM, MP_BN, MP_Q4_STAGE_BYTES, MP_STAGES, MP_THREADS};
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::error::Result;
+use crate::experts::ExpertStore;
 use crate::quant::{DType, MatrixLayout};
 
 /// Where one matrix lies in an expert's buffer (`ExpertPart` in moe.cu):
@@ -401,4 +403,194 @@ impl CudaBackend {
         );
         Ok(())
     }
+}
+
+impl CudaBackend {
+    /// Several tokens' routed experts through the grouped tensor-core
+    /// kernels (see prefill.rs), or `None` when the layer's experts do not
+    /// qualify (f32 experts, a device older than sm_80). `order` is each
+    /// expert with its slots, ascending; `flat` the slots in that order.
+    /// A complete layer runs in one launch pair over its address table;
+    /// otherwise the resident experts run first, in one launch pair, while
+    /// the host reads the first missing ones, then the missing experts a
+    /// batch at a time. Outputs are per slot, so both give the same result.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn prefill_routed_experts(
+        &self,
+        x: &Tensor,
+        routing: &Routing,
+        store: &ExpertStore,
+        layer: usize,
+        ffn: FfnArgs,
+        order: &[(u32, Vec<u32>)],
+        flat: &[u32],
+    ) -> Result<Option<Tensor>> {
+        let blob = store
+            .blob_layout(layer)
+            .expect("routed experts of an MoE layer");
+        if !self.prefill_kernels_fit(blob.gate.1, blob.down.1)? {
+            if blob.gate.1.dtype.experts_only() {
+                return Err(crate::error::Error::invalid(
+                    "--device",
+                    format!(
+                        "{} experts of many tokens need the tensor-core kernels of sm_80 or \
+                         later; run on the CPU or convert the experts to q4",
+                        blob.gate.1.dtype.name()
+                    ),
+                ));
+            }
+            return Ok(None);
+        }
+        let (n, hidden, top_k) = (x.rows, x.cols, routing.top_k);
+        let inter = blob.gate.1.rows;
+        let tiles = Tiles::new(order);
+        let tile_count = tiles.all().len() / 4;
+        // Allocated first: an allocation may evict experts, which must not
+        // happen between looking the layer up and queueing its kernels.
+        let slots = self.upload("routed experts", flat)?;
+        let all_tiles = self.upload("routed experts", tiles.all())?;
+        let mut act = self.alloc::<f32>("routed experts", flat.len() * inter)?;
+        let inputs = self.prefill_inputs(x, &mut act, blob.gate.1)?;
+        // Outputs by slot: slots of other GPUs' experts stay zero.
+        let mut y = match flat.len() < n * top_k {
+            true => self.zeros::<f32>("routed experts", n * top_k * hidden)?,
+            false => self.alloc::<f32>("routed experts", flat.len() * hidden)?,
+        };
+        let mut out = self.alloc::<f32>("routed experts", n * hidden)?;
+        let id = store.id();
+        let complete = {
+            let mut cache = self.experts.lock().unwrap();
+            let complete = cache.complete_layer(id, layer as u32).is_some();
+            if complete {
+                cache.count_hits(order.len() as u64);
+                let complete = cache.complete_layer(id, layer as u32).expect("checked");
+                self.launch_prefill_experts(
+                    x,
+                    &inputs,
+                    top_k,
+                    &complete.addresses,
+                    (&all_tiles, 0),
+                    tile_count,
+                    &slots,
+                    &complete.parts.0,
+                    ffn,
+                    &mut act,
+                    &mut y,
+                )?;
+            }
+            complete
+        };
+        if !complete {
+            // The experts resident now, kept alive until their kernels are
+            // queued, and the others.
+            let resident: Vec<Option<Arc<DeviceExpert>>> = {
+                let mut cache = self.experts.lock().unwrap();
+                order
+                    .iter()
+                    .map(|&(e, _)| cache.get((id, layer as u32, e)))
+                    .collect()
+            };
+            let missing: Vec<usize> = (0..order.len())
+                .filter(|&i| resident[i].is_none())
+                .collect();
+            let batches: Vec<&[usize]> = missing.chunks(EXPERTS_IN_FLIGHT).collect();
+            let request = |batch: &[usize]| {
+                let ids: Vec<usize> = batch.iter().map(|&i| order[i].0 as usize).collect();
+                store.request(layer, &ids)
+            };
+            let call = PrefillCall {
+                x,
+                inputs: &inputs,
+                top_k,
+                order,
+                tiles: &tiles,
+                all_tiles: &all_tiles,
+                slots: &slots,
+                experts: store.expert_count(layer),
+                ffn,
+            };
+            // The first reads start before the resident experts compute.
+            let mut next = batches.first().map(|b| request(b));
+            let resident: Vec<(usize, Arc<DeviceExpert>)> = resident
+                .into_iter()
+                .enumerate()
+                .filter_map(|(i, e)| e.map(|e| (i, e)))
+                .collect();
+            self.launch_prefill_group(&call, &resident, &mut act, &mut y)?;
+            drop(resident);
+            for i in 0..batches.len() {
+                let current = next.take().expect("requested ahead");
+                next = batches.get(i + 1).map(|b| request(b));
+                let mut uploaded = Vec::with_capacity(batches[i].len());
+                for (&index, fetch) in batches[i].iter().zip(current) {
+                    let expert = self.upload_expert(store, layer, &*store.wait(fetch)?)?;
+                    uploaded.push((index, expert));
+                }
+                self.launch_prefill_group(&call, &uploaded, &mut act, &mut y)?;
+            }
+        }
+        self.launch_prefill_combine(&y, routing, &mut out, hidden, false)?;
+        Ok(Some(Tensor {
+            rows: n,
+            cols: hidden,
+            data: out,
+        }))
+    }
+
+    /// The grouped kernels over some experts of a call (indices into its
+    /// order, with their device buffers), through a table of just those
+    /// experts indexed by expert id.
+    fn launch_prefill_group(
+        &self,
+        call: &PrefillCall<'_>,
+        experts: &[(usize, Arc<DeviceExpert>)],
+        act: &mut CudaSlice<f32>,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let Some((_, first)) = experts.first() else {
+            return Ok(());
+        };
+        let mut addresses = vec![0u64; call.experts];
+        for (i, expert) in experts {
+            addresses[call.order[*i].0 as usize] = expert.address(&self.stream);
+        }
+        let table = self.upload("routed experts", &addresses)?;
+        let subset;
+        let (tiles, count) = if experts.len() == call.order.len() {
+            (call.all_tiles, call.tiles.all().len() / 4)
+        } else {
+            let chosen = call.tiles.of(experts.iter().map(|(i, _)| *i));
+            subset = self.upload("routed experts", &chosen)?;
+            (&subset, chosen.len() / 4)
+        };
+        self.launch_prefill_experts(
+            call.x,
+            call.inputs,
+            call.top_k,
+            &table,
+            (tiles, 0),
+            count,
+            call.slots,
+            &first.parts,
+            call.ffn,
+            act,
+            y,
+        )?;
+        Ok(())
+    }
+}
+
+/// What the launches of one prefill call share (see
+/// [`CudaBackend::launch_prefill_group`]).
+struct PrefillCall<'a> {
+    x: &'a Tensor,
+    inputs: &'a PrefillInputs,
+    top_k: usize,
+    order: &'a [(u32, Vec<u32>)],
+    tiles: &'a Tiles,
+    all_tiles: &'a CudaSlice<u32>,
+    slots: &'a CudaSlice<u32>,
+    ffn: FfnArgs,
+    /// Experts of the layer (the table's length).
+    experts: usize,
 }
