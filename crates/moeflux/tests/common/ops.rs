@@ -1838,9 +1838,15 @@ pub fn routed_experts<B: Conformance>(b: &B, activations: Activations) {
 /// intermediate 320, 16 experts, top-4. Every fifth weight row is offset
 /// (all-positive groups, large biases once quantized).
 pub fn synthetic_moe_checkpoint() -> tempfile::TempDir {
-    let (hidden, inter, experts, vocab, heads, kv_heads, head_dim) = (
-        192usize, 320usize, 16usize, 300usize, 4usize, 2usize, 32usize,
-    );
+    synthetic_moe_checkpoint_of(192, 320)
+}
+
+/// [`synthetic_moe_checkpoint`] with other widths: hidden 256 and expert
+/// intermediate 512 give every expert matrix whole quads of 64-column
+/// groups and whole 16-row tiles, the shape CUDA's few-token kernels take
+/// their fast path on (as real models' do).
+pub fn synthetic_moe_checkpoint_of(hidden: usize, inter: usize) -> tempfile::TempDir {
+    let (experts, vocab, heads, kv_heads, head_dim) = (16usize, 300usize, 4usize, 2usize, 32usize);
     let tmp = tempfile::tempdir().unwrap();
     let config = serde_json::json!({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
@@ -1962,8 +1968,10 @@ fn check_grouped_experts<B: Conformance>(
 ) {
     let r = reference();
     let synthetic = synthetic_moe_checkpoint();
+    // The few-token q4 kernels' fast path (whole quads of groups) too.
+    let quads = add.then(|| synthetic_moe_checkpoint_of(256, 512));
     for (rest, quant) in EXPERT_RECIPES {
-        for (model, converted) in [
+        let mut models = vec![
             (
                 "qwen3_5_moe",
                 convert_fixture_with("qwen3_5_moe", rest, quant),
@@ -1972,7 +1980,14 @@ fn check_grouped_experts<B: Conformance>(
                 "synthetic",
                 convert_checkpoint_with(synthetic.path(), rest, Some(quant)),
             ),
-        ] {
+        ];
+        if let Some(quads) = quads.as_ref().filter(|_| quant == DType::Q4) {
+            models.push((
+                "synthetic_quads",
+                convert_checkpoint_with(quads.path(), rest, Some(quant)),
+            ));
+        }
+        for (model, converted) in models {
             let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
             let store = whole_store(&dir);
             let cfg = dir.config();

@@ -59,6 +59,21 @@
 #ifndef FEW_QUAD_SCALES
 #define FEW_QUAD_SCALES 1
 #endif
+// 1: tiles whose matrices have whole quads of groups (a multiple of 256
+// columns) and 8-byte aligned scales and biases take few_quads, whose
+// loads and their addresses are set once per tile and whose column
+// tiles are a template parameter; 0: every tile takes the general loop.
+#ifndef FEW_FAST
+#define FEW_FAST 1
+#endif
+// Quads of groups (four groups of 64 columns) a warp loads before using
+// any in few_quads: gate and up each, and down.
+#ifndef FEW_GATE_UP_QUADS
+#define FEW_GATE_UP_QUADS 1
+#endif
+#ifndef FEW_DOWN_QUADS
+#define FEW_DOWN_QUADS 1
+#endif
 // Blocks a multiprocessor holds at once, which bounds the registers of
 // the two expert kernels: two (128 registers), where unbounded gate/up
 // took 147 and the device held one block of it, 8 warps a multiprocessor.
@@ -329,6 +344,198 @@ __device__ __forceinline__ void mma_few_group(const TcGroup (&w)[M], const uint2
     }
 }
 
+// The words of one quad of groups of a 16-row tile as lane (g, t) holds
+// them (rows g and g + 8, bytes 8t..8t+7 of each group), and each row's
+// scales and biases of the quad, four bf16 in one 8-byte load each.
+struct FewQuad {
+    uint2 code_g[4], code_g8[4];
+    uint2 scale_g, bias_g, scale_g8, bias_g8;
+
+    // Group j of the quad as mma_few_group takes it.
+    __device__ __forceinline__ TcGroup group(int j) const {
+        const u32 s_g = j < 2 ? scale_g.x : scale_g.y, b_g = j < 2 ? bias_g.x : bias_g.y;
+        const u32 s_g8 = j < 2 ? scale_g8.x : scale_g8.y;
+        const u32 b_g8 = j < 2 ? bias_g8.x : bias_g8.y;
+        TcGroup w;
+        w.row_g = code_g[j];
+        w.row_g8 = code_g8[j];
+        w.scale_g = TcPair::half(s_g, j % 2);
+        w.offset_g = fmaf(8.0f, w.scale_g, TcPair::half(b_g, j % 2));
+        w.scale_g8 = TcPair::half(s_g8, j % 2);
+        w.offset_g8 = fmaf(8.0f, w.scale_g8, TcPair::half(b_g8, j % 2));
+        return w;
+    }
+};
+
+__device__ __forceinline__ uint2 load_u64_constant(const void* p) {
+    return __ldg((const uint2*)p);
+}
+
+// Lane (g, t)'s addresses in a 16-row tile of one matrix for few_quads:
+// its bytes of row g and that row's scales, moved on a quad of groups at
+// a time so every load of a quad is at a constant offset; row g + 8's
+// and the biases are found from them by the matrix's strides, which
+// keeps the registers of two matrices' addresses within the kernel's
+// bound.
+struct FewRows {
+    const u8* code_g;
+    const u16* scales_g;
+    int bias_offset;  // u16 elements from the scales to the biases
+
+    __device__ __forceinline__ FewRows(const WeightRow& g, int t)
+        : code_g(g.codes + 8 * t), scales_g(g.scales), bias_offset((int)(g.biases - g.scales)) {}
+
+    // The quad `i` quads ahead, rows `code_rows` bytes and `scale_rows`
+    // scales apart (row g + 8 from row g): every code load first.
+    __device__ __forceinline__ void load(FewQuad& q, int i, int code_rows, int scale_rows) const {
+        const u8* code_g8 = code_g + code_rows;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            q.code_g[j] = load_u64_streaming(code_g + (4 * i + j) * 32);
+            q.code_g8[j] = load_u64_streaming(code_g8 + (4 * i + j) * 32);
+        }
+        const u16* scales_g8 = scales_g + scale_rows;
+        q.scale_g = load_u64_constant(scales_g + 4 * i);
+        q.bias_g = load_u64_constant(scales_g + bias_offset + 4 * i);
+        q.scale_g8 = load_u64_constant(scales_g8 + 4 * i);
+        q.bias_g8 = load_u64_constant(scales_g8 + bias_offset + 4 * i);
+    }
+
+    __device__ __forceinline__ void advance(int quads) {
+        code_g += 128 * quads;
+        scales_g += 4 * quads;
+    }
+};
+
+// acc[0] / acc[1] += gate's / up's 16-row tile (lane rows gate_g, gate_g8,
+// up_g, up_g8) times the B table, FEW_GATE_UP_GROUPS groups loaded at a
+// time: any count of groups, any alignment of scales.
+__device__ __forceinline__ void few_gate_up_groups(const WeightRow& gate_g,
+                                                   const WeightRow& gate_g8,
+                                                   const WeightRow& up_g, const WeightRow& up_g8,
+                                                   const uint2* table, const float* sums,
+                                                   int groups, int tiles_n, int lane,
+                                                   float (&acc)[2][2][2]) {
+    for (int g0 = 0; g0 < groups; g0 += FEW_GATE_UP_GROUPS) {
+        TcPair wg[FEW_GATE_UP_GROUPS / 2], wu[FEW_GATE_UP_GROUPS / 2];
+        load_few_batch(wg, gate_g, gate_g8, g0, groups, lane % 4);
+        load_few_batch(wu, up_g, up_g8, g0, groups, lane % 4);
+#pragma unroll
+        for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
+            if (g0 + j < groups) {
+                const TcGroup w[2] = {wg[j / 2].group(j % 2), wu[j / 2].group(j % 2)};
+                mma_few_group(w, table, sums, g0 + j, groups, tiles_n, lane, acc);
+            }
+        }
+    }
+}
+
+// Whether a warp's 16-row tile (rows first .. first + 15 of `rows`) suits
+// few_quads: all 16 rows inside the matrix (no row repeated in their
+// place), whole quads of groups, and scales and biases at 8-byte
+// boundaries (then every row's are, as a row's are 8·quads bytes).
+__device__ __forceinline__ bool few_quads_fit(const WeightRow& row, int groups, i64 first,
+                                              i64 rows) {
+    return FEW_FAST && first + 16 <= rows && groups % 4 == 0 &&
+           (((u64)row.scales | (u64)row.biases) & 7u) == 0;
+}
+
+// q4_pair's nibble mask read from constant memory, where the instruction
+// takes it as an operand: as an immediate it is rebuilt in a register
+// before each of the pairs (both constants of the LOP3 cannot be
+// immediates).
+__constant__ u32 few_nibbles = 0x000f000fu;
+
+__device__ __forceinline__ u32 q4_pair_fast(u32 v) {
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+        : "=r"(r)
+        : "r"((v & few_nibbles) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
+    return r;
+}
+
+// mma_few_group's products for the fast path: the group's B table at `b`
+// (this lane's entry of step 0 of column tile 0; column tile nt
+// `b_tile` entries on) and its Σ x at `xs` (column tile nt `xs_tile` on).
+template <int M, int NT>
+__device__ __forceinline__ void mma_quad_group(const TcGroup (&w)[M], const uint2* b, int b_tile,
+                                               const float* xs, int xs_tile,
+                                               float (&acc)[M][2][2]) {
+    float c[M][NT][4] = {};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+        u32 a[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            a[m][0] = q4_pair_fast(w[m].row_g.x >> (4 * s));
+            a[m][1] = q4_pair_fast(w[m].row_g8.x >> (4 * s));
+            a[m][2] = q4_pair_fast(w[m].row_g.y >> (4 * s));
+            a[m][3] = q4_pair_fast(w[m].row_g8.y >> (4 * s));
+        }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint2 bv = b[nt * b_tile + s * WARP_SIZE];
+#pragma unroll
+            for (int m = 0; m < M; ++m) mma_bf16(c[m][nt], a[m], bv.x, bv.y);
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const float x_sum = xs[nt * xs_tile];
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+            acc[m][nt][0] = fmaf(w[m].scale_g, c[m][nt][0] + c[m][nt][1],
+                                 fmaf(w[m].offset_g, x_sum, acc[m][nt][0]));
+            acc[m][nt][1] = fmaf(w[m].scale_g8, c[m][nt][2] + c[m][nt][3],
+                                 fmaf(w[m].offset_g8, x_sum, acc[m][nt][1]));
+        }
+    }
+}
+
+// acc[m][nt] += matrix m's 16-row tile (rows[m]) times the first NT column
+// tiles of the B table (stage_few_rows' layout), over all `groups` groups
+// (a multiple of four), QUADS quads of groups loaded at a time: the
+// products of the general loop in the same order, with each load's
+// address a constant offset from pointers moved once per batch and the
+// column tiles fixed at compile time.
+template <int M, int NT, int QUADS>
+__device__ __forceinline__ void few_quads(FewRows (&rows)[M], const uint2* table,
+                                          const float* sums, int groups, int lane,
+                                          float (&acc)[M][2][2]) {
+    const int quads = groups / 4;
+    // Rows g and g + 8 are 8 rows apart: 8 · 32 bytes and 8 scales a group.
+    const int code_rows = 256 * groups, scale_rows = 8 * groups;
+    const int b_tile = groups * 4 * WARP_SIZE, xs_tile = 4 * groups;
+    const uint2* b = table + lane;
+    const float* xs = sums + (lane % 4) * groups;
+    for (int q0 = 0; q0 < quads; q0 += QUADS) {
+        FewQuad batch[QUADS][M];
+#pragma unroll
+        for (int i = 0; i < QUADS; ++i) {
+            if (q0 + i < quads) {
+#pragma unroll
+                for (int m = 0; m < M; ++m) rows[m].load(batch[i][m], i, code_rows, scale_rows);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < QUADS; ++i) {
+            if (q0 + i >= quads) break;
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                TcGroup w[M];
+#pragma unroll
+                for (int m = 0; m < M; ++m) w[m] = batch[i][m].group(j);
+                mma_quad_group<M, NT>(w, b + (4 * i + j) * 4 * WARP_SIZE, b_tile,
+                                      xs + 4 * i + j, xs_tile, acc);
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) rows[m].advance(QUADS);
+        b += QUADS * 16 * WARP_SIZE;
+        xs += 4 * QUADS;
+    }
+}
+
 // The tile of the block (blockIdx.y), or false when past the call's
 // tiles: its expert, first sorted position and slot count.
 struct FewTile {
@@ -390,17 +597,16 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
     const WeightRow up_g = expert_row(DT_Q4, base, up, min(first + lane / 4, last), hidden);
     const WeightRow up_g8 = expert_row(DT_Q4, base, up, min(first + lane / 4 + 8, last), hidden);
     float acc[2][2][2] = {};  // gate, up
-    for (int g0 = 0; g0 < groups; g0 += FEW_GATE_UP_GROUPS) {
-        TcPair wg[FEW_GATE_UP_GROUPS / 2], wu[FEW_GATE_UP_GROUPS / 2];
-        load_few_batch(wg, gate_g, gate_g8, g0, groups, lane % 4);
-        load_few_batch(wu, up_g, up_g8, g0, groups, lane % 4);
-#pragma unroll
-        for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
-            if (g0 + j < groups) {
-                const TcGroup w[2] = {wg[j / 2].group(j % 2), wu[j / 2].group(j % 2)};
-                mma_few_group(w, few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
-            }
+    if (few_quads_fit(gate_g, groups, first, inter) && few_quads_fit(up_g, groups, first, inter)) {
+        FewRows rows[2] = {FewRows(gate_g, lane % 4), FewRows(up_g, lane % 4)};
+        if (tiles_n == 1) {
+            few_quads<2, 1, FEW_GATE_UP_QUADS>(rows, few_shared, sums, groups, lane, acc);
+        } else {
+            few_quads<2, 2, FEW_GATE_UP_QUADS>(rows, few_shared, sums, groups, lane, acc);
         }
+    } else {
+        few_gate_up_groups(gate_g, gate_g8, up_g, up_g8, few_shared, sums, groups, tiles_n,
+                           lane, acc);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -451,14 +657,23 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
         const WeightRow row_g8 =
             expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
         float acc[1][2][2] = {};
-        for (int g0 = 0; g0 < groups; g0 += FEW_DOWN_GROUPS) {
-            TcPair batch[FEW_DOWN_GROUPS / 2];
-            load_few_batch(batch, row_g, row_g8, g0, groups, lane % 4);
+        if (few_quads_fit(row_g, groups, first, hidden)) {
+            FewRows rows[1] = {FewRows(row_g, lane % 4)};
+            if (tiles_n == 1) {
+                few_quads<1, 1, FEW_DOWN_QUADS>(rows, few_shared, sums, groups, lane, acc);
+            } else {
+                few_quads<1, 2, FEW_DOWN_QUADS>(rows, few_shared, sums, groups, lane, acc);
+            }
+        } else {
+            for (int g0 = 0; g0 < groups; g0 += FEW_DOWN_GROUPS) {
+                TcPair batch[FEW_DOWN_GROUPS / 2];
+                load_few_batch(batch, row_g, row_g8, g0, groups, lane % 4);
 #pragma unroll
-            for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
-                if (g0 + j < groups) {
-                    const TcGroup w[1] = {batch[j / 2].group(j % 2)};
-                    mma_few_group(w, few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
+                for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
+                    if (g0 + j < groups) {
+                        const TcGroup w[1] = {batch[j / 2].group(j % 2)};
+                        mma_few_group(w, few_shared, sums, g0 + j, groups, tiles_n, lane, acc);
+                    }
                 }
             }
         }
