@@ -89,6 +89,21 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
                  : "memory");
 }
 
+// 1: q4_pair's nibble mask is read from constant memory, which the LOP3
+// takes as an operand; 0: an immediate, which beside 0x4300_4300 (one
+// LOP3 takes one immediate) ptxas rebuilds in a register before each pair
+// where registers are short. From constant memory, steps of 16 and 64
+// sequences ran 2% faster, but one sequence's decode 2.5% slower although
+// none of its kernels changed (docs/PERFORMANCE.md), so it is off.
+#ifndef Q4_NIBBLES_CONSTANT
+#define Q4_NIBBLES_CONSTANT 0
+#endif
+#if Q4_NIBBLES_CONSTANT
+__constant__ u32 q4_nibbles = 0x000f000fu;
+#else
+#define q4_nibbles 0x000f000fu
+#endif
+
 // Eight 4-bit codes (lowest nibble first: columns c..c+7) as bf16 q - 8 in
 // the shared column order. (v & 0x000f000f) | 0x4300_4300 holds nibbles j
 // and j+4 as the bf16 128 + q (exponent 2^7, the nibble in the low
@@ -97,7 +112,7 @@ __device__ __forceinline__ u32 q4_pair(u32 v) {
     u32 r;
     asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
         : "=r"(r)
-        : "r"((v & 0x000f000fu) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
+        : "r"((v & q4_nibbles) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
     return r;
 }
 

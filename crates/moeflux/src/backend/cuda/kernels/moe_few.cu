@@ -367,7 +367,7 @@ struct FewQuad {
     }
 };
 
-__device__ __forceinline__ uint2 load_u64_constant(const void* p) {
+__device__ __forceinline__ uint2 load_u64_readonly(const void* p) {
     return __ldg((const uint2*)p);
 }
 
@@ -395,10 +395,10 @@ struct FewRows {
             q.code_g8[j] = load_u64_streaming(code_g8 + (4 * i + j) * 32);
         }
         const u16* scales_g8 = scales_g + scale_rows;
-        q.scale_g = load_u64_constant(scales_g + 4 * i);
-        q.bias_g = load_u64_constant(scales_g + bias_offset + 4 * i);
-        q.scale_g8 = load_u64_constant(scales_g8 + 4 * i);
-        q.bias_g8 = load_u64_constant(scales_g8 + bias_offset + 4 * i);
+        q.scale_g = load_u64_readonly(scales_g + 4 * i);
+        q.bias_g = load_u64_readonly(scales_g + bias_offset + 4 * i);
+        q.scale_g8 = load_u64_readonly(scales_g8 + 4 * i);
+        q.bias_g8 = load_u64_readonly(scales_g8 + bias_offset + 4 * i);
     }
 
     __device__ __forceinline__ void advance(int quads) {
@@ -440,20 +440,6 @@ __device__ __forceinline__ bool few_quads_fit(const WeightRow& row, int groups, 
            (((u64)row.scales | (u64)row.biases) & 7u) == 0;
 }
 
-// q4_pair's nibble mask read from constant memory, where the instruction
-// takes it as an operand: as an immediate it is rebuilt in a register
-// before each of the pairs (both constants of the LOP3 cannot be
-// immediates).
-__constant__ u32 few_nibbles = 0x000f000fu;
-
-__device__ __forceinline__ u32 q4_pair_fast(u32 v) {
-    u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
-        : "=r"(r)
-        : "r"((v & few_nibbles) | 0x43004300u), "r"(0x3f803f80u), "r"(0xc308c308u));
-    return r;
-}
-
 // mma_few_group's products for the fast path: the group's B table at `b`
 // (this lane's entry of step 0 of column tile 0; column tile nt
 // `b_tile` entries on) and its Σ x at `xs` (column tile nt `xs_tile` on).
@@ -467,10 +453,10 @@ __device__ __forceinline__ void mma_quad_group(const TcGroup (&w)[M], const uint
         u32 a[M][4];
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-            a[m][0] = q4_pair_fast(w[m].row_g.x >> (4 * s));
-            a[m][1] = q4_pair_fast(w[m].row_g8.x >> (4 * s));
-            a[m][2] = q4_pair_fast(w[m].row_g.y >> (4 * s));
-            a[m][3] = q4_pair_fast(w[m].row_g8.y >> (4 * s));
+            a[m][0] = q4_pair(w[m].row_g.x >> (4 * s));
+            a[m][1] = q4_pair(w[m].row_g8.x >> (4 * s));
+            a[m][2] = q4_pair(w[m].row_g.y >> (4 * s));
+            a[m][3] = q4_pair(w[m].row_g8.y >> (4 * s));
         }
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
