@@ -367,24 +367,10 @@ impl CudaBackend {
         hybrid.biases.lock().unwrap().insert(key, host.clone());
         Ok(host)
     }
-}
 
-/// The experts of `ids` whose bytes the store holds in memory, with their
-/// places in `ids`.
-pub(super) fn in_host_memory(
-    store: &ExpertStore,
-    layer: usize,
-    ids: impl IntoIterator<Item = (usize, u32)>,
-) -> Vec<(usize, Arc<Expert>)> {
-    ids.into_iter()
-        .filter_map(|(k, e)| store.peek(layer, e as usize).map(|x| (k, x)))
-        .collect()
-}
-
-impl CudaBackend {
-    /// The experts of `ids` the CPU takes now (see hybrid.rs): missing
-    /// from VRAM, in the store's memory, as many as the cost model gives
-    /// it (the last selected first); `None` when it takes none.
+    /// The experts of `ids` the CPU takes now: missing from VRAM, in the
+    /// store's memory, as many as the cost model gives it (the last
+    /// selected first); `None` when it takes none.
     pub(super) fn experts_for_cpu(
         &self,
         store: &ExpertStore,
@@ -483,6 +469,18 @@ impl CudaBackend {
         }
         Ok(())
     }
+}
+
+/// The experts of `ids` whose bytes the store holds in memory, with their
+/// places in `ids`.
+pub(super) fn in_host_memory(
+    store: &ExpertStore,
+    layer: usize,
+    ids: impl IntoIterator<Item = (usize, u32)>,
+) -> Vec<(usize, Arc<Expert>)> {
+    ids.into_iter()
+        .filter_map(|(k, e)| store.peek(layer, e as usize).map(|x| (k, x)))
+        .collect()
 }
 
 /// The experts the CPU takes in a decode step's layer (their places among
