@@ -302,14 +302,16 @@ __device__ __forceinline__ void stage_few_rows(const float* x, const int* in_row
 
 // acc[m][nt][0] / acc[m][nt][1] (rows g and g + 8 of the tile, token
 // 4·nt + t of lane (g, t)) += the products of matrix m's tile (w[m]) over
-// one group, for the first `tiles_n` column tiles of the B table. The M
+// one group, for the first NT column tiles: the group's B table at `b`
+// (this lane's entry of step 0 of column tile 0; column tile nt `b_tile`
+// entries on) and its Σ x at `xs` (column tile nt `xs_tile` on). The M
 // matrices (gate and up: two) share each B fragment and Σ x read from
 // shared memory.
-template <int M>
-__device__ __forceinline__ void mma_few_group(const TcGroup (&w)[M], const uint2* table,
-                                              const float* sums, int group, int groups,
-                                              int tiles_n, int lane, float (&acc)[M][2][2]) {
-    float c[M][2][4] = {};
+template <int M, int NT>
+__device__ __forceinline__ void mma_few_group_at(const TcGroup (&w)[M], const uint2* b,
+                                                 int b_tile, const float* xs, int xs_tile,
+                                                 float (&acc)[M][2][2]) {
+    float c[M][NT][4] = {};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
         u32 a[M][4];
@@ -321,26 +323,37 @@ __device__ __forceinline__ void mma_few_group(const TcGroup (&w)[M], const uint2
             a[m][3] = q4_pair(w[m].row_g8.y >> (4 * s));
         }
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-            if (nt < tiles_n) {
-                const uint2 b = table[((nt * groups + group) * 4 + s) * WARP_SIZE + lane];
+        for (int nt = 0; nt < NT; ++nt) {
+            const uint2 bv = b[nt * b_tile + s * WARP_SIZE];
 #pragma unroll
-                for (int m = 0; m < M; ++m) mma_bf16(c[m][nt], a[m], b.x, b.y);
-            }
+            for (int m = 0; m < M; ++m) mma_bf16(c[m][nt], a[m], bv.x, bv.y);
         }
     }
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-        if (nt < tiles_n) {
-            const float xs = sums[(nt * 4 + lane % 4) * groups + group];
+    for (int nt = 0; nt < NT; ++nt) {
+        const float x_sum = xs[nt * xs_tile];
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
-                acc[m][nt][0] = fmaf(w[m].scale_g, c[m][nt][0] + c[m][nt][1],
-                                     fmaf(w[m].offset_g, xs, acc[m][nt][0]));
-                acc[m][nt][1] = fmaf(w[m].scale_g8, c[m][nt][2] + c[m][nt][3],
-                                     fmaf(w[m].offset_g8, xs, acc[m][nt][1]));
-            }
+        for (int m = 0; m < M; ++m) {
+            acc[m][nt][0] = fmaf(w[m].scale_g, c[m][nt][0] + c[m][nt][1],
+                                 fmaf(w[m].offset_g, x_sum, acc[m][nt][0]));
+            acc[m][nt][1] = fmaf(w[m].scale_g8, c[m][nt][2] + c[m][nt][3],
+                                 fmaf(w[m].offset_g8, x_sum, acc[m][nt][1]));
         }
+    }
+}
+
+// mma_few_group_at for group `group` of the B table (stage_few_rows'
+// layout) and its first `tiles_n` column tiles.
+template <int M>
+__device__ __forceinline__ void mma_few_group(const TcGroup (&w)[M], const uint2* table,
+                                              const float* sums, int group, int groups,
+                                              int tiles_n, int lane, float (&acc)[M][2][2]) {
+    const uint2* b = table + group * 4 * WARP_SIZE + lane;
+    const float* xs = sums + (lane % 4) * groups + group;
+    if (tiles_n == 1) {
+        mma_few_group_at<M, 1>(w, b, groups * 4 * WARP_SIZE, xs, 4 * groups, acc);
+    } else {
+        mma_few_group_at<M, 2>(w, b, groups * 4 * WARP_SIZE, xs, 4 * groups, acc);
     }
 }
 
@@ -440,44 +453,6 @@ __device__ __forceinline__ bool few_quads_fit(const WeightRow& row, int groups, 
            (((u64)row.scales | (u64)row.biases) & 7u) == 0;
 }
 
-// mma_few_group's products for the fast path: the group's B table at `b`
-// (this lane's entry of step 0 of column tile 0; column tile nt
-// `b_tile` entries on) and its Σ x at `xs` (column tile nt `xs_tile` on).
-template <int M, int NT>
-__device__ __forceinline__ void mma_quad_group(const TcGroup (&w)[M], const uint2* b, int b_tile,
-                                               const float* xs, int xs_tile,
-                                               float (&acc)[M][2][2]) {
-    float c[M][NT][4] = {};
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-        u32 a[M][4];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            a[m][0] = q4_pair(w[m].row_g.x >> (4 * s));
-            a[m][1] = q4_pair(w[m].row_g8.x >> (4 * s));
-            a[m][2] = q4_pair(w[m].row_g.y >> (4 * s));
-            a[m][3] = q4_pair(w[m].row_g8.y >> (4 * s));
-        }
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bv = b[nt * b_tile + s * WARP_SIZE];
-#pragma unroll
-            for (int m = 0; m < M; ++m) mma_bf16(c[m][nt], a[m], bv.x, bv.y);
-        }
-    }
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const float x_sum = xs[nt * xs_tile];
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-            acc[m][nt][0] = fmaf(w[m].scale_g, c[m][nt][0] + c[m][nt][1],
-                                 fmaf(w[m].offset_g, x_sum, acc[m][nt][0]));
-            acc[m][nt][1] = fmaf(w[m].scale_g8, c[m][nt][2] + c[m][nt][3],
-                                 fmaf(w[m].offset_g8, x_sum, acc[m][nt][1]));
-        }
-    }
-}
-
 // acc[m][nt] += matrix m's 16-row tile (rows[m]) times the first NT column
 // tiles of the B table (stage_few_rows' layout), over all `groups` groups
 // (a multiple of four), QUADS quads of groups loaded at a time: the
@@ -511,8 +486,8 @@ __device__ __forceinline__ void few_quads(FewRows (&rows)[M], const uint2* table
                 TcGroup w[M];
 #pragma unroll
                 for (int m = 0; m < M; ++m) w[m] = batch[i][m].group(j);
-                mma_quad_group<M, NT>(w, b + (4 * i + j) * 4 * WARP_SIZE, b_tile,
-                                      xs + 4 * i + j, xs_tile, acc);
+                mma_few_group_at<M, NT>(w, b + (4 * i + j) * 4 * WARP_SIZE, b_tile,
+                                        xs + 4 * i + j, xs_tile, acc);
             }
         }
 #pragma unroll
