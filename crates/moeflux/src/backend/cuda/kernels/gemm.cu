@@ -89,16 +89,21 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const u16* p) {
                  : "memory");
 }
 
-// 1: q4_pair's nibble mask is read from constant memory, which the LOP3
-// takes as an operand; 0: an immediate, which beside 0x4300_4300 (one
-// LOP3 takes one immediate) ptxas rebuilds in a register before each pair
-// where registers are short. From constant memory, steps of 16 and 64
-// sequences ran 2% faster, but one sequence's decode 2.5% slower although
-// none of its kernels changed (docs/PERFORMANCE.md), so it is off.
+// Where q4_pair's nibble mask comes from. 2: a word of global memory,
+// loaded once where a kernel first needs it and then held in a register;
+// 1: constant memory, which the LOP3 takes as an operand; 0: an
+// immediate, which beside 0x4300_4300 (one LOP3 takes one immediate)
+// ptxas rebuilds in a register before each pair where registers are
+// short. Against the immediate, 2 ran steps of 16 and 64 sequences 1.5%
+// faster with one sequence's decode level; 1 ran them 2% faster but one
+// sequence's decode 2.5% slower (docs/PERFORMANCE.md).
 #ifndef Q4_NIBBLES_CONSTANT
-#define Q4_NIBBLES_CONSTANT 0
+#define Q4_NIBBLES_CONSTANT 2
 #endif
-#if Q4_NIBBLES_CONSTANT
+#if Q4_NIBBLES_CONSTANT == 2
+__device__ u32 q4_nibbles_word = 0x000f000fu;
+#define q4_nibbles q4_nibbles_word
+#elif Q4_NIBBLES_CONSTANT
 __constant__ u32 q4_nibbles = 0x000f000fu;
 #else
 #define q4_nibbles 0x000f000fu
