@@ -117,7 +117,6 @@ kernels!(
     linear_q4_t1,
     linear_q4_t8,
     linear_tc_q4,
-    sum_split_outputs,
     linear_tc_q8,
     linear_tc_bf16,
     linear_vector_f32,

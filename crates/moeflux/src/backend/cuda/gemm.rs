@@ -17,11 +17,14 @@
 //! agree to rounding, no longer bit for bit). Within the tensor-core path
 //! each output is the same sequence of operations for a call of the same
 //! shape, so repeated runs are identical (a call of few tokens splits its
-//! columns over several blocks and adds the parts in a fixed order).
+//! columns over several blocks and adds the parts in a fixed order). Up to
+//! [`MAX_JOBS`] matrices of one input (q, k and v) share a launch, and a
+//! product added to a residual is added by the kernel (or the sum of its
+//! splits).
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
 
-use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS};
+use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_JOBS};
 use super::{CudaBackend, Matrix, grid_stride, int, ok};
 use crate::error::Result;
 use crate::quant::DType;
@@ -37,9 +40,7 @@ const MAX_GRID_Y: usize = 65_535;
 
 impl CudaBackend {
     /// `x · wᵀ` for `x` `[n, cols]` on the tensor cores, or `None` when the
-    /// call does not qualify: fewer than [`TENSOR_CORE_MIN_TOKENS`] tokens,
-    /// f32 weights (no exact bf16 form), bf16 weights whose rows are not
-    /// whole 16-byte vectors, or a device older than sm_80.
+    /// call does not qualify (see [`CudaBackend::products_tensor_cores`]).
     pub(super) fn matmul_tensor_cores(
         &self,
         x: &CudaSlice<f32>,
@@ -47,72 +48,122 @@ impl CudaBackend {
         cols: usize,
         w: &Matrix<'_>,
     ) -> Result<Option<CudaSlice<f32>>> {
-        let l = w.layout;
-        let token_tiles = n.div_ceil(GEMM_BN);
-        if n < TENSOR_CORE_MIN_TOKENS || l.rows == 0 || token_tiles > MAX_GRID_Y {
+        if !self.tensor_cores_fit(n, cols, &[w])? {
             return Ok(None);
         }
-        // Quantized widths are whole 64-column groups by construction.
-        let (op, kernel) = match l.dtype {
-            DType::Q4 => ("linear q4 (tensor cores)", &self.kernels.linear_tc_q4),
-            DType::Q8 => ("linear q8 (tensor cores)", &self.kernels.linear_tc_q8),
-            DType::Bf16 if cols.is_multiple_of(8) => {
-                ("linear bf16 (tensor cores)", &self.kernels.linear_tc_bf16)
-            }
-            DType::Bf16 | DType::F32 => return Ok(None),
+        let mut out = self.alloc::<f32>("linear (tensor cores)", n * w.layout.rows)?;
+        self.products_tensor_cores(x, n, cols, &mut [(w, &mut out)], false)?;
+        Ok(Some(out))
+    }
+
+    /// Whether [`CudaBackend::products_tensor_cores`] takes these matrices
+    /// for `n` tokens `cols` wide: at least [`TENSOR_CORE_MIN_TOKENS`]
+    /// tokens, one to [`MAX_JOBS`] matrices of one type, that width and
+    /// some rows, q4, q8 or bf16 (f32 has no exact bf16 form; bf16 rows
+    /// must be whole 16-byte vectors), on sm_80 or later.
+    pub(super) fn tensor_cores_fit(
+        &self,
+        n: usize,
+        cols: usize,
+        ws: &[&Matrix<'_>],
+    ) -> Result<bool> {
+        let Some(first) = ws.first() else {
+            return Ok(false);
+        };
+        let dtype = first.layout.dtype;
+        let typed = match dtype {
+            DType::Q4 | DType::Q8 => true,
+            DType::Bf16 => cols.is_multiple_of(8),
+            DType::F32 => false,
             DType::Q3 | DType::Q2 | DType::Mxfp4 => unreachable!("refused by load_weight"),
         };
-        let (major, _) = ok(op, self.ctx.compute_capability())?;
-        if major < 8 {
-            return Ok(None);
+        if n < TENSOR_CORE_MIN_TOKENS
+            || n.div_ceil(GEMM_BN) > MAX_GRID_Y
+            || ws.len() > MAX_JOBS
+            || !typed
+            || !ws
+                .iter()
+                .all(|w| w.layout.dtype == dtype && w.layout.cols == cols && w.layout.rows > 0)
+        {
+            return Ok(false);
         }
-        let (codes, scales, biases) = w.sections();
+        let (major, _) = ok("linear (tensor cores)", self.ctx.compute_capability())?;
+        Ok(major >= 8)
+    }
+
+    /// `out_j (+)= x · w_jᵀ` for `x` `[n, cols]` and each job's matrix
+    /// (`out_j` `[n, rows_j]`) in one launch, or two where the columns are
+    /// split; with `accumulate` the products are added to the outputs. The
+    /// caller checked [`CudaBackend::tensor_cores_fit`].
+    pub(super) fn products_tensor_cores(
+        &self,
+        x: &CudaSlice<f32>,
+        n: usize,
+        cols: usize,
+        jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
+        accumulate: bool,
+    ) -> Result<()> {
+        let (op, kernel) = match jobs[0].0.layout.dtype {
+            DType::Q4 => ("linear q4 (tensor cores)", &self.kernels.linear_tc_q4),
+            DType::Q8 => ("linear q8 (tensor cores)", &self.kernels.linear_tc_q8),
+            _ => ("linear bf16 (tensor cores)", &self.kernels.linear_tc_bf16),
+        };
+        let token_tiles = n.div_ceil(GEMM_BN);
+        let (packed, row_tiles) = self.pack_jobs(jobs, n, GEMM_BM);
         // Few tokens make few tiles: the stages are split over blocks, about
         // two blocks per multiprocessor in all, and the splits summed after.
-        let tiles = l.rows.div_ceil(GEMM_BM) * token_tiles;
+        let tiles = row_tiles * token_tiles;
         let stages = cols.div_ceil(GROUP_SIZE);
         let split_stages = stages.div_ceil((2 * self.sm_count / tiles).clamp(1, stages));
         let splits = stages.div_ceil(split_stages);
-        let count = n * l.rows;
-        let mut out = self.alloc::<f32>(op, count)?;
+        let outputs: usize = jobs.iter().map(|(w, _)| n * w.layout.rows).sum();
         let mut partial = match splits {
             1 => None,
-            _ => Some(self.alloc::<f32>(op, splits * count)?),
+            _ => Some(self.alloc::<f32>(op, splits * outputs)?),
         };
-        let (rows, cols_i, n_i, split_i) = (
-            int(l.rows, "rows"),
+        let partial_ptr = match partial.as_mut() {
+            Some(p) => p.device_ptr_mut(&self.stream).0,
+            None => 0,
+        };
+        let (cols_i, n_i, split_i, accumulate_i) = (
             int(cols, "columns"),
             int(n, "tokens"),
             int(split_stages, "stages"),
+            i32::from(accumulate),
         );
         let config = LaunchConfig {
-            grid_dim: (
-                l.rows.div_ceil(GEMM_BM) as u32,
-                token_tiles as u32,
-                splits as u32,
-            ),
+            grid_dim: (row_tiles as u32, token_tiles as u32, splits as u32),
             block_dim: (GEMM_THREADS, 1, 1),
             // The kernels' tiles are static shared memory (38 KiB).
             shared_mem_bytes: 0,
         };
-        let target = partial.as_mut().unwrap_or(&mut out);
         launch!(
-            self, op, kernel, config, &codes, &scales, &biases, x, target, &rows, &cols_i, &n_i,
-            &split_i
+            self,
+            op,
+            kernel,
+            config,
+            &packed,
+            x,
+            &partial_ptr,
+            &cols_i,
+            &n_i,
+            &split_i,
+            &accumulate_i
         );
         if let Some(partial) = &partial {
-            let (splits_i, count_l) = (int(splits, "splits"), count as i64);
+            let splits_i = int(splits, "splits");
             launch!(
                 self,
                 op,
-                &self.kernels.sum_split_outputs,
-                grid_stride(count),
+                &self.kernels.sum_few_splits,
+                grid_stride(outputs),
                 partial,
-                &mut out,
+                &packed,
+                &n_i,
                 &splits_i,
-                &count_l
+                &accumulate_i
             );
         }
-        Ok(Some(out))
+        Ok(())
     }
 }

@@ -89,6 +89,18 @@ impl CudaBackend {
     }
 }
 
+/// The outputs of products of `rows` tokens with `matrices`, as tensors.
+fn tensors_of(rows: usize, outs: Vec<CudaSlice<f32>>, matrices: &[&Matrix<'_>]) -> Vec<Tensor> {
+    outs.into_iter()
+        .zip(matrices)
+        .map(|(data, m)| Tensor {
+            rows,
+            cols: m.layout.rows,
+            data,
+        })
+        .collect()
+}
+
 /// The RMSNorm a one-token product applies to its input (`FusedNorm` in
 /// linear.cu): the norm's weight, where block 0 stores the normalised
 /// input, and the norm's parameters.
@@ -191,6 +203,16 @@ impl CudaBackend {
         if self.few_products_fit(x.rows, x.cols, &refs) {
             return self.few_products_to_tensors(x, &refs);
         }
+        if self.tensor_cores_fit(x.rows, x.cols, &refs)? {
+            let mut outs: Vec<CudaSlice<f32>> = refs
+                .iter()
+                .map(|m| self.alloc("linear", x.rows * m.layout.rows))
+                .collect::<Result<_>>()?;
+            let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
+                refs.iter().copied().zip(outs.iter_mut()).collect();
+            self.products_tensor_cores(&x.data, x.rows, x.cols, &mut jobs, false)?;
+            return Ok(tensors_of(x.rows, outs, &refs));
+        }
         if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
             return ws.iter().map(|w| self.linear(x, w)).collect();
         }
@@ -206,15 +228,7 @@ impl CudaBackend {
         let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
             matrices.iter().copied().zip(outs.iter_mut()).collect();
         self.few_products(&x.data, x.rows, x.cols, &mut jobs, false)?;
-        Ok(outs
-            .into_iter()
-            .zip(matrices)
-            .map(|(data, m)| Tensor {
-                rows: x.rows,
-                cols: m.layout.rows,
-                data,
-            })
-            .collect())
+        Ok(tensors_of(x.rows, outs, matrices))
     }
 
     pub(super) fn rms_norm_linear_many(
@@ -260,6 +274,9 @@ impl CudaBackend {
         } else if self.few_products_fit(x.rows, x.cols, &[&m]) {
             let jobs = &mut [(&m, &mut residual.data)];
             self.few_products(&x.data, x.rows, x.cols, jobs, true)?;
+        } else if self.tensor_cores_fit(x.rows, x.cols, &[&m])? {
+            let jobs = &mut [(&m, &mut residual.data)];
+            self.products_tensor_cores(&x.data, x.rows, x.cols, jobs, true)?;
         } else {
             let y = self.linear(x, w)?;
             self.add_assign(residual, &y)?;

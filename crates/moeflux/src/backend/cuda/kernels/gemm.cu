@@ -371,25 +371,26 @@ __device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2]
         rows, token0, tiles_n, acc);
 }
 
-// The kernels' body. Grid: (ceil(rows / GEMM_BM), ceil(n / GEMM_BN),
-// splits), GEMM_THREADS threads. Block z sums the stages
-// z·split_stages .. (z+1)·split_stages into out + z·n·rows (with one split,
-// all stages into out; with several, sum_split_outputs adds them up): a
-// product of few tokens has too few tiles to fill the device otherwise.
-// For DT_BF16, cols must be a multiple of 8; the quantized types have whole
-// groups.
+// The kernels' body for row tile `tile` (rows tile·GEMM_BM..) of a matrix
+// of `rows` rows. Grid: (the launch's row tiles over its matrices,
+// ceil(n / GEMM_BN), splits), GEMM_THREADS threads. Block z sums the
+// stages z·split_stages .. (z+1)·split_stages into `out` [n, rows] (with
+// `accumulate`, adding to it): with one split the matrix's output, with
+// several its part of split z, which sum_few_splits adds up. A product of
+// few tokens has too few tiles to fill the device otherwise. For DT_BF16,
+// cols must be a multiple of 8; the quantized types have whole groups.
 template <int DT>
 __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
                                           const u16* __restrict__ scales,
                                           const u16* __restrict__ biases,
                                           const float* __restrict__ x,
-                                          float* __restrict__ out, int rows, int cols,
-                                          int n, int split_stages) {
+                                          float* __restrict__ out, int rows, int tile, int cols,
+                                          int n, int split_stages, bool accumulate) {
     __shared__ __align__(16) GemmShared sm;
     const int tid = threadIdx.x;
     const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
-    const int r0 = blockIdx.x * GEMM_BM, t0 = blockIdx.y * GEMM_BN;
+    const int r0 = tile * GEMM_BM, t0 = blockIdx.y * GEMM_BN;
     const int wm = (warp % 4) * 32;  // the warp's rows in the block: wm..wm+31
     const int wn = (warp / 4) * 32;  // and tokens: wn..wn+31
     // 8-token tiles of the warp holding tokens < n (warp-uniform): the MMAs
@@ -403,7 +404,6 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
     GemmStage<DT> stage;
     const int first = blockIdx.z * split_stages;
     const int stages = min((cols + GEMM_BK - 1) / GEMM_BK, first + split_stages);
-    out += (i64)blockIdx.z * n * rows;
     stage.load(codes, scales, biases, x, rows, cols, n, r0, t0, first * GEMM_BK);
     stage.store(sm);
     __syncthreads();
@@ -428,7 +428,10 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
             for (int e = 0; e < 4; ++e) {
                 const int r = r0 + wm + 16 * mi + g + 8 * (e / 2);
                 const int t = t0 + wn + 8 * nj + 2 * i4 + e % 2;
-                if (r < rows && t < n) out[(i64)t * rows + r] = acc[mi][nj][e];
+                if (r < rows && t < n) {
+                    float* o = out + (i64)t * rows + r;
+                    *o = accumulate ? *o + acc[mi][nj][e] : acc[mi][nj][e];
+                }
             }
         }
     }
@@ -436,48 +439,37 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
 
 #endif  // __CUDA_ARCH__ >= 800
 
-// The kernels (one per stored type), all with linear.cu's parameters:
-// codes (or bf16 values), scales, biases, x [n, cols], out [n, rows]; then
-// the stages each split sums (all of them: one split).
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    linear_tc_q4(const u8* codes, const u16* scales, const u16* biases, const float* x,
-                 float* out, int rows, int cols, int n,
-                 int split_stages) {
-    await_inputs();
+// A launch's block: its job's matrix and output (with `partial`, the
+// job's part of split blockIdx.z there, split-major over the launch's
+// outputs as sum_few_splits reads them), then linear_tc.
+template <int DT>
+__device__ __forceinline__ void linear_tc_jobs(const MatvecJobs& jobs, const float* x,
+                                               float* partial, int cols, int n,
+                                               int split_stages, int accumulate) {
 #if __CUDA_ARCH__ >= 800
-    linear_tc<DT_Q4>(codes, scales, biases, x, out, rows, cols, n, split_stages);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    linear_tc_q8(const u8* codes, const u16* scales, const u16* biases, const float* x,
-                 float* out, int rows, int cols, int n,
-                 int split_stages) {
-    await_inputs();
-#if __CUDA_ARCH__ >= 800
-    linear_tc<DT_Q8>(codes, scales, biases, x, out, rows, cols, n, split_stages);
-#endif
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
-    linear_tc_bf16(const u8* codes, const u16* scales, const u16* biases, const float* x,
-                   float* out, int rows, int cols, int n,
-                 int split_stages) {
-    await_inputs();
-#if __CUDA_ARCH__ >= 800
-    linear_tc<DT_BF16>(codes, scales, biases, x, out, rows, cols, n, split_stages);
-#endif
-}
-
-// out[i] = Σ_z partial[z·count + i], z in order: the splits of a split
-// product added up (the same order every run).
-extern "C" __global__ void sum_split_outputs(const float* partial, float* out, int splits,
-                                             i64 count) {
-    await_inputs();
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < count;
-         i += (i64)gridDim.x * blockDim.x) {
-        float sum = 0.0f;
-        for (int z = 0; z < splits; ++z) sum += partial[z * count + i];
-        out[i] = sum;
+    const int index = block_job(jobs);
+    const MatvecJob& job = jobs.job[index];
+    float* out = job.out;
+    if (partial) {
+        out = partial + blockIdx.z * outputs_before(jobs, jobs.count, n) +
+              outputs_before(jobs, index, n);
     }
+    linear_tc<DT>(job.codes, job.scales, job.biases, x, out, job.rows,
+                  blockIdx.x - job.first_block, cols, n, split_stages, !partial && accumulate);
+#endif
 }
+
+// The kernels (one per stored type): out_j (+)= x · w_jᵀ for x [n, cols]
+// and up to MAX_JOBS matrices of one type (job.first_block counts row
+// tiles of GEMM_BM), out_j [n, rows_j]; the stages each split sums (all of
+// them: one split); with several splits, `partial` for their parts.
+#define LINEAR_TC(NAME, DT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)                            \
+        NAME(MatvecJobs jobs, const float* x, float* partial, int cols, int n,               \
+             int split_stages, int accumulate) {                                             \
+        await_inputs();                                                                      \
+        linear_tc_jobs<DT>(jobs, x, partial, cols, n, split_stages, accumulate);             \
+    }
+LINEAR_TC(linear_tc_q4, DT_Q4)
+LINEAR_TC(linear_tc_q8, DT_Q8)
+LINEAR_TC(linear_tc_bf16, DT_BF16)

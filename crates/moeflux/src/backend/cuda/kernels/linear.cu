@@ -506,6 +506,14 @@ __device__ __forceinline__ int block_job(const MatvecJobs& jobs) {
     return j;
 }
 
+// Elements of a launch's outputs over all its matrices (n rows each), and
+// those before job `index`: where a job's part of split sums lies.
+__device__ __forceinline__ i64 outputs_before(const MatvecJobs& jobs, int index, int n) {
+    i64 before = 0;
+    for (int j = 0; j < index; ++j) before += (i64)n * jobs.job[j].rows;
+    return before;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

@@ -41,14 +41,6 @@
 #define FEW_LINEAR_MIN_BLOCKS 3
 #endif
 
-// Elements of a launch's outputs over all its matrices (n rows each), and
-// those before job `index`: where a job's part of the split sums lies.
-__device__ __forceinline__ i64 few_outputs_before(const MatvecJobs& jobs, int index, int n) {
-    i64 before = 0;
-    for (int j = 0; j < index; ++j) before += (i64)n * jobs.job[j].rows;
-    return before;
-}
-
 // uint2 of shared memory a token's staged B registers take in a block of
 // linear_few_q4_* whose split has `count` groups: 32 a group, and 64 bytes
 // of padding so that the four tokens an MMA reads fall on both halves of
@@ -193,8 +185,8 @@ __device__ __forceinline__ void linear_few(const MatvecJobs& jobs, const float* 
             }
         }
     }
-    const i64 total = few_outputs_before(jobs, jobs.count, n);
-    float* split_out = partial ? partial + blockIdx.z * total + few_outputs_before(jobs, index, n)
+    const i64 total = outputs_before(jobs, jobs.count, n);
+    float* split_out = partial ? partial + blockIdx.z * total + outputs_before(jobs, index, n)
                                : nullptr;
 #pragma unroll
     for (int nt = 0; nt < TILES; ++nt) {
@@ -234,7 +226,7 @@ LINEAR_FEW_Q4(linear_few_q4_4, FEW_LINEAR_TOKENS / 4)
 extern "C" __global__ void sum_few_splits(const float* partial, MatvecJobs jobs, int n,
                                           int splits, int accumulate) {
     await_inputs();
-    const i64 total = few_outputs_before(jobs, jobs.count, n);
+    const i64 total = outputs_before(jobs, jobs.count, n);
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
          i += (i64)gridDim.x * blockDim.x) {
         int index = 0;
