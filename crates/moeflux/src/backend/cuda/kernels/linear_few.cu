@@ -221,8 +221,8 @@ LINEAR_FEW_Q4(linear_few_q4_1, 1)
 LINEAR_FEW_Q4(linear_few_q4_2, 2)
 LINEAR_FEW_Q4(linear_few_q4_4, FEW_LINEAR_TOKENS / 4)
 
-// out_j (+)= the sum, in split order, of linear_few_q4_*'s `splits` parts of
-// each of the launch's outputs.
+// out_j (+)= the sum, in split order, of the `splits` parts of each of a
+// launch's outputs that linear_few_q4_* or gemm.cu's linear_tc_* wrote.
 extern "C" __global__ void sum_few_splits(const float* partial, MatvecJobs jobs, int n,
                                           int splits, int accumulate) {
     await_inputs();
