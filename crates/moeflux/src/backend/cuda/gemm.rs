@@ -22,10 +22,10 @@
 //! product added to a residual is added by the kernel (or the sum of its
 //! splits).
 
-use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_JOBS};
-use super::{CudaBackend, Matrix, grid_stride, int, ok};
+use super::{CudaBackend, Matrix, int, ok};
 use crate::error::Result;
 use crate::quant::DType;
 use crate::quant::GROUP_SIZE;
@@ -116,15 +116,8 @@ impl CudaBackend {
         let stages = cols.div_ceil(GROUP_SIZE);
         let split_stages = stages.div_ceil((2 * self.sm_count / tiles).clamp(1, stages));
         let splits = stages.div_ceil(split_stages);
-        let outputs: usize = jobs.iter().map(|(w, _)| n * w.layout.rows).sum();
-        let mut partial = match splits {
-            1 => None,
-            _ => Some(self.alloc::<f32>(op, splits * outputs)?),
-        };
-        let partial_ptr = match partial.as_mut() {
-            Some(p) => p.device_ptr_mut(&self.stream).0,
-            None => 0,
-        };
+        let mut parts = self.split_parts(op, jobs, n, splits)?;
+        let partial_ptr = parts.pointer(&self.stream);
         let (cols_i, n_i, split_i, accumulate_i) = (
             int(cols, "columns"),
             int(n, "tokens"),
@@ -150,20 +143,6 @@ impl CudaBackend {
             &split_i,
             &accumulate_i
         );
-        if let Some(partial) = &partial {
-            let splits_i = int(splits, "splits");
-            launch!(
-                self,
-                op,
-                &self.kernels.sum_few_splits,
-                grid_stride(outputs),
-                partial,
-                &packed,
-                &n_i,
-                &splits_i,
-                &accumulate_i
-            );
-        }
-        Ok(())
+        self.add_split_parts(op, &parts, &packed, n, accumulate)
     }
 }

@@ -5,7 +5,7 @@
 //! on the tensor cores (matvec_tc.cu), q4 products of a few tokens take
 //! linear_few.rs, and 16 tokens or more of other types take gemm.rs.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::geometry::{
     LINEAR_WARPS, MAX_JOBS, ROWS_PER_WARP, TC_VECTOR_WARPS, VEC_ROWS, VEC_WARPS,
@@ -89,16 +89,33 @@ impl CudaBackend {
     }
 }
 
-/// The outputs of products of `rows` tokens with `matrices`, as tensors.
-fn tensors_of(rows: usize, outs: Vec<CudaSlice<f32>>, matrices: &[&Matrix<'_>]) -> Vec<Tensor> {
-    outs.into_iter()
-        .zip(matrices)
-        .map(|(data, m)| Tensor {
-            rows,
-            cols: m.layout.rows,
-            data,
-        })
-        .collect()
+/// A launch of products over jobs: [`CudaBackend::few_products`] or
+/// [`CudaBackend::products_tensor_cores`].
+type ProductsFn = fn(
+    &CudaBackend,
+    &CudaSlice<f32>,
+    usize,
+    usize,
+    &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
+    bool,
+) -> Result<()>;
+
+/// The buffer a split launch's parts go to (split-major over the launch's
+/// `outputs`), if it has several splits.
+pub(super) struct SplitParts {
+    buffer: Option<CudaSlice<f32>>,
+    splits: usize,
+    outputs: usize,
+}
+
+impl SplitParts {
+    /// The buffer's device address for a kernel's argument (0: one split).
+    pub(super) fn pointer(&mut self, stream: &CudaStream) -> u64 {
+        match self.buffer.as_mut() {
+            Some(b) => b.device_ptr_mut(stream).0,
+            None => 0,
+        }
+    }
 }
 
 /// The RMSNorm a one-token product applies to its input (`FusedNorm` in
@@ -187,7 +204,9 @@ impl CudaBackend {
     pub(super) fn linear(&self, x: &Tensor, w: &Weight) -> Result<Tensor> {
         let m = w.matrix();
         if self.few_products_fit(x.rows, x.cols, &[&m]) {
-            return Ok(self.few_products_to_tensors(x, &[&m])?.remove(0));
+            return Ok(self
+                .products_to_tensors(x, &[&m], Self::few_products)?
+                .remove(0));
         }
         let data = self.matmul(&x.data, x.rows, x.cols, &m)?;
         Ok(Tensor {
@@ -201,17 +220,10 @@ impl CudaBackend {
         let matrices: Vec<Matrix<'_>> = ws.iter().map(|w| w.matrix()).collect();
         let refs: Vec<&Matrix<'_>> = matrices.iter().collect();
         if self.few_products_fit(x.rows, x.cols, &refs) {
-            return self.few_products_to_tensors(x, &refs);
+            return self.products_to_tensors(x, &refs, Self::few_products);
         }
         if self.tensor_cores_fit(x.rows, x.cols, &refs)? {
-            let mut outs: Vec<CudaSlice<f32>> = refs
-                .iter()
-                .map(|m| self.alloc("linear", x.rows * m.layout.rows))
-                .collect::<Result<_>>()?;
-            let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
-                refs.iter().copied().zip(outs.iter_mut()).collect();
-            self.products_tensor_cores(&x.data, x.rows, x.cols, &mut jobs, false)?;
-            return Ok(tensors_of(x.rows, outs, &refs));
+            return self.products_to_tensors(x, &refs, Self::products_tensor_cores);
         }
         if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
             return ws.iter().map(|w| self.linear(x, w)).collect();
@@ -219,16 +231,84 @@ impl CudaBackend {
         self.matvecs_to_tensors(&x.data, &refs, None)
     }
 
-    /// [`CudaBackend::few_products`] into a new tensor per matrix.
-    fn few_products_to_tensors(&self, x: &Tensor, matrices: &[&Matrix<'_>]) -> Result<Vec<Tensor>> {
+    /// `products` ([`CudaBackend::few_products`] or
+    /// [`CudaBackend::products_tensor_cores`]) of `x` with `matrices`,
+    /// into a new tensor per matrix.
+    fn products_to_tensors(
+        &self,
+        x: &Tensor,
+        matrices: &[&Matrix<'_>],
+        products: ProductsFn,
+    ) -> Result<Vec<Tensor>> {
         let mut outs: Vec<CudaSlice<f32>> = matrices
             .iter()
             .map(|m| self.alloc("linear", x.rows * m.layout.rows))
             .collect::<Result<_>>()?;
         let mut jobs: Vec<(&Matrix<'_>, &mut CudaSlice<f32>)> =
             matrices.iter().copied().zip(outs.iter_mut()).collect();
-        self.few_products(&x.data, x.rows, x.cols, &mut jobs, false)?;
-        Ok(tensors_of(x.rows, outs, matrices))
+        products(self, &x.data, x.rows, x.cols, &mut jobs, false)?;
+        Ok(outs
+            .into_iter()
+            .zip(matrices)
+            .map(|(data, m)| Tensor {
+                rows: x.rows,
+                cols: m.layout.rows,
+                data,
+            })
+            .collect())
+    }
+
+    /// Where the column splits of a launch over `jobs` for `n` tokens write
+    /// their parts: none for one split.
+    pub(super) fn split_parts(
+        &self,
+        op: &str,
+        jobs: &[(&Matrix<'_>, &mut CudaSlice<f32>)],
+        n: usize,
+        splits: usize,
+    ) -> Result<SplitParts> {
+        let outputs = jobs.iter().map(|(w, _)| n * w.layout.rows).sum();
+        let buffer = match splits {
+            1 => None,
+            _ => Some(self.alloc::<f32>(op, splits * outputs)?),
+        };
+        Ok(SplitParts {
+            buffer,
+            splits,
+            outputs,
+        })
+    }
+
+    /// `out_j (+)=` the sum of the parts, in split order (`sum_few_splits`),
+    /// where there are several splits.
+    pub(super) fn add_split_parts(
+        &self,
+        op: &str,
+        parts: &SplitParts,
+        packed: &MatvecJobs,
+        n: usize,
+        accumulate: bool,
+    ) -> Result<()> {
+        let Some(buffer) = &parts.buffer else {
+            return Ok(());
+        };
+        let (n_i, splits_i, accumulate_i) = (
+            int(n, "tokens"),
+            int(parts.splits, "splits"),
+            i32::from(accumulate),
+        );
+        launch!(
+            self,
+            op,
+            &self.kernels.sum_few_splits,
+            grid_stride(parts.outputs),
+            buffer,
+            packed,
+            &n_i,
+            &splits_i,
+            &accumulate_i
+        );
+        Ok(())
     }
 
     pub(super) fn rms_norm_linear_many(

@@ -12,10 +12,10 @@
 //! f32 rounding of the other kernels' and each output is the same
 //! sequence of operations for a call of the same shape.
 
-use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::geometry::{FEW_LINEAR_TOKENS, FEW_LINEAR_WARPS, MAX_JOBS};
-use super::{CudaBackend, Matrix, grid_stride, int};
+use super::{CudaBackend, Matrix, int};
 use crate::error::Result;
 use crate::quant::{DType, GROUP_SIZE};
 
@@ -86,15 +86,8 @@ impl CudaBackend {
         let (packed, blocks) = self.pack_jobs(jobs, n, 16 * FEW_LINEAR_WARPS);
         let passes = n.div_ceil(pass_tokens);
         let (split_groups, splits) = column_splits(groups, blocks * passes, self.sm_count);
-        let outputs: usize = jobs.iter().map(|(w, _)| n * w.layout.rows).sum();
-        let mut partial = match splits {
-            1 => None,
-            _ => Some(self.alloc::<f32>(op, splits * outputs)?),
-        };
-        let partial_ptr = match partial.as_mut() {
-            Some(p) => p.device_ptr_mut(&self.stream).0,
-            None => 0,
-        };
+        let mut parts = self.split_parts(op, jobs, n, splits)?;
+        let partial_ptr = parts.pointer(&self.stream);
         let (split_groups_i, accumulate_i) =
             (int(split_groups, "groups per split"), i32::from(accumulate));
         let config = LaunchConfig {
@@ -115,21 +108,13 @@ impl CudaBackend {
             &split_groups_i,
             &accumulate_i
         );
-        if let Some(partial) = &partial {
-            let splits_i = int(splits, "splits");
-            launch!(
-                self,
-                "linear q4 (few tokens): adding the splits",
-                &self.kernels.sum_few_splits,
-                grid_stride(outputs),
-                partial,
-                &packed,
-                &n_i,
-                &splits_i,
-                &accumulate_i
-            );
-        }
-        Ok(())
+        self.add_split_parts(
+            "linear q4 (few tokens): adding the splits",
+            &parts,
+            &packed,
+            n,
+            accumulate,
+        )
     }
 }
 
