@@ -409,6 +409,7 @@ mod tests {
                 || source.contains(&format!("ATTENTION_DECODE_BATCH({name},"))
                 || source.contains(&format!("ROUTE_WARP_KERNEL({name},"))
                 || source.contains(&format!("LINEAR_FEW_Q4({name},"))
+                || source.contains(&format!("LINEAR_TC({name},"))
                 || ["_rows", "_normed", "_rows_normed"].iter().any(|suffix| {
                     name.strip_suffix(suffix).is_some_and(|base| {
                         source.contains(&format!("LINEAR_VECTOR_KERNEL({base},"))
