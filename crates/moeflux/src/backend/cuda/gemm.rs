@@ -25,7 +25,7 @@
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_JOBS};
-use super::{CudaBackend, Matrix, int, ok};
+use super::{CudaBackend, Matrix, int};
 use crate::error::Result;
 use crate::quant::DType;
 use crate::quant::GROUP_SIZE;
@@ -48,7 +48,7 @@ impl CudaBackend {
         cols: usize,
         w: &Matrix<'_>,
     ) -> Result<Option<CudaSlice<f32>>> {
-        if !self.tensor_cores_fit(n, cols, &[w])? {
+        if !self.tensor_cores_fit(n, cols, &[w]) {
             return Ok(None);
         }
         let mut out = self.alloc::<f32>("linear (tensor cores)", n * w.layout.rows)?;
@@ -61,14 +61,9 @@ impl CudaBackend {
     /// tokens, one to [`MAX_JOBS`] matrices of one type, that width and
     /// some rows, q4, q8 or bf16 (f32 has no exact bf16 form; bf16 rows
     /// must be whole 16-byte vectors), on sm_80 or later.
-    pub(super) fn tensor_cores_fit(
-        &self,
-        n: usize,
-        cols: usize,
-        ws: &[&Matrix<'_>],
-    ) -> Result<bool> {
+    pub(super) fn tensor_cores_fit(&self, n: usize, cols: usize, ws: &[&Matrix<'_>]) -> bool {
         let Some(first) = ws.first() else {
-            return Ok(false);
+            return false;
         };
         let dtype = first.layout.dtype;
         let typed = match dtype {
@@ -77,18 +72,16 @@ impl CudaBackend {
             DType::F32 => false,
             DType::Q3 | DType::Q2 | DType::Mxfp4 => unreachable!("refused by load_weight"),
         };
-        if n < TENSOR_CORE_MIN_TOKENS
-            || n.div_ceil(GEMM_BN) > MAX_GRID_Y
-            || ws.len() > MAX_JOBS
-            || !typed
-            || !ws
+        // `tc_shared_limit` is set from compute capability 8.0, where the
+        // tensor-core kernels are built.
+        self.tc_shared_limit.is_some()
+            && n >= TENSOR_CORE_MIN_TOKENS
+            && n.div_ceil(GEMM_BN) <= MAX_GRID_Y
+            && ws.len() <= MAX_JOBS
+            && typed
+            && ws
                 .iter()
                 .all(|w| w.layout.dtype == dtype && w.layout.cols == cols && w.layout.rows > 0)
-        {
-            return Ok(false);
-        }
-        let (major, _) = ok("linear (tensor cores)", self.ctx.compute_capability())?;
-        Ok(major >= 8)
     }
 
     /// `out_j (+)= x · w_jᵀ` for `x` `[n, cols]` and each job's matrix

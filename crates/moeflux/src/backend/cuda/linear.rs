@@ -222,7 +222,7 @@ impl CudaBackend {
         if self.few_products_fit(x.rows, x.cols, &refs) {
             return self.products_to_tensors(x, &refs, Self::few_products);
         }
-        if self.tensor_cores_fit(x.rows, x.cols, &refs)? {
+        if self.tensor_cores_fit(x.rows, x.cols, &refs) {
             return self.products_to_tensors(x, &refs, Self::products_tensor_cores);
         }
         if x.rows != 1 || !Self::matvecs_fit(x.cols, &refs) {
@@ -354,7 +354,7 @@ impl CudaBackend {
         } else if self.few_products_fit(x.rows, x.cols, &[&m]) {
             let jobs = &mut [(&m, &mut residual.data)];
             self.few_products(&x.data, x.rows, x.cols, jobs, true)?;
-        } else if self.tensor_cores_fit(x.rows, x.cols, &[&m])? {
+        } else if self.tensor_cores_fit(x.rows, x.cols, &[&m]) {
             let jobs = &mut [(&m, &mut residual.data)];
             self.products_tensor_cores(&x.data, x.rows, x.cols, jobs, true)?;
         } else {
