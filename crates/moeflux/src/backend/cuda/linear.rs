@@ -279,7 +279,7 @@ impl CudaBackend {
         })
     }
 
-    /// `out_j (+)=` the sum of the parts, in split order (`sum_few_splits`),
+    /// `out_j (+)=` the sum of the parts, in split order (`sum_split_parts`),
     /// where there are several splits.
     pub(super) fn add_split_parts(
         &self,
@@ -300,7 +300,7 @@ impl CudaBackend {
         launch!(
             self,
             op,
-            &self.kernels.sum_few_splits,
+            &self.kernels.sum_split_parts,
             grid_stride(parts.outputs),
             buffer,
             packed,

@@ -376,7 +376,7 @@ __device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2]
 // ceil(n / GEMM_BN), splits), GEMM_THREADS threads. Block z sums the
 // stages z·split_stages .. (z+1)·split_stages into `out` [n, rows] (with
 // `accumulate`, adding to it): with one split the matrix's output, with
-// several its part of split z, which sum_few_splits adds up. A product of
+// several its part of split z, which sum_split_parts adds up. A product of
 // few tokens has too few tiles to fill the device otherwise. For DT_BF16,
 // cols must be a multiple of 8; the quantized types have whole groups.
 template <int DT>
@@ -441,7 +441,7 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
 
 // A launch's block: its job's matrix and output (with `partial`, the
 // job's part of split blockIdx.z there, split-major over the launch's
-// outputs as sum_few_splits reads them), then linear_tc.
+// outputs as sum_split_parts reads them), then linear_tc.
 template <int DT>
 __device__ __forceinline__ void linear_tc_jobs(const MatvecJobs& jobs, const float* x,
                                                float* partial, int cols, int n,

@@ -514,6 +514,28 @@ __device__ __forceinline__ i64 outputs_before(const MatvecJobs& jobs, int index,
     return before;
 }
 
+// out_j (+)= the sum, in split order, of the `splits` parts of each of a
+// launch's outputs that linear_few.cu's or gemm.cu's products over jobs
+// wrote (split-major over the launch's outputs).
+extern "C" __global__ void sum_split_parts(const float* partial, MatvecJobs jobs, int n,
+                                           int splits, int accumulate) {
+    await_inputs();
+    const i64 total = outputs_before(jobs, jobs.count, n);
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
+         i += (i64)gridDim.x * blockDim.x) {
+        int index = 0;
+        i64 before = 0;
+        while (index + 1 < jobs.count && i >= before + (i64)n * jobs.job[index].rows) {
+            before += (i64)n * jobs.job[index].rows;
+            ++index;
+        }
+        float sum = 0.0f;
+        for (int z = 0; z < splits; ++z) sum += partial[z * total + i];
+        float* out = jobs.job[index].out + (i - before);
+        *out = accumulate ? *out + sum : sum;
+    }
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

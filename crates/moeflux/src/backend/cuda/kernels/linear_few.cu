@@ -16,7 +16,7 @@
 // matrices, passes of up to FEW_LINEAR_TOKENS tokens, splits of the
 // columns). A matrix of a layer has too few tiles to keep the device's
 // loads in flight, so the columns are split over blocks and
-// sum_few_splits adds the parts in order. A block stages its split's B
+// sum_split_parts adds the parts in order. A block stages its split's B
 // registers in shared memory while its warps' first weights are on their
 // way (read from global memory instead, every MMA waited on L2 in turn:
 // 36 µs a launch). Each output is the same sequence of operations for a
@@ -140,7 +140,7 @@ __device__ __forceinline__ void mma_few_linear_group(const TcGroup& w, const uin
 // + split_groups), whose B registers for the pass's tokens the block
 // stages in shared memory while its warps' first weights are on their
 // way. With `partial` each split writes its sums there, split-major over
-// the launch's outputs, for sum_few_splits; without (one split), the
+// the launch's outputs, for sum_split_parts; without (one split), the
 // outputs directly, added to them with `accumulate`. Codes start 8-byte
 // aligned (the host checks).
 template <int TILES>
@@ -220,24 +220,3 @@ __device__ __forceinline__ void linear_few(const MatvecJobs& jobs, const float* 
 LINEAR_FEW_Q4(linear_few_q4_1, 1)
 LINEAR_FEW_Q4(linear_few_q4_2, 2)
 LINEAR_FEW_Q4(linear_few_q4_4, FEW_LINEAR_TOKENS / 4)
-
-// out_j (+)= the sum, in split order, of the `splits` parts of each of a
-// launch's outputs that linear_few_q4_* or gemm.cu's linear_tc_* wrote.
-extern "C" __global__ void sum_few_splits(const float* partial, MatvecJobs jobs, int n,
-                                          int splits, int accumulate) {
-    await_inputs();
-    const i64 total = outputs_before(jobs, jobs.count, n);
-    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < total;
-         i += (i64)gridDim.x * blockDim.x) {
-        int index = 0;
-        i64 before = 0;
-        while (index + 1 < jobs.count && i >= before + (i64)n * jobs.job[index].rows) {
-            before += (i64)n * jobs.job[index].rows;
-            ++index;
-        }
-        float sum = 0.0f;
-        for (int z = 0; z < splits; ++z) sum += partial[z * total + i];
-        float* out = jobs.job[index].out + (i - before);
-        *out = accumulate ? *out + sum : sum;
-    }
-}
