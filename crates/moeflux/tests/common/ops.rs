@@ -998,7 +998,9 @@ pub fn rope<B: Conformance>(b: &B, _: Activations) {
 }
 
 /// RMSNorm of each head of q and k, then RoPE (one launch on a GPU), for
-/// one token and several, with and without the unit offset.
+/// one token and several, with and without the unit offset; 160 tokens
+/// (960 heads) take CUDA's warp-per-head kernel on GPUs of up to 160
+/// multiprocessors.
 pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
     let r = reference();
     for (rope, start) in ropes() {
@@ -1011,7 +1013,7 @@ pub fn qk_norm_rope<B: Conformance>(b: &B, _: Activations) {
             (&qw, DType::F32, vec![head_dim], values(head_dim, 8)),
             (&kw, DType::F32, vec![head_dim], values(head_dim, 9)),
         ]);
-        for (n, unit_offset) in [(1, false), (1, true), (7, true)] {
+        for (n, unit_offset) in [(1, false), (1, true), (7, true), (160, true)] {
             let norm = RmsNorm {
                 eps: 1e-6,
                 unit_offset,

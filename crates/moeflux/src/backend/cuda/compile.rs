@@ -139,6 +139,7 @@ kernels!(
     rms_norm,
     gated_rms_norm,
     qk_norm_rope,
+    qk_norm_rope_warps,
     add_assign,
     add_bias,
     silu_mul,

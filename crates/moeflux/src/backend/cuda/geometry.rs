@@ -63,6 +63,8 @@ geometry! {
     // ---- norm.cu
     /// Most threads per block of the norm kernels (their launch bound).
     NORM_THREADS: u32 = 1024;
+    /// Warps (heads) per block of `qk_norm_rope`.
+    QK_WARPS: usize = 4;
 
     // ---- kv_cache.cu
     /// Values of a head row sharing one q8 scale in a KV cache: one warp's
