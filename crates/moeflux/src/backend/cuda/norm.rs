@@ -96,60 +96,45 @@ impl CudaBackend {
         // order of that block's threads.
         let block_threads = if head_dim <= 128 { 128 } else { 256 };
         let heads = q.rows * (q_heads + k_heads);
-        if heads < QK_WARPS_MIN_HEADS_PER_SM * self.sm_count {
-            launch!(
-                self,
-                op,
+        let (kernel, config) = if heads < QK_WARPS_MIN_HEADS_PER_SM * self.sm_count {
+            (
                 &self.kernels.qk_norm_rope,
                 block_per_item(heads, block_threads, (head_dim * 4) as u32),
-                &mut q.data,
-                &mut k.data,
-                &q_norm.data,
-                &k_norm.data,
-                &*frequencies,
-                &rows,
-                &q_heads_i,
-                &k_heads_i,
-                &head_dim_i,
-                &half,
-                &norm.eps,
-                &offset,
-                &start,
-                &position,
-                &positions,
-                &scale
-            );
+            )
         } else {
-            let config = block_per_item(
-                heads.div_ceil(QK_WARPS),
-                (QK_WARPS * 32) as u32,
-                (QK_WARPS * head_dim * 4) as u32,
-            );
-            let block_threads = int(block_threads as usize, "threads");
-            launch!(
-                self,
-                op,
+            (
                 &self.kernels.qk_norm_rope_warps,
-                config,
-                &mut q.data,
-                &mut k.data,
-                &q_norm.data,
-                &k_norm.data,
-                &*frequencies,
-                &rows,
-                &q_heads_i,
-                &k_heads_i,
-                &head_dim_i,
-                &half,
-                &norm.eps,
-                &offset,
-                &start,
-                &position,
-                &positions,
-                &scale,
-                &block_threads
-            );
-        }
+                block_per_item(
+                    heads.div_ceil(QK_WARPS),
+                    (QK_WARPS * 32) as u32,
+                    (QK_WARPS * head_dim * 4) as u32,
+                ),
+            )
+        };
+        let block_threads = int(block_threads as usize, "threads");
+        launch!(
+            self,
+            op,
+            kernel,
+            config,
+            &mut q.data,
+            &mut k.data,
+            &q_norm.data,
+            &k_norm.data,
+            &*frequencies,
+            &rows,
+            &q_heads_i,
+            &k_heads_i,
+            &head_dim_i,
+            &half,
+            &norm.eps,
+            &offset,
+            &start,
+            &position,
+            &positions,
+            &scale,
+            &block_threads
+        );
         Ok((q, k))
     }
 

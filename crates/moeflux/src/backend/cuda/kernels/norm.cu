@@ -53,6 +53,17 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     }
 }
 
+// qk_norm_rope's weights and frequencies asked of L2 before the kernel
+// before has finished.
+__device__ __forceinline__ void prefetch_qk_weights(const float* q_weight,
+                                                    const float* k_weight,
+                                                    const float* inv_freq, int head_dim,
+                                                    int half) {
+    prefetch_span(q_weight, 4 * (i64)head_dim);
+    prefetch_span(k_weight, 4 * (i64)head_dim);
+    prefetch_span(inv_freq, 4 * (i64)half);
+}
+
 // Attention's queries and keys, prepared in one launch: RMSNorm of each
 // head (times offset + weight), then the rotation `rope` applies, with the
 // same arithmetic as rms_norm and rope. One block per head of q or k;
@@ -60,16 +71,14 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // place; row t sits at position start_pos + t, start_pos read from
 // `position` on the device when given (a recorded decode step), or at
 // positions[t] when given (rows of several sequences); cos and sin are
-// multiplied by `scale` (YaRN's attention factor, else 1). Dynamic shared
-// memory: head_dim floats.
+// multiplied by `scale` (YaRN's attention factor, else 1). block_threads
+// is the launch's threads a block. Dynamic shared memory: head_dim floats.
 extern "C" __global__ void __launch_bounds__(NORM_THREADS)
     qk_norm_rope(float* q, float* k, const float* q_weight, const float* k_weight,
                  const float* inv_freq, i64 rows, int q_heads, int k_heads, int head_dim,
                  int half, float eps, float offset, i64 start_pos, const u32* position,
-                 const i64* positions, float scale) {
-    prefetch_span(q_weight, 4 * (i64)head_dim);
-    prefetch_span(k_weight, 4 * (i64)head_dim);
-    prefetch_span(inv_freq, 4 * (i64)half);
+                 const i64* positions, float scale, int block_threads) {
+    prefetch_qk_weights(q_weight, k_weight, inv_freq, head_dim, half);
     await_inputs();
     if (position) start_pos = *position;
     extern __shared__ float normed[];
@@ -83,12 +92,12 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
                            : k + (t * k_heads + (h - q_heads)) * head_dim;
         const float* weight = is_q ? q_weight : k_weight;
         float inv = block_inverse_rms(head, head_dim, eps, scratch);
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        for (int i = threadIdx.x; i < head_dim; i += block_threads) {
             normed[i] = head[i] * inv * (offset + weight[i]);
         }
         __syncthreads();
         float position = (float)(positions ? positions[t] : start_pos + t);
-        for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        for (int i = threadIdx.x; i < head_dim; i += block_threads) {
             float v = normed[i];
             if (i < 2 * half) {
                 int kf = i < half ? i : i - half;
@@ -120,9 +129,7 @@ extern "C" __global__ void __launch_bounds__(QK_WARPS * WARP_SIZE)
                        int head_dim, int half, float eps, float offset, i64 start_pos,
                        const u32* position, const i64* positions, float scale,
                        int block_threads) {
-    prefetch_span(q_weight, 4 * (i64)head_dim);
-    prefetch_span(k_weight, 4 * (i64)head_dim);
-    prefetch_span(inv_freq, 4 * (i64)half);
+    prefetch_qk_weights(q_weight, k_weight, inv_freq, head_dim, half);
     await_inputs();
     if (position) start_pos = *position;
     extern __shared__ float qk_normed[];
