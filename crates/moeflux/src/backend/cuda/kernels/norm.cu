@@ -118,11 +118,10 @@ extern "C" __global__ void __launch_bounds__(NORM_THREADS)
 // head's sum of squares needs no block barrier, each lane rotates whole
 // pairs (one cos and sin per frequency), and a quarter of the blocks take
 // fewer waves of the multiprocessors. The arithmetic is qk_norm_rope's,
-// operation for operation:
-// the sum of squares is added in the order its block of `block_threads`
-// threads adds it, so the results are its bit for bit. Dynamic shared
-// memory: head_dim floats a warp. block_threads is a multiple of 32, at
-// most 1024.
+// operation for operation: the sum of squares is added in the order its
+// block of `block_threads` threads adds it, so the results are its bit
+// for bit. Dynamic shared memory: head_dim floats a warp. block_threads
+// is a multiple of 32, at most 1024.
 extern "C" __global__ void __launch_bounds__(QK_WARPS * WARP_SIZE)
     qk_norm_rope_warps(float* q, float* k, const float* q_weight, const float* k_weight,
                        const float* inv_freq, i64 rows, int q_heads, int k_heads,
