@@ -940,6 +940,57 @@ fn sessions_save_truncate_and_restore_on_cuda() {
 // the cases only CUDA has.
 
 backend_tests!(cuda, cuda);
+backend_tests!(int8 cuda_int8, || cuda_with(CudaOptions {
+    activations: Activations::Int8,
+    ..CudaOptions::default()
+}));
+
+/// int8 activations for the q4 routed experts of prompts (the integer
+/// tensor-core kernels) keep every fixture's logits within the bounds the
+/// CPU's int8 activations are held to against transformers on the same
+/// quantized weights (transformers_parity.rs: per prompt, 95th percentile
+/// of the positions' relative errors ≤ 2e-2, max ≤ 1.5e-1, the same top-1
+/// token at ≥ 85% of positions); decode after the prompt takes the f32
+/// kernels, and the prompt's errors carry into it through the KV cache.
+#[test]
+fn int8_prefill_logits_are_close_to_transformers() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        let converted = convert_fixture(name, DType::Q4);
+        let reference = Reference::load(name);
+        let gpu = open_cuda(
+            &converted.dir,
+            ModelOptions::default(),
+            cuda_with(CudaOptions {
+                activations: Activations::Int8,
+                ..CudaOptions::default()
+            })
+            .expect("a device"),
+        );
+        for length in ["short", "long"] {
+            let tokens = reference.tokens(&format!("tokens_{length}"));
+            let (_, vocab, want) = reference.logits(&format!("logits_{length}_q4"));
+            let got = gpu.session().forward(&tokens, LogitsWanted::All).unwrap();
+            assert_eq!((got.rows, got.vocab), (tokens.len(), vocab));
+            let mut errors = row_errors(&got.data, &want, vocab);
+            errors.sort_by(f64::total_cmp);
+            let p95 = errors[(errors.len() - 1) * 95 / 100];
+            let max = errors[errors.len() - 1];
+            let top1 = top1_agreement(&got.data, &want, vocab);
+            println!(
+                "{name:<22} q4, int8 prefill experts, vs ref_q4 {length:<5} ({} tokens): rel err p95 {p95:.2e}, max {max:.2e}, top-1 {:.0}%",
+                tokens.len(),
+                top1 * 100.0
+            );
+            assert!(
+                p95 <= 2e-2 && max <= 1.5e-1 && top1 >= 0.85,
+                "{name} {length}: int8 prefill experts err p95 {p95:.3e}, max {max:.3e}, top-1 {top1}"
+            );
+        }
+    }
+}
 
 /// A decode step's RMSNorm applied by the one-token products that read it
 /// (both the column-split and the whole-row kernels, every type) agrees

@@ -124,11 +124,12 @@ pub struct ModelArgs {
     /// size; 0 uploads from the expert cache's pageable memory).
     #[arg(long)]
     pub pinned_cache_mb: Option<u64>,
-    /// How the CPU multiplies activations by q2, q3, q4 and q8 weights (MXFP4
-    /// always takes f32), on the CPU device and for the experts it computes
-    /// beside a GPU: f32 (exact)
-    /// or int8 (quantized per group of 64 inputs: faster decode, slightly
-    /// less accurate; see docs/PERFORMANCE.md).
+    /// How activations meet q2, q3, q4 and q8 weights (MXFP4 always takes
+    /// f32): f32 (exact) or int8 (quantized per group of 64 inputs: faster,
+    /// slightly less accurate; see docs/PERFORMANCE.md). On the CPU device
+    /// and for the experts the CPU computes beside a GPU: every such
+    /// product. On a GPU: the q4 routed experts of prompts (prefill), on the
+    /// integer tensor cores.
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: ActivationsArg,
     /// On a GPU whose VRAM does not hold every expert: whether a decode
@@ -416,6 +417,7 @@ impl ModelArgs {
                 },
                 CpuExpertsArg::Off => CpuExperts::Off,
             },
+            activations: self.activations.activations(),
             ..CudaOptions::default()
         };
         match &self.device {

@@ -163,6 +163,12 @@ geometry! {
     /// kernel checks the size).
     MP_STAGES: usize = 3;
     MP_Q4_STAGE_BYTES: usize = 16512;
+    /// Stages in flight in the q4 kernels of int8 activations, and the
+    /// bytes of one (`MoeI8Stage`: 128 rows of 32 bytes of codes, 32 slots'
+    /// 64 int8 activations and their four f32 params, 128 scales and
+    /// biases as f32; the kernel checks the size).
+    MP_I8_STAGES: usize = 4;
+    MP_I8_STAGE_BYTES: usize = 7680;
 
     // ---- moe_few.cu
     /// Threads of the one block that groups a call's slots by expert.

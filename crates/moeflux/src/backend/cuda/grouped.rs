@@ -24,6 +24,7 @@ use super::device_expert::{PartsLayout, expert_bytes, expert_inter};
 use super::experts::FfnArgs;
 use super::geometry::{FEW_DOWN_TILES, FEW_SLOTS, FEW_WARPS, GROUP_THREADS, MP_BN};
 use super::{CudaBackend, MAX_SHARED_BYTES, Routing, Tensor, int, ok};
+use crate::backend::cpu::Activations;
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::quant::{DType, GROUP_SIZE, MatrixLayout};
@@ -99,7 +100,7 @@ impl CudaBackend {
         // moe_few.cu's kernels read x and act as they are.
         let inputs = match few {
             true => None,
-            false => Some(self.prefill_inputs(x, &mut act, blob.gate.1)?),
+            false => Some(self.prefill_inputs(x, &mut act, blob.gate.1, Activations::F32)?),
         };
         {
             let cache = self.experts.lock().unwrap();

@@ -98,6 +98,7 @@ use super::{
     AttentionShape, Backend, ExpertFfn, GatedDeltaNetParams, HostDeltaNetState, HostKv, KvType,
     RmsNorm, Rope, StepInputs, check_host_kv, check_kv_type,
 };
+use crate::backend::cpu::Activations;
 use crate::config::{LinearAttentionConfig, MlaConfig, RouterSpec};
 use crate::error::{Error, Result};
 use crate::experts::ExpertStore;
@@ -162,6 +163,12 @@ pub struct CudaOptions {
     /// Whether decode steps may compute experts missing from VRAM on the
     /// CPU (hybrid.rs; default: where the cost model says it is faster).
     pub cpu_experts: CpuExperts,
+    /// How the routed experts of a prefill chunk take their activations
+    /// when the experts are q4: f32 (split into two bf16 halves, within f32
+    /// rounding of the CPU's f32 products) or int8 (quantized per group of
+    /// 64 inputs as the CPU's int8 activations are, on the integer tensor
+    /// cores: faster, with the CPU's int8 accuracy).
+    pub activations: Activations,
 }
 
 /// Computes on one CUDA device (see the module documentation). Each model
@@ -232,6 +239,8 @@ pub struct CudaBackend {
     parallel: Option<parallel::ExpertParallel>,
     /// Hybrid decode's settings and measurements; `None`: off.
     hybrid: Option<hybrid::Hybrid>,
+    /// See [`CudaOptions::activations`].
+    activations: Activations,
 }
 
 /// A row-major `[rows, cols]` f32 matrix in device memory.
@@ -456,8 +465,12 @@ impl CudaBackend {
         Ok(CudaBackend {
             ordinal,
             description: format!(
-                "cuda:{ordinal} ({name}, sm_{major}{minor}, {}; VRAM expert cache {cache})",
-                human_bytes(memory as u64)
+                "cuda:{ordinal} ({name}, sm_{major}{minor}, {}; VRAM expert cache {cache}{})",
+                human_bytes(memory as u64),
+                match options.activations {
+                    Activations::F32 => "",
+                    Activations::Int8 => "; int8 activations for q4 experts in prefill",
+                }
             ),
             ctx,
             stream,
@@ -487,6 +500,7 @@ impl CudaBackend {
             share: None,
             parallel: None,
             hybrid: hybrid::Hybrid::new(options.cpu_experts),
+            activations: options.activations,
         })
     }
 

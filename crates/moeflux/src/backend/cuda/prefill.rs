@@ -14,17 +14,23 @@
 //! at once or a few at a time as they are streamed gives identical results.
 //!
 //! The arithmetic is gemm.rs's (split activations, exact integer codes),
-//! so each product is within f32 rounding of the CPU's.
+//! so each product is within f32 rounding of the CPU's; or, for q4
+//! experts with [`CudaOptions::activations`](super::CudaOptions) int8, the
+//! CPU's int8 arithmetic on the integer tensor cores (activations quantized
+//! per group of 64 inputs), within its bound.
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::device_expert::{DeviceExpert, expert_inter};
 use super::experts::{EXPERTS_IN_FLIGHT, FfnArgs};
-use super::geometry::{MP_BM, MP_BN, MP_Q4_STAGE_BYTES, MP_STAGES, MP_THREADS};
+use super::geometry::{
+    MP_BM, MP_BN, MP_I8_STAGE_BYTES, MP_I8_STAGES, MP_Q4_STAGE_BYTES, MP_STAGES, MP_THREADS,
+};
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
+use crate::backend::cpu::Activations;
 use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::quant::{DType, MatrixLayout};
@@ -55,6 +61,9 @@ impl Part {
 /// Dynamic shared memory of the q4 kernels: their stages in flight.
 pub(super) const Q4_SHARED_BYTES: usize = MP_STAGES * MP_Q4_STAGE_BYTES;
 
+/// Dynamic shared memory of the q4 kernels of int8 activations.
+const I8_SHARED_BYTES: usize = MP_I8_STAGES * MP_I8_STAGE_BYTES;
+
 /// Activations split for the q4 kernels (`SplitRows` in moe_prefill.cu):
 /// the device addresses of their hi and lo bf16 rows and of their sums
 /// per group of 64 columns.
@@ -78,19 +87,42 @@ impl SplitRows {
     };
 }
 
-/// The split inputs of the q4 kernels, and the buffers behind them (kept
-/// until the kernels are queued; freed in stream order after).
-struct Q4Inputs {
-    x: SplitRows,
-    act: SplitRows,
-    _buffers: (CudaSlice<u16>, CudaSlice<f32>, CudaSlice<f32>),
+/// Activations quantized for the int8 q4 kernels (`Q8Rows` in
+/// moe_prefill.cu): the device addresses of their int8 codes and of their
+/// four f32 parameters per group of 64 columns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Q8Rows {
+    codes: u64,
+    params: u64,
+}
+
+// SAFETY: two u64s, laid out as the kernels' struct of two pointers.
+unsafe impl DeviceRepr for Q8Rows {}
+
+/// The inputs of the q4 kernels as `x` and `act` (laid out in `act`'s own
+/// buffer), and the buffers behind them (kept until the kernels are
+/// queued; freed in stream order after).
+enum Q4Inputs {
+    /// Split into bf16 halves.
+    Split {
+        x: SplitRows,
+        act: SplitRows,
+        _buffers: (CudaSlice<u16>, CudaSlice<f32>, CudaSlice<f32>),
+    },
+    /// Quantized to int8.
+    Int8 {
+        x: Q8Rows,
+        act: Q8Rows,
+        _buffers: (CudaSlice<u8>, CudaSlice<f32>, CudaSlice<f32>),
+    },
 }
 
 /// What the grouped kernels of one call read besides the experts, made
 /// once per call ([`CudaBackend::prefill_inputs`]) and shared by all its
-/// launches: for q4 experts the layer input split and `act`'s split
-/// layout; nothing for the other types, which read `x` and `act` as they
-/// are.
+/// launches: for q4 experts the layer input split or quantized and `act`'s
+/// layout to match; nothing for the other types, which read `x` and `act`
+/// as they are.
 pub(super) struct PrefillInputs {
     q4: Option<Q4Inputs>,
 }
@@ -157,16 +189,19 @@ impl CudaBackend {
     }
 
     /// The inputs of a call's grouped kernels over experts whose gate is
-    /// laid out as `gate`, `act` its activations' buffer. Made before the
-    /// expert cache is locked: its allocations may evict experts.
+    /// laid out as `gate`, `act` its activations' buffer; q4 experts' as
+    /// `activations` says. Made before the expert cache is locked: its
+    /// allocations may evict experts.
     pub(super) fn prefill_inputs(
         &self,
         x: &Tensor,
         act: &mut CudaSlice<f32>,
         gate: MatrixLayout,
+        activations: Activations,
     ) -> Result<PrefillInputs> {
-        let q4 = match gate.dtype {
-            DType::Q4 => Some(self.split_q4_inputs(x, act, gate.rows)?),
+        let q4 = match (gate.dtype, activations) {
+            (DType::Q4, Activations::F32) => Some(self.split_q4_inputs(x, act, gate.rows)?),
+            (DType::Q4, Activations::Int8) => Some(self.quantize_q4_inputs(x, act, gate.rows)?),
             _ => None,
         };
         Ok(PrefillInputs { q4 })
@@ -215,50 +250,47 @@ impl CudaBackend {
             shared_mem_bytes: shared_mem_bytes as u32,
         };
         if gate.dtype == DType::Q4 {
-            let split = inputs
+            let q4 = Q4Launch {
+                table,
+                tiles: (tiles, tile_count),
+                slots,
+                grid: (tiles_x, inter, hidden),
+                sizes: (inter_i, hidden_i, top_k_i),
+                parts: (gate_part, up_part, down_part),
+                ffn,
+                y: y.device_ptr_mut(&self.stream).0,
+            };
+            return match inputs
                 .q4
                 .as_ref()
-                .expect("prefill_inputs splits the inputs of q4 experts");
-            let (none, no_split) = (0u64, SplitRows::NONE);
-            launch!(
-                self,
-                "routed experts gate/up (tensor cores)",
-                &self.kernels.moe_prefill_gate_up_q4,
-                config(MP_BM / 2, inter, Q4_SHARED_BYTES),
-                table,
-                tiles,
-                &tile_count,
-                slots,
-                &split.x,
-                &none,
-                &split.act,
-                &inter_i,
-                &hidden_i,
-                &top_k_i,
-                &gate_part,
-                &up_part,
-                &ffn
-            );
-            launch!(
-                self,
-                "routed experts down (tensor cores)",
-                &self.kernels.moe_prefill_down_q4,
-                config(MP_BM, hidden, Q4_SHARED_BYTES),
-                table,
-                tiles,
-                &tile_count,
-                slots,
-                &split.act,
-                y,
-                &no_split,
-                &hidden_i,
-                &inter_i,
-                &top_k_i,
-                &down_part,
-                &down_part,
-                &ffn
-            );
-            return Ok(());
+                .expect("prefill_inputs lays out the inputs of q4 experts")
+            {
+                Q4Inputs::Split { x, act, .. } => self.launch_q4_pair(
+                    &q4,
+                    [
+                        &self.kernels.moe_prefill_gate_up_q4,
+                        &self.kernels.moe_prefill_down_q4,
+                    ],
+                    Q4_SHARED_BYTES,
+                    [x, act, &SplitRows::NONE],
+                ),
+                Q4Inputs::Int8 { x, act, .. } => self.launch_q4_pair(
+                    &q4,
+                    [
+                        &self.kernels.moe_prefill_gate_up_q4_i8,
+                        &self.kernels.moe_prefill_down_q4_i8,
+                    ],
+                    I8_SHARED_BYTES,
+                    [
+                        x,
+                        act,
+                        &Q8Rows {
+                            codes: 0,
+                            params: 0,
+                        },
+                    ],
+                ),
+            };
         }
         let (gate_up, down_kernel) = match gate.dtype {
             DType::Q8 => (
@@ -324,6 +356,109 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// A q4 call's gate/up and down `kernels` (`shared` bytes of dynamic
+    /// shared memory), their activations `rows`: the layer input, `act`,
+    /// and the rows of a parameter a kernel does not use.
+    fn launch_q4_pair<R: DeviceRepr>(
+        &self,
+        call: &Q4Launch<'_>,
+        kernels: [&CudaFunction; 2],
+        shared: usize,
+        [x, act, none]: [&R; 3],
+    ) -> Result<()> {
+        let (tiles_x, inter, hidden) = call.grid;
+        let config = |rows_per_block: usize, rows: usize| LaunchConfig {
+            grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
+            block_dim: (MP_THREADS, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        let (inter_i, hidden_i, top_k_i) = call.sizes;
+        let (gate_part, up_part, down_part) = call.parts;
+        let (tiles, tile_count) = call.tiles;
+        let no_output = 0u64;
+        launch!(
+            self,
+            "routed experts gate/up (tensor cores)",
+            kernels[0],
+            config(MP_BM / 2, inter),
+            call.table,
+            tiles,
+            &tile_count,
+            call.slots,
+            x,
+            &no_output,
+            act,
+            &inter_i,
+            &hidden_i,
+            &top_k_i,
+            &gate_part,
+            &up_part,
+            &call.ffn
+        );
+        launch!(
+            self,
+            "routed experts down (tensor cores)",
+            kernels[1],
+            config(MP_BM, hidden),
+            call.table,
+            tiles,
+            &tile_count,
+            call.slots,
+            act,
+            &call.y,
+            none,
+            &hidden_i,
+            &inter_i,
+            &top_k_i,
+            &down_part,
+            &down_part,
+            &call.ffn
+        );
+        Ok(())
+    }
+
+    /// The int8 q4 kernels' inputs: the layer input `x` quantized (one
+    /// launch), and `act` laid out for gate/up to write and down to read
+    /// (its codes in `act`'s buffer, their parameters in one of their own).
+    fn quantize_q4_inputs(
+        &self,
+        x: &Tensor,
+        act: &mut CudaSlice<f32>,
+        inter: usize,
+    ) -> Result<Q4Inputs> {
+        const OP: &str = "routed experts (tensor cores)";
+        let hidden = x.cols;
+        let groups = |cols: usize| cols / crate::quant::GROUP_SIZE;
+        let x_codes = self.alloc::<u8>(OP, x.rows * hidden)?;
+        let x_params = self.alloc::<f32>(OP, 4 * x.rows * groups(hidden))?;
+        let act_rows = act.len() / inter;
+        let act_params = self.alloc::<f32>(OP, 4 * act_rows * groups(inter))?;
+        let x_q8 = Q8Rows {
+            codes: x_codes.device_ptr(&self.stream).0,
+            params: x_params.device_ptr(&self.stream).0,
+        };
+        let act_q8 = Q8Rows {
+            codes: act.device_ptr_mut(&self.stream).0,
+            params: act_params.device_ptr(&self.stream).0,
+        };
+        let (rows_i, hidden_i) = (int(x.rows, "tokens"), int(hidden, "hidden size"));
+        launch!(
+            self,
+            "routed experts: quantizing the input",
+            &self.kernels.quantize_activations_q4,
+            grid_stride(x.rows * hidden / 8),
+            &x.data,
+            &x_q8,
+            &rows_i,
+            &hidden_i
+        );
+        Ok(Q4Inputs::Int8 {
+            x: x_q8,
+            act: act_q8,
+            _buffers: (x_codes, x_params, act_params),
+        })
+    }
+
     /// The q4 kernels' inputs: the layer input `x` split (one launch), and
     /// `act` laid out split for gate/up to write and down to read (hi in
     /// its first half, lo in its second, the sums in a buffer of their
@@ -364,7 +499,7 @@ impl CudaBackend {
             &rows_i,
             &hidden_i
         );
-        Ok(Q4Inputs {
+        Ok(Q4Inputs::Split {
             x: x_split,
             act: act_split,
             _buffers: (x_halves, x_sums, act_sums),
@@ -450,7 +585,7 @@ impl CudaBackend {
         let slots = self.upload("routed experts", flat)?;
         let all_tiles = self.upload("routed experts", tiles.all())?;
         let mut act = self.alloc::<f32>("routed experts", flat.len() * inter)?;
-        let inputs = self.prefill_inputs(x, &mut act, blob.gate.1)?;
+        let inputs = self.prefill_inputs(x, &mut act, blob.gate.1, self.activations)?;
         // Outputs by slot: slots of other GPUs' experts stay zero.
         let mut y = match flat.len() < n * top_k {
             true => self.zeros::<f32>("routed experts", n * top_k * hidden)?,
@@ -593,4 +728,20 @@ struct PrefillCall<'a> {
     ffn: FfnArgs,
     /// Experts of the layer (the table's length).
     experts: usize,
+}
+
+/// What the two launches of a q4 call share (see
+/// [`CudaBackend::launch_q4_pair`]): the experts' table, the tiles (and the
+/// device word counting them, or 0), the sorted slots, the grid's tiles and
+/// the rows of gate/up and of down, the sizes as the kernels take them
+/// (intermediate, hidden, top-k), the matrices' places, and `y`'s address.
+struct Q4Launch<'a> {
+    table: &'a CudaSlice<u64>,
+    tiles: (&'a CudaSlice<u32>, u64),
+    slots: &'a CudaSlice<u32>,
+    grid: (u32, usize, usize),
+    sizes: (i32, i32, i32),
+    parts: (Part, Part, Part),
+    ffn: FfnArgs,
+    y: u64,
 }
