@@ -117,6 +117,7 @@ kernels!(
     linear_q4_t1,
     linear_q4_t8,
     linear_tc_q4,
+    linear_tc_q4_i8,
     linear_tc_q8,
     linear_tc_bf16,
     sum_split_parts,

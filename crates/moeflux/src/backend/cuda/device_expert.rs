@@ -64,6 +64,7 @@ impl DeviceExpert {
             layout,
             data: &self.data,
             offset,
+            int8: false,
         }
     }
 }

@@ -21,11 +21,17 @@
 //! [`MAX_JOBS`] matrices of one input (q, k and v) share a launch, and a
 //! product added to a residual is added by the kernel (or the sum of its
 //! splits).
+//!
+//! With [`CudaOptions::activations`](super::CudaOptions) int8, a prompt's
+//! q4 products (not a router's, not a recorded decode step's) quantize
+//! their input per group of 64 columns as the CPU's int8 activations do and
+//! multiply on the integer tensor cores (gemm.cu's int8 section): the
+//! CPU's int8 arithmetic, within its bound.
 
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 
-use super::geometry::{GEMM_BM, GEMM_BN, GEMM_THREADS, MAX_JOBS};
-use super::{CudaBackend, Matrix, int};
+use super::geometry::{GEMM_BM, GEMM_BN, GEMM_I8_STAGE_BYTES, GEMM_THREADS, I8_STAGES, MAX_JOBS};
+use super::{CudaBackend, Matrix, grid_stride, int};
 use crate::error::Result;
 use crate::quant::DType;
 use crate::quant::GROUP_SIZE;
@@ -37,6 +43,38 @@ use crate::quant::GROUP_SIZE;
 const TENSOR_CORE_MIN_TOKENS: usize = 16;
 /// Most blocks along a grid's y dimension (the token tiles).
 const MAX_GRID_Y: usize = 65_535;
+
+/// Dynamic shared memory of `linear_tc_q4_i8`: its stages in flight.
+const I8_SHARED_BYTES: usize = I8_STAGES * GEMM_I8_STAGE_BYTES;
+
+/// Activations quantized for the int8 q4 kernels (`Q8Rows` in gemm.cu):
+/// the device addresses of their int8 codes and of their four f32
+/// parameters per group of 64 columns.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Q8Rows {
+    pub codes: u64,
+    pub params: u64,
+}
+
+// SAFETY: two u64s, laid out as the kernels' struct of two pointers.
+unsafe impl DeviceRepr for Q8Rows {}
+
+impl Q8Rows {
+    /// For a kernel's parameter it does not use.
+    pub const NONE: Q8Rows = Q8Rows {
+        codes: 0,
+        params: 0,
+    };
+}
+
+/// Rows quantized by [`CudaBackend::quantize_q4_activations`], with the
+/// buffers behind them (kept until the kernels reading them are queued;
+/// freed in stream order after).
+pub(super) struct QuantizedRows {
+    pub rows: Q8Rows,
+    _buffers: (CudaSlice<u8>, CudaSlice<f32>),
+}
 
 impl CudaBackend {
     /// `x · wᵀ` for `x` `[n, cols]` on the tensor cores, or `None` when the
@@ -96,7 +134,12 @@ impl CudaBackend {
         jobs: &mut [(&Matrix<'_>, &mut CudaSlice<f32>)],
         accumulate: bool,
     ) -> Result<()> {
+        let int8 = jobs.iter().all(|(m, _)| m.int8) && !self.in_engine_step();
         let (op, kernel) = match jobs[0].0.layout.dtype {
+            DType::Q4 if int8 => (
+                "linear q4 (tensor cores, int8)",
+                &self.kernels.linear_tc_q4_i8,
+            ),
             DType::Q4 => ("linear q4 (tensor cores)", &self.kernels.linear_tc_q4),
             DType::Q8 => ("linear q8 (tensor cores)", &self.kernels.linear_tc_q8),
             _ => ("linear bf16 (tensor cores)", &self.kernels.linear_tc_bf16),
@@ -117,25 +160,75 @@ impl CudaBackend {
             int(split_stages, "stages"),
             i32::from(accumulate),
         );
-        let config = LaunchConfig {
+        let mut config = LaunchConfig {
             grid_dim: (row_tiles as u32, token_tiles as u32, splits as u32),
             block_dim: (GEMM_THREADS, 1, 1),
-            // The kernels' tiles are static shared memory (38 KiB).
+            // The bf16 kernels' tiles are static shared memory (38 KiB).
             shared_mem_bytes: 0,
         };
+        if int8 {
+            let quantized = self.quantize_q4_activations(op, x, n, cols)?;
+            config.shared_mem_bytes = I8_SHARED_BYTES as u32;
+            launch!(
+                self,
+                op,
+                kernel,
+                config,
+                &packed,
+                &quantized.rows,
+                &partial_ptr,
+                &cols_i,
+                &n_i,
+                &split_i,
+                &accumulate_i
+            );
+        } else {
+            launch!(
+                self,
+                op,
+                kernel,
+                config,
+                &packed,
+                x,
+                &partial_ptr,
+                &cols_i,
+                &n_i,
+                &split_i,
+                &accumulate_i
+            );
+        }
+        self.add_split_parts(op, &parts, &packed, n, accumulate)
+    }
+
+    /// `x` (`[rows, cols]`, whole groups of 64 columns) quantized for the
+    /// int8 q4 kernels, in one launch.
+    pub(super) fn quantize_q4_activations(
+        &self,
+        op: &str,
+        x: &CudaSlice<f32>,
+        rows: usize,
+        cols: usize,
+    ) -> Result<QuantizedRows> {
+        let codes = self.alloc::<u8>(op, rows * cols)?;
+        let params = self.alloc::<f32>(op, 4 * rows * (cols / GROUP_SIZE))?;
+        let quantized = Q8Rows {
+            codes: codes.device_ptr(&self.stream).0,
+            params: params.device_ptr(&self.stream).0,
+        };
+        let (rows_i, cols_i) = (int(rows, "tokens"), int(cols, "columns"));
         launch!(
             self,
-            op,
-            kernel,
-            config,
-            &packed,
+            "quantizing activations (int8)",
+            &self.kernels.quantize_activations_q4,
+            grid_stride(rows * cols / 8),
             x,
-            &partial_ptr,
-            &cols_i,
-            &n_i,
-            &split_i,
-            &accumulate_i
+            &quantized,
+            &rows_i,
+            &cols_i
         );
-        self.add_split_parts(op, &parts, &packed, n, accumulate)
+        Ok(QuantizedRows {
+            rows: quantized,
+            _buffers: (codes, params),
+        })
     }
 }

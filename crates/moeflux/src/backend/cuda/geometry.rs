@@ -138,6 +138,11 @@ geometry! {
     GEMM_BM: usize = 128;
     GEMM_BN: usize = 64;
     GEMM_THREADS: u32 = 256;
+    /// Stages in flight in the q4 products of int8 activations (gemm.cu's
+    /// and the routed experts'), and the bytes of one of gemm.cu's
+    /// (`I8Stage` of 128 rows and 64 tokens; the kernel checks the size).
+    I8_STAGES: usize = 4;
+    GEMM_I8_STAGE_BYTES: usize = 10240;
 
     // ---- moe.cu
     /// Threads per block of `route` (one block per token, more than 512
@@ -163,11 +168,10 @@ geometry! {
     /// kernel checks the size).
     MP_STAGES: usize = 3;
     MP_Q4_STAGE_BYTES: usize = 16512;
-    /// Stages in flight in the q4 kernels of int8 activations, and the
-    /// bytes of one (`MoeI8Stage`: 128 rows of 32 bytes of codes, 32 slots'
-    /// 64 int8 activations and their four f32 params, 128 scales and
-    /// biases as f32; the kernel checks the size).
-    MP_I8_STAGES: usize = 4;
+    /// Bytes of a stage of the routed experts' q4 kernels of int8
+    /// activations (gemm.cu's `I8Stage` of 128 rows and 32 slots: 32 bytes
+    /// of codes a row, 64 int8 activations and four f32 params a slot, a
+    /// scale and a bias a row as f32; the kernel checks the size).
     MP_I8_STAGE_BYTES: usize = 7680;
 
     // ---- moe_few.cu

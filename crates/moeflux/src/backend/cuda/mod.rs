@@ -255,6 +255,9 @@ pub struct Weight {
     name: String,
     layout: MatrixLayout,
     data: CudaSlice<u8>,
+    /// Whether prompts' products take int8 activations (q4, not a router,
+    /// [`CudaOptions::activations`] int8).
+    int8: bool,
 }
 
 impl Weight {
@@ -264,6 +267,7 @@ impl Weight {
             layout: self.layout,
             data: &self.data,
             offset: 0,
+            int8: self.int8,
         }
     }
 
@@ -286,6 +290,8 @@ struct Matrix<'a> {
     layout: MatrixLayout,
     data: &'a CudaSlice<u8>,
     offset: usize,
+    /// See [`Weight`]'s `int8`.
+    int8: bool,
 }
 
 /// The result of a device call as moeflux's: a failure (out of memory

@@ -29,7 +29,7 @@ impl Backend for CudaBackend {
         Ok(2.0 * BYTES as f64 / best / 1e9)
     }
 
-    fn load_weight(&self, tensor: &TensorData, _role: TensorRole) -> Result<Weight> {
+    fn load_weight(&self, tensor: &TensorData, role: TensorRole) -> Result<Weight> {
         if tensor.layout.dtype.experts_only() {
             return Err(Error::tensor(
                 &tensor.entry.file,
@@ -56,6 +56,11 @@ impl Backend for CudaBackend {
             name: tensor.name.clone(),
             layout: tensor.layout,
             data,
+            // A router's choice is too sensitive for int8 activations (as
+            // on the CPU).
+            int8: self.activations == Activations::Int8
+                && tensor.layout.dtype == DType::Q4
+                && role != TensorRole::Router,
         })
     }
 

@@ -558,6 +558,7 @@ impl PeerRank {
             name: w.name.clone(),
             layout: w.layout,
             data: self.backend.upload("expert biases", &bytes)?,
+            int8: w.int8,
         });
         self.biases.lock().unwrap().insert(key, copy.clone());
         Ok(copy)

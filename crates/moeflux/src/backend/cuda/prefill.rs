@@ -26,8 +26,9 @@ use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRep
 
 use super::device_expert::{DeviceExpert, expert_inter};
 use super::experts::{EXPERTS_IN_FLIGHT, FfnArgs};
+use super::gemm::{Q8Rows, QuantizedRows};
 use super::geometry::{
-    MP_BM, MP_BN, MP_I8_STAGE_BYTES, MP_I8_STAGES, MP_Q4_STAGE_BYTES, MP_STAGES, MP_THREADS,
+    I8_STAGES, MP_BM, MP_BN, MP_I8_STAGE_BYTES, MP_Q4_STAGE_BYTES, MP_STAGES, MP_THREADS,
 };
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::backend::cpu::Activations;
@@ -62,7 +63,7 @@ impl Part {
 pub(super) const Q4_SHARED_BYTES: usize = MP_STAGES * MP_Q4_STAGE_BYTES;
 
 /// Dynamic shared memory of the q4 kernels of int8 activations.
-const I8_SHARED_BYTES: usize = MP_I8_STAGES * MP_I8_STAGE_BYTES;
+const I8_SHARED_BYTES: usize = I8_STAGES * MP_I8_STAGE_BYTES;
 
 /// Activations split for the q4 kernels (`SplitRows` in moe_prefill.cu):
 /// the device addresses of their hi and lo bf16 rows and of their sums
@@ -87,19 +88,6 @@ impl SplitRows {
     };
 }
 
-/// Activations quantized for the int8 q4 kernels (`Q8Rows` in
-/// moe_prefill.cu): the device addresses of their int8 codes and of their
-/// four f32 parameters per group of 64 columns.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct Q8Rows {
-    codes: u64,
-    params: u64,
-}
-
-// SAFETY: two u64s, laid out as the kernels' struct of two pointers.
-unsafe impl DeviceRepr for Q8Rows {}
-
 /// The inputs of the q4 kernels as `x` and `act` (laid out in `act`'s own
 /// buffer), and the buffers behind them (kept until the kernels are
 /// queued; freed in stream order after).
@@ -112,9 +100,9 @@ enum Q4Inputs {
     },
     /// Quantized to int8.
     Int8 {
-        x: Q8Rows,
+        x: QuantizedRows,
         act: Q8Rows,
-        _buffers: (CudaSlice<u8>, CudaSlice<f32>, CudaSlice<f32>),
+        _buffers: CudaSlice<f32>,
     },
 }
 
@@ -281,14 +269,7 @@ impl CudaBackend {
                         &self.kernels.moe_prefill_down_q4_i8,
                     ],
                     I8_SHARED_BYTES,
-                    [
-                        x,
-                        act,
-                        &Q8Rows {
-                            codes: 0,
-                            params: 0,
-                        },
-                    ],
+                    [&x.rows, act, &Q8Rows::NONE],
                 ),
             };
         }
@@ -427,35 +408,18 @@ impl CudaBackend {
         inter: usize,
     ) -> Result<Q4Inputs> {
         const OP: &str = "routed experts (tensor cores)";
-        let hidden = x.cols;
-        let groups = |cols: usize| cols / crate::quant::GROUP_SIZE;
-        let x_codes = self.alloc::<u8>(OP, x.rows * hidden)?;
-        let x_params = self.alloc::<f32>(OP, 4 * x.rows * groups(hidden))?;
+        let quantized = self.quantize_q4_activations(OP, &x.data, x.rows, x.cols)?;
         let act_rows = act.len() / inter;
-        let act_params = self.alloc::<f32>(OP, 4 * act_rows * groups(inter))?;
-        let x_q8 = Q8Rows {
-            codes: x_codes.device_ptr(&self.stream).0,
-            params: x_params.device_ptr(&self.stream).0,
-        };
+        let act_params =
+            self.alloc::<f32>(OP, 4 * act_rows * (inter / crate::quant::GROUP_SIZE))?;
         let act_q8 = Q8Rows {
             codes: act.device_ptr_mut(&self.stream).0,
             params: act_params.device_ptr(&self.stream).0,
         };
-        let (rows_i, hidden_i) = (int(x.rows, "tokens"), int(hidden, "hidden size"));
-        launch!(
-            self,
-            "routed experts: quantizing the input",
-            &self.kernels.quantize_activations_q4,
-            grid_stride(x.rows * hidden / 8),
-            &x.data,
-            &x_q8,
-            &rows_i,
-            &hidden_i
-        );
         Ok(Q4Inputs::Int8 {
-            x: x_q8,
+            x: quantized,
             act: act_q8,
-            _buffers: (x_codes, x_params, act_params),
+            _buffers: act_params,
         })
     }
 

@@ -473,3 +473,359 @@ __device__ __forceinline__ void linear_tc_jobs(const MatvecJobs& jobs, const flo
 LINEAR_TC(linear_tc_q4, DT_Q4)
 LINEAR_TC(linear_tc_q8, DT_Q8)
 LINEAR_TC(linear_tc_bf16, DT_BF16)
+
+// ---- q4 products with int8 activations (CudaOptions::activations = Int8) ----
+//
+// Prompts' q4 products (linear_tc_q4_i8 below, and the routed experts'
+// moe_prefill_*_q4_i8), with the activations
+// quantized per group of 64 inputs as the CPU's Int8Acts quantizes them
+// (d = max|x| / 127, x̂ = x / d rounded to nearest even) and the products
+// on the integer tensor cores (mma.sync m16n8k32, u8 codes × s8
+// activations, exact s32 sums). Per group and (row, slot), w = s·q + b:
+//   Σ w·x ≈ s·(d·Σ q·x̂ + c·(Σx − d·Σx̂)) + b·Σx,   c = 7.5 (the mean code),
+// the CPU's formula: the rounding error e = x − d·x̂ enters only as
+// s·Σ (q − c)·e, |e| ≤ d/2. A stage is one group: two MMAs a tile, then
+// the affine map in f32 (a stage's instructions are about a third of the
+// bf16 kernels' for the same tile).
+//
+// Fragments of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32",
+// 8-bit types), g = lane / 4, i = lane % 4, four 8-bit values a register:
+//   A: a0 = (row g, k 4i..4i+3), a1 = (g+8, 4i..), a2 = (g, 16+4i..),
+//      a3 = (g+8, 16+4i..);  B: b0 = (k 4i..4i+3, slot g), b1 = (k 16+4i..,
+//      slot g);  C as m16n8k16's.
+// The order of k is free as long as A and B agree. MMA h (0, 1) of a group
+// takes from lane (g, i) the stored word 2i + h of each of its rows (the
+// run of columns 8·(2i + h) .. + 7, nibble j column + j): its low nibbles
+// (columns + 0, 2, 4, 6) as k 4i.., its high nibbles (+ 1, 3, 5, 7) as
+// k 16 + 4i... So the activations are stored each run of 8 columns as its
+// even columns then its odd ones, and b0, b1 of MMA h are words 2h, 2h + 1
+// of the lane's 16 bytes 16i.. of its slot's group.
+
+// Activations quantized for the int8 kernels: `codes` [rows, cols] int8,
+// each run of 8 columns as its evens then its odds; `params` [rows,
+// cols / 64]: d, c·(Σx − d·Σx̂), Σx and 0 of each group.
+struct Q8Rows {
+    u8* codes;
+    float4* params;
+};
+
+#if !defined(I8_STAGES) || !defined(GEMM_I8_STAGE_BYTES)
+#error "gemm.cu: int8 pipeline geometry missing (geometry.rs)"
+#endif
+
+// The four bytes of the low 8 bits of a, b, c, d, in that order.
+__device__ __forceinline__ u32 pack_bytes(int a, int b, int c, int d) {
+    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
+}
+
+// x [rows, cols] as Q8Rows, cols a multiple of 64. A thread takes a run of
+// 8 columns, the 8 lanes of a group its runs; the grid strides by whole
+// warps so every lane of a group is present.
+extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, int rows,
+                                                   int cols) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    const i64 runs = (i64)rows * (cols / 8);
+    const int lane = threadIdx.x % WARP_SIZE;
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x - lane; first < runs;
+         first += step) {
+        const i64 i = first + lane;
+        const bool inside = i < runs;
+        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
+        if (inside) {
+            a = ((const float4*)(x + 8 * i))[0];
+            b = ((const float4*)(x + 8 * i))[1];
+        }
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        float peak = 0.0f, sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            peak = fmaxf(peak, fabsf(v[j]));
+            sum += v[j];
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o *= 2) {
+            peak = fmaxf(peak, __shfl_xor_sync(FULL_MASK, peak, o));
+            sum += __shfl_xor_sync(FULL_MASK, sum, o);
+        }
+        const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+        int q[8], qsum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            q[j] = __float2int_rn(v[j] * inv);
+            qsum += q[j];
+        }
+#pragma unroll
+        for (int o = 1; o < 8; o *= 2) qsum += __shfl_xor_sync(FULL_MASK, qsum, o);
+        if (inside) {
+            *(uint2*)(out.codes + 8 * i) =
+                make_uint2(pack_bytes(q[0], q[2], q[4], q[6]), pack_bytes(q[1], q[3], q[5], q[7]));
+            if (lane % 8 == 0) {
+                const float d = peak / 127.0f;
+                out.params[i / 8] = make_float4(d, 7.5f * (sum - d * (float)qsum), sum, 0.0f);
+            }
+        }
+    }
+#endif
+}
+
+#if __CUDA_ARCH__ >= 800
+
+// d = a · b + c for one m16n8k32 tile of u8 (a) and s8 (b) values.
+__device__ __forceinline__ void mma_u8s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1,
+                                         const int (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
+          "r"(c[2]), "r"(c[3]));
+}
+
+// The A fragment of one MMA from the words of rows g (`top`) and g + 8
+// (`bottom`): low nibbles, then high ones (the header's k order).
+__device__ __forceinline__ void q4_u8_fragment(u32 top, u32 bottom, u32 (&a)[4]) {
+    a[0] = top & 0x0f0f0f0fu;
+    a[1] = bottom & 0x0f0f0f0fu;
+    a[2] = (top >> 4) & 0x0f0f0f0fu;
+    a[3] = (bottom >> 4) & 0x0f0f0f0fu;
+}
+
+// Position of column c of a group in the int8 layout (evens, then odds, of
+// each run of 8).
+__device__ __forceinline__ int q8_position(int c) {
+    return (c & ~7) + 4 * (c & 1) + ((c & 7) >> 1);
+}
+
+// A stage of the int8 kernels: a group of BM rows' codes as stored (32
+// bytes a row: a fragment's reads of 8 bytes at 8·i from rows g hit every
+// bank once), BN slots' (tokens') int8 activations and params, and the
+// rows' scales and biases.
+template <int BM, int BN>
+struct I8Stage {
+    u8 w[BM][GROUP_SIZE / 2];
+    u8 x[BN][GROUP_SIZE];
+    float4 xp[BN];
+    float scale[BM];
+    float bias[BM];
+};
+
+// What thread `tid` of a block of THREADS copies into each stage, worked
+// out once (a stage moves each source along its row): 16-byte pieces of
+// codes (piece p = tid + THREADS·j is half p % 2 of row p / 2), 16 bytes of
+// slot tid / 4's activations (piece tid % 4), slot tid's params (tid < BN)
+// and row tid's scale and bias (tid < BM). A source that is not valid is
+// copied as zeros (and not read).
+template <int BM, int BN, int THREADS>
+struct I8Sources {
+    static constexpr int CODE_PIECES = 2 * BM / THREADS;
+    static_assert(4 * BN == THREADS && BM <= THREADS && CODE_PIECES >= 1,
+                  "one piece of activations a thread, a row's parameters a thread");
+    const u8* codes[CODE_PIECES];
+    bool codes_valid[CODE_PIECES];
+    const u8* act;
+    bool act_valid;
+    const float4* params;
+    bool params_valid;
+    const u16* scale;
+    const u16* bias;
+    bool row_valid;
+};
+
+// acc += the products of stages (groups) first .. last - 1 of the block's
+// rows and slots: the warp's MMA tiles are rows rows[mi] .. + 15 (mi = 0,
+// 1) × slots slot0 + 8·nj .. + 7 (nj < tiles_n), acc in the C fragment's
+// order. STAGES stages in flight through cp.async; the rows' scales and
+// biases are read a stage ahead into registers and stored the stage after.
+// One __syncthreads per stage: it makes stage s visible and frees the
+// buffer of stage s - 1 for the copies of stage s + STAGES - 1.
+template <int BM, int BN, int THREADS, int STAGES>
+__device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
+                                            const I8Sources<BM, BN, THREADS>& src, int first,
+                                            int last, const int (&rows)[2], int slot0,
+                                            int tiles_n, float (&acc)[2][4][4]) {
+    static_assert(STAGES >= 3, "scales are stored one stage after they are read");
+    const int tid = threadIdx.x;
+    const int lane = tid % WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+    // Queues the copies of stage s (none past the last) and closes the group.
+    const auto issue = [&](int s) {
+        if (s < last) {
+            I8Stage<BM, BN>& st = stages[s % STAGES];
+#pragma unroll
+            for (int j = 0; j < I8Sources<BM, BN, THREADS>::CODE_PIECES; ++j) {
+                const int p = tid + THREADS * j;
+                copy_async16(&st.w[p / 2][16 * (p % 2)],
+                             src.codes[j] + (src.codes_valid[j] ? GROUP_SIZE / 2 * s : 0),
+                             src.codes_valid[j]);
+            }
+            copy_async16(&st.x[tid / 4][16 * (tid % 4)],
+                         src.act + (src.act_valid ? GROUP_SIZE * s : 0), src.act_valid);
+            if (tid < BN) {
+                copy_async16(&st.xp[tid], src.params + (src.params_valid ? s : 0),
+                             src.params_valid);
+            }
+        }
+        copy_async_commit();
+    };
+    // Row tid's scale and bias of stage s (zero past the matrix or the stages).
+    const auto read_params = [&](int s, u16& scale, u16& bias) {
+        scale = bias = 0;
+        if (s < last && src.row_valid) {
+            scale = src.scale[s];
+            bias = src.bias[s];
+        }
+    };
+    const auto store_params = [&](int s, u16 scale, u16 bias) {
+        if (tid < BM) {
+            I8Stage<BM, BN>& st = stages[s % STAGES];
+            st.scale[tid] = bf16_to_float(scale);
+            st.bias[tid] = bf16_to_float(bias);
+        }
+    };
+    const int zero[4] = {0, 0, 0, 0};
+    for (int s = first; s < first + STAGES - 1; ++s) {
+        issue(s);
+        u16 scale, bias;
+        read_params(s, scale, bias);
+        store_params(s, scale, bias);
+    }
+    u16 next_scale = 0, next_bias = 0;  // of stage s + STAGES - 2
+    for (int s = first; s < last; ++s) {
+        copy_async_wait<STAGES - 2>();
+        __syncthreads();
+        if (s > first) store_params(s + STAGES - 2, next_scale, next_bias);
+        issue(s + STAGES - 1);
+        read_params(s + STAGES - 1, next_scale, next_bias);
+        const I8Stage<BM, BN>& st = stages[s % STAGES];
+        // a[mi][h]: MMA h's A fragment of row tile mi; the scales and
+        // biases of its rows g (e / 2 = 0) and g + 8 (1).
+        u32 a[2][2][4];
+        float scale[2][2], bias[2][2];
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+            const uint2 top = *(const uint2*)&st.w[rows[mi] + g][8 * i4];
+            const uint2 bottom = *(const uint2*)&st.w[rows[mi] + g + 8][8 * i4];
+            q4_u8_fragment(top.x, bottom.x, a[mi][0]);
+            q4_u8_fragment(top.y, bottom.y, a[mi][1]);
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                scale[mi][h] = st.scale[rows[mi] + g + 8 * h];
+                bias[mi][h] = st.bias[rows[mi] + g + 8 * h];
+            }
+        }
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+            if (nj >= tiles_n) break;
+            const int slot = slot0 + 8 * nj;
+            const uint4 b = *(const uint4*)&st.x[slot + g][16 * i4];
+            // The slots slot + 2·i4 (+ 1) of the C fragment.
+            const float4 p0 = st.xp[slot + 2 * i4], p1 = st.xp[slot + 2 * i4 + 1];
+#pragma unroll
+            for (int mi = 0; mi < 2; ++mi) {
+                int sums[4];
+                mma_u8s8(sums, a[mi][0], b.x, b.y, zero);
+                mma_u8s8(sums, a[mi][1], b.z, b.w, sums);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const float4 p = e % 2 ? p1 : p0;
+                    const float t = fmaf(p.x, (float)sums[e], p.y);
+                    float& c = acc[mi][nj][e];
+                    c = fmaf(scale[mi][e / 2], t, fmaf(bias[mi][e / 2], p.z, c));
+                }
+            }
+        }
+    }
+    copy_async_wait<0>();
+}
+
+typedef I8Stage<GEMM_BM, GEMM_BN> GemmI8Stage;
+static_assert(sizeof(GemmI8Stage) == GEMM_I8_STAGE_BYTES,
+              "geometry.rs's GEMM_I8_STAGE_BYTES must be the size of I8Stage<GEMM_BM, GEMM_BN>");
+
+// linear_tc for q4 rows and int8 activations: the block's row tile `tile`
+// × GEMM_BN tokens from blockIdx.y, stages of split blockIdx.z. Dynamic
+// shared memory: I8_STAGES stages.
+__device__ __forceinline__ void linear_tc_q4_i8_tile(const u8* __restrict__ codes,
+                                                     const u16* __restrict__ scales,
+                                                     const u16* __restrict__ biases, Q8Rows x,
+                                                     float* __restrict__ out, int rows, int tile,
+                                                     int cols, int n, int split_stages,
+                                                     bool accumulate) {
+    extern __shared__ __align__(16) u8 linear_i8_shared[];
+    GemmI8Stage* stages = (GemmI8Stage*)linear_i8_shared;
+    const int tid = threadIdx.x;
+    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+    const int r0 = tile * GEMM_BM, t0 = blockIdx.y * GEMM_BN;
+    const int wm = (warp % 4) * 32;  // the warp's rows in the block: wm..wm+31
+    const int wn = (warp / 4) * 32;  // and tokens: wn..wn+31
+    const int tiles_n = min(4, max(0, (n - t0 - wn + 7) / 8));
+    const int groups = cols / GROUP_SIZE;
+    const i64 row_bytes = cols / 2;
+
+    I8Sources<GEMM_BM, GEMM_BN, GEMM_THREADS> src;
+#pragma unroll
+    for (int j = 0; j < I8Sources<GEMM_BM, GEMM_BN, GEMM_THREADS>::CODE_PIECES; ++j) {
+        const int p = tid + GEMM_THREADS * j;
+        const int r = r0 + p / 2;
+        src.codes_valid[j] = r < rows;
+        src.codes[j] = codes + (r < rows ? r * row_bytes + 16 * (p % 2) : 0);
+    }
+    const int t = t0 + tid / 4;
+    src.act_valid = t < n;
+    src.act = x.codes + (t < n ? (i64)t * cols + 16 * (tid % 4) : 0);
+    const int pt = t0 + tid;
+    src.params_valid = tid < GEMM_BN && pt < n;
+    src.params = x.params + (src.params_valid ? (i64)pt * groups : 0);
+    const int pr = r0 + tid;
+    src.row_valid = tid < GEMM_BM && pr < rows;
+    src.scale = scales + (src.row_valid ? (i64)pr * groups : 0);
+    src.bias = biases + (src.row_valid ? (i64)pr * groups : 0);
+
+    float acc[2][4][4] = {};
+    const int first = blockIdx.z * split_stages;
+    const int last = min(groups, first + split_stages);
+    const int rows_of_warp[2] = {wm, wm + 16};
+    i8_products<GEMM_BM, GEMM_BN, GEMM_THREADS, I8_STAGES>(stages, src, first, last,
+                                                          rows_of_warp, wn, tiles_n, acc);
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = r0 + wm + 16 * mi + g + 8 * (e / 2);
+                const int tk = t0 + wn + 8 * nj + 2 * i4 + e % 2;
+                if (r < rows && tk < n) {
+                    float* o = out + (i64)tk * rows + r;
+                    *o = accumulate ? *o + acc[mi][nj][e] : acc[mi][nj][e];
+                }
+            }
+        }
+    }
+}
+
+#endif  // __CUDA_ARCH__ >= 800
+
+// linear_tc_q4 with int8 activations (x as quantize_activations_q4 makes
+// them): the same jobs, grid and splits; I8_STAGES · GEMM_I8_STAGE_BYTES of
+// dynamic shared memory. sm_80+.
+extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
+    linear_tc_q4_i8(MatvecJobs jobs, Q8Rows x, float* partial, int cols, int n,
+                    int split_stages, int accumulate) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    const int index = block_job(jobs);
+    const MatvecJob& job = jobs.job[index];
+    float* out = job.out;
+    if (partial) {
+        out = partial + blockIdx.z * outputs_before(jobs, jobs.count, n) +
+              outputs_before(jobs, index, n);
+    }
+    linear_tc_q4_i8_tile(job.codes, job.scales, job.biases, x, out, job.rows,
+                         blockIdx.x - job.first_block, cols, n, split_stages,
+                         !partial && accumulate);
+#endif
+}

@@ -762,142 +762,26 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
 
 // ---- q4 with int8 activations (CudaOptions::activations = Int8) ----
 //
-// The q4 kernels' tiles, grids and pipeline, with the activations
-// quantized per group of 64 inputs as the CPU's Int8Acts quantizes them
-// (d = max|x| / 127, x̂ = x / d rounded to nearest even) and the products
-// on the integer tensor cores (mma.sync m16n8k32, u8 codes × s8
-// activations, exact s32 sums). Per group and (row, slot), w = s·q + b:
-//   Σ w·x ≈ s·(d·Σ q·x̂ + c·(Σx − d·Σx̂)) + b·Σx,   c = 7.5 (the mean code),
-// the CPU's formula: the rounding error e = x − d·x̂ enters only as
-// s·Σ (q − c)·e, |e| ≤ d/2. A stage is one group: two MMAs a tile, then
-// the affine map in f32 (a stage's instructions are about a third of the
-// bf16 kernels' for the same tile).
-//
-// Fragments of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32",
-// 8-bit types), g = lane / 4, i = lane % 4, four 8-bit values a register:
-//   A: a0 = (row g, k 4i..4i+3), a1 = (g+8, 4i..), a2 = (g, 16+4i..),
-//      a3 = (g+8, 16+4i..);  B: b0 = (k 4i..4i+3, slot g), b1 = (k 16+4i..,
-//      slot g);  C as m16n8k16's.
-// The order of k is free as long as A and B agree. MMA h (0, 1) of a group
-// takes from lane (g, i) the stored word 2i + h of each of its rows (the
-// run of columns 8·(2i + h) .. + 7, nibble j column + j): its low nibbles
-// (columns + 0, 2, 4, 6) as k 4i.., its high nibbles (+ 1, 3, 5, 7) as
-// k 16 + 4i... So the activations are stored each run of 8 columns as its
-// even columns then its odd ones, and b0, b1 of MMA h are words 2h, 2h + 1
-// of the lane's 16 bytes 16i.. of its slot's group.
+// The q4 kernels' tiles and grids with the products of gemm.cu's int8
+// section (i8_products: the activations quantized per group of 64 inputs
+// as the CPU's int8 activations are, the integer tensor cores); gate/up
+// writes act quantized the same way for down (quantize_activations_q4's
+// layout and parameters).
 
-// Activations quantized for the int8 kernels: `codes` [rows, cols] int8,
-// each run of 8 columns as its evens then its odds; `params` [rows,
-// cols / 64]: d, c·(Σx − d·Σx̂), Σx and 0 of each group.
-struct Q8Rows {
-    u8* codes;
-    float4* params;
-};
-
-#if !defined(MP_I8_STAGES) || !defined(MP_I8_STAGE_BYTES)
-#error "moe_prefill.cu: int8 pipeline geometry missing (geometry.rs)"
+#if !defined(MP_I8_STAGE_BYTES)
+#error "moe_prefill.cu: int8 stage size missing (geometry.rs)"
 #endif
 
-struct MoeI8Stage {
-    u8 w[MP_BM][GROUP_SIZE / 2];  // a group of codes as stored
-    u8 x[MP_BN][GROUP_SIZE];      // the tile's slots' codes
-    float4 xp[MP_BN];             // and their params
-    float scale[MP_BM];           // each row's scale and bias
-    float bias[MP_BM];
-};
+#if __CUDA_ARCH__ >= 800
+
+typedef I8Stage<MP_BM, MP_BN> MoeI8Stage;
 static_assert(sizeof(MoeI8Stage) == MP_I8_STAGE_BYTES,
-              "geometry.rs's MP_I8_STAGE_BYTES must be the size of MoeI8Stage");
-static_assert(MP_I8_STAGES >= 3, "scales are stored one stage after they are read");
-
-// The four bytes of the low 8 bits of a, b, c, d, in that order.
-__device__ __forceinline__ u32 pack_bytes(int a, int b, int c, int d) {
-    return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
-}
-
-// x [rows, cols] as Q8Rows, cols a multiple of 64. A thread takes a run of
-// 8 columns, the 8 lanes of a group its runs; the grid strides by whole
-// warps so every lane of a group is present.
-extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, int rows,
-                                                   int cols) {
-    await_inputs();
-#if __CUDA_ARCH__ >= 800
-    const i64 runs = (i64)rows * (cols / 8);
-    const int lane = threadIdx.x % WARP_SIZE;
-    const i64 step = (i64)gridDim.x * blockDim.x;
-    for (i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x - lane; first < runs;
-         first += step) {
-        const i64 i = first + lane;
-        const bool inside = i < runs;
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-        if (inside) {
-            a = ((const float4*)(x + 8 * i))[0];
-            b = ((const float4*)(x + 8 * i))[1];
-        }
-        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-        float peak = 0.0f, sum = 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            peak = fmaxf(peak, fabsf(v[j]));
-            sum += v[j];
-        }
-#pragma unroll
-        for (int o = 1; o < 8; o *= 2) {
-            peak = fmaxf(peak, __shfl_xor_sync(FULL_MASK, peak, o));
-            sum += __shfl_xor_sync(FULL_MASK, sum, o);
-        }
-        const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
-        int q[8], qsum = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            q[j] = __float2int_rn(v[j] * inv);
-            qsum += q[j];
-        }
-#pragma unroll
-        for (int o = 1; o < 8; o *= 2) qsum += __shfl_xor_sync(FULL_MASK, qsum, o);
-        if (inside) {
-            *(uint2*)(out.codes + 8 * i) =
-                make_uint2(pack_bytes(q[0], q[2], q[4], q[6]), pack_bytes(q[1], q[3], q[5], q[7]));
-            if (lane % 8 == 0) {
-                const float d = peak / 127.0f;
-                out.params[i / 8] = make_float4(d, 7.5f * (sum - d * (float)qsum), sum, 0.0f);
-            }
-        }
-    }
-#endif
-}
-
-#if __CUDA_ARCH__ >= 800
-
-// d = a · b + c for one m16n8k32 tile of u8 (a) and s8 (b) values.
-__device__ __forceinline__ void mma_u8s8(int (&d)[4], const u32 (&a)[4], u32 b0, u32 b1,
-                                         const int (&c)[4]) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 "
-        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%10, %11, %12, %13};\n"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]),
-          "r"(c[2]), "r"(c[3]));
-}
-
-// The A fragment of one MMA from the words of rows g (`top`) and g + 8
-// (`bottom`): low nibbles, then high ones (the header's k order).
-__device__ __forceinline__ void q4_u8_fragment(u32 top, u32 bottom, u32 (&a)[4]) {
-    a[0] = top & 0x0f0f0f0fu;
-    a[1] = bottom & 0x0f0f0f0fu;
-    a[2] = (top >> 4) & 0x0f0f0f0fu;
-    a[3] = (bottom >> 4) & 0x0f0f0f0fu;
-}
-
-// Position of column c of a group in the int8 layout (evens, then odds, of
-// each run of 8).
-__device__ __forceinline__ int q8_position(int c) {
-    return (c & ~7) + 4 * (c & 1) + ((c & 7) >> 1);
-}
+              "geometry.rs's MP_I8_STAGE_BYTES must be the size of I8Stage<MP_BM, MP_BN>");
 
 // The int8 kernels' body. GATE_UP: x is the layer input quantized, `a`
 // gate and `b` up; act (written) is silu(gate)·up quantized, by sorted
 // position. Otherwise x is act, `a` down (b unused), and out is y
-// [n · top_k, rows] by slot. Dynamic shared memory: MP_I8_STAGES stages.
+// [n · top_k, rows] by slot. Dynamic shared memory: I8_STAGES stages.
 template <bool GATE_UP>
 __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __restrict__ table,
                                                   const u32* __restrict__ tiles,
@@ -924,128 +808,41 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
 
     const int groups = cols / GROUP_SIZE;  // = stages
     const i64 row_bytes = cols / 2;
-    // What this thread copies, worked out once (a stage moves each source
-    // along its row): codes of shared rows tid / 2 and tid / 2 + 64 (half
-    // `tid % 2` of the group's 32 bytes); 16 bytes of slot tid / 4's
-    // activations (piece tid % 4); slot tid's params; the scale and bias of
-    // shared row tid. An invalid source is copied as zeros (and not read).
-    const u8* codes_from[2];
-    bool codes_valid[2];
+    // gemm.cu's I8Sources: codes of shared rows tid / 2 and tid / 2 + 64
+    // (below `split` of matrix 0, the others of matrix 1), the activations
+    // and params of the tile's slots by their input rows.
+    I8Sources<MP_BM, MP_BN, MP_THREADS> src;
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-        const int row = tid / 2 + (MP_BM / 2) * j;
+    for (int j = 0; j < I8Sources<MP_BM, MP_BN, MP_THREADS>::CODE_PIECES; ++j) {
+        const int p = tid + MP_THREADS * j;
+        const int row = p / 2;
         const bool second = row >= split;
         const int r = r0 + row - (second ? split : 0);
-        codes_valid[j] = r < rows;
-        codes_from[j] = (second ? m.codes[1] : m.codes[0]) +
-                        (codes_valid[j] ? r * row_bytes + 16 * (tid % 2) : 0);
+        src.codes_valid[j] = r < rows;
+        src.codes[j] = (second ? m.codes[1] : m.codes[0]) +
+                       (r < rows ? r * row_bytes + 16 * (p % 2) : 0);
     }
     const int act_src = in_row[tid / 4];
-    const u8* act_from = x.codes + (act_src >= 0 ? (i64)act_src * cols + 16 * (tid % 4) : 0);
+    src.act_valid = act_src >= 0;
+    src.act = x.codes + (act_src >= 0 ? (i64)act_src * cols + 16 * (tid % 4) : 0);
     const int param_src = tid < MP_BN ? in_row[tid] : -1;
-    const float4* param_from = x.params + (param_src >= 0 ? (i64)param_src * groups : 0);
-    const u16 *scale_from, *bias_from;
-    bool params_valid;
+    src.params_valid = param_src >= 0;
+    src.params = x.params + (param_src >= 0 ? (i64)param_src * groups : 0);
     {
         const bool second = tid >= split;
         const int r = r0 + tid - (second ? split : 0);
-        params_valid = r < rows;
-        const i64 at = params_valid ? (i64)r * groups : 0;
-        scale_from = (second ? m.scales[1] : m.scales[0]) + at;
-        bias_from = (second ? m.biases[1] : m.biases[0]) + at;
+        src.row_valid = r < rows;
+        const i64 at = src.row_valid ? (i64)r * groups : 0;
+        src.scale = (second ? m.scales[1] : m.scales[0]) + at;
+        src.bias = (second ? m.biases[1] : m.biases[0]) + at;
     }
-    static_assert(2 * MP_BM / MP_THREADS == 2 && 4 * MP_BN == MP_THREADS,
-                  "the copies' layout above");
-    // Queues the copies of stage s (none past the last) and closes the group.
-    const auto issue = [&](int s) {
-        if (s < groups) {
-            MoeI8Stage& st = stages[s % MP_I8_STAGES];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                copy_async16(&st.w[tid / 2 + (MP_BM / 2) * j][16 * (tid % 2)],
-                             codes_from[j] + (codes_valid[j] ? GROUP_SIZE / 2 * s : 0),
-                             codes_valid[j]);
-            }
-            copy_async16(&st.x[tid / 4][16 * (tid % 4)],
-                         act_from + (act_src >= 0 ? GROUP_SIZE * s : 0), act_src >= 0);
-            if (tid < MP_BN) {
-                copy_async16(&st.xp[tid], param_from + (param_src >= 0 ? s : 0),
-                             param_src >= 0);
-            }
-        }
-        copy_async_commit();
-    };
-    // Row tid's scale and bias of stage s (zero past the matrix or the stages).
-    const auto read_params = [&](int s, u16& scale, u16& bias) {
-        scale = bias = 0;
-        if (s < groups && params_valid) {
-            scale = scale_from[s];
-            bias = bias_from[s];
-        }
-    };
-    const auto store_params = [&](int s, u16 scale, u16 bias) {
-        MoeI8Stage& st = stages[s % MP_I8_STAGES];
-        st.scale[tid] = bf16_to_float(scale);
-        st.bias[tid] = bf16_to_float(bias);
-    };
 
     const int tiles_n = min(4, (count + 7) / 8);
     const int rows_of_warp[2] = {moe_tile_row<GATE_UP>(warp, 0),
                                  moe_tile_row<GATE_UP>(warp, 1)};
-    const int zero[4] = {0, 0, 0, 0};
     float acc[2][4][4] = {};
-    for (int s = 0; s < MP_I8_STAGES - 1; ++s) {
-        issue(s);
-        u16 scale, bias;
-        read_params(s, scale, bias);
-        store_params(s, scale, bias);
-    }
-    u16 next_scale = 0, next_bias = 0;  // of stage s + MP_I8_STAGES - 2
-    for (int s = 0; s < groups; ++s) {
-        copy_async_wait<MP_I8_STAGES - 2>();
-        __syncthreads();
-        if (s > 0) store_params(s + MP_I8_STAGES - 2, next_scale, next_bias);
-        issue(s + MP_I8_STAGES - 1);
-        read_params(s + MP_I8_STAGES - 1, next_scale, next_bias);
-        const MoeI8Stage& st = stages[s % MP_I8_STAGES];
-        // a[mi][h]: MMA h's A fragment of the warp's row tile mi; the
-        // scales and biases of its rows g (e / 2 = 0) and g + 8 (1).
-        u32 a[2][2][4];
-        float scale[2][2], bias[2][2];
-#pragma unroll
-        for (int mi = 0; mi < 2; ++mi) {
-            const uint2 top = *(const uint2*)&st.w[rows_of_warp[mi] + g][8 * i4];
-            const uint2 bottom = *(const uint2*)&st.w[rows_of_warp[mi] + g + 8][8 * i4];
-            q4_u8_fragment(top.x, bottom.x, a[mi][0]);
-            q4_u8_fragment(top.y, bottom.y, a[mi][1]);
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                scale[mi][h] = st.scale[rows_of_warp[mi] + g + 8 * h];
-                bias[mi][h] = st.bias[rows_of_warp[mi] + g + 8 * h];
-            }
-        }
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj) {
-            if (nj >= tiles_n) break;
-            const uint4 b = *(const uint4*)&st.x[8 * nj + g][16 * i4];
-            // The slots 8·nj + 2·i4 (+ 1) of the C fragment.
-            const float4 p0 = st.xp[8 * nj + 2 * i4], p1 = st.xp[8 * nj + 2 * i4 + 1];
-#pragma unroll
-            for (int mi = 0; mi < 2; ++mi) {
-                int sums[4];
-                mma_u8s8(sums, a[mi][0], b.x, b.y, zero);
-                mma_u8s8(sums, a[mi][1], b.z, b.w, sums);
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const float4 p = e % 2 ? p1 : p0;
-                    const float t = fmaf(p.x, (float)sums[e], p.y);
-                    float& c = acc[mi][nj][e];
-                    c = fmaf(scale[mi][e / 2], t, fmaf(bias[mi][e / 2], p.z, c));
-                }
-            }
-        }
-    }
-    copy_async_wait<0>();
+    i8_products<MP_BM, MP_BN, MP_THREADS, I8_STAGES>(stages, src, 0, groups, rows_of_warp, 0,
+                                                    tiles_n, acc);
 
     if (GATE_UP) {
         // acc[0] is gate, acc[1] up, of rows r0 + 16·warp + g (+ 8): the
@@ -1133,7 +930,7 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
 #endif  // __CUDA_ARCH__ >= 800
 
 // The int8 kernels: grids as the q4 ones'; MP_THREADS threads;
-// MP_I8_STAGES · MP_I8_STAGE_BYTES of dynamic shared memory. sm_80+.
+// I8_STAGES · MP_I8_STAGE_BYTES of dynamic shared memory. sm_80+.
 #define MOE_I8_PARAMS                                                                 \
     const unsigned long long *table, const u32 *tiles, const u32 *tile_count,         \
         const u32 *slots, Q8Rows x, float *out, Q8Rows act, int rows, int cols,        \
