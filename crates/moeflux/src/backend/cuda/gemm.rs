@@ -28,9 +28,10 @@
 //! multiply on the integer tensor cores (gemm.cu's int8 section): the
 //! CPU's int8 arithmetic, within its bound.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::geometry::{GEMM_BM, GEMM_BN, GEMM_I8_STAGE_BYTES, GEMM_THREADS, I8_STAGES, MAX_JOBS};
+use super::linear::MatvecJobs;
 use super::{CudaBackend, Matrix, grid_stride, int};
 use crate::error::Result;
 use crate::quant::DType;
@@ -166,38 +167,47 @@ impl CudaBackend {
             // The bf16 kernels' tiles are static shared memory (38 KiB).
             shared_mem_bytes: 0,
         };
-        if int8 {
-            let quantized = self.quantize_q4_activations(op, x, n, cols)?;
-            config.shared_mem_bytes = I8_SHARED_BYTES as u32;
-            launch!(
-                self,
-                op,
-                kernel,
-                config,
-                &packed,
-                &quantized.rows,
-                &partial_ptr,
-                &cols_i,
-                &n_i,
-                &split_i,
-                &accumulate_i
-            );
-        } else {
-            launch!(
-                self,
-                op,
-                kernel,
-                config,
-                &packed,
-                x,
-                &partial_ptr,
-                &cols_i,
-                &n_i,
-                &split_i,
-                &accumulate_i
-            );
+        let args = (&packed, &partial_ptr, [cols_i, n_i, split_i, accumulate_i]);
+        match int8 {
+            true => {
+                let quantized = self.quantize_q4_activations(op, x, n, cols)?;
+                config.shared_mem_bytes = I8_SHARED_BYTES as u32;
+                self.launch_linear_tc(op, kernel, config, &quantized.rows, args)?;
+            }
+            false => {
+                let x = x.device_ptr(&self.stream).0;
+                self.launch_linear_tc(op, kernel, config, &x, args)?;
+            }
         }
         self.add_split_parts(op, &parts, &packed, n, accumulate)
+    }
+
+    /// One launch of a `linear_tc_*` kernel over `packed` jobs: `x` the
+    /// input as the kernel takes it (the address of f32 rows, or
+    /// [`Q8Rows`]), then the split parts' address, the columns, tokens,
+    /// stages a split and whether to accumulate.
+    fn launch_linear_tc<X: DeviceRepr>(
+        &self,
+        op: &str,
+        kernel: &CudaFunction,
+        config: LaunchConfig,
+        x: &X,
+        (packed, partial, [cols, n, split_stages, accumulate]): (&MatvecJobs, &u64, [i32; 4]),
+    ) -> Result<()> {
+        launch!(
+            self,
+            op,
+            kernel,
+            config,
+            packed,
+            x,
+            partial,
+            &cols,
+            &n,
+            &split_stages,
+            &accumulate
+        );
+        Ok(())
     }
 
     /// `x` (`[rows, cols]`, whole groups of 64 columns) quantized for the

@@ -371,6 +371,30 @@ __device__ __forceinline__ void mma_stage(const Shared& sm, const int (&rows)[2]
         rows, token0, tiles_n, acc);
 }
 
+// out[t, r] (+)= acc for a warp's MMA tiles of rows row0 + 16·mi (+ g,
+// + g + 8) and tokens token0 + 8·nj (+ 2·i4, + 1), those inside `rows` × `n`.
+__device__ __forceinline__ void store_warp_tiles(const float (&acc)[2][4][4], float* out,
+                                                 int rows, int n, int row0, int token0,
+                                                 bool accumulate) {
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, i4 = lane % 4;
+#pragma unroll
+    for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int r = row0 + 16 * mi + g + 8 * (e / 2);
+                const int t = token0 + 8 * nj + 2 * i4 + e % 2;
+                if (r < rows && t < n) {
+                    float* o = out + (i64)t * rows + r;
+                    *o = accumulate ? *o + acc[mi][nj][e] : acc[mi][nj][e];
+                }
+            }
+        }
+    }
+}
+
 // The kernels' body for row tile `tile` (rows tile·GEMM_BM..) of a matrix
 // of `rows` rows. Grid: (the launch's row tiles over its matrices,
 // ceil(n / GEMM_BN), splits), GEMM_THREADS threads. Block z sums the
@@ -387,9 +411,7 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
                                           float* __restrict__ out, int rows, int tile, int cols,
                                           int n, int split_stages, bool accumulate) {
     __shared__ __align__(16) GemmShared sm;
-    const int tid = threadIdx.x;
-    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    const int g = lane / 4, i4 = lane % 4;
+    const int warp = threadIdx.x / WARP_SIZE;
     const int r0 = tile * GEMM_BM, t0 = blockIdx.y * GEMM_BN;
     const int wm = (warp % 4) * 32;  // the warp's rows in the block: wm..wm+31
     const int wn = (warp / 4) * 32;  // and tokens: wn..wn+31
@@ -420,28 +442,22 @@ __device__ __forceinline__ void linear_tc(const u8* __restrict__ codes,
         }
     }
 
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = r0 + wm + 16 * mi + g + 8 * (e / 2);
-                const int t = t0 + wn + 8 * nj + 2 * i4 + e % 2;
-                if (r < rows && t < n) {
-                    float* o = out + (i64)t * rows + r;
-                    *o = accumulate ? *o + acc[mi][nj][e] : acc[mi][nj][e];
-                }
-            }
-        }
-    }
+    store_warp_tiles(acc, out, rows, n, r0 + wm, t0 + wn, accumulate);
 }
 
 #endif  // __CUDA_ARCH__ >= 800
 
-// A launch's block: its job's matrix and output (with `partial`, the
-// job's part of split blockIdx.z there, split-major over the launch's
-// outputs as sum_split_parts reads them), then linear_tc.
+// Where a launch's block writes: its job's output, or with `partial` the
+// job's part of split blockIdx.z there (split-major over the launch's
+// outputs, as sum_split_parts reads them).
+__device__ __forceinline__ float* block_output(const MatvecJobs& jobs, int index,
+                                               float* partial, int n) {
+    if (!partial) return jobs.job[index].out;
+    return partial + blockIdx.z * outputs_before(jobs, jobs.count, n) +
+           outputs_before(jobs, index, n);
+}
+
+// A launch's block: its job's matrix and output, then linear_tc.
 template <int DT>
 __device__ __forceinline__ void linear_tc_jobs(const MatvecJobs& jobs, const float* x,
                                                float* partial, int cols, int n,
@@ -449,13 +465,9 @@ __device__ __forceinline__ void linear_tc_jobs(const MatvecJobs& jobs, const flo
 #if __CUDA_ARCH__ >= 800
     const int index = block_job(jobs);
     const MatvecJob& job = jobs.job[index];
-    float* out = job.out;
-    if (partial) {
-        out = partial + blockIdx.z * outputs_before(jobs, jobs.count, n) +
-              outputs_before(jobs, index, n);
-    }
-    linear_tc<DT>(job.codes, job.scales, job.biases, x, out, job.rows,
-                  blockIdx.x - job.first_block, cols, n, split_stages, !partial && accumulate);
+    linear_tc<DT>(job.codes, job.scales, job.biases, x, block_output(jobs, index, partial, n),
+                  job.rows, blockIdx.x - job.first_block, cols, n, split_stages,
+                  !partial && accumulate);
 #endif
 }
 
@@ -755,9 +767,7 @@ __device__ __forceinline__ void linear_tc_q4_i8_tile(const u8* __restrict__ code
                                                      bool accumulate) {
     extern __shared__ __align__(16) u8 linear_i8_shared[];
     GemmI8Stage* stages = (GemmI8Stage*)linear_i8_shared;
-    const int tid = threadIdx.x;
-    const int lane = tid % WARP_SIZE, warp = tid / WARP_SIZE;
-    const int g = lane / 4, i4 = lane % 4;
+    const int tid = threadIdx.x, warp = tid / WARP_SIZE;
     const int r0 = tile * GEMM_BM, t0 = blockIdx.y * GEMM_BN;
     const int wm = (warp % 4) * 32;  // the warp's rows in the block: wm..wm+31
     const int wn = (warp / 4) * 32;  // and tokens: wn..wn+31
@@ -790,21 +800,7 @@ __device__ __forceinline__ void linear_tc_q4_i8_tile(const u8* __restrict__ code
     const int rows_of_warp[2] = {wm, wm + 16};
     i8_products<GEMM_BM, GEMM_BN, GEMM_THREADS, I8_STAGES>(stages, src, first, last,
                                                           rows_of_warp, wn, tiles_n, acc);
-#pragma unroll
-    for (int mi = 0; mi < 2; ++mi) {
-#pragma unroll
-        for (int nj = 0; nj < 4; ++nj) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int r = r0 + wm + 16 * mi + g + 8 * (e / 2);
-                const int tk = t0 + wn + 8 * nj + 2 * i4 + e % 2;
-                if (r < rows && tk < n) {
-                    float* o = out + (i64)tk * rows + r;
-                    *o = accumulate ? *o + acc[mi][nj][e] : acc[mi][nj][e];
-                }
-            }
-        }
-    }
+    store_warp_tiles(acc, out, rows, n, r0 + wm, t0 + wn, accumulate);
 }
 
 #endif  // __CUDA_ARCH__ >= 800
@@ -819,12 +815,8 @@ extern "C" __global__ void __launch_bounds__(GEMM_THREADS, 2)
 #if __CUDA_ARCH__ >= 800
     const int index = block_job(jobs);
     const MatvecJob& job = jobs.job[index];
-    float* out = job.out;
-    if (partial) {
-        out = partial + blockIdx.z * outputs_before(jobs, jobs.count, n) +
-              outputs_before(jobs, index, n);
-    }
-    linear_tc_q4_i8_tile(job.codes, job.scales, job.biases, x, out, job.rows,
+    linear_tc_q4_i8_tile(job.codes, job.scales, job.biases, x,
+                         block_output(jobs, index, partial, n), job.rows,
                          blockIdx.x - job.first_block, cols, n, split_stages,
                          !partial && accumulate);
 #endif
