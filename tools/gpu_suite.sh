@@ -8,11 +8,13 @@
 #   tools/gpu_suite.sh run    on the GPU machine, from the repository root:
 #                             run the CUDA tests, a CUDA-vs-CPU generation and
 #                             `moeflux bench --device cuda` on the bundled and
-#                             a synthetic model, logging to $OUT
+#                             a synthetic model (pp512 also with int8
+#                             activations), logging to $OUT
 #   tools/gpu_suite.sh perf   on the GPU machine: the CUDA tests, then the
 #                             synthetic qwen3-30b-a3b's decode with and
 #                             without programmatic launch (interleaved),
-#                             device time per operation of a pp512, and
+#                             pp512 with f32 and int8 activations, device
+#                             time per operation of a pp512, and
 #                             Nsight Compute's kernel times for decode
 #                             (PERF_TESTS=0 skips the tests, PERF_NCU=0
 #                             Nsight Compute)
@@ -164,6 +166,7 @@ run() {
     step bench-bundled 120 "$moeflux" bench --device cuda
     step synth 180 "$moeflux" synth --preset qwen3-30b-a3b -o "$synthetic" --force
     step bench-resident 150 "$moeflux" bench -m "$synthetic" --device cuda -n 128 --warmup 16
+    step bench-int8-prefill 100 "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings --activations int8
     step bench-no-graphs 100 env MOEFLUX_CUDA_GRAPHS=0 "$moeflux" bench -m "$synthetic" --device cuda -n 64 --prefill 0 --no-ceilings
     step bench-chunk64 150 "$moeflux" bench -m "$synthetic" --device cuda -n 32 --prefill-chunk 64 --no-ceilings
     # A VRAM expert budget of a quarter of the expert bytes.
@@ -176,7 +179,7 @@ run() {
     grep -E '^test result|^test .*FAILED|skipped|prefill vs decode|recorded decode|VRAM uploads|state continued|resident decode|worst|decode:|pinned' \
         "$OUT/cuda-tests.log" | head -n 120 || true
     grep -A 3 'panicked' "$OUT/cuda-tests.log" | head -n 60 || true
-    for log in generate-cuda generate-cpu bench-bundled bench-resident bench-no-graphs bench-chunk64 bench-quarter; do
+    for log in generate-cuda generate-cpu bench-bundled bench-resident bench-int8-prefill bench-no-graphs bench-chunk64 bench-quarter; do
         echo "--- $log"
         tail -n 30 "$OUT/$log.log" 2>/dev/null || true
     done
@@ -203,8 +206,11 @@ perf() {
             MOEFLUX_CUDA_PDL=$pdl "$moeflux" "${decode[@]}" 2>&1 | grep -E '^decode|rror' || true
         done
     done
-    echo "--- pp512"
-    "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings 2>&1 | grep -E '^prefill|^decode|rror' || true
+    for activations in f32 int8; do
+        echo "--- pp512, --activations $activations"
+        "$moeflux" bench -m "$synthetic" --device cuda -n 4 --warmup 2 --no-ceilings --activations "$activations" 2>&1 |
+            grep -E '^prefill|^decode|rror' || true
+    done
     echo "--- device time per operation, pp512 (events around each launch; graphs off)"
     MOEFLUX_CUDA_PROFILE=1 "$moeflux" bench -m "$synthetic" --device cuda -n 1 --warmup 0 --prompt-len 1 --no-ceilings \
         >"$OUT/profile-prefill.log" 2>&1 || true
