@@ -496,9 +496,9 @@ LINEAR_TC(linear_tc_bf16, DT_BF16)
 // activations, exact s32 sums). Per group and (row, slot), w = s·q + b:
 //   Σ w·x ≈ s·(d·Σ q·x̂ + c·(Σx − d·Σx̂)) + b·Σx,   c = 7.5 (the mean code),
 // the CPU's formula: the rounding error e = x − d·x̂ enters only as
-// s·Σ (q − c)·e, |e| ≤ d/2. A stage is one group: two MMAs a tile, then
-// the affine map in f32 (a stage's instructions are about a third of the
-// bf16 kernels' for the same tile).
+// s·Σ (q − c)·e, |e| ≤ d/2. A stage is one group: two MMAs a tile (the
+// bf16 kernels take eight: four steps of k, each for hi and lo), then the
+// affine map in f32.
 //
 // Fragments of m16n8k32 (PTX ISA, "Matrix Fragments for mma.m16n8k32",
 // 8-bit types), g = lane / 4, i = lane % 4, four 8-bit values a register:
