@@ -13,7 +13,9 @@
 //!
 //! Numerics follow the CPU backend: f32 activations and accumulation,
 //! weights dequantized exactly as stored, rotary frequencies computed on
-//! the host in f32. Only summation orders differ.
+//! the host in f32. Only summation orders differ. With
+//! [`CudaOptions::activations`] int8, a prompt's q4 products take the CPU's
+//! int8 arithmetic instead (gemm.rs).
 //!
 //! A device failure inside an operation (memory exhausted even after
 //! emptying the expert cache, a kernel fault) is returned as
@@ -163,11 +165,12 @@ pub struct CudaOptions {
     /// Whether decode steps may compute experts missing from VRAM on the
     /// CPU (hybrid.rs; default: where the cost model says it is faster).
     pub cpu_experts: CpuExperts,
-    /// How the routed experts of a prefill chunk take their activations
-    /// when the experts are q4: f32 (split into two bf16 halves, within f32
-    /// rounding of the CPU's f32 products) or int8 (quantized per group of
-    /// 64 inputs as the CPU's int8 activations are, on the integer tensor
-    /// cores: faster, with the CPU's int8 accuracy).
+    /// How a prompt's q4 products (routed experts and dense matrices, not
+    /// routers) take their activations: f32 (split into two bf16 halves,
+    /// within f32 rounding of the CPU's f32 products) or int8 (quantized per
+    /// group of 64 inputs as the CPU's int8 activations are, on the integer
+    /// tensor cores: faster, with the CPU's int8 accuracy). Decode steps
+    /// take f32 either way.
     pub activations: Activations,
 }
 
@@ -475,7 +478,7 @@ impl CudaBackend {
                 human_bytes(memory as u64),
                 match options.activations {
                     Activations::F32 => "",
-                    Activations::Int8 => "; int8 activations for q4 experts in prefill",
+                    Activations::Int8 => "; int8 activations for prompts' q4 products",
                 }
             ),
             ctx,
