@@ -945,13 +945,13 @@ backend_tests!(int8 cuda_int8, || cuda_with(CudaOptions {
     ..CudaOptions::default()
 }));
 
-/// int8 activations for the q4 routed experts of prompts (the integer
-/// tensor-core kernels) keep every fixture's logits within the bounds the
-/// CPU's int8 activations are held to against transformers on the same
-/// quantized weights (transformers_parity.rs: per prompt, 95th percentile
-/// of the positions' relative errors ≤ 2e-2, max ≤ 1.5e-1, the same top-1
-/// token at ≥ 85% of positions); decode after the prompt takes the f32
-/// kernels, and the prompt's errors carry into it through the KV cache.
+/// int8 activations for the q4 products of prompts (routed experts and
+/// dense matrices on the integer tensor cores) keep every fixture's logits
+/// within the bounds the CPU's int8 activations are held to against
+/// transformers on the same quantized weights (transformers_parity.rs: per
+/// prompt, 95th percentile of the positions' relative errors ≤ 2e-2, max ≤
+/// 1.5e-1, the same top-1 token at ≥ 85% of positions). The whole prompt
+/// is one forward, so every position's logits come from the int8 products.
 #[test]
 fn int8_prefill_logits_are_close_to_transformers() {
     if cuda().is_none() {
@@ -980,13 +980,13 @@ fn int8_prefill_logits_are_close_to_transformers() {
             let max = errors[errors.len() - 1];
             let top1 = top1_agreement(&got.data, &want, vocab);
             println!(
-                "{name:<22} q4, int8 prefill experts, vs ref_q4 {length:<5} ({} tokens): rel err p95 {p95:.2e}, max {max:.2e}, top-1 {:.0}%",
+                "{name:<22} q4, int8 prompt products, vs ref_q4 {length:<5} ({} tokens): rel err p95 {p95:.2e}, max {max:.2e}, top-1 {:.0}%",
                 tokens.len(),
                 top1 * 100.0
             );
             assert!(
                 p95 <= 2e-2 && max <= 1.5e-1 && top1 >= 0.85,
-                "{name} {length}: int8 prefill experts err p95 {p95:.3e}, max {max:.3e}, top-1 {top1}"
+                "{name} {length}: int8 prompt products err p95 {p95:.3e}, max {max:.3e}, top-1 {top1}"
             );
         }
     }
