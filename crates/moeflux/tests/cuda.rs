@@ -950,8 +950,10 @@ backend_tests!(int8 cuda_int8, || cuda_with(CudaOptions {
 /// within the bounds the CPU's int8 activations are held to against
 /// transformers on the same quantized weights (transformers_parity.rs: per
 /// prompt, 95th percentile of the positions' relative errors ≤ 2e-2, max ≤
-/// 1.5e-1, the same top-1 token at ≥ 85% of positions). The whole prompt
-/// is one forward, so every position's logits come from the int8 products.
+/// 1.5e-1, the same top-1 token at ≥ 85% of positions). Each prompt is one
+/// forward: its routed experts take the int8 kernels, and so do its dense
+/// products where the prompt has more tokens than the few-token kernels
+/// take (the long prompts).
 #[test]
 fn int8_prefill_logits_are_close_to_transformers() {
     if cuda().is_none() {
