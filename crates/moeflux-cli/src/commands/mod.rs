@@ -128,8 +128,9 @@ pub struct ModelArgs {
     /// f32): f32 (exact) or int8 (quantized per group of 64 inputs: faster,
     /// slightly less accurate; see docs/PERFORMANCE.md). On the CPU device
     /// and for the experts the CPU computes beside a GPU: every such
-    /// product. On a GPU: the q4 routed experts of prompts (prefill), on the
-    /// integer tensor cores.
+    /// product but a router's. On a GPU: the q4 products of prompts (routed
+    /// experts and dense matrices, not routers), on the integer tensor
+    /// cores; decode steps take f32.
     #[arg(long, value_enum, default_value = "f32")]
     pub activations: ActivationsArg,
     /// On a GPU whose VRAM does not hold every expert: whether a decode

@@ -525,6 +525,21 @@ struct Q8Rows {
 #error "gemm.cu: int8 pipeline geometry missing (geometry.rs)"
 #endif
 
+// A group's quantization from its largest magnitude `peak`: x̂ = x · the
+// scale this returns, rounded to nearest even (the CPU's Int8Acts: 127 /
+// peak, 0 for a group of zeros).
+__device__ __forceinline__ float q8_inverse_step(float peak) {
+    return peak > 0.0f ? 127.0f / peak : 0.0f;
+}
+
+// A group's Q8Rows params from its largest magnitude, Σx and Σx̂:
+// d = peak / 127 and the correction c·(Σx − d·Σx̂), c = 7.5 (the mean
+// 4-bit code).
+__device__ __forceinline__ float4 q8_params(float peak, float sum, int code_sum) {
+    const float d = peak / 127.0f;
+    return make_float4(d, 7.5f * (sum - d * (float)code_sum), sum, 0.0f);
+}
+
 // The four bytes of the low 8 bits of a, b, c, d, in that order.
 __device__ __forceinline__ u32 pack_bytes(int a, int b, int c, int d) {
     return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
@@ -561,7 +576,7 @@ extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, i
             peak = fmaxf(peak, __shfl_xor_sync(FULL_MASK, peak, o));
             sum += __shfl_xor_sync(FULL_MASK, sum, o);
         }
-        const float inv = peak > 0.0f ? 127.0f / peak : 0.0f;
+        const float inv = q8_inverse_step(peak);
         int q[8], qsum = 0;
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -573,10 +588,7 @@ extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, i
         if (inside) {
             *(uint2*)(out.codes + 8 * i) =
                 make_uint2(pack_bytes(q[0], q[2], q[4], q[6]), pack_bytes(q[1], q[3], q[5], q[7]));
-            if (lane % 8 == 0) {
-                const float d = peak / 127.0f;
-                out.params[i / 8] = make_float4(d, 7.5f * (sum - d * (float)qsum), sum, 0.0f);
-            }
+            if (lane % 8 == 0) out.params[i / 8] = q8_params(peak, sum, qsum);
         }
     }
 #endif

@@ -738,14 +738,16 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
 
 // The q4 kernels. Grids as the other types'; MP_THREADS threads;
 // MP_STAGES · MP_Q4_STAGE_BYTES of dynamic shared memory. sm_80+.
-#define MOE_Q4_PARAMS                                                                 \
+// ROWS: how the kernels take their activations (SplitRows, or the int8
+// kernels' Q8Rows below).
+#define MOE_Q4_PARAMS(ROWS)                                                           \
     const unsigned long long *table, const u32 *tiles, const u32 *tile_count,         \
-        const u32 *slots, SplitRows x, float *out, SplitRows act, int rows, int cols,  \
+        const u32 *slots, ROWS x, float *out, ROWS act, int rows, int cols,            \
         int top_k, ExpertPart a, ExpertPart b, ExpertFfn ffn
 #define MOE_Q4_ARGS table, tiles, tile_count, slots, x, out, act, rows, cols, top_k, a, b, ffn
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
-    moe_prefill_gate_up_q4(MOE_Q4_PARAMS) {
+    moe_prefill_gate_up_q4(MOE_Q4_PARAMS(SplitRows)) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     moe_prefill_q4<true>(MOE_Q4_ARGS);
@@ -753,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
-    moe_prefill_down_q4(MOE_Q4_PARAMS) {
+    moe_prefill_down_q4(MOE_Q4_PARAMS(SplitRows)) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     moe_prefill_q4<false>(MOE_Q4_ARGS);
@@ -891,7 +893,7 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
                 float mx = 0.0f;
 #pragma unroll
                 for (int w = 0; w < MP_THREADS / WARP_SIZE; ++w) mx = fmaxf(mx, warp_max[w][t]);
-                const float inv = mx > 0.0f ? 127.0f / mx : 0.0f;
+                const float inv = q8_inverse_step(mx);
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     const int r = r0 + 16 * warp + g + 8 * h;
@@ -918,9 +920,8 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
                 s += warp_sums[w][tid];
                 qs += warp_codes[w][tid];
             }
-            const float d = mx / 127.0f;
             act.params[(i64)(start + tid) * (rows / GROUP_SIZE) + blockIdx.y] =
-                make_float4(d, 7.5f * (s - d * (float)qs), s, 0.0f);
+                q8_params(mx, s, qs);
         }
     } else {
         store_down_tile(acc, out, slots, start, count, r0, rows, tile.expert, ffn);
@@ -931,13 +932,9 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
 
 // The int8 kernels: grids as the q4 ones'; MP_THREADS threads;
 // I8_STAGES · MP_I8_STAGE_BYTES of dynamic shared memory. sm_80+.
-#define MOE_I8_PARAMS                                                                 \
-    const unsigned long long *table, const u32 *tiles, const u32 *tile_count,         \
-        const u32 *slots, Q8Rows x, float *out, Q8Rows act, int rows, int cols,        \
-        int top_k, ExpertPart a, ExpertPart b, ExpertFfn ffn
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
-    moe_prefill_gate_up_q4_i8(MOE_I8_PARAMS) {
+    moe_prefill_gate_up_q4_i8(MOE_Q4_PARAMS(Q8Rows)) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     moe_prefill_q4_i8<true>(MOE_Q4_ARGS);
@@ -945,7 +942,7 @@ extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
 }
 
 extern "C" __global__ void __launch_bounds__(MP_THREADS, MP_Q4_MIN_BLOCKS)
-    moe_prefill_down_q4_i8(MOE_I8_PARAMS) {
+    moe_prefill_down_q4_i8(MOE_Q4_PARAMS(Q8Rows)) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
     moe_prefill_q4_i8<false>(MOE_Q4_ARGS);
