@@ -1,22 +1,24 @@
 //! Routed experts of several tokens of a resident layer, grouped by expert
-//! on the device (kernels/moe_few.cu): a decode step of several sequences
-//! or a check of drafted tokens needs no host round trip for its routing,
-//! so it runs without waiting for the device and can be recorded
-//! (graph.rs).
+//! on the device (kernels/moe_few.cu): a prompt chunk, a decode step of
+//! several sequences or a check of drafted tokens needs no host round trip
+//! for its routing, so the device never waits for the host between layers
+//! and an engine step can be recorded (graph.rs).
 //!
 //! `moe_group_slots` sorts the slots by expert into tiles whose number
 //! stays on the device; the expert kernels' grids are sized for the most
-//! tiles the call can have. q4 experts take moe_few.cu's kernels, which
-//! read an expert's weights once for up to [`FEW_SLOTS`] of its slots on
-//! the tensor cores; the other encodings take prefill.rs's grouped kernels
-//! over the same tiles cut at [`MP_BN`] slots. Both then sum each token's
-//! outputs in rank order, as a prefill chunk does.
+//! tiles the call can have. The sort is the host's (experts ascending,
+//! each expert's slots ascending, runs cut at the same tile size), so a
+//! prompt gives the same results bit for bit whether its layers are
+//! resident (sorted here) or streamed (sorted on the host, experts.rs),
+//! and whatever its chunks.
 //!
-//! Only engine steps (decode steps the engine records, graph.rs) group on
-//! the device. Prefill chunks keep the host's sort (experts.rs): their
-//! many slots per expert fill the grouped kernels' tiles, a round trip per
-//! layer costs them little, and a prompt's results stay those of any other
-//! cut of it and of streamed experts, bit for bit.
+//! Prompt chunks take prefill.rs's grouped kernels over tiles of
+//! [`MP_BN`] slots, with the backend's activations. Engine steps (at most
+//! [`DEVICE_GROUPING_MAX_TOKENS`] tokens) take f32 activations, as one
+//! sequence's decode does: q4 experts moe_few.cu's kernels, which read an
+//! expert's weights once for up to [`FEW_SLOTS`] of its slots on the tensor
+//! cores, other encodings the grouped prefill kernels. Both then sum each
+//! token's outputs in rank order.
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
@@ -29,9 +31,16 @@ use crate::error::Result;
 use crate::experts::ExpertStore;
 use crate::quant::{DType, GROUP_SIZE, MatrixLayout};
 
-/// Most tokens whose routed experts are grouped on the device; larger
-/// calls sort on the host (see the module documentation).
+/// Most tokens of an engine step whose routed experts are grouped on the
+/// device; larger steps sort on the host.
 pub(super) const DEVICE_GROUPING_MAX_TOKENS: usize = 128;
+
+/// Bytes of dynamic shared memory `moe_group_slots` takes for `experts`
+/// experts: each expert's count, first sorted position and first tile,
+/// and each warp's cursor into each expert's run.
+fn group_shared_bytes(experts: usize) -> usize {
+    4 * experts * (3 + GROUP_THREADS as usize / 32)
+}
 
 /// Bytes of dynamic shared memory moe_few.cu's kernels take for inputs of
 /// `cols` columns: the B table of [`FEW_SLOTS`] rows (four rows a column
@@ -52,13 +61,13 @@ fn max_tiles(slots: usize, experts: usize, tile_slots: usize) -> usize {
 impl CudaBackend {
     /// Each slot's expert output (`y`, `[tokens · top_k, hidden]`, bias
     /// included, not yet weighted) of `x`'s tokens, grouped by expert on
-    /// the device, when the call qualifies: several-token steps on
-    /// (`MOEFLUX_CUDA_BATCHED_STEPS`), a call of an engine step, at most
-    /// [`DEVICE_GROUPING_MAX_TOKENS`] tokens, the grouped kernels for these
-    /// experts on this device, and every expert of the layer resident when
-    /// the kernels are queued. `None`: nothing was queued, and the caller
-    /// takes the host's path. [`CudaBackend::launch_prefill_combine`] sums
-    /// the slots.
+    /// the device, when the call qualifies: the grouped kernels for these
+    /// experts on this device, every expert of the layer resident when the
+    /// kernels are queued, and for an engine step several-token steps on
+    /// (`MOEFLUX_CUDA_BATCHED_STEPS`) and at most
+    /// [`DEVICE_GROUPING_MAX_TOKENS`] tokens. `None`: nothing was queued,
+    /// and the caller takes the host's path.
+    /// [`CudaBackend::launch_prefill_combine`] sums the slots.
     pub(super) fn grouped_expert_outputs(
         &self,
         x: &Tensor,
@@ -71,19 +80,21 @@ impl CudaBackend {
         let Some(limit) = self.tc_shared_limit else {
             return Ok(None);
         };
-        if !self.batched_steps || n > DEVICE_GROUPING_MAX_TOKENS || !self.in_engine_step() {
+        let step = self.in_engine_step();
+        if step && (!self.batched_steps || n > DEVICE_GROUPING_MAX_TOKENS) {
             return Ok(None);
         }
         let blob = store
             .blob_layout(layer)
             .expect("routed experts of an MoE layer");
         let experts = store.expert_count(layer);
-        let group_shared = 12 * experts;
+        let group_shared = group_shared_bytes(experts);
         if !self.prefill_kernels_fit(blob.gate.1, blob.down.1)? || group_shared > MAX_SHARED_BYTES {
             return Ok(None);
         }
         let inter = blob.gate.1.rows;
-        let few = blob.gate.1.dtype == DType::Q4
+        let few = step
+            && blob.gate.1.dtype == DType::Q4
             && few_shared_bytes(hidden).max(few_shared_bytes(inter)) <= limit;
         let tile_slots = if few { FEW_SLOTS } else { MP_BN };
         let slots = n * top_k;
@@ -97,10 +108,15 @@ impl CudaBackend {
         let mut tile_count = self.alloc::<u32>(op, 1)?;
         let mut act = self.alloc::<f32>(op, slots * inter)?;
         let mut y = self.alloc::<f32>(op, slots * hidden)?;
-        // moe_few.cu's kernels read x and act as they are.
+        // moe_few.cu's kernels read x and act as they are; an engine step
+        // computes in f32, as one sequence's decode step does.
+        let activations = match step {
+            true => Activations::F32,
+            false => self.activations,
+        };
         let inputs = match few {
             true => None,
-            false => Some(self.prefill_inputs(x, &mut act, blob.gate.1, Activations::F32)?),
+            false => Some(self.prefill_inputs(x, &mut act, blob.gate.1, activations)?),
         };
         {
             let cache = self.experts.lock().unwrap();

@@ -2,11 +2,13 @@
 //! tensor cores (kernels/moe_prefill.cu), instead of a gather, three
 //! matmuls, an activation and a scatter per expert.
 //!
-//! The host sorts the slots (token · top_k + rank) by expert and cuts each
-//! expert's run into tiles of at most [`MP_BN`] slots; a tile names
-//! the expert by its index in a table of device addresses (the layer's
-//! table, indexed by expert id, when every expert is resident; else a
-//! table of the experts of the launch at the same indices). Then:
+//! The slots (token · top_k + rank) are sorted by expert and each expert's
+//! run is cut into tiles of at most [`MP_BN`] slots: on the device when
+//! every expert of the layer is resident (grouped.rs), else on the host,
+//! which reads the routing to fetch the missing experts. A tile names the
+//! expert by its index in a table of device addresses (the layer's table,
+//! indexed by expert id, when every expert is resident; else a table of
+//! the experts of the launch at the same indices). Then:
 //! gate and up with silu(gate)·up into `act` (one row per sorted slot),
 //! down into `y` (one row per slot), and the weighted sum of each token's
 //! `y` rows in rank order. Each output is computed by one block whatever

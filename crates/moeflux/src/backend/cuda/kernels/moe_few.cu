@@ -124,8 +124,14 @@ __device__ __forceinline__ int2 block_inclusive_scan2(int2 v, int2* scratch) {
 // most `tile_slots` slots each; at most `max_tiles` written) and
 // *tile_count their number. used_bytes (when given) grows by
 // `expert_bytes` per distinct expert: the expert weights the call reads.
-// One block of GROUP_THREADS threads; dynamic shared memory: three ints
-// per expert. sm_80+, like the kernels that read its tiles.
+// One block of GROUP_THREADS threads; dynamic shared memory:
+// group_shared_ints (grouped.rs) ints per expert. sm_80+, like the kernels
+// that read its tiles.
+//
+// Each warp takes a contiguous run of the slots (a prompt chunk has
+// thousands) and counts its experts; an expert's sorted run holds the
+// warps' slots in warp order, so a warp places its own in slot order from
+// its own cursor, with no other warp between.
 extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
     moe_group_slots(const u32* experts, int slots, int num_experts, int tile_slots,
                     int max_tiles, u32* sorted, u32* tiles, u32* tile_count, u64* used_bytes,
@@ -135,15 +141,33 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
     extern __shared__ int group_shared[];
     __shared__ int2 scratch[32];
     __shared__ int active;
+    const int lane = threadIdx.x % WARP_SIZE, warp = threadIdx.x / WARP_SIZE;
+    const int warps = blockDim.x / WARP_SIZE;
     int* count = group_shared;                    // slots per expert
-    int* start = count + num_experts;             // first sorted position; then a cursor
+    int* start = count + num_experts;             // first sorted position
     int* first_tile = start + num_experts;        // first tile
-    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) count[e] = 0;
+    int* cursor = first_tile + num_experts;       // [warps][experts]: a warp's place in a run
+    for (int e = threadIdx.x; e < warps * num_experts; e += blockDim.x) cursor[e] = 0;
     if (threadIdx.x == 0) active = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < slots; i += blockDim.x) {
+    const int per_warp = (slots + warps - 1) / warps;
+    const int run0 = min(slots, warp * per_warp), run1 = min(slots, run0 + per_warp);
+    int* own = cursor + warp * num_experts;
+    for (int i = run0 + lane; i < run1; i += WARP_SIZE) {
         const u32 e = experts[i];
-        if (e < (u32)num_experts) atomicAdd(&count[e], 1);
+        if (e < (u32)num_experts) atomicAdd(&own[e], 1);
+    }
+    __syncthreads();
+    // Each expert's count, and each warp's cursor: the slots of the warps
+    // before it.
+    for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+        int c = 0;
+        for (int w = 0; w < warps; ++w) {
+            const int mine = cursor[w * num_experts + e];
+            cursor[w * num_experts + e] = c;
+            c += mine;
+        }
+        count[e] = c;
     }
     __syncthreads();
     // Exclusive sums of the counts and of the tiles, in expert order.
@@ -151,20 +175,20 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
     for (int base = 0; base < num_experts; base += blockDim.x) {
         const int e = base + threadIdx.x;
         const int c = e < num_experts ? count[e] : 0;
-        const int2 own = make_int2(c, (c + tile_slots - 1) / tile_slots);
-        const int2 inclusive = block_inclusive_scan2(own, scratch);
+        const int2 own_counts = make_int2(c, (c + tile_slots - 1) / tile_slots);
+        const int2 inclusive = block_inclusive_scan2(own_counts, scratch);
         if (e < num_experts) {
-            start[e] = carry.x + inclusive.x - own.x;
-            first_tile[e] = carry.y + inclusive.y - own.y;
+            start[e] = carry.x + inclusive.x - own_counts.x;
+            first_tile[e] = carry.y + inclusive.y - own_counts.y;
         }
         const int2 total = scratch[blockDim.x / WARP_SIZE - 1];
         carry.x += total.x;
         carry.y += total.y;
     }
-    int mine = 0;
+    int used = 0;
     for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
         const int c = count[e];
-        mine += c > 0;
+        used += c > 0;
         for (int j = 0; j * tile_slots < c; ++j) {
             const int t = first_tile[e] + j;
             if (t < max_tiles) {
@@ -176,31 +200,28 @@ extern "C" __global__ void __launch_bounds__(GROUP_THREADS)
             }
         }
     }
-    if (mine) atomicAdd(&active, mine);
+    if (used) atomicAdd(&active, used);
     __syncthreads();
     if (threadIdx.x == 0) {
         *tile_count = (u32)min(carry.y, max_tiles);
         if (used_bytes) atomicAdd(used_bytes, (u64)active * expert_bytes);
     }
-    // Placement in slot order by one warp, 32 slots a round: a slot's
-    // place is its expert's cursor plus the lanes before it that share
-    // its expert; the first of them then moves the cursor on.
-    if (threadIdx.x < WARP_SIZE) {
-        const int lane = threadIdx.x;
-        const u32 before = (1u << lane) - 1u;
-        for (int base = 0; base < slots; base += WARP_SIZE) {
-            const int i = base + lane;
-            const u32 e = i < slots ? experts[i] : 0xffffffffu;
-            const bool valid = e < (u32)num_experts;
-            const u32 peers = __match_any_sync(FULL_MASK, e);
-            const int at = valid ? start[e] : 0;
-            __syncwarp();
-            if (valid) {
-                sorted[at + __popc(peers & before)] = (u32)i;
-                if ((peers & before) == 0u) start[e] = at + __popc(peers);
-            }
-            __syncwarp();
+    // Placement of the warp's run, 32 slots a round: a slot's place is its
+    // expert's start plus the warp's cursor plus the lanes before it that
+    // share its expert; the first of them then moves the cursor on.
+    const u32 before = (1u << lane) - 1u;
+    for (int base = run0; base < run1; base += WARP_SIZE) {
+        const int i = base + lane;
+        const u32 e = i < run1 ? experts[i] : 0xffffffffu;
+        const bool valid = e < (u32)num_experts;
+        const u32 peers = __match_any_sync(FULL_MASK, e);
+        const int at = valid ? start[e] + own[e] : 0;
+        __syncwarp();
+        if (valid) {
+            sorted[at + __popc(peers & before)] = (u32)i;
+            if ((peers & before) == 0u) own[e] += __popc(peers);
         }
+        __syncwarp();
     }
 #endif
 }
