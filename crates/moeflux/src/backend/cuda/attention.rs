@@ -10,8 +10,8 @@
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
 
 use super::geometry::{
-    ATTN_MAX_PER_LANE, ATTN_WARPS, DECODE_ATTN_WARPS, FA_KEY_PAD, FA_KEYS, FA_ROWS_PER_WARP,
-    FA_WARPS, GD_WARPS,
+    ATTN_MAX_PER_LANE, ATTN_WARPS, DECODE_ATTN_WARPS, FA_KEYS, FA_ROWS_PER_WARP, FA_WARPS,
+    FA_WORD_PAD, GD_WARPS,
 };
 use super::{CudaBackend, KvCache, Tensor, Weight, block_per_item, int, long};
 use crate::backend::{AttentionShape, KvType, RmsNorm, Rope, attention_decode_each};
@@ -43,10 +43,12 @@ fn flash_kernel_dim(head_dim: usize) -> usize {
 }
 
 /// Dynamic shared memory of a prefill attention block whose kernel is
-/// compiled for `kernel_dim`: its query rows and a tile of keys and of
-/// values, every row padded.
+/// compiled for `kernel_dim`: its query rows, a tile of keys and the tile's
+/// values transposed, each as bf16 hi and lo words, every row padded.
 fn flash_attention_shared_bytes(kernel_dim: usize) -> usize {
-    4 * (FA_ROWS + 2 * FA_KEYS) * (kernel_dim + FA_KEY_PAD)
+    let words = (FA_ROWS + FA_KEYS) * (kernel_dim / 2 + FA_WORD_PAD)
+        + kernel_dim * (FA_KEYS / 2 + FA_WORD_PAD);
+    2 * 4 * words
 }
 
 /// Positions from which a decode step of one sequence takes the grouped

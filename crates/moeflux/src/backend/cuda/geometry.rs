@@ -89,12 +89,13 @@ geometry! {
     /// take the number in use as an argument.
     DECODE_ATTN_MAX_SPLITS: usize = 32;
     /// Warps, query rows per warp (the tensor-core MMA's 16), keys per
-    /// staged tile and the padding of a staged row (its stride ≡ 4 mod 32
-    /// words) of the prefill attention kernels (`flash_attention_*`).
+    /// staged tile and the words of padding after a staged row (making
+    /// its stride ≡ 8 mod 16 words) of the prefill attention kernels
+    /// (`flash_attention_*`).
     FA_WARPS: usize = 4;
     FA_ROWS_PER_WARP: usize = 16;
     FA_KEYS: usize = 32;
-    FA_KEY_PAD: usize = 4;
+    FA_WORD_PAD: usize = 8;
 
     // ---- mla.cu
     /// Threads per block, each its `MLA_ABSORB_COLUMNS` latent columns, and

@@ -16,7 +16,7 @@
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ATTN_WARPS) || !defined(ATTN_MAX_PER_LANE) || !defined(DECODE_ATTN_WARPS) || \
     !defined(FA_WARPS) || !defined(FA_ROWS_PER_WARP) || !defined(FA_KEYS) || \
-    !defined(FA_KEY_PAD) || !defined(GD_WARPS) || !defined(DECODE_ATTN_MAX_SPLITS)
+    !defined(FA_WORD_PAD) || !defined(GD_WARPS) || !defined(DECODE_ATTN_MAX_SPLITS)
 #error "attention.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 
@@ -1319,63 +1319,146 @@ __device__ __forceinline__ void online_softmax_tile(const float* s, float* runni
 //   S = Q Kᵀ (16 rows × FA_KEYS keys a warp), masked and scaled;
 //   each row's running maximum m and sum l, O rescaled to the new maximum;
 //   O += exp(S - m) V, the probabilities taken from S's accumulators.
-// Both products run on the tensor cores as three TF32 MMAs per step
-// (hi·lo + lo·hi + hi·hi of the operands split as x = hi + lo, both TF32;
-// gdn_chunked.cu's scheme): about f32 accuracy, so prefill stays within the
-// tests' bound of the one-token decode kernels; exp is expf as there.
+// Both products run on the tensor cores as bf16 MMAs (m16n8k16) of
+// operands split as x = hi + lo, both bf16 (gemm.cu's split of
+// activations): three MMAs a step (lo·hi + hi·lo + hi·hi), about 2^-16 of
+// each product's magnitude, so prefill stays within the tests' bound of
+// the one-token decode kernels, which compute in f32. A bf16 cache's keys
+// and values are their own hi (lo = 0), so its steps take two MMAs. exp is
+// expf as there.
 //
-// Fragments of mma.m16n8k8.row.col.tf32 (g = lane / 4, i = lane % 4):
-//   A: a0 = (g, i), a1 = (g+8, i), a2 = (g, i+4), a3 = (g+8, i+4)
-//   B: b0 = (k i, n g), b1 = (k i+4, n g)
-//   C: c0 = (g, 2i), c1 = (g, 2i+1), c2 = (g+8, 2i), c3 = (g+8, 2i+1)
-// For O += P V the 8 keys of one S tile are the k of one step, taken in the
-// order 0, 2, 4, 6, 1, 3, 5, 7 (k = i is key 2i, k = i + 4 key 2i + 1): then
-// S's c0, c2, c1, c3 are exactly P's a0..a3, with no exchange between lanes,
-// and V's b0, b1 are keys 2i and 2i + 1.
+// Queries are split once per block, keys and values once per tile as they
+// are staged (not by every warp), so the loops are loads and MMAs.
+// Fragments (gemm.cu's table of m16n8k16; g = lane / 4, i = lane % 4):
+//   A (rows × k): a0 = (g, 2i..2i+1), a1 = (g+8, 2i..), a2 = (g, 2i+8..),
+//                 a3 = (g+8, 2i+8..);  B (k × n): b0 = (k 2i.., n g),
+//                 b1 = (k 2i+8.., n g);  C: c0 = (g, 2i), c1 = (g, 2i+1),
+//                 c2 = (g+8, 2i), c3 = (g+8, 2i+1).
+// S = Q Kᵀ: k the head's dimensions, n the keys. O += P V: k the keys,
+// n the dimensions; S's tiles of keys 16s.. and 16s + 8.. give P's A
+// fragment as they lie (a0 = c0 c1 of the first, a1 = its c2 c3, a2, a3
+// the second's), with no exchange between lanes.
 //
-// Staged rows (queries, keys, values, f32) are D + FA_KEY_PAD words apart,
-// ≡ 4 (mod 32): the fragments' loads (rows g, columns i or dimension g of
-// keys 2i) hit 32 different banks. Dimensions from head_dim to D are
-// staged as zeros, so any head_dim ≤ D (a multiple of 4) takes the kernel
-// of the next larger D.
+// Shared memory holds bf16 pairs (32-bit words): queries and keys by row
+// (pairs along the dimensions), values transposed (a row per dimension,
+// pairs along the keys), each as a hi and a lo array. In every run of 16
+// elements (8 pairs) pair p is stored at word fa_word(p), so a lane's two
+// pairs of a fragment (2i and 2i + 8 elements in) are adjacent: one 8-byte
+// load. Rows are D / 2 + FA_WORD_PAD (queries, keys) or FA_KEYS / 2 +
+// FA_WORD_PAD (values) words apart, ≡ 8 (mod 16), so a half warp's 8-byte
+// loads (rows g, words 2i, 2i + 1) hit 32 different banks. Dimensions from
+// head_dim to D are staged as zeros, so any head_dim ≤ D (a multiple of 4)
+// takes the kernel of the next larger D.
 
-// FA_WARPS, FA_ROWS_PER_WARP, FA_KEYS and FA_KEY_PAD come from geometry.rs.
+// FA_WARPS, FA_ROWS_PER_WARP, FA_KEYS and FA_WORD_PAD come from geometry.rs.
 #define FA_ROWS (FA_WARPS * FA_ROWS_PER_WARP)
-#if FA_ROWS_PER_WARP != 16 || FA_KEYS % 8 != 0 || FA_KEY_PAD % 32 != 4
-#error "attention.cu: the tensor-core prefill needs 16 rows a warp, tiles of 8 keys, rows ≡ 4 (mod 32)"
+#if FA_ROWS_PER_WARP != 16 || FA_KEYS % 32 != 0 || (FA_KEYS / 2 + FA_WORD_PAD) % 16 != 8
+#error "attention.cu: the tensor-core prefill needs 16 rows a warp, 32 keys a tile, rows ≡ 8 (mod 16)"
 #endif
 
 #if __CUDA_ARCH__ >= 800
 
-// Stages COUNT rows of D values, the first `head_dim` of row r from
-// `src(r, column)` (a float4 at a multiple of 4), zeros after, into `dst`
-// (rows D + FA_KEY_PAD apart). Each thread issues FA_STAGE_BATCH loads
-// before it stores any, so a tile waits for memory about once, not once
-// per load.
+// The word of pair p (elements 2p, 2p + 1) of a staged row: in each run of
+// 8 pairs, pairs 0-3 at the even words, 4-7 at the odd ones.
+__device__ __forceinline__ int fa_word(int p) {
+    return (p & ~7) | ((p & 3) << 1) | ((p >> 2) & 1);
+}
+
+// Loads a thread issues before it stores any while staging (float4s).
 #ifndef FA_STAGE_BATCH
 #define FA_STAGE_BATCH 8
 #endif
-template <int D, int COUNT, typename Src>
-__device__ __forceinline__ void stage_rows(float* dst, int head_dim, Src src) {
+
+// Stages COUNT rows of D values split into bf16 hi and lo, the first
+// `head_dim` of row r from `src(r, column)` (a float4 at a multiple of 4),
+// zeros after: pairs by row into `hi` and `lo` (rows D / 2 + FA_WORD_PAD
+// words apart; `lo` untouched when EXACT, the values being bf16). Each
+// thread issues FA_STAGE_BATCH loads before it stores any, so a tile waits
+// for memory about once per batch, not once per load.
+template <int D, int COUNT, bool EXACT, typename Src>
+__device__ __forceinline__ void stage_split_rows(u32* hi, u32* lo, int head_dim, Src src) {
     constexpr int QUADS = D / 4;
+    constexpr int LD = D / 2 + FA_WORD_PAD;
     constexpr int THREADS = FA_WARPS * WARP_SIZE;
     constexpr int PER_THREAD = COUNT * QUADS / THREADS;
-    static_assert(COUNT * QUADS % (THREADS * FA_STAGE_BATCH) == 0, "whole batches of loads");
+    static_assert(PER_THREAD % FA_STAGE_BATCH == 0, "whole batches of loads");
 #pragma unroll 1
     for (int b0 = 0; b0 < PER_THREAD; b0 += FA_STAGE_BATCH) {
         float4 v[FA_STAGE_BATCH];
 #pragma unroll
         for (int j = 0; j < FA_STAGE_BATCH; ++j) {
             const int at = threadIdx.x + (b0 + j) * THREADS;
-            const int r = at / QUADS, c = 4 * (at % QUADS);
-            v[j] = c < head_dim ? src(r, c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const int c = 4 * (at % QUADS);
+            v[j] = c < head_dim ? src(at / QUADS, c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
         for (int j = 0; j < FA_STAGE_BATCH; ++j) {
             const int at = threadIdx.x + (b0 + j) * THREADS;
-            *(float4*)(dst + (at / QUADS) * (D + FA_KEY_PAD) + 4 * (at % QUADS)) = v[j];
+            const int r = at / QUADS, q = at % QUADS;
+            u32 h0, l0, h1, l1;
+            split_pair(v[j].x, v[j].y, h0, l0);
+            split_pair(v[j].z, v[j].w, h1, l1);
+            hi[r * LD + fa_word(2 * q)] = h0;
+            hi[r * LD + fa_word(2 * q + 1)] = h1;
+            if (!EXACT) {
+                lo[r * LD + fa_word(2 * q)] = l0;
+                lo[r * LD + fa_word(2 * q + 1)] = l1;
+            }
         }
     }
+}
+
+// Stages FA_KEYS rows of D values transposed and split: for each
+// dimension a row of FA_KEYS / 2 + FA_WORD_PAD words, pairs of keys along
+// it, from `src(key, column)` as stage_split_rows (two loads an item, so
+// FA_STAGE_BATCH / 2 items a batch).
+template <int D, bool EXACT, typename Src>
+__device__ __forceinline__ void stage_split_columns(u32* hi, u32* lo, int head_dim, Src src) {
+    constexpr int QUADS = D / 4;
+    constexpr int PAIRS = FA_KEYS / 2;
+    constexpr int LD = PAIRS + FA_WORD_PAD;
+    constexpr int THREADS = FA_WARPS * WARP_SIZE;
+    constexpr int PER_THREAD = PAIRS * QUADS / THREADS;
+    constexpr int BATCH = FA_STAGE_BATCH / 2;
+    static_assert(PER_THREAD % BATCH == 0, "whole batches of loads");
+    // Lanes take consecutive pairs of keys: their stores (a word each of
+    // one dimension's row) fall in different banks.
+#pragma unroll 1
+    for (int b0 = 0; b0 < PER_THREAD; b0 += BATCH) {
+        float4 v[BATCH][2];
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int at = threadIdx.x + (b0 + j) * THREADS;
+            const int m = at % PAIRS, c = 4 * (at / PAIRS);
+#pragma unroll
+            for (int k = 0; k < 2; ++k)
+                v[j][k] = c < head_dim ? src(2 * m + k, c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+            const int at = threadIdx.x + (b0 + j) * THREADS;
+            const int m = at % PAIRS, c = 4 * (at / PAIRS);
+            const float first[4] = {v[j][0].x, v[j][0].y, v[j][0].z, v[j][0].w};
+            const float second[4] = {v[j][1].x, v[j][1].y, v[j][1].z, v[j][1].w};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                u32 h, l;
+                split_pair(first[e], second[e], h, l);
+                hi[(c + e) * LD + fa_word(m)] = h;
+                if (!EXACT) lo[(c + e) * LD + fa_word(m)] = l;
+            }
+        }
+    }
+}
+
+// c += a · b at about 2^-16 of the product: a and b split into bf16 hi and
+// lo, the small terms first; with `exact_b` b is its hi (lo = 0).
+template <bool EXACT_B>
+__device__ __forceinline__ void mma_3xbf16(float (&c)[4], const u32 (&ah)[4], const u32 (&al)[4],
+                                           uint2 bh, uint2 bl) {
+    mma_bf16(c, al, bh.x, bh.y);
+    if (!EXACT_B) mma_bf16(c, ah, bl.x, bl.y);
+    mma_bf16(c, ah, bh.x, bh.y);
 }
 
 template <int D, int KV>
@@ -1383,13 +1466,19 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
                                              float* out, int n, int heads, int kv_heads,
                                              int head_dim, i64 start, float scale, int window,
                                              const float* sinks) {
-    constexpr int LD = D + FA_KEY_PAD;
+    constexpr int QK_LD = D / 2 + FA_WORD_PAD;
+    constexpr int V_LD = FA_KEYS / 2 + FA_WORD_PAD;
     constexpr int KEY_TILES = FA_KEYS / 8;
     constexpr int DIM_TILES = D / 8;
+    // A bf16 cache holds its keys and values exactly as bf16.
+    constexpr bool EXACT = KV == KV_BF16;
     extern __shared__ float4 fa_shared[];
-    float* q_tile = (float*)fa_shared;       // [FA_ROWS][LD]
-    float* k_tile = q_tile + FA_ROWS * LD;   // [FA_KEYS][LD]
-    float* v_tile = k_tile + FA_KEYS * LD;   // [FA_KEYS][LD]
+    u32* q_hi = (u32*)fa_shared;            // [FA_ROWS][QK_LD]
+    u32* q_lo = q_hi + FA_ROWS * QK_LD;     // [FA_ROWS][QK_LD]
+    u32* k_hi = q_lo + FA_ROWS * QK_LD;     // [FA_KEYS][QK_LD]
+    u32* k_lo = k_hi + FA_KEYS * QK_LD;     // [FA_KEYS][QK_LD]
+    u32* v_hi = k_lo + FA_KEYS * QK_LD;     // [D][V_LD]
+    u32* v_lo = v_hi + D * V_LD;            // [D][V_LD]
     const int warp = threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i = lane % 4;
@@ -1402,7 +1491,7 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     const i64 q_width = (i64)heads * head_dim;
 
     // The block's query rows; rows past the end repeat the last one.
-    stage_rows<D, FA_ROWS>(q_tile, head_dim, [&](int r, int c) {
+    stage_split_rows<D, FA_ROWS, false>(q_hi, q_lo, head_dim, [&](int r, int c) {
         const i64 row = min(row0 + r, rows - 1);
         const int h = kv_head * group + (int)(row % group);
         return *(const float4*)(q + (row / group) * q_width + (i64)h * head_dim + c);
@@ -1435,21 +1524,21 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     float o[DIM_TILES][4];
 #pragma unroll
     for (int t = 0; t < DIM_TILES; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
-    const float* warp_q = q_tile + warp * FA_ROWS_PER_WARP * LD;
+    const u32* warp_q_hi = q_hi + warp * FA_ROWS_PER_WARP * QK_LD;
+    const u32* warp_q_lo = q_lo + warp * FA_ROWS_PER_WARP * QK_LD;
 
     for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
         const int tile = (int)min((i64)FA_KEYS, block_visible - j0);
         __syncthreads();  // the previous tile is no longer read
-        // Keys and values together (v_tile follows k_tile): rows FA_KEYS..
-        // of the staged rows are the values.
         const i64 column0 = (i64)kv_head * head_dim;
-        stage_rows<D, 2 * FA_KEYS>(k_tile, head_dim, [&](int r, int c) {
-            const bool value = r >= FA_KEYS;
-            const int key = value ? r - FA_KEYS : r;
-            const i64 at = (j0 + key) * kv_width + column0 + c;
-            return key >= tile    ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
-                   : value ? values.quad(at)
-                           : keys.quad(at);
+        auto zero_past = [&](int key, float4 v) {
+            return key < tile ? v : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        };
+        stage_split_rows<D, FA_KEYS, EXACT>(k_hi, k_lo, head_dim, [&](int key, int c) {
+            return zero_past(key, keys.quad(min(j0 + key, j0 + tile - 1) * kv_width + column0 + c));
+        });
+        stage_split_columns<D, EXACT>(v_hi, v_lo, head_dim, [&](int key, int c) {
+            return zero_past(key, values.quad(min(j0 + key, j0 + tile - 1) * kv_width + column0 + c));
         });
         __syncthreads();
         // A warp none of whose rows sees a key of the tile skips it.
@@ -1458,20 +1547,21 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
         float s[KEY_TILES][4];
 #pragma unroll
         for (int t = 0; t < KEY_TILES; ++t) s[t][0] = s[t][1] = s[t][2] = s[t][3] = 0.0f;
-#pragma unroll 4
-        for (int k0 = 0; k0 < D; k0 += 8) {
-            const float a[4] = {warp_q[g * LD + k0 + i], warp_q[(g + 8) * LD + k0 + i],
-                                warp_q[g * LD + k0 + i + 4], warp_q[(g + 8) * LD + k0 + i + 4]};
-            u32 ah[4], al[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
+#pragma unroll 2
+        for (int w0 = 0; w0 < D / 2; w0 += 8) {
+            const int at = w0 + 2 * i;
+            const uint2 top_hi = *(const uint2*)(warp_q_hi + g * QK_LD + at);
+            const uint2 bottom_hi = *(const uint2*)(warp_q_hi + (g + 8) * QK_LD + at);
+            const uint2 top_lo = *(const uint2*)(warp_q_lo + g * QK_LD + at);
+            const uint2 bottom_lo = *(const uint2*)(warp_q_lo + (g + 8) * QK_LD + at);
+            const u32 ah[4] = {top_hi.x, bottom_hi.x, top_hi.y, bottom_hi.y};
+            const u32 al[4] = {top_lo.x, bottom_lo.x, top_lo.y, bottom_lo.y};
 #pragma unroll
             for (int t = 0; t < KEY_TILES; ++t) {
-                const float* key = k_tile + (8 * t + g) * LD + k0;
-                u32 bh[2], bl[2];
-                split_tf32(key[i], bh[0], bl[0]);
-                split_tf32(key[i + 4], bh[1], bl[1]);
-                mma_3xtf32(s[t], ah, al, bh, bl);
+                const int key = (8 * t + g) * QK_LD + at;
+                const uint2 bh = *(const uint2*)(k_hi + key);
+                const uint2 bl = EXACT ? make_uint2(0u, 0u) : *(const uint2*)(k_lo + key);
+                mma_3xbf16<EXACT>(s[t], ah, al, bh, bl);
             }
         }
 
@@ -1517,20 +1607,21 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
             o[t][3] *= rescale[1];
         }
 
-        // O += P V, a step of 8 keys per S tile.
+        // O += P V, a step of 16 keys per two S tiles.
 #pragma unroll
-        for (int t = 0; t < KEY_TILES; ++t) {
-            const float a[4] = {s[t][0], s[t][2], s[t][1], s[t][3]};
+        for (int t = 0; t < KEY_TILES; t += 2) {
             u32 ah[4], al[4];
-#pragma unroll
-            for (int r = 0; r < 4; ++r) split_tf32(a[r], ah[r], al[r]);
-            const float* key = v_tile + (8 * t + 2 * i) * LD + g;
+            split_pair(s[t][0], s[t][1], ah[0], al[0]);
+            split_pair(s[t][2], s[t][3], ah[1], al[1]);
+            split_pair(s[t + 1][0], s[t + 1][1], ah[2], al[2]);
+            split_pair(s[t + 1][2], s[t + 1][3], ah[3], al[3]);
+            const int at = 4 * t + 2 * i;
 #pragma unroll
             for (int d = 0; d < DIM_TILES; ++d) {
-                u32 bh[2], bl[2];
-                split_tf32(key[8 * d], bh[0], bl[0]);
-                split_tf32(key[LD + 8 * d], bh[1], bl[1]);
-                mma_3xtf32(o[d], ah, al, bh, bl);
+                const int column = (8 * d + g) * V_LD + at;
+                const uint2 bh = *(const uint2*)(v_hi + column);
+                const uint2 bl = EXACT ? make_uint2(0u, 0u) : *(const uint2*)(v_lo + column);
+                mma_3xbf16<EXACT>(o[d], ah, al, bh, bl);
             }
         }
     }
