@@ -124,9 +124,9 @@ __device__ __forceinline__ int2 block_inclusive_scan2(int2 v, int2* scratch) {
 // most `tile_slots` slots each; at most `max_tiles` written) and
 // *tile_count their number. used_bytes (when given) grows by
 // `expert_bytes` per distinct expert: the expert weights the call reads.
-// One block of GROUP_THREADS threads; dynamic shared memory:
-// group_shared_ints (grouped.rs) ints per expert. sm_80+, like the kernels
-// that read its tiles.
+// One block of GROUP_THREADS threads; dynamic shared memory: three ints
+// per expert and one per warp and expert (group_shared_bytes, grouped.rs).
+// sm_80+, like the kernels that read its tiles.
 //
 // Each warp takes a contiguous run of the slots (a prompt chunk has
 // thousands) and counts its experts; an expert's sorted run holds the
