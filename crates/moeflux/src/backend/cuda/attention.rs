@@ -43,12 +43,19 @@ fn flash_kernel_dim(head_dim: usize) -> usize {
 }
 
 /// Dynamic shared memory of a prefill attention block whose kernel is
-/// compiled for `kernel_dim`: its query rows, a tile of keys and the tile's
-/// values transposed, each as bf16 hi and lo words, every row padded.
-fn flash_attention_shared_bytes(kernel_dim: usize) -> usize {
+/// compiled for `kernel_dim`, over a cache of type `kv`: its query rows, a
+/// tile of keys and the tile's values transposed, each as bf16 hi and lo
+/// words, every row padded; then the next tile's keys and values as the
+/// cache holds them (q8: and a scale for every four values).
+fn flash_attention_shared_bytes(kernel_dim: usize, kv: KvType) -> usize {
     let words = (FA_ROWS + FA_KEYS) * (kernel_dim / 2 + FA_WORD_PAD)
         + kernel_dim * (FA_KEYS / 2 + FA_WORD_PAD);
-    2 * 4 * words
+    let raw_row = kernel_dim * kv.value_bytes()
+        + match kv {
+            KvType::Q8 => kernel_dim,
+            _ => 0,
+        };
+    2 * 4 * words + 2 * FA_KEYS * raw_row
 }
 
 /// Positions from which a decode step of one sequence takes the grouped
@@ -260,7 +267,7 @@ impl CudaBackend {
         );
         let kernels = self.kernels.kv(cache.kv_type());
         let flash_dim = flash_kernel_dim(head_dim);
-        let flash_shared = flash_attention_shared_bytes(flash_dim);
+        let flash_shared = flash_attention_shared_bytes(flash_dim, cache.kv_type());
         if n >= FLASH_MIN_TOKENS
             && head_dim <= FLASH_MAX_HEAD_DIM
             && head_dim.is_multiple_of(4)

@@ -1327,8 +1327,11 @@ __device__ __forceinline__ void online_softmax_tile(const float* s, float* runni
 // and values are their own hi (lo = 0), so its steps take two MMAs. exp is
 // expf as there.
 //
-// Queries are split once per block, keys and values once per tile as they
-// are staged (not by every warp), so the loops are loads and MMAs.
+// Queries are split once per block, keys and values once per tile (not by
+// every warp), so the loops are loads and MMAs. A tile's keys and values
+// come as the cache holds them by cp.async into a raw buffer (RawTile)
+// while the block computes the tile before, then are split from there: the
+// block waits for memory once, at its first tile.
 // Fragments (gemm.cu's table of m16n8k16; g = lane / 4, i = lane % 4):
 //   A (rows × k): a0 = (g, 2i..2i+1), a1 = (g+8, 2i..), a2 = (g, 2i+8..),
 //                 a3 = (g+8, 2i+8..);  B (k × n): b0 = (k 2i.., n g),
@@ -1451,6 +1454,58 @@ __device__ __forceinline__ void stage_split_columns(u32* hi, u32* lo, int head_d
     }
 }
 
+// One tile of FA_KEYS keys and values of a KV head as the cache holds them
+// (D values a row; columns from head_dim on and keys past the tile are
+// zeros), copied by cp.async, and for q8 each quad's scale.
+template <int D, int KV>
+struct RawTile {
+    static constexpr int QUADS = D / 4;
+    static constexpr int ROW_BYTES = D * KV_BYTES(KV);
+    u8* keys;       // [FA_KEYS][ROW_BYTES]
+    u8* values;     // [FA_KEYS][ROW_BYTES]
+    float* scales;  // q8: [2][FA_KEYS][QUADS], keys' then values'
+
+    // Queues the copies of keys [j0, j0 + tile) (tile ≥ 1) of the head
+    // whose first column is column0.
+    __device__ __forceinline__ void fetch(KvSide<KV> k, KvSide<KV> v, i64 j0, int tile,
+                                          i64 kv_width, i64 column0, int head_dim) const {
+        constexpr int THREADS = FA_WARPS * WARP_SIZE;
+        constexpr int QUAD_BYTES = 4 * KV_BYTES(KV);
+        for (int at = threadIdx.x; at < FA_KEYS * QUADS; at += THREADS) {
+            const int key = at / QUADS, c = 4 * (at % QUADS);
+            const bool valid = key < tile && c < head_dim;
+            // An address in the cache even where nothing is read.
+            const i64 index = (j0 + min(key, tile - 1)) * kv_width + column0 + min(c, head_dim - 4);
+            const int to = key * ROW_BYTES + c * KV_BYTES(KV);
+#pragma unroll
+            for (int side = 0; side < 2; ++side) {
+                u8* dst = (side ? values : keys) + to;
+                const u8* src = (side ? v : k).data + index * KV_BYTES(KV);
+                if (QUAD_BYTES == 16) copy_async16(dst, src, valid);
+                else if (QUAD_BYTES == 8) copy_async8(dst, src, valid);
+                else copy_async4(dst, src, valid);
+                if (KV == KV_Q8)
+                    copy_async4(scales + (side * FA_KEYS + key) * QUADS + c / 4,
+                                (side ? v : k).scales + index / KV_Q8_BLOCK, valid);
+            }
+        }
+    }
+
+    // Values c..c + 3 of key `key` of a side (0 keys, 1 values), in f32.
+    __device__ __forceinline__ float4 quad(int side, int key, int c) const {
+        const u8* row = (side ? values : keys) + key * ROW_BYTES;
+        if (KV == KV_F32) return *(const float4*)(row + 4 * c);
+        if (KV == KV_BF16) {
+            const uint2 w = *(const uint2*)(row + 2 * c);
+            return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
+                               __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
+        }
+        const char4 q = *(const char4*)(row + c);
+        const float s = scales[(side * FA_KEYS + key) * QUADS + c / 4];
+        return make_float4((float)q.x * s, (float)q.y * s, (float)q.z * s, (float)q.w * s);
+    }
+};
+
 // c += a · b at about 2^-16 of the product: a and b split into bf16 hi and
 // lo, the small terms first; with `exact_b` b is its hi (lo = 0).
 template <bool EXACT_B>
@@ -1479,6 +1534,11 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     u32* k_lo = k_hi + FA_KEYS * QK_LD;     // [FA_KEYS][QK_LD]
     u32* v_hi = k_lo + FA_KEYS * QK_LD;     // [D][V_LD]
     u32* v_lo = v_hi + D * V_LD;            // [D][V_LD]
+    static_assert((2 * (FA_ROWS + FA_KEYS) * QK_LD + 2 * D * V_LD) % 4 == 0,
+                  "the raw tile 16-byte aligned");
+    u8* raw_keys = (u8*)(v_lo + D * V_LD);
+    const RawTile<D, KV> raw{raw_keys, raw_keys + FA_KEYS * RawTile<D, KV>::ROW_BYTES,
+                             (float*)(raw_keys + 2 * FA_KEYS * RawTile<D, KV>::ROW_BYTES)};
     const int warp = threadIdx.x / WARP_SIZE;
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i = lane % 4;
@@ -1489,13 +1549,6 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     const i64 row0 = (i64)(gridDim.x - 1 - blockIdx.x) * FA_ROWS;
     const i64 kv_width = (i64)kv_heads * head_dim;
     const i64 q_width = (i64)heads * head_dim;
-
-    // The block's query rows; rows past the end repeat the last one.
-    stage_split_rows<D, FA_ROWS, false>(q_hi, q_lo, head_dim, [&](int r, int c) {
-        const i64 row = min(row0 + r, rows - 1);
-        const int h = kv_head * group + (int)(row % group);
-        return *(const float4*)(q + (row / group) * q_width + (i64)h * head_dim + c);
-    });
 
     // Keys visible to this lane's rows g and g + 8, to the warp and to the
     // block (rows are token-major, so a range's last row sees the most);
@@ -1516,6 +1569,22 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     const i64 warp_oldest = first_key(warp_row0);
     const i64 block_visible = start + min(row0 + FA_ROWS - 1, rows - 1) / group + 1;
     const i64 block_oldest = first_key(row0);
+    const i64 column0 = (i64)kv_head * head_dim;
+    auto fetch = [&](i64 j0) {
+        if (j0 < block_visible)
+            raw.fetch(keys, values, j0, (int)min((i64)FA_KEYS, block_visible - j0), kv_width,
+                      column0, head_dim);
+        copy_async_commit();
+    };
+    // The first tile's copies fly while the queries are staged.
+    fetch(block_oldest);
+
+    // The block's query rows; rows past the end repeat the last one.
+    stage_split_rows<D, FA_ROWS, false>(q_hi, q_lo, head_dim, [&](int r, int c) {
+        const i64 row = min(row0 + r, rows - 1);
+        const int h = kv_head * group + (int)(row % group);
+        return *(const float4*)(q + (row / group) * q_width + (i64)h * head_dim + c);
+    });
 
     // Rows g (h = 0) and g + 8 (h = 1): running maximum, this lane's part
     // of the sum, and O's columns 8·t + 2i, + 1 in o[t][2h], o[t][2h + 1].
@@ -1528,19 +1597,16 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     const u32* warp_q_lo = q_lo + warp * FA_ROWS_PER_WARP * QK_LD;
 
     for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
-        const int tile = (int)min((i64)FA_KEYS, block_visible - j0);
-        __syncthreads();  // the previous tile is no longer read
-        const i64 column0 = (i64)kv_head * head_dim;
-        auto zero_past = [&](int key, float4 v) {
-            return key < tile ? v : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        };
+        copy_async_wait<0>();
+        __syncthreads();  // the tile's copies visible; the previous tile no longer read
         stage_split_rows<D, FA_KEYS, EXACT>(k_hi, k_lo, head_dim, [&](int key, int c) {
-            return zero_past(key, keys.quad(min(j0 + key, j0 + tile - 1) * kv_width + column0 + c));
+            return raw.quad(0, key, c);
         });
         stage_split_columns<D, EXACT>(v_hi, v_lo, head_dim, [&](int key, int c) {
-            return zero_past(key, values.quad(min(j0 + key, j0 + tile - 1) * kv_width + column0 + c));
+            return raw.quad(1, key, c);
         });
-        __syncthreads();
+        __syncthreads();  // the tile split; its raw copy no longer read
+        fetch(j0 + FA_KEYS);
         // A warp none of whose rows sees a key of the tile skips it.
         if (j0 >= warp_visible || j0 + FA_KEYS <= warp_oldest) continue;
 

@@ -133,6 +133,13 @@ __device__ __forceinline__ void copy_async16(void* dst, const void* src, bool va
                  : "memory");
 }
 
+__device__ __forceinline__ void copy_async8(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+                 :
+                 : "r"((u32)__cvta_generic_to_shared(dst)), "l"(src), "r"(valid ? 8 : 0)
+                 : "memory");
+}
+
 __device__ __forceinline__ void copy_async4(void* dst, const void* src, bool valid) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
                  :
