@@ -9,7 +9,7 @@
 //! | `MOEFLUX_CPU_TASK_MACS` | multiply-adds below which the CPU backend does not split a product's rows into more tasks | 131072 |
 //! | `MOEFLUX_CPU_POOL` | `0`: the CPU backend's parallel regions run on rayon's threads instead of its own spinning workers | on |
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
-//! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of 2 to 128 tokens (several sequences decoding, a check of drafted tokens, a short prompt) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
+//! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of several tokens (prompt chunks, several sequences decoding, a check of drafted tokens) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
 //! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
 //! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
 //! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
@@ -94,8 +94,9 @@ pub fn cuda_graphs() -> bool {
     switched_on("MOEFLUX_CUDA_GRAPHS")
 }
 
-/// `MOEFLUX_CUDA_BATCHED_STEPS`: whether steps of several tokens group
-/// their routed experts on the device and may be recorded.
+/// `MOEFLUX_CUDA_BATCHED_STEPS`: whether calls of several tokens (prompt
+/// chunks included) group their routed experts on the device, and steps
+/// of several tokens may be recorded.
 pub fn cuda_batched_steps() -> bool {
     switched_on("MOEFLUX_CUDA_BATCHED_STEPS")
 }

@@ -61,10 +61,10 @@ fn max_tiles(slots: usize, experts: usize, tile_slots: usize) -> usize {
 impl CudaBackend {
     /// Each slot's expert output (`y`, `[tokens · top_k, hidden]`, bias
     /// included, not yet weighted) of `x`'s tokens, grouped by expert on
-    /// the device, when the call qualifies: the grouped kernels for these
-    /// experts on this device, every expert of the layer resident when the
-    /// kernels are queued, and for an engine step several-token steps on
-    /// (`MOEFLUX_CUDA_BATCHED_STEPS`) and at most
+    /// the device, when the call qualifies: several-token calls grouped on
+    /// the device (`MOEFLUX_CUDA_BATCHED_STEPS`, on by default), the grouped
+    /// kernels for these experts on this device, every expert of the layer
+    /// resident when the kernels are queued, and for an engine step at most
     /// [`DEVICE_GROUPING_MAX_TOKENS`] tokens. `None`: nothing was queued,
     /// and the caller takes the host's path.
     /// [`CudaBackend::launch_prefill_combine`] sums the slots.
@@ -81,7 +81,7 @@ impl CudaBackend {
             return Ok(None);
         };
         let step = self.in_engine_step();
-        if step && (!self.batched_steps || n > DEVICE_GROUPING_MAX_TOKENS) {
+        if !self.batched_steps || (step && n > DEVICE_GROUPING_MAX_TOKENS) {
             return Ok(None);
         }
         let blob = store

@@ -158,9 +158,9 @@ pub struct CudaOptions {
     /// Whether decode steps are recorded as CUDA graphs and replayed;
     /// `None`: as `MOEFLUX_CUDA_GRAPHS` says (on). Never while profiling.
     pub graphs: Option<bool>,
-    /// Whether steps of several tokens group their routed experts on the
-    /// device and may be recorded; `None`: as `MOEFLUX_CUDA_BATCHED_STEPS`
-    /// says (on).
+    /// Whether calls of several tokens (prompt chunks included) group their
+    /// routed experts on the device, and steps of several tokens may be
+    /// recorded; `None`: as `MOEFLUX_CUDA_BATCHED_STEPS` says (on).
     pub batched_steps: Option<bool>,
     /// Whether decode steps may compute experts missing from VRAM on the
     /// CPU (hybrid.rs; default: where the cost model says it is faster).
