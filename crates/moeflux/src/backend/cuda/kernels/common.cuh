@@ -56,8 +56,8 @@ __device__ __forceinline__ u32 to_tf32(float x) {
     return r;
 }
 
-// c += a · b, one m16n8k8 TF32 MMA (fragments as gdn_chunked.cu and
-// attention.cu's prefill describe them).
+// c += a · b, one m16n8k8 TF32 MMA (fragments as gdn_chunked.cu describes
+// them).
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const u32 (&a)[4], const u32 (&b)[2]) {
     asm volatile(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, "
