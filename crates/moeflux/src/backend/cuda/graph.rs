@@ -733,9 +733,9 @@ impl CudaBackend {
     }
 
     /// Runs `f` on this thread as the engine runs a recorded step: routed
-    /// experts of 2 to 128 tokens of a resident layer are grouped on the
-    /// device (grouped.rs), as they are in decode steps of several
-    /// sequences and checks of drafts. For checking those kernels alone.
+    /// experts of 2 to 128 tokens of a resident layer take the few-token
+    /// kernels with f32 activations (grouped.rs), as decode steps of several
+    /// sequences and checks of drafts do. For checking those kernels alone.
     pub fn as_engine_step<R>(&self, f: impl FnOnce() -> R) -> R {
         *self.engine_step.lock().unwrap() = Some(std::thread::current().id());
         let out = f();

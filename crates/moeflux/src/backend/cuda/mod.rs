@@ -194,10 +194,9 @@ pub struct CudaBackend {
     /// device (grouped.rs) and may be recorded (`MOEFLUX_CUDA_BATCHED_STEPS`).
     batched_steps: bool,
     /// The thread running an engine step (graph.rs `record`), if one is:
-    /// only its calls group routed experts on the device, so prefill
-    /// chunks and steps the engine does not record keep the host's
-    /// grouping, and a sequence's results do not depend on how its prompt
-    /// was cut or whether its experts are resident.
+    /// its calls (at most 128 tokens) group routed experts for the
+    /// few-token kernels with f32 activations, as one sequence's decode
+    /// computes; other calls, prompt chunks, for the prefill kernels.
     engine_step: Mutex<Option<std::thread::ThreadId>>,
     /// Expert bytes the calls grouped on the device used (grouped.rs),
     /// counted there.
