@@ -194,9 +194,10 @@ pub struct CudaBackend {
     /// device (grouped.rs) and may be recorded (`MOEFLUX_CUDA_BATCHED_STEPS`).
     batched_steps: bool,
     /// The thread running an engine step (graph.rs `record`), if one is:
-    /// its calls (at most 128 tokens) group routed experts for the
-    /// few-token kernels with f32 activations, as one sequence's decode
-    /// computes; other calls, prompt chunks, for the prefill kernels.
+    /// its calls (at most 128 tokens) group routed experts with f32
+    /// activations, q4 experts for the few-token kernels, as one
+    /// sequence's decode computes; other calls (prompt chunks) with the
+    /// backend's activations for the prefill kernels.
     engine_step: Mutex<Option<std::thread::ThreadId>>,
     /// Expert bytes the calls grouped on the device used (grouped.rs),
     /// counted there.
