@@ -545,13 +545,15 @@ __device__ __forceinline__ u32 pack_bytes(int a, int b, int c, int d) {
     return __byte_perm(__byte_perm(a, b, 0x0040), __byte_perm(c, d, 0x0040), 0x5410);
 }
 
-// x [rows, cols] as Q8Rows, cols a multiple of 64. A thread takes a run of
-// 8 columns, the 8 lanes of a group its runs; the grid strides by whole
-// warps so every lane of a group is present.
-extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, int rows,
-                                                   int cols) {
-    await_inputs();
 #if __CUDA_ARCH__ >= 800
+// Calls body(i, inside, a, b) for each run i of 8 columns of x [rows,
+// cols] (cols a multiple of 64), a and b its halves: a thread takes a run,
+// the 8 lanes of a group its runs, and the grid strides by whole warps so
+// every lane of a group is present for its shuffles (past the last run
+// `inside` is false and a, b are zeros). quantize_activations_q4 and
+// moe_prefill.cu's split_activations.
+template <typename Body>
+__device__ __forceinline__ void for_each_run(const float* x, int rows, int cols, Body body) {
     const i64 runs = (i64)rows * (cols / 8);
     const int lane = threadIdx.x % WARP_SIZE;
     const i64 step = (i64)gridDim.x * blockDim.x;
@@ -564,6 +566,18 @@ extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, i
             a = ((const float4*)(x + 8 * i))[0];
             b = ((const float4*)(x + 8 * i))[1];
         }
+        body(i, inside, a, b);
+    }
+}
+#endif
+
+// x [rows, cols] as Q8Rows, cols a multiple of 64 (for_each_run's runs).
+extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, int rows,
+                                                   int cols) {
+    await_inputs();
+#if __CUDA_ARCH__ >= 800
+    const int lane = threadIdx.x % WARP_SIZE;
+    for_each_run(x, rows, cols, [&](i64 i, bool inside, float4 a, float4 b) {
         const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
         float peak = 0.0f, sum = 0.0f;
 #pragma unroll
@@ -590,7 +604,7 @@ extern "C" __global__ void quantize_activations_q4(const float* x, Q8Rows out, i
                 make_uint2(pack_bytes(q[0], q[2], q[4], q[6]), pack_bytes(q[1], q[3], q[5], q[7]));
             if (lane % 8 == 0) out.params[i / 8] = q8_params(peak, sum, qsum);
         }
-    }
+    });
 #endif
 }
 

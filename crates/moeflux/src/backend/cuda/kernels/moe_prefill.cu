@@ -516,24 +516,13 @@ static_assert(MP_STAGES >= 3, "scales are stored one stage after they are read")
 static_assert(MP_THREADS == MP_BM, "a thread reads one row's scale and bias");
 static_assert(MP_BM / 2 == GROUP_SIZE, "a gate/up block makes one group of act's columns");
 
-// x [rows, cols] split (SplitRows); cols a multiple of 64. A thread takes
-// a run of 8 columns, the 8 lanes of a group its runs; the grid strides
-// by whole warps so every lane of a group is present.
+// x [rows, cols] split (SplitRows); cols a multiple of 64 (gemm.cu's
+// for_each_run's runs).
 extern "C" __global__ void split_activations(const float* x, SplitRows out, int rows, int cols) {
     await_inputs();
 #if __CUDA_ARCH__ >= 800
-    const i64 runs = (i64)rows * (cols / 8);
     const int lane = threadIdx.x % WARP_SIZE;
-    const i64 step = (i64)gridDim.x * blockDim.x;
-    for (i64 first = (i64)blockIdx.x * blockDim.x + threadIdx.x - lane; first < runs;
-         first += step) {
-        const i64 i = first + lane;
-        const bool inside = i < runs;
-        float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), b = a;
-        if (inside) {
-            a = ((const float4*)(x + 8 * i))[0];
-            b = ((const float4*)(x + 8 * i))[1];
-        }
+    for_each_run(x, rows, cols, [&](i64 i, bool inside, float4 a, float4 b) {
         uint4 hi, lo;
         const float s = split_run<true>(a, b, hi, lo);
         if (inside) {
@@ -541,7 +530,7 @@ extern "C" __global__ void split_activations(const float* x, SplitRows out, int 
             store16(out.lo + 8 * i, lo);
             if (lane % 8 == 0) out.sums[i / 8] = s;
         }
-    }
+    });
 #endif
 }
 
