@@ -1494,15 +1494,8 @@ struct RawTile {
     // Values c..c + 3 of key `key` of a side (0 keys, 1 values), in f32.
     __device__ __forceinline__ float4 quad(int side, int key, int c) const {
         const u8* row = (side ? values : keys) + key * ROW_BYTES;
-        if (KV == KV_F32) return *(const float4*)(row + 4 * c);
-        if (KV == KV_BF16) {
-            const uint2 w = *(const uint2*)(row + 2 * c);
-            return make_float4(__uint_as_float(w.x << 16), __uint_as_float(w.x & 0xffff0000u),
-                               __uint_as_float(w.y << 16), __uint_as_float(w.y & 0xffff0000u));
-        }
-        const char4 q = *(const char4*)(row + c);
-        const float s = scales[(side * FA_KEYS + key) * QUADS + c / 4];
-        return make_float4((float)q.x * s, (float)q.y * s, (float)q.z * s, (float)q.w * s);
+        return KvSide<KV>::quad_at(row + c * KV_BYTES(KV),
+                                   scales + (side * FA_KEYS + key) * QUADS + c / 4);
     }
 };
 

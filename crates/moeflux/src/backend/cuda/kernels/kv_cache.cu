@@ -72,14 +72,22 @@ struct KvSide {
 
     // Values i to i + 3 (i a multiple of 4).
     __device__ __forceinline__ float4 quad(i64 i) const {
-        if (KV == KV_F32) return ((const float4*)data)[i / 4];
+        return quad_at(data + (i / 4) * (4 * KV_BYTES(KV)),
+                       KV == KV_Q8 ? scales + i / KV_Q8_BLOCK : nullptr);
+    }
+
+    // The four values the cache's bytes at `at` hold (aligned to their
+    // size), in f32; a q8 block's codes times the scale at `scale` (read
+    // only for q8).
+    static __device__ __forceinline__ float4 quad_at(const u8* at, const float* scale) {
+        if (KV == KV_F32) return *(const float4*)at;
         if (KV == KV_BF16) {
-            const uint2 w = ((const uint2*)data)[i / 4];
+            const uint2 w = *(const uint2*)at;
             return make_float4(bf16_to_float((u16)(w.x & 0xffffu)), bf16_to_float((u16)(w.x >> 16)),
                                bf16_to_float((u16)(w.y & 0xffffu)), bf16_to_float((u16)(w.y >> 16)));
         }
-        const char4 c = ((const char4*)data)[i / 4];
-        const float s = scales[i / KV_Q8_BLOCK];
+        const char4 c = *(const char4*)at;
+        const float s = *scale;
         return make_float4((float)c.x * s, (float)c.y * s, (float)c.z * s, (float)c.w * s);
     }
 
