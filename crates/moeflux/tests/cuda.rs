@@ -244,6 +244,41 @@ fn kv_type_logits_match_cpu_and_transformers() {
     }
 }
 
+/// The prefill attention with its tiles staged straight from the cache (as
+/// on devices whose blocks cannot hold a copied tile) gives the logits of
+/// tiles copied ahead, bit for bit: both split the same values and run the
+/// same MMAs. Every KV type, every fixture's long prompt (the tensor-core
+/// kernels from 16 tokens; latent attention has its own).
+#[test]
+fn attention_tiles_staged_from_the_cache_equal_copied_tiles() {
+    if cuda().is_none() {
+        return;
+    }
+    for &name in FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let tokens = Reference::load(name).tokens("tokens_long");
+        for kv in KvType::ALL {
+            if !stores(name, kv) {
+                continue;
+            }
+            let run = |copies| {
+                let backend = cuda_with(CudaOptions {
+                    attention_copies: Some(copies),
+                    ..CudaOptions::default()
+                })
+                .unwrap();
+                let model = open_cuda(&converted.dir, with_kv(kv), backend);
+                let logits = model.session().forward(&tokens, LogitsWanted::All);
+                logits.unwrap().data
+            };
+            assert!(
+                run(true) == run(false),
+                "{name} {kv}: tiles staged from the cache change the logits"
+            );
+        }
+    }
+}
+
 /// Decode steps recorded as CUDA graphs and replayed, on every fixture
 /// with its experts resident (routers of every kind on the device, latent
 /// caches, sliding windows): a prompt, then token-by-token decode to 300

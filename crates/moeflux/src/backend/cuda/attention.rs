@@ -45,9 +45,10 @@ fn flash_kernel_dim(head_dim: usize) -> usize {
 /// Dynamic shared memory of a prefill attention block whose kernel is
 /// compiled for `kernel_dim`, over a cache of type `kv`: its query rows, a
 /// tile of keys and the tile's values transposed, each as bf16 hi and lo
-/// words, every row padded; then the next tile's keys and values as the
-/// cache holds them (q8: and a scale for every four values).
-fn flash_attention_shared_bytes(kernel_dim: usize, kv: KvType) -> usize {
+/// words, every row padded; then, if it `copies` its tiles, the next
+/// tile's keys and values as the cache holds them (q8: and a scale for
+/// every four values).
+fn flash_attention_shared_bytes(kernel_dim: usize, kv: KvType, copies: bool) -> usize {
     let words = (FA_ROWS + FA_KEYS) * (kernel_dim / 2 + FA_WORD_PAD)
         + kernel_dim * (FA_KEYS / 2 + FA_WORD_PAD);
     let raw_row = kernel_dim * kv.value_bytes()
@@ -55,7 +56,7 @@ fn flash_attention_shared_bytes(kernel_dim: usize, kv: KvType) -> usize {
             KvType::Q8 => kernel_dim,
             _ => 0,
         };
-    2 * 4 * words + 2 * FA_KEYS * raw_row
+    2 * 4 * words + if copies { 2 * FA_KEYS * raw_row } else { 0 }
 }
 
 /// Positions from which a decode step of one sequence takes the grouped
@@ -267,19 +268,30 @@ impl CudaBackend {
         );
         let kernels = self.kernels.kv(cache.kv_type());
         let flash_dim = flash_kernel_dim(head_dim);
-        let flash_shared = flash_attention_shared_bytes(flash_dim, cache.kv_type());
+        // Tiles copied ahead where a block holds the copy (and it is not
+        // turned off), else staged straight from the cache.
+        let flash = self.tc_shared_limit.and_then(|limit| {
+            let fits = |copies| {
+                let bytes = flash_attention_shared_bytes(flash_dim, cache.kv_type(), copies);
+                (bytes <= limit).then_some((copies, bytes))
+            };
+            self.attention_copies
+                .then(|| fits(true))
+                .flatten()
+                .or_else(|| fits(false))
+        });
         if n >= FLASH_MIN_TOKENS
             && head_dim <= FLASH_MAX_HEAD_DIM
             && head_dim.is_multiple_of(4)
-            && self
-                .tc_shared_limit
-                .is_some_and(|limit| flash_shared <= limit)
+            && let Some((copies, flash_shared)) = flash
         {
             // Its start is the host's: a recording could not move it on.
             self.note_unrecordable();
-            let kernel = match flash_dim {
-                128 => &kernels.flash_attention_128,
-                _ => &kernels.flash_attention_256,
+            let kernel = match (flash_dim, copies) {
+                (128, true) => &kernels.flash_attention_128,
+                (_, true) => &kernels.flash_attention_256,
+                (128, false) => &kernels.flash_attention_128_direct,
+                (_, false) => &kernels.flash_attention_256_direct,
             };
             let rows = n * (heads / kv_heads);
             let config = LaunchConfig {

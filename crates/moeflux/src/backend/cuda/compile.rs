@@ -230,6 +230,8 @@ kv_kernels!(
     attention_decode_batch_grouped_256_g8,
     flash_attention_128,
     flash_attention_256,
+    flash_attention_128_direct,
+    flash_attention_256_direct,
     kv_store,
 );
 

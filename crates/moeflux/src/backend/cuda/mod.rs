@@ -172,6 +172,12 @@ pub struct CudaOptions {
     /// tensor cores: faster, with the CPU's int8 accuracy). Decode steps
     /// take f32 either way.
     pub activations: Activations,
+    /// Whether the prefill attention copies each tile of keys and values
+    /// into shared memory (`cp.async`) while the tile before computes, where
+    /// a block's shared memory holds the copy; `None`: yes. Otherwise tiles
+    /// are staged straight from the cache, as on devices whose blocks hold
+    /// less; both give the same results.
+    pub attention_copies: Option<bool>,
 }
 
 /// Computes on one CUDA device (see the module documentation). Each model
@@ -193,6 +199,9 @@ pub struct CudaBackend {
     /// Whether steps of several tokens group their routed experts on the
     /// device (grouped.rs) and may be recorded (`MOEFLUX_CUDA_BATCHED_STEPS`).
     batched_steps: bool,
+    /// Whether the prefill attention copies its tiles ahead where it can
+    /// ([`CudaOptions::attention_copies`]).
+    attention_copies: bool,
     /// The thread running an engine step (graph.rs `record`), if one is:
     /// its calls (at most 128 tokens) group routed experts with f32
     /// activations, q4 experts for the few-token kernels, as one
@@ -448,7 +457,12 @@ impl CudaBackend {
             .into_iter()
             .chain(KvType::ALL.into_iter().flat_map(|kv| {
                 let k = kernels.kv(kv);
-                [&k.flash_attention_128, &k.flash_attention_256]
+                [
+                    &k.flash_attention_128,
+                    &k.flash_attention_256,
+                    &k.flash_attention_128_direct,
+                    &k.flash_attention_256_direct,
+                ]
             })) {
                 kernel
                     .set_attribute(
@@ -494,6 +508,7 @@ impl CudaBackend {
             batched_steps: options
                 .batched_steps
                 .unwrap_or_else(crate::tuning::cuda_batched_steps),
+            attention_copies: options.attention_copies.unwrap_or(true),
             engine_step: Mutex::new(None),
             batched_expert_bytes,
             programmatic_launch: major >= 9 && graph::programmatic_by_env(),

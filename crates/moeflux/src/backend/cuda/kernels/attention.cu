@@ -1509,7 +1509,7 @@ __device__ __forceinline__ void mma_3xbf16(float (&c)[4], const u32 (&ah)[4], co
     mma_bf16(c, ah, bh.x, bh.y);
 }
 
-template <int D, int KV>
+template <int D, int KV, bool COPY>
 __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, KvSide<KV> values,
                                              float* out, int n, int heads, int kv_heads,
                                              int head_dim, i64 start, float scale, int window,
@@ -1564,6 +1564,7 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     const i64 block_oldest = first_key(row0);
     const i64 column0 = (i64)kv_head * head_dim;
     auto fetch = [&](i64 j0) {
+        if (!COPY) return;
         if (j0 < block_visible)
             raw.fetch(keys, values, j0, (int)min((i64)FA_KEYS, block_visible - j0), kv_width,
                       column0, head_dim);
@@ -1590,13 +1591,21 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
     const u32* warp_q_lo = q_lo + warp * FA_ROWS_PER_WARP * QK_LD;
 
     for (i64 j0 = block_oldest; j0 < block_visible; j0 += FA_KEYS) {
-        copy_async_wait<0>();
+        if (COPY) copy_async_wait<0>();
         __syncthreads();  // the tile's copies visible; the previous tile no longer read
+        // Without the raw tile, straight from the cache (rows past the
+        // tile read as its last row and staged as zeros).
+        const int tile = (int)min((i64)FA_KEYS, block_visible - j0);
+        auto side = [&](int which, const KvSide<KV>& cache, int key, int c) {
+            if (COPY) return raw.quad(which, key, c);
+            const float4 v = cache.quad(min(j0 + key, j0 + tile - 1) * kv_width + column0 + c);
+            return key < tile ? v : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        };
         stage_split_rows<D, FA_KEYS, EXACT>(k_hi, k_lo, head_dim, [&](int key, int c) {
-            return raw.quad(0, key, c);
+            return side(0, keys, key, c);
         });
         stage_split_columns<D, EXACT>(v_hi, v_lo, head_dim, [&](int key, int c) {
-            return raw.quad(1, key, c);
+            return side(1, values, key, c);
         });
         __syncthreads();  // the tile split; its raw copy no longer read
         fetch(j0 + FA_KEYS);
@@ -1711,24 +1720,32 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
 // sm_80+ (TF32 MMAs); on older devices the kernels are empty and
 // attention.rs takes attend() instead.
 #if __CUDA_ARCH__ >= 800
-#define FLASH_ATTEND(D, KV)                                                                \
-    flash_attend<D, KV>(q, KvSide<KV>{keys, key_scales}, KvSide<KV>{values, value_scales}, \
-                        out, n, heads, kv_heads, head_dim, start, scale, window, sinks);
+#define FLASH_ATTEND(D, KV, COPY)                                                                \
+    flash_attend<D, KV, COPY>(q, KvSide<KV>{keys, key_scales}, KvSide<KV>{values, value_scales}, \
+                              out, n, heads, kv_heads, head_dim, start, scale, window, sinks);
 #else
-#define FLASH_ATTEND(D, KV)
+#define FLASH_ATTEND(D, KV, COPY)
 #endif
-#define FLASH_ATTENTION_KERNEL(name, D, KV)                                             \
+#define FLASH_ATTENTION_KERNEL(name, D, KV, COPY)                                       \
     extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP_SIZE)                  \
         name(const float* q, const u8* keys, const float* key_scales, const u8* values, \
              const float* value_scales, float* out, int n, int heads, int kv_heads,     \
              int head_dim, i64 start, float scale, int window, const float* sinks) {    \
         await_inputs();                                                                 \
-        FLASH_ATTEND(D, KV)                                                             \
+        FLASH_ATTEND(D, KV, COPY)                                                       \
     }
 
-FLASH_ATTENTION_KERNEL(flash_attention_128_f32, 128, KV_F32)
-FLASH_ATTENTION_KERNEL(flash_attention_256_f32, 256, KV_F32)
-FLASH_ATTENTION_KERNEL(flash_attention_128_bf16, 128, KV_BF16)
-FLASH_ATTENTION_KERNEL(flash_attention_256_bf16, 256, KV_BF16)
-FLASH_ATTENTION_KERNEL(flash_attention_128_q8, 128, KV_Q8)
-FLASH_ATTENTION_KERNEL(flash_attention_256_q8, 256, KV_Q8)
+// The tiles copied by cp.async (the raw tile in shared memory), and for
+// devices whose blocks cannot hold it, staged straight from the cache.
+FLASH_ATTENTION_KERNEL(flash_attention_128_f32, 128, KV_F32, true)
+FLASH_ATTENTION_KERNEL(flash_attention_256_f32, 256, KV_F32, true)
+FLASH_ATTENTION_KERNEL(flash_attention_128_bf16, 128, KV_BF16, true)
+FLASH_ATTENTION_KERNEL(flash_attention_256_bf16, 256, KV_BF16, true)
+FLASH_ATTENTION_KERNEL(flash_attention_128_q8, 128, KV_Q8, true)
+FLASH_ATTENTION_KERNEL(flash_attention_256_q8, 256, KV_Q8, true)
+FLASH_ATTENTION_KERNEL(flash_attention_128_direct_f32, 128, KV_F32, false)
+FLASH_ATTENTION_KERNEL(flash_attention_256_direct_f32, 256, KV_F32, false)
+FLASH_ATTENTION_KERNEL(flash_attention_128_direct_bf16, 128, KV_BF16, false)
+FLASH_ATTENTION_KERNEL(flash_attention_256_direct_bf16, 256, KV_BF16, false)
+FLASH_ATTENTION_KERNEL(flash_attention_128_direct_q8, 128, KV_Q8, false)
+FLASH_ATTENTION_KERNEL(flash_attention_256_direct_q8, 256, KV_Q8, false)
