@@ -283,17 +283,18 @@ struct GemmStage {
 // One stage of a warp's tensor-core products, shared by linear_tc and the
 // grouped expert kernels (moe_prefill.cu): two 16-row A tiles of weights,
 // whose fragments load_a(mi, k, a) produces for tile mi at the stage's
-// column k (a multiple of 16), against four 8-token tiles of the split
-// activations (hi + lo) from token0 (those from tiles_n on skipped), over
-// the stage's GEMM_BK columns; the result is folded into acc, with the
-// stage's scale and bias of rows[mi] + g (+ 8) for quantized weights
-// (bias · Σx per token). Element e of a C fragment is row g + 8·(e / 2),
-// token 2·i4 + e % 2 of its tile. `Shared` is the stage in shared memory
-// (fields hi, lo, scale, bias, xsum).
-template <bool QUANTIZED, typename Shared, typename LoadA>
-__device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
-                                               const int (&rows)[2], int token0, int tiles_n,
-                                               float (&acc)[2][4][4]) {
+// column k (a multiple of 16), against the first TILES_N 8-token tiles of
+// the split activations (hi + lo) from token0, over the stage's GEMM_BK
+// columns; the result is folded into acc, with the stage's scale and bias
+// of rows[mi] + g (+ 8) for quantized weights (bias · Σx per token).
+// Element e of a C fragment is row g + 8·(e / 2), token 2·i4 + e % 2 of
+// its tile. `Shared` is the stage in shared memory (fields hi, lo, scale,
+// bias, xsum). TILES_N is a constant so that the stage is one straight run
+// of code whose loads and MMAs interleave.
+template <bool QUANTIZED, int TILES_N, typename Shared, typename LoadA>
+__device__ __forceinline__ void mma_stage_of(const Shared& sm, LoadA load_a,
+                                             const int (&rows)[2], int token0,
+                                             float (&acc)[2][4][4]) {
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
     float part[2][4][4] = {};
@@ -311,7 +312,7 @@ __device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
         for (int mi = 0; mi < 2; ++mi) load_a(mi, k, a[mi]);
 #pragma unroll
         for (int p = 0; p < 2; ++p) {
-            if (2 * p >= tiles_n) continue;
+            if (2 * p >= TILES_N) continue;
             const u16* b = b_lane + 16 * p * GEMM_LD + k;
             u32 bh[4], bl[4];
             ldmatrix_x4(bh, b);
@@ -320,7 +321,7 @@ __device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
             for (int mi = 0; mi < 2; ++mi) {
                 mma_bf16(part[mi][2 * p], a[mi], bh[0], bh[1]);
                 mma_bf16(part[mi][2 * p], a[mi], bl[0], bl[1]);
-                if (2 * p + 1 < tiles_n) {
+                if (2 * p + 1 < TILES_N) {
                     mma_bf16(part[mi][2 * p + 1], a[mi], bh[2], bh[3]);
                     mma_bf16(part[mi][2 * p + 1], a[mi], bl[2], bl[3]);
                 }
@@ -352,6 +353,29 @@ __device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
                 }
             }
         }
+    }
+}
+
+// mma_stage_of for the warp's first `tiles_n` (0 to 4) token tiles.
+template <bool QUANTIZED, typename Shared, typename LoadA>
+__device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
+                                               const int (&rows)[2], int token0, int tiles_n,
+                                               float (&acc)[2][4][4]) {
+    switch (tiles_n) {
+        case 4:
+            mma_stage_of<QUANTIZED, 4>(sm, load_a, rows, token0, acc);
+            break;
+        case 3:
+            mma_stage_of<QUANTIZED, 3>(sm, load_a, rows, token0, acc);
+            break;
+        case 2:
+            mma_stage_of<QUANTIZED, 2>(sm, load_a, rows, token0, acc);
+            break;
+        case 1:
+            mma_stage_of<QUANTIZED, 1>(sm, load_a, rows, token0, acc);
+            break;
+        default:
+            break;
     }
 }
 
@@ -654,7 +678,7 @@ struct I8Stage {
 // codes (piece p = tid + THREADS·j is half p % 2 of row p / 2), 16 bytes of
 // slot tid / 4's activations (piece tid % 4), slot tid's params (tid < BN)
 // and row tid's scale and bias (tid < BM). A source that is not valid is
-// copied as zeros (and not read).
+// copied as zeros: its pointer moves along as the others do, never read.
 template <int BM, int BN, int THREADS>
 struct I8Sources {
     static constexpr int CODE_PIECES = 2 * BM / THREADS;
@@ -673,16 +697,19 @@ struct I8Sources {
 
 // acc += the products of stages (groups) first .. last - 1 of the block's
 // rows and slots: the warp's MMA tiles are rows rows[mi] .. + 15 (mi = 0,
-// 1) × slots slot0 + 8·nj .. + 7 (nj < tiles_n), acc in the C fragment's
+// 1) × slots slot0 + 8·nj .. + 7 (nj < TILES_N), acc in the C fragment's
 // order. STAGES stages in flight through cp.async; the rows' scales and
 // biases are read a stage ahead into registers and stored the stage after.
 // One __syncthreads per stage: it makes stage s visible and frees the
 // buffer of stage s - 1 for the copies of stage s + STAGES - 1.
-template <int BM, int BN, int THREADS, int STAGES>
-__device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
-                                            const I8Sources<BM, BN, THREADS>& src, int first,
-                                            int last, const int (&rows)[2], int slot0,
-                                            int tiles_n, float (&acc)[2][4][4]) {
+// TILES_N is a constant so that a stage is one straight run of code: the
+// column tiles' loads, MMAs and scaling interleave instead of waiting on
+// each other across branches.
+template <int BM, int BN, int THREADS, int STAGES, int TILES_N>
+__device__ __forceinline__ void i8_products_of(I8Stage<BM, BN>* stages,
+                                               const I8Sources<BM, BN, THREADS>& src, int first,
+                                               int last, const int (&rows)[2], int slot0,
+                                               float (&acc)[2][4][4]) {
     static_assert(STAGES >= 3, "scales are stored one stage after they are read");
     const int tid = threadIdx.x;
     const int lane = tid % WARP_SIZE;
@@ -694,16 +721,12 @@ __device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
 #pragma unroll
             for (int j = 0; j < I8Sources<BM, BN, THREADS>::CODE_PIECES; ++j) {
                 const int p = tid + THREADS * j;
-                copy_async16(&st.w[p / 2][16 * (p % 2)],
-                             src.codes[j] + (src.codes_valid[j] ? GROUP_SIZE / 2 * s : 0),
+                copy_async16(&st.w[p / 2][16 * (p % 2)], src.codes[j] + GROUP_SIZE / 2 * s,
                              src.codes_valid[j]);
             }
-            copy_async16(&st.x[tid / 4][16 * (tid % 4)],
-                         src.act + (src.act_valid ? GROUP_SIZE * s : 0), src.act_valid);
-            if (tid < BN) {
-                copy_async16(&st.xp[tid], src.params + (src.params_valid ? s : 0),
-                             src.params_valid);
-            }
+            copy_async16(&st.x[tid / 4][16 * (tid % 4)], src.act + GROUP_SIZE * s,
+                         src.act_valid);
+            if (tid < BN) copy_async16(&st.xp[tid], src.params + s, src.params_valid);
         }
         copy_async_commit();
     };
@@ -711,8 +734,8 @@ __device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
     const auto read_params = [&](int s, u16& scale, u16& bias) {
         scale = bias = 0;
         if (s < last && src.row_valid) {
-            scale = src.scale[s];
-            bias = src.bias[s];
+            scale = __ldg(src.scale + s);
+            bias = __ldg(src.bias + s);
         }
     };
     const auto store_params = [&](int s, u16 scale, u16 bias) {
@@ -723,12 +746,15 @@ __device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
         }
     };
     const int zero[4] = {0, 0, 0, 0};
-    for (int s = first; s < first + STAGES - 1; ++s) {
-        issue(s);
-        u16 scale, bias;
-        read_params(s, scale, bias);
-        store_params(s, scale, bias);
+    // The first stages' parameters are all read before any is stored.
+    u16 first_scales[STAGES - 1], first_biases[STAGES - 1];
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        issue(first + i);
+        read_params(first + i, first_scales[i], first_biases[i]);
     }
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) store_params(first + i, first_scales[i], first_biases[i]);
     u16 next_scale = 0, next_bias = 0;  // of stage s + STAGES - 2
     for (int s = first; s < last; ++s) {
         copy_async_wait<STAGES - 2>();
@@ -754,8 +780,7 @@ __device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
             }
         }
 #pragma unroll
-        for (int nj = 0; nj < 4; ++nj) {
-            if (nj >= tiles_n) break;
+        for (int nj = 0; nj < TILES_N; ++nj) {
             const int slot = slot0 + 8 * nj;
             const uint4 b = *(const uint4*)&st.x[slot + g][16 * i4];
             // The slots slot + 2·i4 (+ 1) of the C fragment.
@@ -776,6 +801,30 @@ __device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
         }
     }
     copy_async_wait<0>();
+}
+
+// i8_products_of for the warp's first `tiles_n` (0 to 4) column tiles.
+template <int BM, int BN, int THREADS, int STAGES>
+__device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
+                                            const I8Sources<BM, BN, THREADS>& src, int first,
+                                            int last, const int (&rows)[2], int slot0,
+                                            int tiles_n, float (&acc)[2][4][4]) {
+    switch (tiles_n) {
+        case 4:
+            i8_products_of<BM, BN, THREADS, STAGES, 4>(stages, src, first, last, rows, slot0, acc);
+            break;
+        case 3:
+            i8_products_of<BM, BN, THREADS, STAGES, 3>(stages, src, first, last, rows, slot0, acc);
+            break;
+        case 2:
+            i8_products_of<BM, BN, THREADS, STAGES, 2>(stages, src, first, last, rows, slot0, acc);
+            break;
+        case 1:
+            i8_products_of<BM, BN, THREADS, STAGES, 1>(stages, src, first, last, rows, slot0, acc);
+            break;
+        default:
+            i8_products_of<BM, BN, THREADS, STAGES, 0>(stages, src, first, last, rows, slot0, acc);
+    }
 }
 
 typedef I8Stage<GEMM_BM, GEMM_BN> GemmI8Stage;

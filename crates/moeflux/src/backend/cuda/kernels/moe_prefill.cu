@@ -569,7 +569,7 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
     // `tid % 2` of the stage's 32 bytes); activation pieces tid % 8 of
     // slots tid / 16 + 8·j, hi or lo by (tid / 8) % 2; Σx of slot tid; the
     // scale and bias of shared row tid. An invalid source is copied as
-    // zeros (and not read).
+    // zeros: its pointer moves along as the others do, never read.
     const u8* codes_from[2];
     bool codes_valid[2];
 #pragma unroll
@@ -611,18 +611,14 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 copy_async16(&st.w[tid / 2 + (MP_BM / 2) * j][16 * (tid % 2)],
-                             codes_from[j] + (codes_valid[j] ? GEMM_BK / 2 * s : 0),
-                             codes_valid[j]);
+                             codes_from[j] + GEMM_BK / 2 * s, codes_valid[j]);
             }
 #pragma unroll
             for (int j = 0; j < MP_BN / 8; ++j) {
                 u16* dst = low ? st.lo[tid / 16 + 8 * j] : st.hi[tid / 16 + 8 * j];
-                copy_async16(dst + 8 * (tid % 8), act_from[j] + (act_valid[j] ? GEMM_BK * s : 0),
-                             act_valid[j]);
+                copy_async16(dst + 8 * (tid % 8), act_from[j] + GEMM_BK * s, act_valid[j]);
             }
-            if (tid < MP_BN) {
-                copy_async4(&st.xsum[tid], sum_from + (sum_src >= 0 ? s : 0), sum_src >= 0);
-            }
+            if (tid < MP_BN) copy_async4(&st.xsum[tid], sum_from + s, sum_src >= 0);
         }
         copy_async_commit();
     };
@@ -630,8 +626,8 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
     const auto read_params = [&](int s, u16& scale, u16& bias) {
         scale = bias = 0;
         if (s < groups && params_valid) {
-            scale = scale_from[s];
-            bias = bias_from[s];
+            scale = __ldg(scale_from + s);
+            bias = __ldg(bias_from + s);
         }
     };
     const auto store_params = [&](int s, u16 scale, u16 bias) {
@@ -645,12 +641,15 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
     const int rows_of_warp[2] = {moe_tile_row<GATE_UP>(warp, 0),
                                  moe_tile_row<GATE_UP>(warp, 1)};
     float acc[2][4][4] = {};
+    // The first stages' parameters are all read before any is stored.
+    u16 first_scales[MP_STAGES - 1], first_biases[MP_STAGES - 1];
+#pragma unroll
     for (int s = 0; s < MP_STAGES - 1; ++s) {
         issue(s);
-        u16 scale, bias;
-        read_params(s, scale, bias);
-        store_params(s, scale, bias);
+        read_params(s, first_scales[s], first_biases[s]);
     }
+#pragma unroll
+    for (int s = 0; s < MP_STAGES - 1; ++s) store_params(s, first_scales[s], first_biases[s]);
     u16 next_scale = 0, next_bias = 0;  // of stage s + MP_STAGES - 2
     for (int s = 0; s < groups; ++s) {
         copy_async_wait<MP_STAGES - 2>();
