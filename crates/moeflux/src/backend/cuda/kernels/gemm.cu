@@ -280,6 +280,27 @@ struct GemmStage {
     }
 };
 
+// CALL(N) for the constant N equal to `tiles_n`, a warp's count of 8-token
+// column tiles (0 to 4): the products below are compiled for each count so
+// that a stage is one straight run of code.
+#define SWITCH_TILES_N(tiles_n, CALL) \
+    switch (tiles_n) {                \
+        case 4:                       \
+            CALL(4);                  \
+            break;                    \
+        case 3:                       \
+            CALL(3);                  \
+            break;                    \
+        case 2:                       \
+            CALL(2);                  \
+            break;                    \
+        case 1:                       \
+            CALL(1);                  \
+            break;                    \
+        default:                      \
+            CALL(0);                  \
+    }
+
 // One stage of a warp's tensor-core products, shared by linear_tc and the
 // grouped expert kernels (moe_prefill.cu): two 16-row A tiles of weights,
 // whose fragments load_a(mi, k, a) produces for tile mi at the stage's
@@ -295,6 +316,7 @@ template <bool QUANTIZED, int TILES_N, typename Shared, typename LoadA>
 __device__ __forceinline__ void mma_stage_of(const Shared& sm, LoadA load_a,
                                              const int (&rows)[2], int token0,
                                              float (&acc)[2][4][4]) {
+    if (TILES_N == 0) return;
     const int lane = threadIdx.x % WARP_SIZE;
     const int g = lane / 4, i4 = lane % 4;
     float part[2][4][4] = {};
@@ -356,27 +378,15 @@ __device__ __forceinline__ void mma_stage_of(const Shared& sm, LoadA load_a,
     }
 }
 
-// mma_stage_of for the warp's first `tiles_n` (0 to 4) token tiles.
+// mma_stage_of for the warp's first `tiles_n` (0 to 4) token tiles (none:
+// nothing to add).
 template <bool QUANTIZED, typename Shared, typename LoadA>
 __device__ __forceinline__ void mma_stage_with(const Shared& sm, LoadA load_a,
                                                const int (&rows)[2], int token0, int tiles_n,
                                                float (&acc)[2][4][4]) {
-    switch (tiles_n) {
-        case 4:
-            mma_stage_of<QUANTIZED, 4>(sm, load_a, rows, token0, acc);
-            break;
-        case 3:
-            mma_stage_of<QUANTIZED, 3>(sm, load_a, rows, token0, acc);
-            break;
-        case 2:
-            mma_stage_of<QUANTIZED, 2>(sm, load_a, rows, token0, acc);
-            break;
-        case 1:
-            mma_stage_of<QUANTIZED, 1>(sm, load_a, rows, token0, acc);
-            break;
-        default:
-            break;
-    }
+#define MMA_STAGE_OF(N) mma_stage_of<QUANTIZED, N>(sm, load_a, rows, token0, acc)
+    SWITCH_TILES_N(tiles_n, MMA_STAGE_OF)
+#undef MMA_STAGE_OF
 }
 
 // mma_stage_with for weights staged as bf16 in sm.w (rows × k), whose A
@@ -809,22 +819,10 @@ __device__ __forceinline__ void i8_products(I8Stage<BM, BN>* stages,
                                             const I8Sources<BM, BN, THREADS>& src, int first,
                                             int last, const int (&rows)[2], int slot0,
                                             int tiles_n, float (&acc)[2][4][4]) {
-    switch (tiles_n) {
-        case 4:
-            i8_products_of<BM, BN, THREADS, STAGES, 4>(stages, src, first, last, rows, slot0, acc);
-            break;
-        case 3:
-            i8_products_of<BM, BN, THREADS, STAGES, 3>(stages, src, first, last, rows, slot0, acc);
-            break;
-        case 2:
-            i8_products_of<BM, BN, THREADS, STAGES, 2>(stages, src, first, last, rows, slot0, acc);
-            break;
-        case 1:
-            i8_products_of<BM, BN, THREADS, STAGES, 1>(stages, src, first, last, rows, slot0, acc);
-            break;
-        default:
-            i8_products_of<BM, BN, THREADS, STAGES, 0>(stages, src, first, last, rows, slot0, acc);
-    }
+#define I8_PRODUCTS_OF(N) \
+    i8_products_of<BM, BN, THREADS, STAGES, N>(stages, src, first, last, rows, slot0, acc)
+    SWITCH_TILES_N(tiles_n, I8_PRODUCTS_OF)
+#undef I8_PRODUCTS_OF
 }
 
 typedef I8Stage<GEMM_BM, GEMM_BN> GemmI8Stage;
