@@ -5,7 +5,8 @@
 //! and split long contexts over several blocks per head (flash-decoding);
 //! the decode step of several sequences, each over its own cache; and
 //! from [`FLASH_MIN_TOKENS`] tokens FlashAttention's tiles on the tensor
-//! cores (TF32 MMAs at about f32 accuracy; sm_80 and later).
+//! cores (bf16 MMAs of operands split in two, about f32 accuracy; sm_80
+//! and later).
 
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
 

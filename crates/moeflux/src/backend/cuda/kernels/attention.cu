@@ -1717,7 +1717,7 @@ __device__ __forceinline__ void flash_attend(const float* q, KvSide<KV> keys, Kv
 
 // Grid: (ceil(n · heads / kv_heads / FA_ROWS), kv_heads), FA_WARPS warps,
 // dynamic shared memory from flash_attention_shared_bytes (Rust side).
-// sm_80+ (TF32 MMAs); on older devices the kernels are empty and
+// sm_80+ (bf16 MMAs); on older devices the kernels are empty and
 // attention.rs takes attend() instead.
 #if __CUDA_ARCH__ >= 800
 #define FLASH_ATTEND(D, KV, COPY)                                                                \
