@@ -133,6 +133,9 @@ pub struct BenchReport {
     pub host_to_device_gb_s: Option<f64>,
     /// Replayed hit rates of each cache policy (`compare_policies`).
     pub policy_comparison: Vec<PolicyHitRate>,
+    /// The CPU backend's parallel regions during the timed decode, with
+    /// `MOEFLUX_CPU_PROFILE` ([`crate::backend::cpu::profile`]).
+    pub cpu_profile: Option<String>,
 }
 
 /// Runs the benchmark; `progress` counts timed and warm-up tokens.
@@ -209,12 +212,20 @@ pub fn run<B: Backend>(
     }
     let before = model.expert_stats();
     let device_before = model.backend().device_expert_stats();
+    // The profile covers the timed steps alone.
+    let profiling = crate::backend::cpu::profile::enabled();
+    if profiling {
+        crate::backend::cpu::profile::report();
+    }
     let start = Instant::now();
     for _ in 0..options.decode_tokens {
         logits = session.decode(next(&logits))?;
         progress.advance(1, "decode");
     }
     let decode_time = start.elapsed();
+    let cpu_profile = profiling
+        .then(crate::backend::cpu::profile::report)
+        .flatten();
     let stats = model.expert_stats().since(&before);
     let device_experts = match (model.backend().device_expert_stats(), device_before) {
         (Some(after), Some(before)) => Some(after.since(&before)),
@@ -294,6 +305,7 @@ pub fn run<B: Backend>(
         device_experts,
         host_to_device_gb_s,
         policy_comparison,
+        cpu_profile,
     })
 }
 

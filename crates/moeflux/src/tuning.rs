@@ -7,6 +7,7 @@
 //! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
 //! | `MOEFLUX_CPU_SPIN_US` | microseconds the CPU backend's idle workers spin, waiting for the next parallel region, before they park | 2000 |
 //! | `MOEFLUX_CPU_TASK_MACS` | multiply-adds below which the CPU backend does not split a product's rows into more tasks | 131072 |
+//! | `MOEFLUX_CPU_PROFILE` | `1`: wall time, threads' busy time and the serial time before each of the CPU backend's parallel regions, per place in the source that starts it, printed by `moeflux bench` | off |
 //! | `MOEFLUX_CPU_POOL` | `0`: the CPU backend's parallel regions run on rayon's threads instead of its own spinning workers | on |
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
 //! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of several tokens (prompt chunks, several sequences decoding, a check of drafted tokens) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
@@ -86,6 +87,12 @@ pub fn cpu_task_macs(default: usize) -> usize {
 /// its own workers (else on rayon's).
 pub fn cpu_pool() -> bool {
     switched_on("MOEFLUX_CPU_POOL")
+}
+
+/// `MOEFLUX_CPU_PROFILE`: whether to time the CPU backend's parallel
+/// regions.
+pub fn cpu_profile() -> bool {
+    var("MOEFLUX_CPU_PROFILE").is_some_and(|v| v != "0")
 }
 
 /// `MOEFLUX_CUDA_GRAPHS`: whether decode steps may be recorded and

@@ -122,6 +122,9 @@ fn bench<B: Backend>(
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
         print_table(&report);
+        if let Some(profile) = &report.cpu_profile {
+            eprint!("{profile}");
+        }
     }
     Ok(())
 }

@@ -173,45 +173,14 @@ fn block(
 /// inputs are the same slice (and whose weights take inputs in the same
 /// layout) share one preparation of them, e.g. one int8 quantization for
 /// an expert's gate and up.
+#[track_caller]
 pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Vec<Vec<f32>> {
-    // Each product's index into `inputs`: the first product with the same
-    // input slice and layout prepares it for all.
-    let mut firsts: Vec<usize> = Vec::new();
-    let mut input_of = Vec::with_capacity(products.len());
-    for (i, p) in products.iter().enumerate() {
-        let same = |q: &Product<'_>| {
-            std::ptr::eq(q.x, p.x) && q.n == p.n && Inputs::layout(q) == Inputs::layout(p)
-        };
-        match products[..i].iter().position(same) {
-            Some(j) => input_of.push(input_of[j]),
-            None => {
-                input_of.push(firsts.len());
-                firsts.push(i);
-            }
-        }
-    }
-    // Several inputs of many tokens (a prefill chunk's experts) are laid
-    // out in parallel, one task each.
-    let values: usize = firsts.iter().map(|&i| products[i].x.len()).sum();
-    let inputs: Vec<Inputs<'_>> = if firsts.len() > 1 && values >= MIN_PARALLEL_INPUTS {
-        let slots: Vec<OnceLock<Inputs<'_>>> = firsts.iter().map(|_| OnceLock::new()).collect();
-        pool::run(on_pool, firsts.len(), |k| {
-            let _ = slots[k].set(Inputs::new(isa, &products[firsts[k]]));
-        });
-        let prepared = slots.into_iter().map(OnceLock::into_inner);
-        prepared.map(|i| i.expect("every input prepared")).collect()
-    } else {
-        firsts
-            .iter()
-            .map(|&i| Inputs::new(isa, &products[i]))
-            .collect()
-    };
+    let (inputs, input_of) = prepare_inputs(isa, on_pool, products);
     let mut outs: Vec<Vec<f32>> = products
         .iter()
         .map(|p| vec![0f32; p.n * p.w.rows()])
         .collect();
-    let total_macs: usize = products.iter().map(|p| p.w.rows() * p.w.cols() * p.n).sum();
-    let task_macs = min_task_macs().max(total_macs.div_ceil(8 * rayon::current_num_threads()));
+    let task_macs = task_macs(products);
     // (product, first row, rows)
     let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
     for (i, p) in products.iter().enumerate() {
@@ -246,6 +215,108 @@ pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Ve
         unsafe { targets[i].scatter(first, len, p.n, &by_row) };
     });
     outs
+}
+
+/// One-token products in pairs of as many rows (an expert's gate and up),
+/// in one parallel region: a task computes the same rows of both and
+/// `combine(pair, first_row, a, b)` folds them into `a` there, while they
+/// are in its core's cache (a decode step's expert activation). Returns
+/// each pair's combined rows; each product's values are [`matmul`]'s.
+#[track_caller]
+pub fn matmul_pairs_with(
+    isa: Isa,
+    on_pool: bool,
+    pairs: &[[Product<'_>; 2]],
+    combine: impl Fn(usize, usize, &mut [f32], &[f32]) + Sync,
+) -> Vec<Vec<f32>> {
+    let products: Vec<Product<'_>> = pairs.iter().flatten().copied().collect();
+    assert!(
+        pairs
+            .iter()
+            .all(|[a, b]| a.n == 1 && b.n == 1 && a.w.rows() == b.w.rows()),
+        "paired products take one token and have as many rows"
+    );
+    let (inputs, input_of) = prepare_inputs(isa, on_pool, &products);
+    let mut outs: Vec<Vec<f32>> = pairs.iter().map(|[a, _]| vec![0f32; a.w.rows()]).collect();
+    let task_macs = task_macs(&products);
+    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
+    for (i, [a, b]) in pairs.iter().enumerate() {
+        let rows = a.w.rows();
+        let per_task = task_macs
+            .div_ceil((a.w.cols() + b.w.cols()).max(1))
+            .next_multiple_of(4);
+        for first in (0..rows).step_by(per_task) {
+            tasks.push((i, first, per_task.min(rows - first)));
+        }
+    }
+    let targets: Vec<Columns> = outs.iter_mut().map(|o| Columns::new(o)).collect();
+    pool::run(on_pool, tasks.len(), |t| {
+        let (i, first, len) = tasks[t];
+        let [a, b] = &pairs[i];
+        // SAFETY: the tasks' row ranges of one pair are disjoint.
+        let out = unsafe { targets[i].rows(first, len) };
+        block(isa, &a.w, &inputs[input_of[2 * i]], first, len, out);
+        let mut second = vec![0f32; len];
+        block(
+            isa,
+            &b.w,
+            &inputs[input_of[2 * i + 1]],
+            first,
+            len,
+            &mut second,
+        );
+        combine(i, first, out, &second);
+    });
+    outs
+}
+
+/// Multiply-adds a task of these products takes: enough to pay for a task
+/// ([`min_task_macs`]), and about eight tasks a thread, so threads that
+/// finish early take more.
+fn task_macs(products: &[Product<'_>]) -> usize {
+    let total: usize = products.iter().map(|p| p.w.rows() * p.w.cols() * p.n).sum();
+    min_task_macs().max(total.div_ceil(8 * rayon::current_num_threads()))
+}
+
+/// The products' inputs laid out for their kernels, and each product's
+/// index among them: the first product with the same input slice and
+/// layout prepares it for all.
+fn prepare_inputs<'a>(
+    isa: Isa,
+    on_pool: bool,
+    products: &[Product<'a>],
+) -> (Vec<Inputs<'a>>, Vec<usize>) {
+    let mut firsts: Vec<usize> = Vec::new();
+    let mut input_of = Vec::with_capacity(products.len());
+    for (i, p) in products.iter().enumerate() {
+        let same = |q: &Product<'_>| {
+            std::ptr::eq(q.x, p.x) && q.n == p.n && Inputs::layout(q) == Inputs::layout(p)
+        };
+        match products[..i].iter().position(same) {
+            Some(j) => input_of.push(input_of[j]),
+            None => {
+                input_of.push(firsts.len());
+                firsts.push(i);
+            }
+        }
+    }
+    // Several inputs of many tokens (a prefill chunk's experts) are laid
+    // out in parallel, one task each.
+    let values: usize = firsts.iter().map(|&i| products[i].x.len()).sum();
+    let inputs: Vec<Inputs<'_>> = if firsts.len() > 1 && values >= MIN_PARALLEL_INPUTS {
+        let slots: Vec<OnceLock<Inputs<'_>>> = firsts.iter().map(|_| OnceLock::new()).collect();
+        pool::run(on_pool, firsts.len(), |k| {
+            let _ = slots[k].set(Inputs::new(isa, &products[firsts[k]]));
+        });
+        let prepared = slots.into_iter().map(OnceLock::into_inner);
+        prepared.map(|i| i.expect("every input prepared")).collect()
+    } else {
+        firsts
+            .iter()
+            .map(|&i| Inputs::new(isa, &products[i]))
+            .collect()
+    };
+    (inputs, input_of)
 }
 
 /// A product's `[n, rows]` result, whose tasks each write the columns of
@@ -497,6 +568,83 @@ mod tests {
                         batch[t * rows..(t + 1) * rows],
                         "{isa:?} {dtype:?} {activations:?} token {t}"
                     );
+                }
+            }
+        }
+    }
+
+    /// The paired products with their combination equal each product
+    /// computed alone and combined afterwards, bit for bit, whichever
+    /// threads take their tasks (a decode step's experts and the same
+    /// experts in a prefill chunk).
+    #[test]
+    fn paired_products_equal_products_alone() {
+        let (rows, cols, experts) = (1088, 256, 3);
+        let matrix = |dtype, rows, cols, seed| {
+            let layout = MatrixLayout::new(dtype, rows, cols).unwrap();
+            let w = values(rows * cols, seed);
+            (
+                layout,
+                AlignedBuf::from_slice(&RowEncoder::new(layout).encode_matrix(&w)),
+            )
+        };
+        let combine = |a: &mut [f32], b: &[f32], k: usize, first: usize| {
+            for (i, (a, b)) in a.iter_mut().zip(b).enumerate() {
+                *a = *a * 0.5 + b * (k + first + i) as f32;
+            }
+        };
+        for isa in Isa::available() {
+            for (dtype, activations) in [
+                (DType::Q4, Activations::Int8),
+                (DType::Q4, Activations::F32),
+                (DType::Q8, Activations::Int8),
+                (DType::Bf16, Activations::F32),
+            ] {
+                let gate_up: Vec<_> = (0..2 * experts as u64)
+                    .map(|seed| matrix(dtype, rows, cols, seed))
+                    .collect();
+                let x = values(cols, 9);
+                fn one<'a>(
+                    x: &'a [f32],
+                    (layout, bytes): &'a (MatrixLayout, AlignedBuf),
+                    activations: Activations,
+                ) -> Product<'a> {
+                    Product {
+                        x,
+                        n: 1,
+                        w: MatrixView::new(*layout, bytes),
+                        activations,
+                    }
+                }
+                let mut alone: Vec<Vec<f32>> = Vec::new();
+                for k in 0..experts {
+                    let mut a =
+                        matmul_many_with(isa, false, &[one(&x, &gate_up[2 * k], activations)]);
+                    let b =
+                        matmul_many_with(isa, false, &[one(&x, &gate_up[2 * k + 1], activations)]);
+                    combine(&mut a[0], &b[0], k, 0);
+                    alone.push(a.pop().unwrap());
+                }
+                for threads in [1, 3] {
+                    let pool = rayon::ThreadPoolBuilder::new()
+                        .num_threads(threads)
+                        .build()
+                        .unwrap();
+                    pool.install(|| {
+                        let pairs: Vec<[Product<'_>; 2]> = (0..experts)
+                            .map(|k| {
+                                [
+                                    one(&x, &gate_up[2 * k], activations),
+                                    one(&x, &gate_up[2 * k + 1], activations),
+                                ]
+                            })
+                            .collect();
+                        let act = matmul_pairs_with(isa, true, &pairs, |k, first, a, b| {
+                            combine(a, b, k, first)
+                        });
+                        let at = format!("{isa:?} {dtype:?} {activations:?} {threads} threads");
+                        assert_eq!(act, alone, "pairs: {at}");
+                    });
                 }
             }
         }

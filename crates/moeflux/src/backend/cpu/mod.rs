@@ -10,6 +10,7 @@ mod gated_delta_net;
 mod linear;
 pub(crate) mod moe;
 mod pool;
+pub mod profile;
 mod simd;
 
 use std::ops::Range;
@@ -368,7 +369,10 @@ impl Backend for CpuBackend {
         let chunk = pool::groups_per_task(g) * g;
         pool::for_chunks_mut(self.options.pool, &mut data, chunk, |i, out| {
             for (o, x) in out.chunks_mut(g).zip(x.data[i * chunk..].chunks(g)) {
-                let inv = 1.0 / (x.iter().map(|v| v * v).sum::<f32>() / g as f32 + norm.eps).sqrt();
+                // The squares summed in `dot`'s lanes: a vectorised sum,
+                // not a chain of dependent additions (a decode step's
+                // norms run on one thread).
+                let inv = 1.0 / (dot(x, x) / g as f32 + norm.eps).sqrt();
                 for i in 0..g {
                     o[i] = x[i] * inv * (offset + w[i]);
                 }

@@ -8,7 +8,7 @@
 use std::borrow::Cow;
 use std::sync::Arc;
 
-use super::linear::{Activations, Product, matmul_many_with};
+use super::linear::{Activations, Product, matmul_many_with, matmul_pairs_with};
 use super::pool;
 use super::simd::Isa;
 use crate::config::{ExpertActivation, ExpertGroups, RouterSpec, ScoreFunction};
@@ -179,14 +179,26 @@ impl Ffn<'_> {
     /// The activation of one expert's gate and up rows (`inter` wide,
     /// biases added first), into `gate`.
     fn activate(&self, expert: usize, inter: usize, gate: &mut [f32], up: &[f32]) {
+        for (g, u) in gate.chunks_exact_mut(inter).zip(up.chunks_exact(inter)) {
+            self.activate_part(expert, inter, 0, g, u);
+        }
+    }
+
+    /// [`Ffn::activate`] of one token's values `[first, first + gate.len())`.
+    fn activate_part(
+        &self,
+        expert: usize,
+        inter: usize,
+        first: usize,
+        gate: &mut [f32],
+        up: &[f32],
+    ) {
         match self.biases {
             Some([gate_bias, up_bias, _]) => {
-                let gb = &gate_bias[expert * inter..][..inter];
-                let ub = &up_bias[expert * inter..][..inter];
-                for (g, u) in gate.chunks_exact_mut(inter).zip(up.chunks_exact(inter)) {
-                    for i in 0..inter {
-                        g[i] = activation(self.activation, g[i] + gb[i], u[i] + ub[i]);
-                    }
+                let gb = &gate_bias[expert * inter + first..][..gate.len()];
+                let ub = &up_bias[expert * inter + first..][..gate.len()];
+                for (((g, &u), &gb), &ub) in gate.iter_mut().zip(up).zip(gb).zip(ub) {
+                    *g = activation(self.activation, *g + gb, u + ub);
                 }
             }
             None => {
@@ -281,6 +293,21 @@ pub fn routed_experts(
         if reading.is_empty() && !last && ready.len() + EXPERTS_IN_FLIGHT <= READY_GROUP {
             continue;
         }
+        if n == 1 && reading.is_empty() {
+            let weights: Vec<f32> = ready.iter().map(|e| assigned[&e.index][0].1).collect();
+            one_token_experts(
+                isa,
+                on_pool,
+                &ready,
+                &weights,
+                x,
+                activations,
+                ffn,
+                &mut out,
+            );
+            ready.clear();
+            continue;
+        }
         let mut results = experts(isa, on_pool, &ready, x, hidden, &assigned, activations, ffn);
         ready.clear();
         for fetch in reading {
@@ -317,26 +344,70 @@ pub fn weighted_experts(
     ffn: Ffn<'_>,
 ) -> Vec<f32> {
     let (isa, on_pool) = (Isa::get(), crate::tuning::cpu_pool());
-    let hidden = x.len();
-    let assigned: Assigned = chosen
-        .iter()
-        .map(|(e, w)| (e.index, vec![(0, *w)]))
-        .collect();
-    let experts_: Vec<Arc<Expert>> = chosen.iter().map(|(e, _)| e.clone()).collect();
-    let mut results = experts(
+    let mut chosen: Vec<&(Arc<Expert>, f32)> = chosen.iter().collect();
+    chosen.sort_by_key(|(e, _)| e.index);
+    let (experts, weights): (Vec<Arc<Expert>>, Vec<f32>) =
+        chosen.into_iter().map(|(e, w)| (e.clone(), *w)).unzip();
+    let mut out = vec![0f32; x.len()];
+    one_token_experts(
         isa,
         on_pool,
-        &experts_,
+        &experts,
+        &weights,
         x,
-        hidden,
-        &assigned,
         activations,
         ffn,
+        &mut out,
     );
-    results.sort_by_key(|(index, _)| *index);
-    let mut out = vec![0f32; hidden];
-    add_weighted(on_pool, &mut out, hidden, &results, &assigned);
     out
+}
+
+/// `out += Σ weights[k] · expert_k(x)` for one token, in the order of
+/// `experts`: the gate and up products in one parallel region whose tasks
+/// each activate the rows they computed (so no thread reads the others'
+/// results for it), then the down products; the values are those of
+/// [`experts`] and [`add_weighted`], bit for bit. (Down's tasks stay one
+/// expert's rows each: tasks over all experts' rows, which could sum
+/// them in place, read eight short runs of rows instead of one long run,
+/// and ran slower.)
+#[allow(clippy::too_many_arguments)]
+fn one_token_experts(
+    isa: Isa,
+    on_pool: bool,
+    experts: &[Arc<Expert>],
+    weights: &[f32],
+    x: &[f32],
+    activations: Activations,
+    ffn: Ffn<'_>,
+    out: &mut [f32],
+) {
+    let product = |x, w| Product {
+        x,
+        n: 1,
+        w,
+        activations,
+    };
+    let pairs: Vec<[Product<'_>; 2]> = experts
+        .iter()
+        .map(|e| [product(x, e.gate()), product(x, e.up())])
+        .collect();
+    let act = matmul_pairs_with(isa, on_pool, &pairs, |k, first, gate, up| {
+        let e = &experts[k];
+        ffn.activate_part(e.index, e.gate().rows(), first, gate, up);
+    });
+    let down: Vec<Product<'_>> = experts
+        .iter()
+        .zip(&act)
+        .map(|(e, act)| product(act, e.down()))
+        .collect();
+    let down = matmul_many_with(isa, on_pool, &down);
+    let hidden = out.len();
+    for ((e, mut y), w) in experts.iter().zip(down).zip(weights) {
+        ffn.add_down_bias(e.index, &mut y, hidden);
+        for (o, v) in out.iter_mut().zip(&y) {
+            *o += w * v;
+        }
+    }
 }
 
 /// Adds each expert's rows, times their routing weights, to its tokens'

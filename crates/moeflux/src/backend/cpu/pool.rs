@@ -29,17 +29,34 @@ use std::time::{Duration, Instant};
 
 use rayon::prelude::*;
 
+use super::profile;
+
 /// Runs `body(i)` for every `i` in `0..tasks`, spread over the calling
 /// thread and the pool's workers (`on_pool`) or rayon's; returns when all
 /// are done. A panic in any task is resumed here once every task has
-/// finished.
+/// finished. With `MOEFLUX_CPU_PROFILE` a region that is not nested in
+/// another is timed under the place in the source that started it.
+#[track_caller]
 pub fn run(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) {
+    if !profile::enabled() || IN_REGION.get() {
+        run_region(on_pool, tasks, body);
+        return;
+    }
+    let probe = profile::Probe::start(std::panic::Location::caller());
+    let threads = run_region(on_pool, tasks, |i| probe.task(|| body(i)));
+    probe.finish(tasks, threads);
+}
+
+/// [`run`]; returns the most threads that may have taken its tasks.
+fn run_region(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) -> usize {
     let threads = rayon::current_num_threads().min(tasks);
     if threads <= 1 || IN_REGION.get() {
-        return inline(tasks, body);
+        inline(tasks, body);
+        return 1;
     }
     if !on_pool {
-        return (0..tasks).into_par_iter().for_each(&body);
+        (0..tasks).into_par_iter().for_each(&body);
+        return threads;
     }
     let pool = Pool::get();
     let mut workers = match pool.dispatch.try_lock() {
@@ -47,12 +64,16 @@ pub fn run(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) {
         // A panic is only ever resumed after the guard is dropped, but a
         // poisoned lock would leave the workers idle for good.
         Err(TryLockError::Poisoned(e)) => e.into_inner(),
-        Err(TryLockError::WouldBlock) => return inline(tasks, body),
+        Err(TryLockError::WouldBlock) => {
+            inline(tasks, body);
+            return 1;
+        }
     };
     let helpers = pool.grow(&mut workers, threads - 1);
     if helpers == 0 {
         drop(workers);
-        return inline(tasks, body);
+        inline(tasks, body);
+        return 1;
     }
     let body: &(dyn Fn(usize) + Sync) = &body;
     // SAFETY: the job, and the body it points to, outlive every worker's
@@ -71,6 +92,7 @@ pub fn run(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) {
     if let Some(panic) = job.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
         resume_unwind(panic);
     }
+    helpers + 1
 }
 
 /// How many of an elementwise operation's `group`-long groups (heads,
@@ -96,6 +118,7 @@ fn inline(tasks: usize, body: impl Fn(usize)) {
 
 /// Runs `body(i, chunk)` for each `chunk`-long piece of `data` (the last
 /// one shorter), as [`run`] does.
+#[track_caller]
 pub fn for_chunks_mut<T: Send>(
     on_pool: bool,
     data: &mut [T],
@@ -103,12 +126,6 @@ pub fn for_chunks_mut<T: Send>(
     body: impl Fn(usize, &mut [T]) + Sync,
 ) {
     let chunk = chunk.max(1);
-    if !on_pool {
-        return data
-            .par_chunks_mut(chunk)
-            .enumerate()
-            .for_each(|(i, piece)| body(i, piece));
-    }
     let (len, base) = (data.len(), SendPtr(data.as_mut_ptr()));
     run(on_pool, len.div_ceil(chunk), |i| {
         let start = i * chunk;
