@@ -181,20 +181,14 @@ pub fn matmul_many_with(isa: Isa, on_pool: bool, products: &[Product<'_>]) -> Ve
         .map(|p| vec![0f32; p.n * p.w.rows()])
         .collect();
     let task_macs = task_macs(products);
-    // (product, first row, rows)
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, p) in products.iter().enumerate() {
-        let rows = p.w.rows();
-        let per_task = task_macs
-            .div_ceil((p.w.cols() * p.n).max(1))
-            .next_multiple_of(4);
-        if p.n == 0 {
-            continue;
-        }
-        for first in (0..rows).step_by(per_task) {
-            tasks.push((i, first, per_task.min(rows - first)));
-        }
-    }
+    let tasks = row_tasks(
+        task_macs,
+        products
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.n > 0)
+            .map(|(i, p)| (i, p.w.rows(), p.w.cols() * p.n)),
+    );
     let targets: Vec<Columns> = outs.iter_mut().map(|o| Columns::new(o)).collect();
     pool::run(on_pool, tasks.len(), |t| {
         let (i, first, len) = tasks[t];
@@ -238,17 +232,13 @@ pub fn matmul_pairs_with(
     );
     let (inputs, input_of) = prepare_inputs(isa, on_pool, &products);
     let mut outs: Vec<Vec<f32>> = pairs.iter().map(|[a, _]| vec![0f32; a.w.rows()]).collect();
-    let task_macs = task_macs(&products);
-    let mut tasks: Vec<(usize, usize, usize)> = Vec::new();
-    for (i, [a, b]) in pairs.iter().enumerate() {
-        let rows = a.w.rows();
-        let per_task = task_macs
-            .div_ceil((a.w.cols() + b.w.cols()).max(1))
-            .next_multiple_of(4);
-        for first in (0..rows).step_by(per_task) {
-            tasks.push((i, first, per_task.min(rows - first)));
-        }
-    }
+    let tasks = row_tasks(
+        task_macs(&products),
+        pairs
+            .iter()
+            .enumerate()
+            .map(|(i, [a, b])| (i, a.w.rows(), a.w.cols() + b.w.cols())),
+    );
     let targets: Vec<Columns> = outs.iter_mut().map(|o| Columns::new(o)).collect();
     pool::run(on_pool, tasks.len(), |t| {
         let (i, first, len) = tasks[t];
@@ -268,6 +258,23 @@ pub fn matmul_pairs_with(
         combine(i, first, out, &second);
     });
     outs
+}
+
+/// The tasks `(item, first row, rows)` of items given as `(item, rows,
+/// multiply-adds a row)`: runs of rows of about `task_macs` each, whole
+/// multiples of 4 rows (the kernels' tiles) but the last.
+fn row_tasks(
+    task_macs: usize,
+    items: impl Iterator<Item = (usize, usize, usize)>,
+) -> Vec<(usize, usize, usize)> {
+    let mut tasks = Vec::new();
+    for (i, rows, row_macs) in items {
+        let per_task = task_macs.div_ceil(row_macs.max(1)).next_multiple_of(4);
+        for first in (0..rows).step_by(per_task) {
+            tasks.push((i, first, per_task.min(rows - first)));
+        }
+    }
+    tasks
 }
 
 /// Multiply-adds a task of these products takes: enough to pay for a task
