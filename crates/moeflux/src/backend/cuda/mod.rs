@@ -73,6 +73,7 @@ mod ops;
 mod parallel;
 mod pinned;
 mod prefill;
+mod preload;
 mod profile;
 mod routing;
 mod state;

@@ -35,7 +35,7 @@ use super::geometry::{
 use super::{CudaBackend, Routing, Tensor, grid_stride, int, ok};
 use crate::backend::cpu::Activations;
 use crate::error::Result;
-use crate::experts::ExpertStore;
+use crate::experts::{Expert, ExpertStore};
 use crate::quant::{DType, MatrixLayout};
 
 /// Where one matrix lies in an expert's buffer (`ExpertPart` in moe.cu):
@@ -594,10 +594,21 @@ impl CudaBackend {
             let missing: Vec<usize> = (0..order.len())
                 .filter(|&i| resident[i].is_none())
                 .collect();
-            let batches: Vec<&[usize]> = missing.chunks(EXPERTS_IN_FLIGHT).collect();
-            let request = |batch: &[usize]| {
-                let ids: Vec<usize> = batch.iter().map(|&i| order[i].0 as usize).collect();
-                store.request(layer, &ids)
+            let ids: Vec<u32> = missing.iter().map(|&i| order[i].0).collect();
+            // Pinned experts upload from their slots; the others are read
+            // by the store, a batch ahead.
+            let pinned = self.pinned_holds(store, layer, &ids);
+            let batches: Vec<Range<usize>> = (0..missing.len())
+                .step_by(EXPERTS_IN_FLIGHT)
+                .map(|start| start..(start + EXPERTS_IN_FLIGHT).min(missing.len()))
+                .collect();
+            let request = |batch: &Range<usize>| {
+                let reads: Vec<usize> = batch
+                    .clone()
+                    .filter(|&j| !pinned[j])
+                    .map(|j| ids[j] as usize)
+                    .collect();
+                store.request(layer, &reads)
             };
             let call = PrefillCall {
                 x,
@@ -611,23 +622,35 @@ impl CudaBackend {
                 ffn,
             };
             // The first reads start before the resident experts compute.
-            let mut next = batches.first().map(|b| request(b));
+            let mut next = batches.first().map(&request);
             let resident: Vec<(usize, Arc<DeviceExpert>)> = resident
                 .into_iter()
                 .enumerate()
                 .filter_map(|(i, e)| e.map(|e| (i, e)))
                 .collect();
             self.launch_prefill_group(&call, &resident, &mut act, &mut y)?;
+            self.stamp_prefill_group(store, layer, order, &resident)?;
             drop(resident);
-            for i in 0..batches.len() {
-                let current = next.take().expect("requested ahead");
-                next = batches.get(i + 1).map(|b| request(b));
-                let mut uploaded = Vec::with_capacity(batches[i].len());
-                for (&index, fetch) in batches[i].iter().zip(current) {
-                    let expert = self.upload_expert(store, layer, &*store.wait(fetch)?)?;
-                    uploaded.push((index, expert));
+            for (i, batch) in batches.iter().enumerate() {
+                let mut reads = next.take().expect("requested ahead").into_iter();
+                next = batches.get(i + 1).map(&request);
+                let mut read = Vec::with_capacity(batch.len());
+                for j in batch.clone() {
+                    read.push(match pinned[j] {
+                        true => None,
+                        false => Some(store.wait(reads.next().expect("one read a miss"))?),
+                    });
                 }
-                self.launch_prefill_group(&call, &uploaded, &mut act, &mut y)?;
+                let sources: Vec<(u32, Option<&Expert>)> = batch
+                    .clone()
+                    .zip(&read)
+                    .map(|(j, host)| (ids[j], host.as_deref()))
+                    .collect();
+                let uploaded = self.upload_for_prompt(store, layer, &sources)?;
+                let group: Vec<(usize, Arc<DeviceExpert>)> =
+                    batch.clone().map(|j| missing[j]).zip(uploaded).collect();
+                self.launch_prefill_group(&call, &group, &mut act, &mut y)?;
+                self.stamp_prefill_group(store, layer, order, &group)?;
             }
         }
         self.launch_prefill_combine(&y, routing, &mut out, hidden, false)?;
@@ -636,6 +659,23 @@ impl CudaBackend {
             cols: hidden,
             data: out,
         }))
+    }
+
+    /// Stamps the experts of a group (indices into `order`, with their
+    /// buffers) whose kernels are queued; see
+    /// [`CudaBackend::prompt_experts_used`].
+    fn stamp_prefill_group(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        order: &[(u32, Vec<u32>)],
+        group: &[(usize, Arc<DeviceExpert>)],
+    ) -> Result<()> {
+        let used: Vec<(u32, Arc<DeviceExpert>)> = group
+            .iter()
+            .map(|(i, expert)| (order[*i].0, expert.clone()))
+            .collect();
+        self.prompt_experts_used(store, layer, &used)
     }
 
     /// The grouped kernels over some experts of a call (indices into its

@@ -42,33 +42,34 @@ use super::vram_cache::{Buffer, CompleteLayer, Entry, LastUse, Streams, VramCach
 use super::{CudaBackend, ExpertCacheStats, device_error};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, available_memory};
-use crate::util::Progress;
-
-/// Host reads requested together while filling the pinned tier.
-const PRELOAD_IN_FLIGHT: usize = 32;
 
 /// What an upload batch is for.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Purpose {
+pub(super) enum Purpose {
     /// Used by the layer now: the compute stream waits for the batch.
     Demand,
     /// Guessed for the next layer: waited for at first use.
     Prefetch,
-    /// Making every expert resident before the first token: straight from
-    /// the store's buffers, no pinned tier.
+    /// Filling VRAM before the first token: from the pinned tier where it
+    /// holds the expert, else straight from the store's buffers (no pinned
+    /// slot taken).
     Resident,
+    /// Used now by a call of several tokens (a prompt chunk, several
+    /// sequences' step): like `Demand`, but when the cache is full the
+    /// expert goes through a staging buffer instead of evicting one.
+    Prompt,
 }
 
 /// One expert of an upload batch: its bytes come from the pinned tier
 /// when it holds them, else from `host` (the store's pageable buffer),
 /// copied into a pinned slot first when one is free.
-struct Upload<'a> {
-    index: u32,
-    host: Option<HostExpert<'a>>,
+pub(super) struct Upload<'a> {
+    pub(super) index: u32,
+    pub(super) host: Option<HostExpert<'a>>,
 }
 
 /// An expert in the store's memory, borrowed or shared.
-enum HostExpert<'a> {
+pub(super) enum HostExpert<'a> {
     Borrowed(&'a Expert),
     Shared(Arc<Expert>),
 }
@@ -99,7 +100,7 @@ impl CudaBackend {
 
     /// The copy stream, created at the first streamed upload, and the
     /// pinned tier's size.
-    fn attach_streams(&self, cache: &mut VramCache, store: &ExpertStore) -> Result<()> {
+    pub(super) fn attach_streams(&self, cache: &mut VramCache, store: &ExpertStore) -> Result<()> {
         if cache.streams.is_some() {
             return Ok(());
         }
@@ -272,6 +273,69 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Which of the experts `ids` of `layer` the pinned tier holds (their
+    /// uploads need no read from the store).
+    pub(super) fn pinned_holds(&self, store: &ExpertStore, layer: usize, ids: &[u32]) -> Vec<bool> {
+        let cache = self.experts.lock().unwrap();
+        ids.iter()
+            .map(|&e| {
+                cache
+                    .pinned
+                    .map
+                    .contains_key(&(store.id(), layer as u32, e))
+            })
+            .collect()
+    }
+
+    /// Uploads experts of `layer` for a call of several tokens, in one
+    /// batch, each from the pinned tier or from its bytes read by the
+    /// store (`None`: pinned); the compute stream waits for the batch.
+    /// Experts the cache has no room for are staged, not cached. Call
+    /// [`CudaBackend::prompt_experts_used`] once their kernels are queued.
+    pub(super) fn upload_for_prompt(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        experts: &[(u32, Option<&Expert>)],
+    ) -> Result<Vec<Arc<DeviceExpert>>> {
+        let uploads = experts
+            .iter()
+            .map(|&(index, host)| Upload {
+                index,
+                host: host.map(HostExpert::Borrowed),
+            })
+            .collect();
+        self.upload_batch(store, layer, uploads, Purpose::Prompt)
+    }
+
+    /// After kernels reading the experts `used` of `layer` (expert id,
+    /// buffer) are queued: stamps them with a compute event, so that a
+    /// later upload into their buffers waits for those kernels alone.
+    pub(super) fn prompt_experts_used(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+        used: &[(u32, Arc<DeviceExpert>)],
+    ) -> Result<()> {
+        if used.is_empty() {
+            return Ok(());
+        }
+        let event = self
+            .stream
+            .record_event(None)
+            .map_err(|e| device_error(self.ordinal, "recording an event", e))?;
+        let keys: Vec<VramKey> = used
+            .iter()
+            .map(|(e, _)| (store.id(), layer as u32, *e))
+            .collect();
+        let experts: Vec<Arc<DeviceExpert>> = used.iter().map(|(_, x)| x.clone()).collect();
+        self.experts
+            .lock()
+            .unwrap()
+            .stamp(&keys, &experts, &Arc::new(event));
+        Ok(())
+    }
+
     /// Copies an expert read by the host store into device memory and
     /// offers it to the VRAM cache (a miss of the layer that asked for it);
     /// the compute stream is ordered after the copy.
@@ -291,7 +355,7 @@ impl CudaBackend {
 
     /// Uploads experts of `layer` back to back on the copy stream and
     /// offers them to the cache; returns them in order.
-    fn upload_batch(
+    pub(super) fn upload_batch(
         &self,
         store: &ExpertStore,
         layer: usize,
@@ -324,10 +388,10 @@ impl CudaBackend {
         let mut sources: Vec<(u32, Option<usize>, Option<HostExpert<'_>>)> = Vec::new();
         for upload in uploads {
             let key = (sid, layer as u32, upload.index);
-            if purpose != Purpose::Resident
-                && let Some(slot) = cache.pinned.lookup(key)
-            {
-                cache.stats.pinned_hits += 1;
+            if let Some(slot) = cache.pinned.lookup(key) {
+                if purpose != Purpose::Resident {
+                    cache.stats.pinned_hits += 1;
+                }
                 sources.push((upload.index, Some(slot), None));
                 continue;
             }
@@ -358,7 +422,7 @@ impl CudaBackend {
         let mut buffers: Vec<(Buffer, bool)> = Vec::with_capacity(sources.len());
         let mut wait_compute = false;
         for _ in &sources {
-            let (buffer, cached) = self.acquire_buffer(cache, bytes, budget, &layout)?;
+            let (buffer, cached) = self.acquire_buffer(cache, bytes, budget, &layout, purpose)?;
             match &buffer.last_use {
                 LastUse::Never => {}
                 LastUse::Unknown => wait_compute = true,
@@ -432,7 +496,7 @@ impl CudaBackend {
         cache.stats.uploaded_bytes += n * bytes;
         match purpose {
             Purpose::Prefetch => cache.stats.prefetches += n,
-            Purpose::Demand => cache.stats.misses += n,
+            Purpose::Demand | Purpose::Prompt => cache.stats.misses += n,
             Purpose::Resident => {}
         }
 
@@ -447,6 +511,8 @@ impl CudaBackend {
             let expert = buffer.expert.clone();
             if cached {
                 self.insert(cache, (sid, layer as u32, index), buffer, count, purpose)?;
+            } else if purpose == Purpose::Prompt {
+                cache.staging.push_back(buffer);
             }
             out.push(expert);
         }
@@ -459,36 +525,51 @@ impl CudaBackend {
     /// A buffer of `bytes` for an upload and whether it will be cached:
     /// a free one, a new one within the budget, one freed by evicting the
     /// least recently used experts, or (when even an empty cache could not
-    /// keep it) a new one outside the cache.
+    /// keep it) a new one outside the cache. A [`Purpose::Prompt`] upload
+    /// evicts nothing: when the cache is full it takes a staging buffer
+    /// (reused once its last reader is done, else new up to
+    /// [`STAGING_BUFFERS`](super::vram_cache::STAGING_BUFFERS) of a size).
     fn acquire_buffer(
         &self,
         cache: &mut VramCache,
         bytes: u64,
         budget: u64,
         layout: &DeviceLayout,
+        purpose: Purpose,
     ) -> Result<(Buffer, bool)> {
-        let cached = bytes <= budget;
-        let mut buffer = loop {
-            if cached && let Some(buffer) = cache.take_free(bytes) {
-                break buffer;
+        let fits = bytes <= budget;
+        let (mut buffer, cached) = loop {
+            if fits && let Some(buffer) = cache.take_free(bytes) {
+                break (buffer, true);
             }
-            if !cached || cache.used + bytes <= budget {
+            if fits && cache.used + bytes <= budget {
                 let data = self.alloc_for_expert(cache, bytes as usize)?;
-                if cached {
-                    cache.used += bytes;
-                }
-                break Buffer::fresh(data, layout.parts, bytes);
+                cache.used += bytes;
+                break (Buffer::fresh(data, layout.parts, bytes), true);
             }
-            if !cache.release_one_free(Some(bytes)) && !cache.evict_lru() {
-                // Only buffers still held by layers in flight: drop ours.
-                if !cache.release_one_free(None) {
-                    let data = self.alloc_for_expert(cache, bytes as usize)?;
-                    return Ok((Buffer::fresh(data, layout.parts, bytes), false));
-                }
+            let staged = match purpose {
+                Purpose::Prompt => cache.take_staging(bytes),
+                _ => None,
+            };
+            // Outside the cache: staged, or (nothing left to evict) new.
+            if !fits
+                || purpose == Purpose::Prompt
+                || !cache.release_one_free(Some(bytes))
+                    && !cache.evict_lru()
+                    && !cache.release_one_free(None)
+            {
+                let buffer = match staged {
+                    Some(buffer) => buffer,
+                    None => {
+                        let data = self.alloc_for_expert(cache, bytes as usize)?;
+                        Buffer::fresh(data, layout.parts, bytes)
+                    }
+                };
+                break (buffer, false);
             }
         };
         Arc::get_mut(&mut buffer.expert)
-            .expect("free buffers are taken when nothing holds them")
+            .expect("free and staging buffers are taken when nothing holds them")
             .parts = layout.parts;
         Ok((buffer, cached))
     }
@@ -589,118 +670,6 @@ impl CudaBackend {
         );
         cache.stats.complete_layers = cache.complete.len() as u64;
         Ok(())
-    }
-
-    /// Uploads every expert of `layer` not yet resident, straight from the
-    /// store (before the first token, when all experts fit in VRAM).
-    pub(super) fn upload_resident_layer(
-        &self,
-        store: &ExpertStore,
-        layer: usize,
-        batch: usize,
-        progress: &dyn Progress,
-    ) -> Result<()> {
-        let missing: Vec<usize> = {
-            let cache = self.experts.lock().unwrap();
-            (0..store.expert_count(layer))
-                .filter(|&e| {
-                    self.owns(layer, e as u32)
-                        && !cache.contains((store.id(), layer as u32, e as u32))
-                })
-                .collect()
-        };
-        for chunk in missing.chunks(batch) {
-            let mut uploads = Vec::with_capacity(chunk.len());
-            for fetch in store.request(layer, chunk) {
-                let expert = store.wait(fetch)?;
-                progress.advance(expert.nbytes() as u64, "uploading experts");
-                uploads.push(Upload {
-                    index: expert.index as u32,
-                    host: Some(HostExpert::Shared(expert)),
-                });
-            }
-            self.upload_batch(store, layer, uploads, Purpose::Resident)?;
-        }
-        Ok(())
-    }
-
-    /// Fills the pinned tier with every expert of the model when they fit
-    /// in it (and not in VRAM), so decoding never waits for the store.
-    /// Returns whether it did.
-    pub(super) fn preload_pinned(
-        &self,
-        store: &ExpertStore,
-        progress: &dyn Progress,
-    ) -> Result<bool> {
-        let sid = store.id();
-        {
-            let mut cache = self.experts.lock().unwrap();
-            self.attach_streams(&mut cache, store)?;
-            let slots: u64 = store
-                .moe_layers()
-                .map(|l| self.owned_count(store, l) as u64)
-                .sum();
-            if slots * cache.pinned.slot_bytes as u64 > cache.pinned.budget {
-                return Ok(false);
-            }
-        }
-        progress.start(self.owned_expert_bytes(store));
-        for layer in store.moe_layers() {
-            let layout = DeviceLayout::of(store, layer);
-            let indices: Vec<usize> = (0..store.expert_count(layer))
-                .filter(|&e| self.owns(layer, e as u32))
-                .collect();
-            for chunk in indices.chunks(PRELOAD_IN_FLIGHT) {
-                for fetch in store.request(layer, chunk) {
-                    let expert = store.wait(fetch)?;
-                    progress.advance(expert.nbytes() as u64, "pinning experts in host memory");
-                    let mut cache = self.experts.lock().unwrap();
-                    let key = (sid, layer as u32, expert.index as u32);
-                    if cache.pinned.lookup(key).is_some() {
-                        continue;
-                    }
-                    cache.pinned.batch_start_tick = cache.pinned.tick;
-                    if let Some(slot) = cache.pinned.acquire(key, &self.ctx) {
-                        cache.pinned.fill(slot, &expert, &layout);
-                    }
-                }
-            }
-        }
-        progress.finish();
-        Ok(true)
-    }
-
-    /// Host-to-device bandwidth in GB/s from page-locked memory, measured
-    /// now on the copy stream (best of several 256 MiB copies).
-    pub fn pinned_upload_bandwidth(&self) -> Result<f64> {
-        const BYTES: usize = 256 << 20;
-        let fail = |e: DriverError| device_error(self.ordinal, "host-to-device bandwidth probe", e);
-        let copy = self.ctx.new_stream().map_err(fail)?;
-        // SAFETY: zeroed below before anything reads it.
-        let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<u8>(BYTES, 0) }.map_err(fail)?;
-        host.as_mut_slice().map_err(fail)?.fill(0);
-        let device = {
-            // SAFETY: only written by the copies.
-            let data = unsafe { copy.alloc::<u8>(BYTES) }.map_err(fail)?;
-            copy.synchronize().map_err(fail)?;
-            data
-        };
-        let src = host.as_slice().map_err(fail)?;
-        let (dst, _sync) = device.device_ptr(&copy);
-        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            let start = copy.record_event(timing).map_err(fail)?;
-            // SAFETY: `device` holds BYTES bytes; `src` is BYTES pinned bytes
-            // that live until the stream is synchronised below.
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, copy.cu_stream()) }
-                .map_err(fail)?;
-            let end = copy.record_event(timing).map_err(fail)?;
-            let ms = start.elapsed_ms(&end).map_err(fail)?;
-            best = best.min(f64::from(ms) * 1e-3);
-        }
-        copy.synchronize().map_err(fail)?;
-        Ok(BYTES as f64 / best / 1e9)
     }
 
     /// The VRAM cache's statistics, after every upload queued so far has

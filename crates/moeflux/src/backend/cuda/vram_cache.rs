@@ -1,10 +1,11 @@
 //! The VRAM expert cache (see streaming.rs for how it is fed): experts in
 //! device buffers keyed by (store, layer, expert) within a byte budget,
 //! least recently used out first, evicted buffers kept by size for the
-//! next uploads, the address tables of layers whose experts are all
-//! resident, and the statistics of it all.
+//! next uploads, the staging buffers through which several tokens' calls
+//! stream the experts it has no room for, the address tables of layers
+//! whose experts are all resident, and the statistics of it all.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
@@ -16,6 +17,11 @@ use crate::quant::MatrixLayout;
 
 /// (expert store, layer)
 type LayerKey = (u64, u32);
+
+/// Staging buffers kept for each expert size: two batches of a prompt's
+/// uploads, so that one batch uploads while the kernels of the one before
+/// read theirs.
+pub(super) const STAGING_BUFFERS: usize = 2 * super::experts::EXPERTS_IN_FLIGHT;
 
 /// When the compute stream is done with a buffer.
 #[derive(Clone)]
@@ -86,6 +92,11 @@ pub(super) struct VramCache {
     pub(super) by_use: BTreeMap<u64, VramKey>,
     /// Buffers of evicted experts, by size, to upload into again.
     pub(super) free: HashMap<u64, Vec<Buffer>>,
+    /// Buffers outside the budget for the experts of several tokens' calls
+    /// that the cache has no room for (a prompt reads every expert of a
+    /// layer: caching them would push out the experts decode keeps
+    /// using), least recently used first.
+    pub(super) staging: VecDeque<Buffer>,
     /// Resident experts per layer.
     pub(super) resident: HashMap<LayerKey, usize>,
     pub(super) complete: HashMap<LayerKey, CompleteLayer>,
@@ -115,6 +126,7 @@ impl VramCache {
             entries: HashMap::new(),
             by_use: BTreeMap::new(),
             free: HashMap::new(),
+            staging: VecDeque::new(),
             resident: HashMap::new(),
             complete: HashMap::new(),
             streams: None,
@@ -173,8 +185,8 @@ impl VramCache {
         Some(entry.buffer.expert.clone())
     }
 
-    /// Stamps the experts a decode step used with the compute-stream
-    /// event after its kernels.
+    /// Stamps the experts a step used (cached or staged) with the
+    /// compute-stream event after its kernels.
     pub(super) fn stamp(
         &mut self,
         keys: &[VramKey],
@@ -186,8 +198,32 @@ impl VramCache {
                 && Arc::ptr_eq(&entry.buffer.expert, expert)
             {
                 entry.buffer.last_use = LastUse::After(event.clone());
+            } else if let Some(buffer) = self
+                .staging
+                .iter_mut()
+                .find(|b| Arc::ptr_eq(&b.expert, expert))
+            {
+                buffer.last_use = LastUse::After(event.clone());
             }
         }
+    }
+
+    /// The least recently used staging buffer of `bytes` that nothing
+    /// holds, when its last reader is done or when the pool holds
+    /// [`STAGING_BUFFERS`] of that size (the copy then waits for the
+    /// reader); else `None`, for a new one.
+    pub(super) fn take_staging(&mut self, bytes: u64) -> Option<Buffer> {
+        let same_size = self.staging.iter().filter(|b| b.bytes == bytes).count();
+        let i = self
+            .staging
+            .iter()
+            .position(|b| b.bytes == bytes && Arc::strong_count(&b.expert) == 1)?;
+        let done = match &self.staging[i].last_use {
+            LastUse::Never => true,
+            LastUse::After(event) => event.is_complete(),
+            LastUse::Unknown => false,
+        };
+        (done || same_size >= STAGING_BUFFERS).then(|| self.staging.remove(i).expect("found"))
     }
 
     /// Evicts the least recently used expert into the free buffers; false
@@ -232,6 +268,16 @@ impl VramCache {
     /// else the least recently used expert. False when nothing is left.
     pub(super) fn evict_one(&mut self) -> bool {
         if self.release_one_free(None) {
+            return true;
+        }
+        // A staging buffer nothing holds: freed in compute-stream order,
+        // which waited for its upload.
+        if let Some(i) = self
+            .staging
+            .iter()
+            .position(|b| Arc::strong_count(&b.expert) == 1)
+        {
+            self.staging.remove(i);
             return true;
         }
         self.evict_lru() && self.release_one_free(None)
