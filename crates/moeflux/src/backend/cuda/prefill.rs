@@ -662,8 +662,7 @@ impl CudaBackend {
     }
 
     /// Stamps the experts of a group (indices into `order`, with their
-    /// buffers) whose kernels are queued; see
-    /// [`CudaBackend::prompt_experts_used`].
+    /// buffers) whose kernels are queued; see [`CudaBackend::experts_used`].
     fn stamp_prefill_group(
         &self,
         store: &ExpertStore,
@@ -671,11 +670,9 @@ impl CudaBackend {
         order: &[(u32, Vec<u32>)],
         group: &[(usize, Arc<DeviceExpert>)],
     ) -> Result<()> {
-        let used: Vec<(u32, Arc<DeviceExpert>)> = group
-            .iter()
-            .map(|(i, expert)| (order[*i].0, expert.clone()))
-            .collect();
-        self.prompt_experts_used(store, layer, &used)
+        let ids: Vec<u32> = group.iter().map(|(i, _)| order[*i].0).collect();
+        let experts: Vec<Arc<DeviceExpert>> = group.iter().map(|(_, e)| e.clone()).collect();
+        self.experts_used(store, layer, &ids, &experts)
     }
 
     /// The grouped kernels over some experts of a call (indices into its

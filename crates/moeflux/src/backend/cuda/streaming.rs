@@ -198,13 +198,7 @@ impl CudaBackend {
         let pending = {
             let mut cache = self.experts.lock().unwrap();
             if let Some((ids, experts)) = used {
-                let event = self
-                    .stream
-                    .record_event(None)
-                    .map_err(|e| device_error(self.ordinal, "recording an event", e))?;
-                let keys: Vec<VramKey> =
-                    ids.iter().map(|&e| (store.id(), layer as u32, e)).collect();
-                cache.stamp(&keys, experts, &Arc::new(event));
+                self.stamp_used(&mut cache, store, layer, ids, experts)?;
             }
             cache.pending_prefetch.take()
         };
@@ -290,7 +284,7 @@ impl CudaBackend {
     /// batch, each from the pinned tier or from its bytes read by the
     /// store (`None`: pinned); the compute stream waits for the batch.
     /// Experts the cache has no room for are staged, not cached. Call
-    /// [`CudaBackend::prompt_experts_used`] once their kernels are queued.
+    /// [`CudaBackend::experts_used`] once their kernels are queued.
     pub(super) fn upload_for_prompt(
         &self,
         store: &ExpertStore,
@@ -307,31 +301,39 @@ impl CudaBackend {
         self.upload_batch(store, layer, uploads, Purpose::Prompt)
     }
 
-    /// After kernels reading the experts `used` of `layer` (expert id,
-    /// buffer) are queued: stamps them with a compute event, so that a
-    /// later upload into their buffers waits for those kernels alone.
-    pub(super) fn prompt_experts_used(
+    /// After kernels reading the experts `ids` of `layer` (in `experts`,
+    /// cached or staged) are queued: stamps them with a compute event, so
+    /// that a later upload into their buffers waits for those kernels
+    /// alone.
+    pub(super) fn experts_used(
         &self,
         store: &ExpertStore,
         layer: usize,
-        used: &[(u32, Arc<DeviceExpert>)],
+        ids: &[u32],
+        experts: &[Arc<DeviceExpert>],
     ) -> Result<()> {
-        if used.is_empty() {
+        if ids.is_empty() {
             return Ok(());
         }
+        let mut cache = self.experts.lock().unwrap();
+        self.stamp_used(&mut cache, store, layer, ids, experts)
+    }
+
+    /// See [`CudaBackend::experts_used`]; the caller holds the cache.
+    fn stamp_used(
+        &self,
+        cache: &mut VramCache,
+        store: &ExpertStore,
+        layer: usize,
+        ids: &[u32],
+        experts: &[Arc<DeviceExpert>],
+    ) -> Result<()> {
         let event = self
             .stream
             .record_event(None)
             .map_err(|e| device_error(self.ordinal, "recording an event", e))?;
-        let keys: Vec<VramKey> = used
-            .iter()
-            .map(|(e, _)| (store.id(), layer as u32, *e))
-            .collect();
-        let experts: Vec<Arc<DeviceExpert>> = used.iter().map(|(_, x)| x.clone()).collect();
-        self.experts
-            .lock()
-            .unwrap()
-            .stamp(&keys, &experts, &Arc::new(event));
+        let keys: Vec<VramKey> = ids.iter().map(|&e| (store.id(), layer as u32, e)).collect();
+        cache.stamp(&keys, experts, &Arc::new(event));
         Ok(())
     }
 
@@ -537,34 +539,33 @@ impl CudaBackend {
         purpose: Purpose,
     ) -> Result<(Buffer, bool)> {
         let fits = bytes <= budget;
+        let fresh = |cache: &mut VramCache| -> Result<Buffer> {
+            let data = self.alloc_for_expert(cache, bytes as usize)?;
+            Ok(Buffer::fresh(data, layout.parts, bytes))
+        };
         let (mut buffer, cached) = loop {
             if fits && let Some(buffer) = cache.take_free(bytes) {
                 break (buffer, true);
             }
             if fits && cache.used + bytes <= budget {
-                let data = self.alloc_for_expert(cache, bytes as usize)?;
+                let buffer = fresh(cache)?;
                 cache.used += bytes;
-                break (Buffer::fresh(data, layout.parts, bytes), true);
+                break (buffer, true);
             }
-            let staged = match purpose {
-                Purpose::Prompt => cache.take_staging(bytes),
-                _ => None,
-            };
-            // Outside the cache: staged, or (nothing left to evict) new.
-            if !fits
-                || purpose == Purpose::Prompt
-                || !cache.release_one_free(Some(bytes))
-                    && !cache.evict_lru()
-                    && !cache.release_one_free(None)
-            {
-                let buffer = match staged {
-                    Some(buffer) => buffer,
-                    None => {
-                        let data = self.alloc_for_expert(cache, bytes as usize)?;
-                        Buffer::fresh(data, layout.parts, bytes)
-                    }
+            if !fits || purpose == Purpose::Prompt {
+                let staged = match purpose {
+                    Purpose::Prompt => cache.take_staging(bytes),
+                    _ => None,
                 };
-                break (buffer, false);
+                break (staged.map_or_else(|| fresh(cache), Ok)?, false);
+            }
+            if !cache.release_one_free(Some(bytes))
+                && !cache.evict_lru()
+                && !cache.release_one_free(None)
+            {
+                // Only buffers still held by layers in flight: one of our
+                // own, outside the cache.
+                break (fresh(cache)?, false);
             }
         };
         Arc::get_mut(&mut buffer.expert)
