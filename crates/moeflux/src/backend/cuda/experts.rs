@@ -116,6 +116,7 @@ impl CudaBackend {
             // Streamed: every expert pinned in host memory first, when
             // they fit there.
             self.preload_pinned(store, progress)?;
+            self.fill_vram(store, progress)?;
             return Ok(false);
         }
         progress.start(total);

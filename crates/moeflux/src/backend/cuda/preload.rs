@@ -1,7 +1,7 @@
 //! What fills the expert tiers when a model opens: every expert uploaded
-//! when they all fit in VRAM, otherwise the pinned host tier filled with
-//! every expert that fits in it; and the probe of the link the uploads
-//! cross.
+//! when they all fit in VRAM; otherwise the pinned host tier filled with
+//! every expert that fits in it, then the VRAM budget with whole layers
+//! from it; and the probe of the link the uploads cross.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{DevicePtr, DriverError};
@@ -47,6 +47,63 @@ impl CudaBackend {
             }
             self.upload_batch(store, layer, uploads, Purpose::Resident)?;
         }
+        Ok(())
+    }
+
+    /// Fills the VRAM budget with whole layers, in order, from the pinned
+    /// tier (else the store): the first prompt and decode steps find
+    /// complete layers instead of waiting for the cache's allocations and
+    /// uploads; decode then keeps what it uses. For streamed experts,
+    /// after [`CudaBackend::preload_pinned`].
+    pub(super) fn fill_vram(&self, store: &ExpertStore, progress: &dyn Progress) -> Result<()> {
+        let sid = store.id();
+        // The layers that fit, each with its experts not yet in VRAM.
+        let plan: Vec<(usize, Vec<u32>)> = {
+            let mut cache = self.experts.lock().unwrap();
+            self.attach_streams(&mut cache, store)?;
+            let mut room = self.expert_budget(&cache)?.saturating_sub(cache.used);
+            let mut plan = Vec::new();
+            for layer in store.moe_layers() {
+                let bytes = DeviceLayout::of(store, layer).total as u64;
+                let missing: Vec<u32> = (0..store.expert_count(layer) as u32)
+                    .filter(|&e| self.owns(layer, e) && !cache.contains((sid, layer as u32, e)))
+                    .collect();
+                let need = missing.len() as u64 * bytes;
+                if need > room {
+                    break;
+                }
+                room -= need;
+                plan.push((layer, missing));
+            }
+            plan
+        };
+        let total: u64 = plan
+            .iter()
+            .map(|(l, m)| m.len() as u64 * DeviceLayout::of(store, *l).total as u64)
+            .sum();
+        progress.start(total);
+        for (layer, missing) in plan {
+            let bytes = DeviceLayout::of(store, layer).total as u64;
+            for chunk in missing.chunks(PRELOAD_IN_FLIGHT) {
+                let pinned = self.pinned_holds(store, layer, chunk);
+                let mut uploads = Vec::with_capacity(chunk.len());
+                for (&e, pinned) in chunk.iter().zip(pinned) {
+                    let host = match pinned {
+                        true => None,
+                        false => Some(HostExpert::Shared(
+                            store
+                                .fetch(layer, &[e as usize])?
+                                .pop()
+                                .expect("one expert"),
+                        )),
+                    };
+                    uploads.push(Upload { index: e, host });
+                }
+                self.upload_batch(store, layer, uploads, Purpose::Resident)?;
+                progress.advance(chunk.len() as u64 * bytes, "filling the VRAM expert cache");
+            }
+        }
+        progress.finish();
         Ok(())
     }
 

@@ -50,8 +50,9 @@ pub(super) enum Purpose {
     Demand,
     /// Guessed for the next layer: waited for at first use.
     Prefetch,
-    /// Making every expert resident before the first token: straight from
-    /// the store's buffers, no pinned tier.
+    /// Filling VRAM before the first token: from the pinned tier where it
+    /// holds the expert, else straight from the store's buffers (no pinned
+    /// slot taken).
     Resident,
     /// Used now by a call of several tokens (a prompt chunk, several
     /// sequences' step): like `Demand`, but when the cache is full the
@@ -389,10 +390,10 @@ impl CudaBackend {
         let mut sources: Vec<(u32, Option<usize>, Option<HostExpert<'_>>)> = Vec::new();
         for upload in uploads {
             let key = (sid, layer as u32, upload.index);
-            if purpose != Purpose::Resident
-                && let Some(slot) = cache.pinned.lookup(key)
-            {
-                cache.stats.pinned_hits += 1;
+            if let Some(slot) = cache.pinned.lookup(key) {
+                if purpose != Purpose::Resident {
+                    cache.stats.pinned_hits += 1;
+                }
                 sources.push((upload.index, Some(slot), None));
                 continue;
             }
