@@ -559,6 +559,7 @@ impl CudaBackend {
         };
         let mut out = self.alloc::<f32>("routed experts", n * hidden)?;
         let id = store.id();
+        let mut ahead = self.take_prompt_ahead(store, layer)?;
         let complete = {
             let mut cache = self.experts.lock().unwrap();
             let complete = cache.complete_layer(id, layer as u32).is_some();
@@ -582,13 +583,17 @@ impl CudaBackend {
             complete
         };
         if !complete {
-            // The experts resident now, kept alive until their kernels are
-            // queued, and the others.
+            // The experts resident now or uploaded ahead, kept alive until
+            // their kernels are queued, and the others.
             let resident: Vec<Option<Arc<DeviceExpert>>> = {
                 let mut cache = self.experts.lock().unwrap();
                 order
                     .iter()
-                    .map(|&(e, _)| cache.get((id, layer as u32, e)))
+                    .map(|&(e, _)| {
+                        cache
+                            .get((id, layer as u32, e))
+                            .or_else(|| ahead.remove(&e))
+                    })
                     .collect()
             };
             let missing: Vec<usize> = (0..order.len())
@@ -652,6 +657,9 @@ impl CudaBackend {
                 self.launch_prefill_group(&call, &group, &mut act, &mut y)?;
                 self.stamp_prefill_group(store, layer, order, &group)?;
             }
+        }
+        if order.len() >= self.owned_count(store, layer) {
+            self.upload_next_layer_ahead(store, layer)?;
         }
         self.launch_prefill_combine(&y, routing, &mut out, hidden, false)?;
         Ok(Some(Tensor {

@@ -36,9 +36,10 @@ use cudarc::driver::sys::{CUevent_flags, CUresult};
 use cudarc::driver::{CudaSlice, DevicePtr, DriverError};
 
 use super::device_expert::{DeviceExpert, DeviceLayout, PartsLayout, VramKey};
+use super::experts::EXPERTS_IN_FLIGHT;
 use super::hybrid::in_host_memory;
 use super::pinned::SLOTS_PER_CHUNK;
-use super::vram_cache::{Buffer, CompleteLayer, Entry, LastUse, Streams, VramCache};
+use super::vram_cache::{Buffer, CompleteLayer, Entry, LastUse, PromptAhead, Streams, VramCache};
 use super::{CudaBackend, ExpertCacheStats, device_error};
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore, available_memory};
@@ -58,7 +59,30 @@ pub(super) enum Purpose {
     /// sequences' step): like `Demand`, but when the cache is full the
     /// expert goes through a staging buffer instead of evicting one.
     Prompt,
+    /// The next layer's first experts during a long prompt
+    /// ([`CudaBackend::upload_next_layer_ahead`]): buffers as for
+    /// `Prompt`, waited for at first use as for `Prefetch`.
+    PromptAhead,
 }
+
+impl Purpose {
+    /// Whether the upload takes a staging buffer rather than evict.
+    fn stages(self) -> bool {
+        matches!(self, Purpose::Prompt | Purpose::PromptAhead)
+    }
+
+    /// Whether the compute stream waits for the upload when it uses the
+    /// expert rather than right after queueing it.
+    fn waited_at_use(self) -> bool {
+        matches!(self, Purpose::Prefetch | Purpose::PromptAhead)
+    }
+}
+
+/// Experts of the next layer a long prompt's call uploads ahead: two
+/// batches, which a chunk's layer with a quarter of its experts' bytes in
+/// VRAM takes about as long to upload as the next layer's attention and
+/// routing take to compute at 512 tokens.
+const PROMPT_AHEAD: usize = 2 * EXPERTS_IN_FLIGHT;
 
 /// One expert of an upload batch: its bytes come from the pinned tier
 /// when it holds them, else from `host` (the store's pageable buffer),
@@ -302,6 +326,63 @@ impl CudaBackend {
         self.upload_batch(store, layer, uploads, Purpose::Prompt)
     }
 
+    /// After a call of several tokens over `layer` that used every expert
+    /// this GPU holds of it (a long prompt's chunk, which then uses nearly
+    /// every expert of the next layer too): the first [`PROMPT_AHEAD`]
+    /// experts of the next MoE layer that VRAM lacks and the pinned tier
+    /// holds upload now, so the link works while this layer finishes and
+    /// the next one's attention and routing run, instead of idling until
+    /// that layer's call asks for them; it takes them
+    /// ([`CudaBackend::take_prompt_ahead`]).
+    pub(super) fn upload_next_layer_ahead(&self, store: &ExpertStore, layer: usize) -> Result<()> {
+        let Some(next) = store.moe_layers().find(|&l| l > layer) else {
+            return Ok(());
+        };
+        let key = |e: u32| (store.id(), next as u32, e);
+        let uploads: Vec<Upload<'_>> = {
+            let cache = self.experts.lock().unwrap();
+            if cache.complete_layer(store.id(), next as u32).is_some() {
+                return Ok(());
+            }
+            (0..store.expert_count(next) as u32)
+                .filter(|&e| {
+                    self.owns(next, e)
+                        && !cache.contains(key(e))
+                        && cache.pinned.map.contains_key(&key(e))
+                })
+                .take(PROMPT_AHEAD)
+                .map(|index| Upload { index, host: None })
+                .collect()
+        };
+        self.upload_batch(store, next, uploads, Purpose::PromptAhead)?;
+        Ok(())
+    }
+
+    /// The experts of `layer` that [`CudaBackend::upload_next_layer_ahead`]
+    /// put in staging buffers, by id, with the compute stream ordered after
+    /// their upload (those the cache kept are found in it); what was
+    /// uploaded ahead for another layer (a call that failed before it) is
+    /// let go.
+    pub(super) fn take_prompt_ahead(
+        &self,
+        store: &ExpertStore,
+        layer: usize,
+    ) -> Result<HashMap<u32, Arc<DeviceExpert>>> {
+        let mut cache = self.experts.lock().unwrap();
+        let Some(ahead) = cache.prompt_ahead.take() else {
+            return Ok(HashMap::new());
+        };
+        if ahead.layer != (store.id(), layer as u32) || ahead.staged.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let streams = cache.streams.as_ref().expect("uploads attach the streams");
+        streams
+            .compute
+            .wait(&ahead.uploaded)
+            .map_err(|e| device_error(self.ordinal, "waiting for experts uploaded ahead", e))?;
+        Ok(ahead.staged.into_iter().collect())
+    }
+
     /// After kernels reading the experts `ids` of `layer` (in `experts`,
     /// cached or staged) are queued: stamps them with a compute event, so
     /// that a later upload into their buffers waits for those kernels
@@ -483,8 +564,10 @@ impl CudaBackend {
         }
         let end = Arc::new(streams.copy.record_event(timing).map_err(what)?);
         // A prefetched expert the cache could not keep is freed (on the
-        // compute stream) as soon as this returns: after its copy too.
-        if purpose != Purpose::Prefetch || buffers.iter().any(|(_, cached)| !cached) {
+        // compute stream) as soon as this returns: after its copy too. The
+        // next layer's staged experts are held until that layer's call.
+        let freed = purpose == Purpose::Prefetch && buffers.iter().any(|(_, cached)| !cached);
+        if !purpose.waited_at_use() || freed {
             streams.compute.wait(&end).map_err(what)?;
         }
         let n = sources.len() as u64;
@@ -498,14 +581,15 @@ impl CudaBackend {
         cache.stats.uploaded_bytes += n * bytes;
         match purpose {
             Purpose::Prefetch => cache.stats.prefetches += n,
-            Purpose::Demand | Purpose::Prompt => cache.stats.misses += n,
+            Purpose::Demand | Purpose::Prompt | Purpose::PromptAhead => cache.stats.misses += n,
             Purpose::Resident => {}
         }
 
         let mut out = Vec::with_capacity(buffers.len());
+        let mut staged = Vec::new();
         for ((index, _, _), (mut buffer, cached)) in sources.into_iter().zip(buffers) {
-            buffer.upload = (purpose == Purpose::Prefetch).then(|| end.clone());
-            buffer.last_use = if purpose == Purpose::Prefetch {
+            buffer.upload = purpose.waited_at_use().then(|| end.clone());
+            buffer.last_use = if purpose.waited_at_use() {
                 LastUse::Never
             } else {
                 LastUse::Unknown
@@ -513,10 +597,18 @@ impl CudaBackend {
             let expert = buffer.expert.clone();
             if cached {
                 self.insert(cache, (sid, layer as u32, index), buffer, count, purpose)?;
-            } else if purpose == Purpose::Prompt {
+            } else if purpose.stages() {
                 cache.staging.push_back(buffer);
+                staged.push((index, expert.clone()));
             }
             out.push(expert);
+        }
+        if purpose == Purpose::PromptAhead {
+            cache.prompt_ahead = Some(PromptAhead {
+                layer: (sid, layer as u32),
+                staged,
+                uploaded: end.clone(),
+            });
         }
         if cache.timings.len() > 64 {
             cache.harvest_timings(false);
@@ -553,10 +645,10 @@ impl CudaBackend {
                 cache.used += bytes;
                 break (buffer, true);
             }
-            if !fits || purpose == Purpose::Prompt {
-                let staged = match purpose {
-                    Purpose::Prompt => cache.take_staging(bytes),
-                    _ => None,
+            if !fits || purpose.stages() {
+                let staged = match purpose.stages() {
+                    true => cache.take_staging(bytes),
+                    false => None,
                 };
                 break (staged.map_or_else(|| fresh(cache), Ok)?, false);
             }

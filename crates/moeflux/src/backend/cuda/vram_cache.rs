@@ -20,8 +20,9 @@ type LayerKey = (u64, u32);
 
 /// Staging buffers kept for each expert size: two batches of a prompt's
 /// uploads, so that one batch uploads while the kernels of the one before
-/// read theirs.
-pub(super) const STAGING_BUFFERS: usize = 2 * super::experts::EXPERTS_IN_FLIGHT;
+/// read theirs, and a third for the first batch of a layer while the
+/// experts uploaded ahead for it ([`PromptAhead`]) are still held.
+pub(super) const STAGING_BUFFERS: usize = 3 * super::experts::EXPERTS_IN_FLIGHT;
 
 /// When the compute stream is done with a buffer.
 #[derive(Clone)]
@@ -75,6 +76,17 @@ pub(super) struct CompleteLayer {
     pub(super) parts: PartsLayout,
 }
 
+/// The first experts of the next layer of a long prompt, uploaded while
+/// the layer before finishes (streaming.rs `upload_next_layer_ahead`),
+/// for that layer's call to take.
+pub(super) struct PromptAhead {
+    pub(super) layer: LayerKey,
+    /// Those in staging buffers (the cache holds the others), by id.
+    pub(super) staged: Vec<(u32, Arc<DeviceExpert>)>,
+    /// The copy-stream event after their upload.
+    pub(super) uploaded: Arc<CudaEvent>,
+}
+
 /// The compute stream and the copy stream.
 pub(super) struct Streams {
     pub(super) compute: Arc<CudaStream>,
@@ -113,6 +125,7 @@ pub(super) struct VramCache {
     /// The next layer's predicted experts, uploaded once the current
     /// layer's work is queued.
     pub(super) pending_prefetch: Option<(LayerKey, Vec<u32>)>,
+    pub(super) prompt_ahead: Option<PromptAhead>,
     pub(super) stats: ExpertCacheStats,
 }
 
@@ -134,6 +147,7 @@ impl VramCache {
             timings: Vec::new(),
             timed_bytes: 0,
             pending_prefetch: None,
+            prompt_ahead: None,
             stats: ExpertCacheStats::default(),
         }
     }
