@@ -79,9 +79,8 @@ impl Purpose {
 }
 
 /// Experts of the next layer a long prompt's call uploads ahead: two
-/// batches, which a chunk's layer with a quarter of its experts' bytes in
-/// VRAM takes about as long to upload as the next layer's attention and
-/// routing take to compute at 512 tokens.
+/// batches, held in staging beside the batch that layer's own uploads
+/// start with (see `STAGING_BUFFERS`).
 const PROMPT_AHEAD: usize = 2 * EXPERTS_IN_FLIGHT;
 
 /// One expert of an upload batch: its bytes come from the pinned tier
