@@ -598,7 +598,9 @@ impl CudaBackend {
                 self.insert(cache, (sid, layer as u32, index), buffer, count, purpose)?;
             } else if purpose.stages() {
                 cache.staging.push_back(buffer);
-                staged.push((index, expert.clone()));
+                if purpose == Purpose::PromptAhead {
+                    staged.push((index, expert.clone()));
+                }
             }
             out.push(expert);
         }
