@@ -254,6 +254,9 @@ pub struct ExpertStore {
     /// threads.
     io_pool: rayon::ThreadPool,
     direct: bool,
+    /// The decoder's layers; a multi-token-prediction layer comes after
+    /// them.
+    decoder_layers: usize,
 }
 
 impl ExpertStore {
@@ -298,6 +301,7 @@ impl ExpertStore {
             }),
             io_pool,
             direct,
+            decoder_layers: cfg.num_layers(),
         })
     }
 
@@ -313,6 +317,14 @@ impl ExpertStore {
     /// The layers that have experts, in order.
     pub fn moe_layers(&self) -> impl Iterator<Item = usize> + '_ {
         (0..self.shared.layers.len()).filter(|&l| self.shared.layers[l].is_some())
+    }
+
+    /// The decoder's next layer with experts after `layer`, if any (not a
+    /// multi-token-prediction layer, which runs only when drafting).
+    pub fn next_decoder_moe_layer(&self, layer: usize) -> Option<usize> {
+        self.moe_layers()
+            .find(|&l| l > layer)
+            .filter(|&l| l < self.decoder_layers)
     }
 
     /// How many experts `layer` has (0 for a layer without experts).

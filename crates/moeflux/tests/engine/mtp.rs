@@ -46,6 +46,45 @@ fn mtp_head_matches_the_reference() {
     }
 }
 
+/// The expert store holds the head's experts after the decoder's, and
+/// the decoder's next MoE layer after its last is none: work that
+/// anticipates the next layer (a GPU's uploads ahead) never reaches for
+/// the head, which runs only when drafting.
+#[test]
+fn the_next_decoder_moe_layer_skips_the_mtp_head() {
+    for name in MTP_FIXTURES {
+        let converted = convert_fixture(name, DType::Bf16);
+        let model = open(&converted.dir, ModelOptions::default());
+        let (cfg, store) = (model.config(), model.experts());
+        let head = cfg.mtp_layer().expect("an MTP fixture");
+        let decoder: Vec<usize> = cfg.moe_layers().collect();
+        let stored: Vec<usize> = store.moe_layers().collect();
+        assert_eq!(
+            stored.last(),
+            Some(&head),
+            "{name}: the head's experts are stored last"
+        );
+        for pair in decoder.windows(2) {
+            assert_eq!(
+                store.next_decoder_moe_layer(pair[0]),
+                Some(pair[1]),
+                "{name}"
+            );
+        }
+        let last = *decoder.last().expect("a decoder MoE layer");
+        assert_eq!(
+            store.next_decoder_moe_layer(last),
+            None,
+            "{name}: after {last}"
+        );
+        assert_eq!(
+            store.next_decoder_moe_layer(head),
+            None,
+            "{name}: after the head"
+        );
+    }
+}
+
 /// Drafts `oracle`'s tokens while checking, at every step, that the MTP
 /// drafter following the session (through the checks, rewinds and
 /// truncations) gives the logits of a new drafter that runs every row.

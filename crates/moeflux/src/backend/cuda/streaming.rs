@@ -328,13 +328,13 @@ impl CudaBackend {
     /// After a call of several tokens over `layer` that used every expert
     /// this GPU holds of it (a long prompt's chunk, which then uses nearly
     /// every expert of the next layer too): the first [`PROMPT_AHEAD`]
-    /// experts of the next MoE layer that VRAM lacks and the pinned tier
+    /// experts of the decoder's next MoE layer that VRAM lacks and the pinned tier
     /// holds upload now, so the link works while this layer finishes and
     /// the next one's attention and routing run, instead of idling until
     /// that layer's call asks for them; it takes them
     /// ([`CudaBackend::take_prompt_ahead`]).
     pub(super) fn upload_next_layer_ahead(&self, store: &ExpertStore, layer: usize) -> Result<()> {
-        let Some(next) = store.moe_layers().find(|&l| l > layer) else {
+        let Some(next) = store.next_decoder_moe_layer(layer) else {
             return Ok(());
         };
         let key = |e: u32| (store.id(), next as u32, e);
