@@ -328,10 +328,10 @@ impl CudaBackend {
     /// After a call of several tokens over `layer` that used every expert
     /// this GPU holds of it (a long prompt's chunk, which then uses nearly
     /// every expert of the next layer too): the first [`PROMPT_AHEAD`]
-    /// experts of the decoder's next MoE layer that VRAM lacks and the pinned tier
-    /// holds upload now, so the link works while this layer finishes and
-    /// the next one's attention and routing run, instead of idling until
-    /// that layer's call asks for them; it takes them
+    /// experts of the decoder's next MoE layer that VRAM lacks and the
+    /// pinned tier holds upload now, so the link works while this layer
+    /// finishes and the next one's attention and routing run, instead of
+    /// idling until that layer's call asks for them; it takes them
     /// ([`CudaBackend::take_prompt_ahead`]).
     pub(super) fn upload_next_layer_ahead(&self, store: &ExpertStore, layer: usize) -> Result<()> {
         let Some(next) = store.next_decoder_moe_layer(layer) else {
