@@ -7,10 +7,11 @@
 //! Which experts go where is a cost model's choice, made per layer from
 //! throughputs measured as the model runs: the copy stream's bytes per
 //! second (its timed upload batches) and the CPU's on the experts it
-//! computed (a moving average). The decode thread computes the CPU's
-//! share itself, between queueing the GPU's share and the next layer, so
-//! the CPU takes experts only while it computes them faster per byte than
-//! the link uploads them; then it takes as many of the missing
+//! computed (a moving average). A worker thread computes the CPU's share
+//! (its parallel regions on the CPU pool) while the decode thread queues
+//! the GPU's, then the decode thread waits for it and adds it; the CPU
+//! takes experts only while it computes them faster per byte than the
+//! link uploads them; then it takes as many of the missing
 //! experts as finish no later than the uploads would, counting the uploads
 //! already queued ahead of them; the next layer's prefetch leaves it the
 //! same share of the experts predicted for it. Only experts whose bytes
@@ -27,14 +28,15 @@
 //! GPU every expert, as before.
 
 use std::collections::HashMap;
+use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::experts::FfnArgs;
-use super::{CudaBackend, Routing, Tensor, Weight, ok};
+use super::{CudaBackend, Routing, Tensor, Weight, device_error, ok};
 use crate::backend::ExpertFfn;
 use crate::backend::cpu::Activations;
 use crate::backend::cpu::moe::{Ffn, weighted_experts};
@@ -122,6 +124,69 @@ pub(super) struct Hybrid {
     /// Host copies of the experts' biases (gpt-oss), by the device address
     /// of the gate bias.
     biases: Mutex<HashMap<u64, HostBiases>>,
+    /// The CPU's fraction of the missing experts, moved by each layer's
+    /// finishing order (`balance`), or fixed.
+    fraction: Option<Mutex<f64>>,
+    balance: bool,
+    /// The thread that computes a layer's CPU share while the decode
+    /// thread queues the GPU's.
+    worker: CpuWorker,
+}
+
+/// How far one layer's finishing order moves the CPU's fraction.
+const BALANCE_STEP: f64 = 0.02;
+
+/// A layer's CPU share for the worker: the token's activations, the
+/// experts with their routing weights, how to compute them.
+struct CpuJob {
+    x: Vec<f32>,
+    chosen: Vec<(Arc<Expert>, f32)>,
+    activations: Activations,
+    activation: ExpertActivation,
+    biases: Option<HostBiases>,
+}
+
+/// What the worker returns: the weighted sum, or the panic it caught.
+type CpuResult = std::thread::Result<(Vec<f32>, Duration)>;
+
+/// A thread running [`weighted_experts`] on the jobs it is sent (its
+/// parallel regions on the CPU pool, as the decode thread's would be).
+struct CpuWorker {
+    jobs: Mutex<Option<mpsc::Sender<CpuJob>>>,
+    results: Mutex<mpsc::Receiver<CpuResult>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl CpuWorker {
+    fn start() -> CpuWorker {
+        let (jobs, job_rx) = mpsc::channel::<CpuJob>();
+        let (result_tx, results) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("moeflux-cpu-experts".into())
+            .spawn(move || {
+                for job in job_rx {
+                    if result_tx.send(job.run()).is_err() {
+                        return;
+                    }
+                }
+            })
+            .ok();
+        CpuWorker {
+            jobs: Mutex::new(Some(jobs)),
+            results: Mutex::new(results),
+            thread: Mutex::new(thread),
+        }
+    }
+}
+
+impl Drop for CpuWorker {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker's loop.
+        self.jobs.lock().unwrap().take();
+        if let Some(thread) = self.thread.lock().unwrap().take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 impl Hybrid {
@@ -136,6 +201,13 @@ impl Hybrid {
                 declined: AtomicUsize::new(0),
                 left: Mutex::new(None),
                 biases: Mutex::new(HashMap::new()),
+                fraction: match crate::tuning::cuda_cpu_share().as_deref() {
+                    Some("balance") => Some(Mutex::new(0.5)),
+                    Some(p) => p.parse::<f64>().ok().map(|p| Mutex::new(p / 100.0)),
+                    None => None,
+                },
+                balance: crate::tuning::cuda_cpu_share().as_deref() == Some("balance"),
+                worker: CpuWorker::start(),
             }),
         }
     }
@@ -164,6 +236,30 @@ impl Hybrid {
     /// products.
     pub(super) fn measured_overhead(&self, seconds: f64) {
         average_in(&self.overhead_seconds, seconds);
+    }
+
+    /// The CPU's share of `missing + committed` experts by the fraction.
+    fn by_fraction(&self, (missing, eligible, committed): (usize, usize, usize)) -> Option<usize> {
+        let f = *self.fraction.as_ref()?.lock().unwrap();
+        let total = (f * (missing + committed) as f64).round() as usize;
+        let share = total.saturating_sub(committed).min(eligible);
+        if share + committed == 0 && eligible > 0 {
+            // No finishing order to learn from: lean towards the CPU.
+            self.finished(false);
+        }
+        Some(share)
+    }
+
+    /// Moves the CPU's fraction by the order a layer's two shares finished
+    /// in: down when the GPU's was done first, up when the CPU's was.
+    fn finished(&self, gpu_first: bool) {
+        if let (true, Some(f)) = (self.balance, &self.fraction) {
+            let mut f = f.lock().unwrap();
+            *f = match gpu_first {
+                true => (*f - BALANCE_STEP).max(0.0),
+                false => (*f + BALANCE_STEP).min(1.0),
+            };
+        }
     }
 
     /// The cost model's share for the CPU, or one expert after
@@ -244,6 +340,9 @@ impl CudaBackend {
         if eligible == 0 || hybrid.every {
             return eligible;
         }
+        if let Some(share) = hybrid.by_fraction((missing, eligible, committed)) {
+            return share;
+        }
         let bytes = self.device_expert_bytes(store, layer) as f64;
         let (pcie, backlog) = {
             let mut cache = self.experts.lock().unwrap();
@@ -257,9 +356,8 @@ impl CudaBackend {
         let backlog = backlog as f64 * pcie;
         let cpu = hybrid.cpu_seconds_per_byte();
         if cpu >= pcie {
-            // The decode thread computes the CPU's share between the GPU's
-            // launches, so a CPU slower than the link per byte costs more
-            // than it saves (measured: docs/PERFORMANCE.md).
+            // A CPU slower than the link per byte costs more than it saves
+            // (measured: docs/PERFORMANCE.md).
             return hybrid.retried(committed, eligible) - committed;
         }
         let share = cpu_share(
@@ -324,32 +422,60 @@ impl CudaBackend {
         })
     }
 
-    /// `Σ weight · expert(x)` over `chosen` (experts in host memory with
-    /// their routing weights) on the CPU, counted in the cache's statistics
-    /// and the CPU's measured throughput.
-    pub(super) fn cpu_experts(
-        &self,
-        inputs: &CpuInputs,
-        chosen: &[(Arc<Expert>, f32)],
-    ) -> Vec<f32> {
+    /// Starts `Σ weight · expert(x)` over `chosen` (experts in host memory
+    /// with their routing weights) on the CPU worker; where it has none,
+    /// [`CudaBackend::finish_cpu_experts`] computes it on this thread.
+    fn start_cpu_experts(&self, inputs: &CpuInputs, chosen: Vec<(Arc<Expert>, f32)>) -> CpuWork {
         let hybrid = self.hybrid_decode().expect("the CPU computes experts");
-        let ffn = Ffn {
+        let bytes = chosen.iter().map(|(e, _)| e.nbytes() as u64).sum();
+        let experts = chosen.len() as u64;
+        let job = CpuJob {
+            x: inputs.x.clone(),
+            chosen,
+            activations: hybrid.activations,
             activation: inputs.activation,
-            biases: inputs
-                .biases
-                .as_deref()
-                .map(|[g, u, d]| [&g[..], &u[..], &d[..]]),
+            biases: inputs.biases.clone(),
         };
-        let start = Instant::now();
-        let y = weighted_experts(&inputs.x, chosen, hybrid.activations, ffn);
-        let seconds = start.elapsed().as_secs_f64();
-        let bytes: u64 = chosen.iter().map(|(e, _)| e.nbytes() as u64).sum();
-        hybrid.measured(bytes, seconds);
+        let here = match hybrid.worker.jobs.lock().unwrap().as_ref() {
+            Some(jobs) => jobs.send(job).err().map(|unsent| unsent.0),
+            None => Some(job),
+        };
+        CpuWork {
+            here,
+            bytes,
+            experts,
+        }
+    }
+
+    /// The CPU's result of [`CudaBackend::start_cpu_experts`], counted in
+    /// the cache's statistics and the CPU's measured throughput.
+    fn finish_cpu_experts(&self, work: CpuWork) -> Result<Vec<f32>> {
+        let hybrid = self.hybrid_decode().expect("the CPU computes experts");
+        let result = match work.here {
+            Some(job) => job.run(),
+            None => hybrid.worker.results.lock().unwrap().recv().map_err(|_| {
+                device_error(self.ordinal, "experts on the CPU", "the CPU worker stopped")
+            })?,
+        };
+        let (y, elapsed) = result.unwrap_or_else(|panic| resume_unwind(panic));
+        let seconds = elapsed.as_secs_f64();
+        hybrid.measured(work.bytes, seconds);
         let mut cache = self.experts.lock().unwrap();
-        cache.stats.cpu_experts += chosen.len() as u64;
-        cache.stats.cpu_expert_bytes += bytes;
+        cache.stats.cpu_experts += work.experts;
+        cache.stats.cpu_expert_bytes += work.bytes;
         cache.stats.cpu_nanos += (seconds * 1e9) as u64;
-        y
+        Ok(y)
+    }
+
+    /// Events after the work queued so far on the compute and copy streams.
+    fn gpu_side_events(&self) -> Result<Vec<cudarc::driver::CudaEvent>> {
+        let op = "experts on the CPU";
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        let mut events = vec![ok(op, self.stream.record_event(flags))?];
+        if let Some(streams) = &self.experts.lock().unwrap().streams {
+            events.push(ok(op, streams.copy.record_event(flags))?);
+        }
+        Ok(events)
     }
 
     /// The experts' gate, up and down biases on the host, downloaded once.
@@ -435,6 +561,14 @@ impl CudaBackend {
             .filter(|k| !on_cpu.contains(k))
             .map(|k| (ids[k], cpu.inputs.weights[k]))
             .unzip();
+        let chosen: Vec<(Arc<Expert>, f32)> = cpu
+            .chosen
+            .into_iter()
+            .map(|(k, e)| (e, cpu.inputs.weights[k]))
+            .collect();
+        // The CPU starts first: queueing the GPU's share is tens of driver
+        // calls, which the CPU's products then overlap.
+        let work = self.start_cpu_experts(&cpu.inputs, chosen);
         let on_gpu = !gpu_ids.is_empty();
         if on_gpu {
             let share = Routing {
@@ -448,12 +582,15 @@ impl CudaBackend {
         } else {
             self.decode_layer_done(store, layer, None)?;
         }
-        let chosen: Vec<(Arc<Expert>, f32)> = cpu
-            .chosen
-            .into_iter()
-            .map(|(k, e)| (e, cpu.inputs.weights[k]))
-            .collect();
-        let y = self.cpu_experts(&cpu.inputs, &chosen);
+        let gpu_done = self.gpu_side_events()?;
+        let y = self.finish_cpu_experts(work)?;
+        if let Some(hybrid) = self.hybrid_decode() {
+            let mut done = true;
+            for event in &gpu_done {
+                done &= ok("experts on the CPU", event.try_is_complete())?;
+            }
+            hybrid.finished(done);
+        }
         let start = Instant::now();
         if on_gpu || accumulate {
             let y = self.upload("experts on the CPU", &y)?;
@@ -481,6 +618,31 @@ pub(super) fn in_host_memory(
     ids.into_iter()
         .filter_map(|(k, e)| store.peek(layer, e as usize).map(|x| (k, x)))
         .collect()
+}
+
+/// A layer's CPU share on its way: sent to the worker, or (`here`) to be
+/// computed on the decode thread.
+struct CpuWork {
+    here: Option<CpuJob>,
+    bytes: u64,
+    experts: u64,
+}
+
+impl CpuJob {
+    fn run(self) -> CpuResult {
+        catch_unwind(AssertUnwindSafe(|| {
+            let start = Instant::now();
+            let ffn = Ffn {
+                activation: self.activation,
+                biases: self
+                    .biases
+                    .as_deref()
+                    .map(|[g, u, d]| [&g[..], &u[..], &d[..]]),
+            };
+            let y = weighted_experts(&self.x, &self.chosen, self.activations, ffn);
+            (y, start.elapsed())
+        }))
+    }
 }
 
 /// The experts the CPU takes in a decode step's layer (their places among
