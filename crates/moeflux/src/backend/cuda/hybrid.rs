@@ -149,31 +149,31 @@ struct CpuJob {
 /// What the worker returns: the weighted sum, or the panic it caught.
 type CpuResult = std::thread::Result<(Vec<f32>, Duration)>;
 
+/// A job for the worker and where its result goes (a channel of its own:
+/// threads decoding on one backend at once each get their own result).
+type Sent = (CpuJob, mpsc::Sender<CpuResult>);
+
 /// A thread running [`weighted_experts`] on the jobs it is sent (its
 /// parallel regions on the CPU pool, as the decode thread's would be).
 struct CpuWorker {
-    jobs: Mutex<Option<mpsc::Sender<CpuJob>>>,
-    results: Mutex<mpsc::Receiver<CpuResult>>,
+    jobs: Mutex<Option<mpsc::Sender<Sent>>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl CpuWorker {
     fn start() -> CpuWorker {
-        let (jobs, job_rx) = mpsc::channel::<CpuJob>();
-        let (result_tx, results) = mpsc::channel();
+        let (jobs, received) = mpsc::channel::<Sent>();
         let thread = std::thread::Builder::new()
             .name("moeflux-cpu-experts".into())
             .spawn(move || {
-                for job in job_rx {
-                    if result_tx.send(job.run()).is_err() {
-                        return;
-                    }
+                for (job, reply) in received {
+                    // A caller gone (its layer failed) wants no result.
+                    let _ = reply.send(job.run());
                 }
             })
             .ok();
         CpuWorker {
             jobs: Mutex::new(Some(jobs)),
-            results: Mutex::new(results),
             thread: Mutex::new(thread),
         }
     }
@@ -436,12 +436,14 @@ impl CudaBackend {
             activation: inputs.activation,
             biases: inputs.biases.clone(),
         };
+        let (reply, result) = mpsc::channel();
         let here = match hybrid.worker.jobs.lock().unwrap().as_ref() {
-            Some(jobs) => jobs.send(job).err().map(|unsent| unsent.0),
+            Some(jobs) => jobs.send((job, reply)).err().map(|unsent| unsent.0.0),
             None => Some(job),
         };
         CpuWork {
             here,
+            result,
             bytes,
             experts,
         }
@@ -453,7 +455,7 @@ impl CudaBackend {
         let hybrid = self.hybrid_decode().expect("the CPU computes experts");
         let result = match work.here {
             Some(job) => job.run(),
-            None => hybrid.worker.results.lock().unwrap().recv().map_err(|_| {
+            None => work.result.recv().map_err(|_| {
                 device_error(self.ordinal, "experts on the CPU", "the CPU worker stopped")
             })?,
         };
@@ -624,6 +626,8 @@ pub(super) fn in_host_memory(
 /// computed on the decode thread.
 struct CpuWork {
     here: Option<CpuJob>,
+    /// The worker's answer, unless computed `here`.
+    result: mpsc::Receiver<CpuResult>,
     bytes: u64,
     experts: u64,
 }
