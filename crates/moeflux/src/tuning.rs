@@ -19,7 +19,7 @@
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which one sequence's decode step takes a block per KV head's group of query heads for its attention (several sequences' steps take it at every length) | 2048; on the tensor cores (`MOEFLUX_CUDA_GROUPED_DECODE_TC`) 0 for bf16 caches, 256 for f32 |
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_TC` | `0`: the grouped decode attention of bf16 and f32 KV caches multiplies on the CUDA cores instead of the tensor cores (to compare) | on from compute capability 8.0 |
-//! | `MOEFLUX_CUDA_CPU_SHARE` | how hybrid decode's `--cpu-experts auto` shares the experts missing from VRAM with the CPU: `balance` (each layer's finishing order moves the CPU's fraction), or a fixed percentage | the cost model of measured throughputs |
+//! | `MOEFLUX_CUDA_CPU_SHARE` | a fixed percentage of the experts missing from VRAM that hybrid decode's `--cpu-experts auto` gives the CPU (to compare) | moved by each layer's finishing order |
 //! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 32 (`DECODE_ATTN_MAX_SPLITS`) | 32 |
 //!
 //! The `MOEFLUX_CPU_*` variables and the `MOEFLUX_CUDA_*` ones other than
@@ -159,9 +159,8 @@ pub fn cuda_grouped_decode_min() -> Option<usize> {
     optional_number("MOEFLUX_CUDA_GROUPED_DECODE_MIN")
 }
 
-/// `MOEFLUX_CUDA_CPU_SHARE`: how hybrid decode's `auto` shares the experts
-/// missing from VRAM with the CPU: `balance` (each layer's finishing order
-/// moves the CPU's share), or a fixed percentage of them.
-pub fn cuda_cpu_share() -> Option<String> {
-    var("MOEFLUX_CUDA_CPU_SHARE").and_then(|v| v.into_string().ok())
+/// `MOEFLUX_CUDA_CPU_SHARE`: a fixed percentage of the experts missing
+/// from VRAM that hybrid decode's `auto` gives the CPU, if set to a number.
+pub fn cuda_cpu_share() -> Option<f64> {
+    var("MOEFLUX_CUDA_CPU_SHARE").and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
 }

@@ -835,7 +835,7 @@ fn streamed_expert_statistics_are_consistent() {
 
 /// Hybrid decode (the CUDA backend's hybrid.rs): experts missing from VRAM
 /// computed by the CPU from host memory, every one there (`All`) or as the
-/// cost model chooses (`Auto`), beside the GPU's. The logits stay within
+/// share that finishes with the GPU's takes (`Auto`), beside the GPU's. The logits stay within
 /// the 1e-3 relative L2 bound of CUDA against the CPU of those of resident
 /// experts at every position (the CPU's share sums in another order and
 /// f32); every expert a decode step uses is a hit, a miss or a CPU

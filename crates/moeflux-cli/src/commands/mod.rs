@@ -135,8 +135,8 @@ pub struct ModelArgs {
     pub activations: ActivationsArg,
     /// On a GPU whose VRAM does not hold every expert: whether a decode
     /// step's experts missing from VRAM may be computed by the CPU from host
-    /// memory (auto: where a cost model of the measured PCIe and CPU
-    /// throughputs says that is faster than uploading them), always when
+    /// memory (auto: the share that finishes with the GPU's uploads and
+    /// kernels, found layer by layer), always when
     /// they are in host memory (all: for a GPU behind a slow link), or
     /// never (off: the GPU computes every expert, results repeat exactly
     /// from run to run).

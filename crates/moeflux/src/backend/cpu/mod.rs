@@ -9,7 +9,7 @@ mod bench;
 mod gated_delta_net;
 mod linear;
 pub(crate) mod moe;
-mod pool;
+pub(crate) mod pool;
 pub mod profile;
 mod simd;
 

@@ -49,7 +49,10 @@ pub fn run(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) {
 
 /// [`run`]; returns the most threads that may have taken its tasks.
 fn run_region(on_pool: bool, tasks: usize, body: impl Fn(usize) + Sync) -> usize {
-    let threads = rayon::current_num_threads().min(tasks);
+    let threads = rayon::current_num_threads()
+        .saturating_sub(LEFT_FREE.get())
+        .max(1)
+        .min(tasks);
     if threads <= 1 || IN_REGION.get() {
         inline(tasks, body);
         return 1;
@@ -164,6 +167,16 @@ thread_local! {
     /// Whether this thread is running a region's tasks (a pool worker
     /// always is): a region started from a task runs inline.
     static IN_REGION: Cell<bool> = const { Cell::new(false) };
+    /// Threads of the pool this thread's regions leave unused.
+    static LEFT_FREE: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Makes this thread's regions take `threads` fewer of the pool's threads
+/// (at least one): for a thread whose regions run while another thread
+/// stays busy, which then keeps its core (hybrid decode's CPU share,
+/// computed while the decode thread queues the GPU's).
+pub fn leave_free(threads: usize) {
+    LEFT_FREE.set(threads);
 }
 
 struct Pool {
@@ -386,6 +399,25 @@ mod tests {
             if threads == 1 {
                 assert_eq!(used, 1);
             }
+        }
+    }
+
+    #[test]
+    fn a_thread_that_leaves_threads_free_uses_fewer() {
+        for (threads, free, most) in [(4, 1, 3), (4, 3, 1), (2, 5, 1)] {
+            let seen = Mutex::new(HashSet::new());
+            with_threads(threads, || {
+                leave_free(free);
+                for _ in 0..20 {
+                    run(true, 64, |_| {
+                        seen.lock().unwrap().insert(thread::current().id());
+                        thread::sleep(Duration::from_micros(50));
+                    });
+                }
+                leave_free(0);
+            });
+            let used = seen.into_inner().unwrap().len();
+            assert!(used <= most, "{used} threads used of {threads} less {free}");
         }
     }
 

@@ -4,20 +4,21 @@
 //! uploaded over PCIe. What crosses the bus for a CPU expert is the token's
 //! activations (one row each way), not the expert's weights.
 //!
-//! Which experts go where is a cost model's choice, made per layer from
-//! throughputs measured as the model runs: the copy stream's bytes per
-//! second (its timed upload batches) and the CPU's on the experts it
-//! computed (a moving average). A worker thread computes the CPU's share
-//! (its parallel regions on the CPU pool) while the decode thread queues
-//! the GPU's, then the decode thread waits for it and adds it; the CPU
-//! takes experts only while it computes them faster per byte than the
-//! link uploads them; then it takes as many of the missing
-//! experts as finish no later than the uploads would, counting the uploads
-//! already queued ahead of them; the next layer's prefetch leaves it the
-//! same share of the experts predicted for it. Only experts whose bytes
-//! are in the expert store's memory qualify (the CPU never waits for a
-//! disk read), and an upload stays cached where a CPU computation does not,
-//! so ties go to the upload.
+//! The CPU takes a fraction of each layer's missing experts, and each
+//! layer's finishing order moves it: down when the GPU's share (its
+//! kernels and the copy stream's uploads) was done before the CPU's
+//! products, up when not. The fraction so settles where the two finish
+//! together, on whatever the host's cores and the link can do, without a
+//! model of either. The next layer's prefetch leaves the CPU the same
+//! fraction of the experts predicted for it. Only experts whose bytes are
+//! in the expert store's memory qualify (the CPU never waits for a disk
+//! read).
+//!
+//! A worker thread computes the CPU's share (its parallel regions on the
+//! CPU pool, one thread of which it leaves to the decode thread) while the
+//! decode thread queues the GPU's: queueing is tens of driver calls, about
+//! 100 µs a layer, which would otherwise come before the CPU starts. The
+//! decode thread then waits for the worker and adds its result.
 //!
 //! The decode path asks `experts_for_cpu` for the CPU's share of a layer
 //! and, when there is one, runs the layer through `hybrid_decode_experts`.
@@ -29,7 +30,6 @@
 
 use std::collections::HashMap;
 use std::panic::{AssertUnwindSafe, catch_unwind, resume_unwind};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
@@ -50,8 +50,9 @@ use crate::experts::{Expert, ExpertStore};
 pub enum CpuExperts {
     /// The GPU computes every expert; missing ones are uploaded.
     Off,
-    /// The cost model chooses, expert by expert; the CPU's products take
-    /// their activations as `activations` says.
+    /// The CPU takes the fraction of the missing experts that finishes
+    /// with the GPU's share; its products take their activations as
+    /// `activations` says.
     Auto { activations: Activations },
     /// The CPU computes every missing expert whose bytes are in the store's
     /// memory (a GPU behind a slow link; and the tests of this path).
@@ -66,28 +67,12 @@ impl Default for CpuExperts {
     }
 }
 
-/// Host time a layer's CPU share costs beyond its products (the token's
-/// activations and routing weights down, the result back up) before it
-/// has been measured.
-const CPU_OVERHEAD_FIRST_GUESS: f64 = 30e-6;
+/// The CPU's fraction of a layer's missing experts before any layer's
+/// finishing order has moved it.
+const FIRST_FRACTION: f64 = 0.5;
 
-/// The CPU's throughput before it has computed an expert, bytes per second.
-const CPU_FIRST_GUESS: f64 = 20e9;
-
-/// The copy stream's throughput before an upload has been timed.
-const PCIE_FIRST_GUESS: f64 = 20e9;
-
-/// Weight of the newest measurement in the CPU's moving average.
-const CPU_AVERAGE_WEIGHT: f64 = 0.1;
-
-/// The CPU's first computations, not measured: its threads start and the
-/// experts' pages are first touched.
-const CPU_WARM_UP: usize = 4;
-
-/// After this many layers in a row where the CPU could have taken experts
-/// and the cost model gave it none, it takes one: its throughput is
-/// measured again, so one slow measurement cannot shut it out for good.
-const CPU_RETRY_AFTER: usize = 256;
+/// How far one layer's finishing order moves the CPU's fraction.
+const BALANCE_STEP: f64 = 0.02;
 
 /// Experts of a layer: (store, layer) and their indices.
 type LayerExperts = ((u64, u32), Vec<u32>);
@@ -104,37 +89,69 @@ pub(super) struct CpuInputs {
     biases: Option<HostBiases>,
 }
 
-/// The hybrid decode's settings and measurements.
+/// The hybrid decode's settings and state.
 pub(super) struct Hybrid {
     activations: Activations,
-    /// Every eligible expert to the CPU, without the cost model.
+    /// Every eligible expert to the CPU, whatever the fraction.
     every: bool,
-    /// Seconds per byte the CPU's experts took (moving average), and
-    /// how many computations it has seen.
-    cpu_seconds_per_byte: Mutex<(Option<f64>, usize)>,
-    /// Seconds the decode thread spent on a layer's CPU share beside its
-    /// products (moving average): the downloads, the result's upload.
-    overhead_seconds: Mutex<(Option<f64>, usize)>,
-    /// Layers in a row where the cost model gave the CPU nothing it could
-    /// have taken.
-    declined: AtomicUsize,
+    fraction: Mutex<Fraction>,
     /// The experts of a layer (by store and layer) that its prefetch left
     /// to the CPU: the layer gives them to the CPU if it selects them.
     left: Mutex<Option<LayerExperts>>,
     /// Host copies of the experts' biases (gpt-oss), by the device address
     /// of the gate bias.
     biases: Mutex<HashMap<u64, HostBiases>>,
-    /// The CPU's fraction of the missing experts, moved by each layer's
-    /// finishing order (`balance`), or fixed.
-    fraction: Option<Mutex<f64>>,
-    balance: bool,
     /// The thread that computes a layer's CPU share while the decode
     /// thread queues the GPU's.
     worker: CpuWorker,
 }
 
-/// How far one layer's finishing order moves the CPU's fraction.
-const BALANCE_STEP: f64 = 0.02;
+/// The CPU's fraction of the missing experts: moved by each layer's
+/// finishing order, or fixed (`MOEFLUX_CUDA_CPU_SHARE`, to measure).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Fraction {
+    of_missing: f64,
+    moves: bool,
+}
+
+impl Fraction {
+    fn new(fixed_percent: Option<f64>) -> Fraction {
+        match fixed_percent {
+            Some(p) => Fraction {
+                of_missing: (p / 100.0).clamp(0.0, 1.0),
+                moves: false,
+            },
+            None => Fraction {
+                of_missing: FIRST_FRACTION,
+                moves: true,
+            },
+        }
+    }
+
+    /// How many of `missing` experts (at most `eligible`) the CPU takes
+    /// beside the `committed` it computes already: the fraction of them
+    /// all, less those committed.
+    fn share(&mut self, (missing, eligible, committed): (usize, usize, usize)) -> usize {
+        let total = (self.of_missing * (missing + committed) as f64).round() as usize;
+        let share = total.saturating_sub(committed).min(eligible);
+        if share + committed == 0 && eligible > 0 {
+            // A layer the CPU sits out has no finishing order to learn
+            // from: the fraction leans towards the CPU until it takes one.
+            self.finished(false);
+        }
+        share
+    }
+
+    /// Moves the fraction by the order a layer's two shares finished in.
+    fn finished(&mut self, gpu_first: bool) {
+        if self.moves {
+            self.of_missing = match gpu_first {
+                true => (self.of_missing - BALANCE_STEP).max(0.0),
+                false => (self.of_missing + BALANCE_STEP).min(1.0),
+            };
+        }
+    }
+}
 
 /// A layer's CPU share for the worker: the token's activations, the
 /// experts with their routing weights, how to compute them.
@@ -166,6 +183,8 @@ impl CpuWorker {
         let thread = std::thread::Builder::new()
             .name("moeflux-cpu-experts".into())
             .spawn(move || {
+                // The decode thread queues the GPU's share meanwhile.
+                crate::backend::cpu::pool::leave_free(1);
                 for (job, reply) in received {
                     // A caller gone (its layer failed) wants no result.
                     let _ = reply.send(job.run());
@@ -196,179 +215,26 @@ impl Hybrid {
             CpuExperts::Auto { activations } | CpuExperts::All { activations } => Some(Hybrid {
                 activations,
                 every: matches!(setting, CpuExperts::All { .. }),
-                cpu_seconds_per_byte: Mutex::new((None, 0)),
-                overhead_seconds: Mutex::new((None, 0)),
-                declined: AtomicUsize::new(0),
+                fraction: Mutex::new(Fraction::new(crate::tuning::cuda_cpu_share())),
                 left: Mutex::new(None),
                 biases: Mutex::new(HashMap::new()),
-                fraction: match crate::tuning::cuda_cpu_share().as_deref() {
-                    Some("balance") => Some(Mutex::new(0.5)),
-                    Some(p) => p.parse::<f64>().ok().map(|p| Mutex::new(p / 100.0)),
-                    None => None,
-                },
-                balance: crate::tuning::cuda_cpu_share().as_deref() == Some("balance"),
                 worker: CpuWorker::start(),
             }),
         }
     }
-
-    fn cpu_seconds_per_byte(&self) -> f64 {
-        self.cpu_seconds_per_byte
-            .lock()
-            .unwrap()
-            .0
-            .unwrap_or(1.0 / CPU_FIRST_GUESS)
-    }
-
-    fn overhead_seconds(&self) -> f64 {
-        self.overhead_seconds
-            .lock()
-            .unwrap()
-            .0
-            .unwrap_or(CPU_OVERHEAD_FIRST_GUESS)
-    }
-
-    fn measured(&self, bytes: u64, seconds: f64) {
-        average_in(&self.cpu_seconds_per_byte, seconds / bytes.max(1) as f64);
-    }
-
-    /// Notes the decode thread's time on a layer's CPU share beside its
-    /// products.
-    pub(super) fn measured_overhead(&self, seconds: f64) {
-        average_in(&self.overhead_seconds, seconds);
-    }
-
-    /// The CPU's share of `missing + committed` experts by the fraction.
-    fn by_fraction(&self, (missing, eligible, committed): (usize, usize, usize)) -> Option<usize> {
-        let f = *self.fraction.as_ref()?.lock().unwrap();
-        let total = (f * (missing + committed) as f64).round() as usize;
-        let share = total.saturating_sub(committed).min(eligible);
-        if share + committed == 0 && eligible > 0 {
-            // No finishing order to learn from: lean towards the CPU.
-            self.finished(false);
-        }
-        Some(share)
-    }
-
-    /// Moves the CPU's fraction by the order a layer's two shares finished
-    /// in: down when the GPU's was done first, up when the CPU's was.
-    fn finished(&self, gpu_first: bool) {
-        if let (true, Some(f)) = (self.balance, &self.fraction) {
-            let mut f = f.lock().unwrap();
-            *f = match gpu_first {
-                true => (*f - BALANCE_STEP).max(0.0),
-                false => (*f + BALANCE_STEP).min(1.0),
-            };
-        }
-    }
-
-    /// The cost model's share for the CPU, or one expert after
-    /// [`CPU_RETRY_AFTER`] layers of none it could have taken.
-    fn retried(&self, share: usize, eligible: usize) -> usize {
-        if share > 0 || eligible == 0 {
-            self.declined.store(0, Ordering::Relaxed);
-            return share;
-        }
-        match self.declined.fetch_add(1, Ordering::Relaxed) + 1 >= CPU_RETRY_AFTER {
-            true => {
-                self.declined.store(0, Ordering::Relaxed);
-                1
-            }
-            false => 0,
-        }
-    }
-}
-
-/// Adds `sample` to a moving average after the first [`CPU_WARM_UP`]
-/// samples (its threads start, the experts' pages are first touched).
-fn average_in(average: &Mutex<(Option<f64>, usize)>, sample: f64) {
-    let mut guard = average.lock().unwrap();
-    let (average, seen) = &mut *guard;
-    *seen += 1;
-    if *seen <= CPU_WARM_UP {
-        return;
-    }
-    *average = Some(match *average {
-        None => sample,
-        Some(a) => a + CPU_AVERAGE_WEIGHT * (sample - a),
-    });
-}
-
-/// How many of `missing` experts of `bytes` each the CPU takes (at most
-/// `eligible`) beside the `committed` it computes already: the count whose
-/// later finishing time is earliest, the CPU finishing after
-/// `(committed + c) · bytes · cpu` seconds (plus `overhead` when it
-/// computes any), the uploads after the copy stream's `backlog` seconds
-/// plus `(missing − c) · bytes · pcie`. Ties go to uploading.
-pub(super) fn cpu_share(
-    (missing, eligible, committed): (usize, usize, usize),
-    bytes: f64,
-    (cpu, pcie): (f64, f64),
-    backlog: f64,
-    overhead: f64,
-) -> usize {
-    let finish = |c: usize| {
-        let cpu_time = match committed + c {
-            0 => 0.0,
-            n => overhead + n as f64 * bytes * cpu,
-        };
-        let uploads = match missing - c {
-            0 => 0.0,
-            u => backlog + u as f64 * bytes * pcie,
-        };
-        cpu_time.max(uploads)
-    };
-    (0..=eligible.min(missing))
-        .min_by(|&a, &b| finish(a).total_cmp(&finish(b)))
-        .unwrap_or(0)
 }
 
 impl CudaBackend {
-    /// The number of `missing` experts of `layer` (of which `eligible`
+    /// The number of `missing` experts of a layer (of which `eligible`
     /// have their bytes in host memory) the CPU takes now beside the
     /// `committed` it computes already, or 0 when the backend does not
     /// compute experts on the CPU.
-    pub(super) fn cpu_experts_now(
-        &self,
-        store: &ExpertStore,
-        layer: usize,
-        (missing, eligible, committed): (usize, usize, usize),
-    ) -> usize {
-        let Some(hybrid) = self.hybrid_decode() else {
-            return 0;
-        };
-        if eligible == 0 || hybrid.every {
-            return eligible;
+    pub(super) fn cpu_experts_now(&self, counts: (usize, usize, usize)) -> usize {
+        match self.hybrid_decode() {
+            None => 0,
+            Some(hybrid) if hybrid.every => counts.1,
+            Some(hybrid) => hybrid.fraction.lock().unwrap().share(counts),
         }
-        if let Some(share) = hybrid.by_fraction((missing, eligible, committed)) {
-            return share;
-        }
-        let bytes = self.device_expert_bytes(store, layer) as f64;
-        let (pcie, backlog) = {
-            let mut cache = self.experts.lock().unwrap();
-            (
-                cache
-                    .upload_seconds_per_byte()
-                    .unwrap_or(1.0 / PCIE_FIRST_GUESS),
-                cache.uploads_in_flight(),
-            )
-        };
-        let backlog = backlog as f64 * pcie;
-        let cpu = hybrid.cpu_seconds_per_byte();
-        if cpu >= pcie {
-            // A CPU slower than the link per byte costs more than it saves
-            // (measured: docs/PERFORMANCE.md).
-            return hybrid.retried(committed, eligible) - committed;
-        }
-        let share = cpu_share(
-            (missing, eligible, committed),
-            bytes,
-            (cpu, pcie),
-            backlog,
-            hybrid.overhead_seconds(),
-        );
-        // Experts the CPU computes anyway keep its throughput measured.
-        hybrid.retried(share + committed, eligible) - committed
     }
 
     /// Notes the experts of `layer` its prefetch left to the CPU.
@@ -452,7 +318,6 @@ impl CudaBackend {
     /// The CPU's result of [`CudaBackend::start_cpu_experts`], counted in
     /// the cache's statistics and the CPU's measured throughput.
     fn finish_cpu_experts(&self, work: CpuWork) -> Result<Vec<f32>> {
-        let hybrid = self.hybrid_decode().expect("the CPU computes experts");
         let result = match work.here {
             Some(job) => job.run(),
             None => work.result.recv().map_err(|_| {
@@ -461,7 +326,6 @@ impl CudaBackend {
         };
         let (y, elapsed) = result.unwrap_or_else(|panic| resume_unwind(panic));
         let seconds = elapsed.as_secs_f64();
-        hybrid.measured(work.bytes, seconds);
         let mut cache = self.experts.lock().unwrap();
         cache.stats.cpu_experts += work.experts;
         cache.stats.cpu_expert_bytes += work.bytes;
@@ -497,7 +361,7 @@ impl CudaBackend {
     }
 
     /// The experts of `ids` the CPU takes now: missing from VRAM, in the
-    /// store's memory, as many as the cost model gives it (the last
+    /// store's memory, as many as its fraction gives it (the last
     /// selected first); `None` when it takes none.
     pub(super) fn experts_for_cpu(
         &self,
@@ -519,24 +383,22 @@ impl CudaBackend {
                 .filter(|&(_, e)| !cache.contains((store.id(), layer as u32, e)))
                 .collect()
         };
-        // Those the prefetch left to the CPU go to it; the cost model
-        // shares the others.
+        // Those the prefetch left to the CPU go to it; its fraction shares
+        // the others.
         let left = self.left_to_cpu(store, layer);
         let (mut chosen, mut eligible): (Vec<_>, Vec<_>) =
             in_host_memory(store, layer, missing.iter().copied())
                 .into_iter()
                 .partition(|(k, _)| left.contains(&ids[*k]));
         let counts = (missing.len() - chosen.len(), eligible.len(), chosen.len());
-        let take = self.cpu_experts_now(store, layer, counts);
+        let take = self.cpu_experts_now(counts);
         chosen.extend(eligible.split_off(eligible.len() - take));
         if chosen.is_empty() {
             return Ok(None);
         }
-        let start = Instant::now();
         Ok(Some(CpuShare {
             inputs: self.cpu_inputs(x, routing, cpu_ffn)?,
             chosen,
-            reading: start.elapsed(),
         }))
     }
 
@@ -591,9 +453,8 @@ impl CudaBackend {
             for event in &gpu_done {
                 done &= ok("experts on the CPU", event.try_is_complete())?;
             }
-            hybrid.finished(done);
+            hybrid.fraction.lock().unwrap().finished(done);
         }
-        let start = Instant::now();
         if on_gpu || accumulate {
             let y = self.upload("experts on the CPU", &y)?;
             self.add_assign_raw(out, &y, x.cols)?;
@@ -602,9 +463,6 @@ impl CudaBackend {
                 "experts on the CPU",
                 self.stream.memcpy_htod(&y, &mut out.slice_mut(..x.cols)),
             )?;
-        }
-        if let Some(hybrid) = self.hybrid_decode() {
-            hybrid.measured_overhead((cpu.reading + start.elapsed()).as_secs_f64());
         }
         Ok(())
     }
@@ -654,55 +512,54 @@ impl CpuJob {
 pub(super) struct CpuShare {
     inputs: CpuInputs,
     chosen: Vec<(usize, Arc<Expert>)>,
-    /// The decode thread's time reading the inputs.
-    reading: Duration,
 }
 
 #[cfg(test)]
 mod tests {
-    use super::cpu_share;
-
-    const MB: f64 = 1e6;
+    use super::{BALANCE_STEP, FIRST_FRACTION, Fraction};
 
     #[test]
-    fn nothing_missing_or_nothing_eligible_stays_on_the_gpu() {
-        assert_eq!(cpu_share((0, 0, 0), MB, (1e-9, 1e-9), 0.0, 0.0), 0);
-        assert_eq!(cpu_share((8, 0, 0), MB, (1e-12, 1e-9), 0.0, 0.0), 0);
+    fn the_cpu_takes_its_fraction_of_the_missing_experts() {
+        let mut half = Fraction::new(Some(50.0));
+        assert_eq!(half.share((8, 8, 0)), 4);
+        // Never more than the eligible ones.
+        assert_eq!(half.share((8, 3, 0)), 3);
+        // Experts it computes already count: 2 committed of 8 leave 2.
+        assert_eq!(half.share((6, 6, 2)), 2);
+        assert_eq!(half.share((4, 4, 4)), 0);
+        assert_eq!(Fraction::new(Some(100.0)).share((5, 5, 0)), 5);
+        assert_eq!(Fraction::new(Some(0.0)).share((5, 5, 0)), 0);
+        // A fixed fraction does not move.
+        half.finished(true);
+        assert_eq!(half, Fraction::new(Some(50.0)));
     }
 
     #[test]
-    fn equal_throughputs_split_evenly_and_ties_upload() {
-        // 8 experts of 1 MB at 1 GB/s both ways: 4 and 4 finish together.
-        assert_eq!(cpu_share((8, 8, 0), MB, (1e-9, 1e-9), 0.0, 0.0), 4);
-        // One expert: either alone takes as long; the upload is kept.
-        assert_eq!(cpu_share((1, 1, 0), MB, (1e-9, 1e-9), 0.0, 0.0), 0);
-    }
-
-    #[test]
-    fn the_faster_side_takes_more() {
-        // The CPU three times as fast: it takes 6 of 8 (6 ms against 2).
-        assert_eq!(cpu_share((8, 8, 0), MB, (1e-9 / 3.0, 1e-9), 0.0, 0.0), 6);
-        // The CPU three times as slow: 2 of 8.
-        assert_eq!(cpu_share((8, 8, 0), MB, (3e-9, 1e-9), 0.0, 0.0), 2);
-        // But never more than the eligible ones.
-        assert_eq!(cpu_share((8, 3, 0), MB, (1e-12, 1e-9), 0.0, 0.0), 3);
-    }
-
-    #[test]
-    fn a_busy_copy_stream_and_the_cpus_overhead_move_the_split() {
-        // Uploads already queued for 4 ms: the CPU takes 6 of 8 at equal
-        // speeds (6 ms against 4 + 2).
-        assert_eq!(cpu_share((8, 8, 0), MB, (1e-9, 1e-9), 4e-3, 0.0), 6);
-        // An overhead longer than an upload of every expert: none.
-        assert_eq!(cpu_share((2, 2, 0), MB, (1e-9, 1e-9), 0.0, 5e-3), 0);
-    }
-
-    #[test]
-    fn experts_the_cpu_computes_already_count_against_it() {
-        // 4 committed and 4 more missing at equal speeds: the CPU would
-        // finish 4 + c, the uploads 4 − c; none more.
-        assert_eq!(cpu_share((4, 4, 4), MB, (1e-9, 1e-9), 0.0, 0.0), 0);
-        // 2 committed, 6 missing: 2 more make 4 and 4.
-        assert_eq!(cpu_share((6, 6, 2), MB, (1e-9, 1e-9), 0.0, 0.0), 2);
+    fn the_finishing_order_moves_the_fraction_within_bounds() {
+        let mut f = Fraction::new(None);
+        assert_eq!(f.of_missing, FIRST_FRACTION);
+        f.finished(true);
+        assert!((f.of_missing - (FIRST_FRACTION - BALANCE_STEP)).abs() < 1e-12);
+        for _ in 0..100 {
+            f.finished(true);
+        }
+        assert_eq!(f.of_missing, 0.0);
+        assert_eq!(f.share((8, 8, 0)), 0);
+        // Layers the CPU sits out lean towards it until it takes one.
+        let mut layers = 0;
+        while f.share((8, 8, 0)) == 0 {
+            layers += 1;
+            assert!(layers < 100, "the fraction stays at {}", f.of_missing);
+        }
+        assert_eq!(f.share((8, 8, 0)), 1);
+        for _ in 0..100 {
+            f.finished(false);
+        }
+        assert_eq!(f.of_missing, 1.0);
+        assert_eq!(f.share((8, 5, 0)), 5);
+        // Nothing eligible: nothing to learn, nothing moves.
+        let mut none = Fraction::new(None);
+        assert_eq!(none.share((8, 0, 0)), 0);
+        assert_eq!(none.of_missing, FIRST_FRACTION);
     }
 }

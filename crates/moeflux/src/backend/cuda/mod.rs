@@ -164,7 +164,7 @@ pub struct CudaOptions {
     /// recorded; `None`: as `MOEFLUX_CUDA_BATCHED_STEPS` says (on).
     pub batched_steps: Option<bool>,
     /// Whether decode steps may compute experts missing from VRAM on the
-    /// CPU (hybrid.rs; default: where the cost model says it is faster).
+    /// CPU (hybrid.rs; default: the share that finishes with the GPU's).
     pub cpu_experts: CpuExperts,
     /// How a prompt's q4 products (routed experts and dense matrices, not
     /// routers) take their activations: f32 (split into two bf16 halves,

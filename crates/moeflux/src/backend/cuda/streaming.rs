@@ -248,9 +248,8 @@ impl CudaBackend {
     /// Uploads the predicted experts of `layer` that are not in VRAM and
     /// whose bytes are at hand (pinned, or in the store's cache); the
     /// others are left to the store's read-ahead and the layer's demand.
-    /// Where the CPU computes experts (hybrid.rs), the cost model's share
-    /// of those in the store's memory, the least likely first, is left to
-    /// it.
+    /// Where the CPU computes experts (hybrid.rs), its fraction of those
+    /// in the store's memory, the least likely first, is left to it.
     fn prefetch_now(&self, store: &ExpertStore, layer: usize, experts: &[u32]) -> Result<()> {
         let sid = store.id();
         let mut uploads: Vec<Upload<'_>> = {
@@ -275,7 +274,7 @@ impl CudaBackend {
         if self.hybrid_decode().is_some() {
             let places = uploads.iter().enumerate().map(|(i, u)| (i, u.index));
             let in_memory = in_host_memory(store, layer, places);
-            let for_cpu = self.cpu_experts_now(store, layer, (uploads.len(), in_memory.len(), 0));
+            let for_cpu = self.cpu_experts_now((uploads.len(), in_memory.len(), 0));
             let left: Vec<u32> = in_memory
                 .iter()
                 .rev()
@@ -575,7 +574,7 @@ impl CudaBackend {
                 cache.pinned.slots[*slot].read_by = Some(end.clone());
             }
         }
-        cache.timings.push((start, end.clone(), n * bytes));
+        cache.timings.push((start, end.clone()));
         cache.stats.uploads += n;
         cache.stats.uploaded_bytes += n * bytes;
         match purpose {

@@ -114,11 +114,9 @@ pub(super) struct VramCache {
     pub(super) complete: HashMap<LayerKey, CompleteLayer>,
     pub(super) streams: Option<Streams>,
     pub(super) pinned: PinnedTier,
-    /// (start, end) events and bytes of upload batches not yet added to
+    /// (start, end) events of upload batches not yet added to
     /// `copy_nanos`.
-    pub(super) timings: Vec<(CudaEvent, Arc<CudaEvent>, u64)>,
-    /// Bytes of the batches whose time is in `copy_nanos`.
-    pub(super) timed_bytes: u64,
+    pub(super) timings: Vec<(CudaEvent, Arc<CudaEvent>)>,
     /// Bytes of the pinned tier as configured (`None`: a quarter of the
     /// available host memory, at most the experts' size).
     pub(super) pinned_config: Option<u64>,
@@ -145,7 +143,6 @@ impl VramCache {
             streams: None,
             pinned: PinnedTier::default(),
             timings: Vec::new(),
-            timed_bytes: 0,
             pending_prefetch: None,
             prompt_ahead: None,
             stats: ExpertCacheStats::default(),
@@ -338,33 +335,17 @@ impl VramCache {
     /// Adds the copy time of finished upload batches to the statistics;
     /// with `all`, waits for the unfinished ones.
     pub(super) fn harvest_timings(&mut self, all: bool) {
-        let (mut nanos, mut bytes) = (0u64, 0u64);
-        self.timings.retain(|(start, end, n)| {
+        let mut nanos = 0u64;
+        self.timings.retain(|(start, end)| {
             if !all && !end.is_complete() {
                 return true;
             }
             if let Ok(ms) = start.elapsed_ms(end) {
                 nanos += (f64::from(ms) * 1e6) as u64;
-                bytes += n;
             }
             false
         });
         self.stats.copy_nanos += nanos;
-        self.timed_bytes += bytes;
-    }
-
-    /// Seconds per byte the copy stream has taken on uploads, once one has
-    /// been timed.
-    pub(super) fn upload_seconds_per_byte(&self) -> Option<f64> {
-        (self.timed_bytes > 0 && self.stats.copy_nanos > 0)
-            .then(|| self.stats.copy_nanos as f64 * 1e-9 / self.timed_bytes as f64)
-    }
-
-    /// Bytes of the upload batches the copy stream has not finished (the
-    /// finished ones timed first).
-    pub(super) fn uploads_in_flight(&mut self) -> u64 {
-        self.harvest_timings(false);
-        self.timings.iter().map(|(_, _, bytes)| bytes).sum()
     }
 }
 
