@@ -173,8 +173,9 @@ type Sent = (CpuJob, mpsc::Sender<CpuResult>);
 /// A thread running [`weighted_experts`] on the jobs it is sent (its
 /// parallel regions on the CPU pool, as the decode thread's would be).
 struct CpuWorker {
-    jobs: Mutex<Option<mpsc::Sender<Sent>>>,
-    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// `None` once dropped, or where the thread could not be started.
+    jobs: Option<mpsc::Sender<Sent>>,
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl CpuWorker {
@@ -192,8 +193,8 @@ impl CpuWorker {
             })
             .ok();
         CpuWorker {
-            jobs: Mutex::new(Some(jobs)),
-            thread: Mutex::new(thread),
+            jobs: thread.is_some().then_some(jobs),
+            thread,
         }
     }
 }
@@ -201,8 +202,8 @@ impl CpuWorker {
 impl Drop for CpuWorker {
     fn drop(&mut self) {
         // Closing the channel ends the worker's loop.
-        self.jobs.lock().unwrap().take();
-        if let Some(thread) = self.thread.lock().unwrap().take() {
+        self.jobs.take();
+        if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
@@ -291,19 +292,19 @@ impl CudaBackend {
     /// Starts `Σ weight · expert(x)` over `chosen` (experts in host memory
     /// with their routing weights) on the CPU worker; where it has none,
     /// [`CudaBackend::finish_cpu_experts`] computes it on this thread.
-    fn start_cpu_experts(&self, inputs: &CpuInputs, chosen: Vec<(Arc<Expert>, f32)>) -> CpuWork {
+    fn start_cpu_experts(&self, inputs: CpuInputs, chosen: Vec<(Arc<Expert>, f32)>) -> CpuWork {
         let hybrid = self.hybrid_decode().expect("the CPU computes experts");
         let bytes = chosen.iter().map(|(e, _)| e.nbytes() as u64).sum();
         let experts = chosen.len() as u64;
         let job = CpuJob {
-            x: inputs.x.clone(),
+            x: inputs.x,
             chosen,
             activations: hybrid.activations,
             activation: inputs.activation,
-            biases: inputs.biases.clone(),
+            biases: inputs.biases,
         };
         let (reply, result) = mpsc::channel();
-        let here = match hybrid.worker.jobs.lock().unwrap().as_ref() {
+        let here = match &hybrid.worker.jobs {
             Some(jobs) => jobs.send((job, reply)).err().map(|unsent| unsent.0.0),
             None => Some(job),
         };
@@ -316,7 +317,7 @@ impl CudaBackend {
     }
 
     /// The CPU's result of [`CudaBackend::start_cpu_experts`], counted in
-    /// the cache's statistics and the CPU's measured throughput.
+    /// the cache's statistics.
     fn finish_cpu_experts(&self, work: CpuWork) -> Result<Vec<f32>> {
         let result = match work.here {
             Some(job) => job.run(),
@@ -432,7 +433,7 @@ impl CudaBackend {
             .collect();
         // The CPU starts first: queueing the GPU's share is tens of driver
         // calls, which the CPU's products then overlap.
-        let work = self.start_cpu_experts(&cpu.inputs, chosen);
+        let work = self.start_cpu_experts(cpu.inputs, chosen);
         let on_gpu = !gpu_ids.is_empty();
         if on_gpu {
             let share = Routing {
