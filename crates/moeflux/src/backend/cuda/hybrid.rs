@@ -176,17 +176,20 @@ struct CpuWorker {
     /// `None` once dropped, or where the thread could not be started.
     jobs: Option<mpsc::Sender<Sent>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// How long a receiver of jobs or results spins before it blocks.
+    spin: Duration,
 }
 
 impl CpuWorker {
     fn start() -> CpuWorker {
         let (jobs, received) = mpsc::channel::<Sent>();
+        let spin = crate::tuning::cpu_spin();
         let thread = std::thread::Builder::new()
             .name("moeflux-cpu-experts".into())
             .spawn(move || {
                 // The decode thread queues the GPU's share meanwhile.
                 crate::backend::cpu::pool::leave_free(1);
-                for (job, reply) in received {
+                while let Ok((job, reply)) = spin_recv(&received, spin) {
                     // A caller gone (its layer failed) wants no result.
                     let _ = reply.send(job.run());
                 }
@@ -195,7 +198,33 @@ impl CpuWorker {
         CpuWorker {
             jobs: thread.is_some().then_some(jobs),
             thread,
+            spin,
         }
+    }
+}
+
+/// Receives from `from`, spinning for up to `spin` before it blocks: a
+/// layer hands a job over and its result back every few hundred
+/// microseconds, and waking a blocked thread costs microseconds (more in a
+/// virtual machine), twice a layer.
+fn spin_recv<T>(from: &mpsc::Receiver<T>, spin: Duration) -> Result<T, mpsc::RecvError> {
+    let start = Instant::now();
+    let mut rounds = 0u32;
+    loop {
+        match from.try_recv() {
+            Ok(value) => return Ok(value),
+            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvError),
+            Err(mpsc::TryRecvError::Empty) => {}
+        }
+        rounds = rounds.wrapping_add(1);
+        if rounds.is_multiple_of(64) {
+            if start.elapsed() >= spin {
+                return from.recv();
+            }
+            // The core goes to any thread waiting for it.
+            std::thread::yield_now();
+        }
+        std::hint::spin_loop();
     }
 }
 
@@ -311,6 +340,7 @@ impl CudaBackend {
         CpuWork {
             here,
             result,
+            spin: hybrid.worker.spin,
             bytes,
             experts,
         }
@@ -321,7 +351,7 @@ impl CudaBackend {
     fn finish_cpu_experts(&self, work: CpuWork) -> Result<Vec<f32>> {
         let result = match work.here {
             Some(job) => job.run(),
-            None => work.result.recv().map_err(|_| {
+            None => spin_recv(&work.result, work.spin).map_err(|_| {
                 device_error(self.ordinal, "experts on the CPU", "the CPU worker stopped")
             })?,
         };
@@ -487,6 +517,8 @@ struct CpuWork {
     here: Option<CpuJob>,
     /// The worker's answer, unless computed `here`.
     result: mpsc::Receiver<CpuResult>,
+    /// How long waiting for `result` spins before it blocks.
+    spin: Duration,
     bytes: u64,
     experts: u64,
 }
