@@ -5,7 +5,7 @@
 //! | `MOEFLUX_CACHE` | where moeflux keeps what it can rebuild: the converted bundled model, compiled GPU kernels | `$XDG_CACHE_HOME/moeflux`, else `~/.cache/moeflux` |
 //! | `XDG_STATE_HOME` | where `moeflux chat` keeps its input history (`moeflux/chat_history`) | `~/.local/state` |
 //! | `MOEFLUX_CPU_KERNELS` | the CPU kernel set: `scalar`, `avx2`, `avx512` or `neon` (a slower one than the machine's best, to compare) | the fastest available |
-//! | `MOEFLUX_CPU_SPIN_US` | microseconds the CPU backend's idle workers spin, waiting for the next parallel region, before they park | 2000 |
+//! | `MOEFLUX_CPU_SPIN_US` | microseconds the CPU backend's idle workers spin, waiting for the next parallel region, before they park; also how long hybrid decode's CPU worker and the decode thread spin for a job and its result | 2000 |
 //! | `MOEFLUX_CPU_TASK_MACS` | multiply-adds below which the CPU backend does not split a product's rows into more tasks | 131072 |
 //! | `MOEFLUX_CPU_PROFILE` | `1`: wall time, threads' busy time and the serial time before each of the CPU backend's parallel regions, per place in the source that starts it, printed by `moeflux bench` | off |
 //! | `MOEFLUX_CPU_POOL` | `0`: the CPU backend's parallel regions run on rayon's threads instead of its own spinning workers | on |
