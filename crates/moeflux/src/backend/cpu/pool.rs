@@ -312,24 +312,9 @@ fn work(shared: &Shared, index: usize, mut seen: u64, parked: &AtomicBool) {
 /// Spins until the epoch moves past `seen`, for at most `spin`, then
 /// parks until it does; returns the new epoch.
 fn wait_for_region(shared: &Shared, seen: u64, parked: &AtomicBool, spin: Duration) -> u64 {
-    let start = Instant::now();
-    let mut rounds = 0u32;
-    loop {
-        let epoch = shared.epoch.load(Acquire);
-        if epoch != seen {
-            return epoch;
-        }
-        rounds = rounds.wrapping_add(1);
-        if rounds.is_multiple_of(256) {
-            if start.elapsed() >= spin {
-                break;
-            }
-            // Every few microseconds, the core goes to any thread waiting
-            // for it (a busy machine, or the region's own caller where
-            // threads outnumber cores); otherwise this returns at once.
-            thread::yield_now();
-        }
-        std::hint::spin_loop();
+    let moved = || Some(shared.epoch.load(Acquire)).filter(|&epoch| epoch != seen);
+    if let Some(epoch) = spin_until(spin, 256, moved) {
+        return epoch;
     }
     // Parked before the epoch is read again, and the caller reads `parked`
     // after bumping it: either this sees the bump or the caller unparks.
@@ -341,6 +326,32 @@ fn wait_for_region(shared: &Shared, seen: u64, parked: &AtomicBool, spin: Durati
             return epoch;
         }
         thread::park();
+    }
+}
+
+/// Polls `ready` until it returns a value, for at most `spin`; `None`
+/// when the time ran out. Every `yield_every` polls the core goes to any
+/// thread waiting for it (a busy machine, or where threads outnumber
+/// cores); otherwise the yield returns at once.
+pub(crate) fn spin_until<T>(
+    spin: Duration,
+    yield_every: u32,
+    mut ready: impl FnMut() -> Option<T>,
+) -> Option<T> {
+    let start = Instant::now();
+    let mut rounds = 0u32;
+    loop {
+        if let Some(value) = ready() {
+            return Some(value);
+        }
+        rounds = rounds.wrapping_add(1);
+        if rounds.is_multiple_of(yield_every) {
+            if start.elapsed() >= spin {
+                return None;
+            }
+            thread::yield_now();
+        }
+        std::hint::spin_loop();
     }
 }
 
@@ -358,6 +369,19 @@ mod tests {
             .build()
             .unwrap()
             .install(f)
+    }
+
+    #[test]
+    fn a_spin_returns_the_value_or_gives_up_in_time() {
+        let mut polls = 0;
+        let found = spin_until(Duration::from_secs(10), 4, || {
+            polls += 1;
+            (polls == 10).then_some(polls)
+        });
+        assert_eq!(found, Some(10));
+        let start = Instant::now();
+        assert_eq!(spin_until(Duration::from_millis(5), 4, || None::<()>), None);
+        assert!(start.elapsed() >= Duration::from_millis(5));
     }
 
     #[test]

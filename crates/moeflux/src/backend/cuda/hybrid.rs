@@ -40,6 +40,7 @@ use super::{CudaBackend, Routing, Tensor, Weight, device_error, ok};
 use crate::backend::ExpertFfn;
 use crate::backend::cpu::Activations;
 use crate::backend::cpu::moe::{Ffn, weighted_experts};
+use crate::backend::cpu::pool::spin_until;
 use crate::config::ExpertActivation;
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore};
@@ -208,24 +209,12 @@ impl CpuWorker {
 /// microseconds, and waking a blocked thread costs microseconds (more in a
 /// virtual machine), twice a layer.
 fn spin_recv<T>(from: &mpsc::Receiver<T>, spin: Duration) -> Result<T, mpsc::RecvError> {
-    let start = Instant::now();
-    let mut rounds = 0u32;
-    loop {
-        match from.try_recv() {
-            Ok(value) => return Ok(value),
-            Err(mpsc::TryRecvError::Disconnected) => return Err(mpsc::RecvError),
-            Err(mpsc::TryRecvError::Empty) => {}
-        }
-        rounds = rounds.wrapping_add(1);
-        if rounds.is_multiple_of(64) {
-            if start.elapsed() >= spin {
-                return from.recv();
-            }
-            // The core goes to any thread waiting for it.
-            std::thread::yield_now();
-        }
-        std::hint::spin_loop();
-    }
+    let polled = spin_until(spin, 64, || match from.try_recv() {
+        Ok(value) => Some(Ok(value)),
+        Err(mpsc::TryRecvError::Disconnected) => Some(Err(mpsc::RecvError)),
+        Err(mpsc::TryRecvError::Empty) => None,
+    });
+    polled.unwrap_or_else(|| from.recv())
 }
 
 impl Drop for CpuWorker {
