@@ -19,6 +19,7 @@
 //! | `MOEFLUX_CUDA_GDN_CHUNKED_MIN` | tokens from which Gated DeltaNet runs in chunks on the tensor cores | 64 |
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_MIN` | positions from which one sequence's decode step takes a block per KV head's group of query heads for its attention (several sequences' steps take it at every length) | 2048; on the tensor cores (`MOEFLUX_CUDA_GROUPED_DECODE_TC`) 0 for bf16 caches, 256 for f32 |
 //! | `MOEFLUX_CUDA_GROUPED_DECODE_TC` | `0`: the grouped decode attention of bf16 and f32 KV caches multiplies on the CUDA cores instead of the tensor cores (to compare) | on from compute capability 8.0 |
+//! | `MOEFLUX_CUDA_CPU_FIRST` | the percentage of layers (5 to 95) in which hybrid decode's `--cpu-experts auto` moves the CPU's fraction of the missing experts until the CPU's products finish before the GPU's share | 75 |
 //! | `MOEFLUX_CUDA_CPU_SHARE` | a fixed percentage of the experts missing from VRAM that hybrid decode's `--cpu-experts auto` gives the CPU (to compare) | moved by each layer's finishing order |
 //! | `MOEFLUX_CUDA_DECODE_SPLITS` | most blocks a head's positions are split over in a decode step (`1`: one block per head), at most 32 (`DECODE_ATTN_MAX_SPLITS`) | 32 |
 //!
@@ -157,6 +158,12 @@ pub fn cuda_grouped_decode_tc() -> bool {
 /// `MOEFLUX_CUDA_GROUPED_DECODE_MIN`, if set to a number.
 pub fn cuda_grouped_decode_min() -> Option<usize> {
     optional_number("MOEFLUX_CUDA_GROUPED_DECODE_MIN")
+}
+
+/// `MOEFLUX_CUDA_CPU_FIRST`: the percentage of layers in which hybrid
+/// decode's CPU share should finish first, if set to a number.
+pub fn cuda_cpu_first() -> Option<f64> {
+    var("MOEFLUX_CUDA_CPU_FIRST").and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
 }
 
 /// `MOEFLUX_CUDA_CPU_SHARE`: a fixed percentage of the experts missing

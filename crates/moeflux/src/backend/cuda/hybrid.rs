@@ -7,9 +7,12 @@
 //! The CPU takes a fraction of each layer's missing experts, and each
 //! layer's finishing order moves it: down when the GPU's share (its
 //! kernels and the copy stream's uploads) was done before the CPU's
-//! products, up when not. The fraction so settles where the two finish
-//! together, on whatever the host's cores and the link can do, without a
-//! model of either. The next layer's prefetch leaves the CPU the same
+//! products, up (by a third of that step) when not. The fraction so
+//! settles where the CPU finishes first in three layers of four, on
+//! whatever the host's cores and the link can do, without a model of
+//! either. Not at one layer in two: a layer waits for the later of its
+//! two shares, and the CPU's time varies more than the GPU's, so a CPU
+//! that is usually first costs less than one that is first half the time. The next layer's prefetch leaves the CPU the same
 //! fraction of the experts predicted for it. Only experts whose bytes are
 //! in the expert store's memory qualify (the CPU never waits for a disk
 //! read).
@@ -72,8 +75,13 @@ impl Default for CpuExperts {
 /// finishing order has moved it.
 const FIRST_FRACTION: f64 = 0.5;
 
-/// How far one layer's finishing order moves the CPU's fraction.
+/// How far a layer whose GPU share finished first moves the CPU's
+/// fraction down.
 const BALANCE_STEP: f64 = 0.02;
+
+/// The share of layers in which the CPU's products should finish before
+/// the GPU's share (see the module documentation).
+const CPU_FIRST: f64 = 0.75;
 
 /// Experts of a layer: (store, layer) and their indices.
 type LayerExperts = ((u64, u32), Vec<u32>);
@@ -113,18 +121,29 @@ pub(super) struct Hybrid {
 struct Fraction {
     of_missing: f64,
     moves: bool,
+    /// How far a layer whose CPU share finished first moves the fraction
+    /// up: `BALANCE_STEP * (1 - q) / q` for a CPU first in a share `q` of
+    /// the layers, so that at that share the steps up and down cancel.
+    up_step: f64,
 }
 
 impl Fraction {
-    fn new(fixed_percent: Option<f64>) -> Fraction {
+    /// A fixed fraction (`fixed_percent` of the missing experts), or one
+    /// that moves until the CPU finishes first in `cpu_first_percent` of
+    /// the layers ([`CPU_FIRST`] when `None`).
+    fn new(fixed_percent: Option<f64>, cpu_first_percent: Option<f64>) -> Fraction {
+        let q = cpu_first_percent.map_or(CPU_FIRST, |p| (p / 100.0).clamp(0.05, 0.95));
+        let up_step = BALANCE_STEP * (1.0 - q) / q;
         match fixed_percent {
             Some(p) => Fraction {
                 of_missing: (p / 100.0).clamp(0.0, 1.0),
                 moves: false,
+                up_step,
             },
             None => Fraction {
                 of_missing: FIRST_FRACTION,
                 moves: true,
+                up_step,
             },
         }
     }
@@ -148,7 +167,7 @@ impl Fraction {
         if self.moves {
             self.of_missing = match gpu_first {
                 true => (self.of_missing - BALANCE_STEP).max(0.0),
-                false => (self.of_missing + BALANCE_STEP).min(1.0),
+                false => (self.of_missing + self.up_step).min(1.0),
             };
         }
     }
@@ -234,7 +253,10 @@ impl Hybrid {
             CpuExperts::Auto { activations } | CpuExperts::All { activations } => Some(Hybrid {
                 activations,
                 every: matches!(setting, CpuExperts::All { .. }),
-                fraction: Mutex::new(Fraction::new(crate::tuning::cuda_cpu_share())),
+                fraction: Mutex::new(Fraction::new(
+                    crate::tuning::cuda_cpu_share(),
+                    crate::tuning::cuda_cpu_first(),
+                )),
                 left: Mutex::new(None),
                 biases: Mutex::new(HashMap::new()),
                 worker: CpuWorker::start(),
@@ -542,23 +564,23 @@ mod tests {
 
     #[test]
     fn the_cpu_takes_its_fraction_of_the_missing_experts() {
-        let mut half = Fraction::new(Some(50.0));
+        let mut half = Fraction::new(Some(50.0), None);
         assert_eq!(half.share((8, 8, 0)), 4);
         // Never more than the eligible ones.
         assert_eq!(half.share((8, 3, 0)), 3);
         // Experts it computes already count: 2 committed of 8 leave 2.
         assert_eq!(half.share((6, 6, 2)), 2);
         assert_eq!(half.share((4, 4, 4)), 0);
-        assert_eq!(Fraction::new(Some(100.0)).share((5, 5, 0)), 5);
-        assert_eq!(Fraction::new(Some(0.0)).share((5, 5, 0)), 0);
+        assert_eq!(Fraction::new(Some(100.0), None).share((5, 5, 0)), 5);
+        assert_eq!(Fraction::new(Some(0.0), None).share((5, 5, 0)), 0);
         // A fixed fraction does not move.
         half.finished(true);
-        assert_eq!(half, Fraction::new(Some(50.0)));
+        assert_eq!(half, Fraction::new(Some(50.0), None));
     }
 
     #[test]
     fn the_finishing_order_moves_the_fraction_within_bounds() {
-        let mut f = Fraction::new(None);
+        let mut f = Fraction::new(None, None);
         assert_eq!(f.of_missing, FIRST_FRACTION);
         f.finished(true);
         assert!((f.of_missing - (FIRST_FRACTION - BALANCE_STEP)).abs() < 1e-12);
@@ -574,14 +596,42 @@ mod tests {
             assert!(layers < 100, "the fraction stays at {}", f.of_missing);
         }
         assert_eq!(f.share((8, 8, 0)), 1);
-        for _ in 0..100 {
+        for _ in 0..1000 {
             f.finished(false);
         }
         assert_eq!(f.of_missing, 1.0);
         assert_eq!(f.share((8, 5, 0)), 5);
         // Nothing eligible: nothing to learn, nothing moves.
-        let mut none = Fraction::new(None);
+        let mut none = Fraction::new(None, None);
         assert_eq!(none.share((8, 0, 0)), 0);
         assert_eq!(none.of_missing, FIRST_FRACTION);
+    }
+
+    #[test]
+    fn the_fraction_settles_where_the_cpu_finishes_first_as_often_as_asked() {
+        // A model host: the CPU finishes first when a uniform draw is above
+        // the fraction, so it is first in `1 - fraction` of the layers and
+        // the fraction should settle at `1 - q`.
+        for (percent, settles) in [(None, 0.25), (Some(50.0), 0.5), (Some(85.0), 0.15)] {
+            let mut f = Fraction::new(None, percent);
+            let mut seed = 0x2545_f491_4f6c_dd1du64;
+            let mut sum = 0.0;
+            let layers = 200_000;
+            for layer in 0..layers {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let draw = (seed >> 11) as f64 / (1u64 << 53) as f64;
+                f.finished(draw <= f.of_missing);
+                if layer >= layers / 2 {
+                    sum += f.of_missing;
+                }
+            }
+            let mean = sum / (layers - layers / 2) as f64;
+            assert!(
+                (mean - settles).abs() < 0.02,
+                "aimed at {percent:?}: settled at {mean}, not {settles}"
+            );
+        }
     }
 }
