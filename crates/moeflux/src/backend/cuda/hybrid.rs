@@ -12,8 +12,9 @@
 //! whatever the host's cores and the link can do, without a model of
 //! either. Not at one layer in two: a layer waits for the later of its
 //! two shares, and the CPU's time varies more than the GPU's, so a CPU
-//! that is usually first costs less than one that is first half the time. The next layer's prefetch leaves the CPU the same
-//! fraction of the experts predicted for it. Only experts whose bytes are
+//! that is usually first costs less than one that is first half the
+//! time. The next layer's prefetch leaves the CPU the same fraction of
+//! the experts predicted for it. Only experts whose bytes are
 //! in the expert store's memory qualify (the CPU never waits for a disk
 //! read).
 //!
