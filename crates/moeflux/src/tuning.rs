@@ -41,7 +41,7 @@ fn switched_on(name: &str) -> bool {
 }
 
 /// A number from `name`, if set to one.
-fn optional_number(name: &str) -> Option<usize> {
+fn optional_number<T: std::str::FromStr>(name: &str) -> Option<T> {
     var(name).and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
 }
 
@@ -163,11 +163,11 @@ pub fn cuda_grouped_decode_min() -> Option<usize> {
 /// `MOEFLUX_CUDA_CPU_FIRST`: the percentage of layers in which hybrid
 /// decode's CPU share should finish first, if set to a number.
 pub fn cuda_cpu_first() -> Option<f64> {
-    var("MOEFLUX_CUDA_CPU_FIRST").and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
+    optional_number("MOEFLUX_CUDA_CPU_FIRST")
 }
 
 /// `MOEFLUX_CUDA_CPU_SHARE`: a fixed percentage of the experts missing
 /// from VRAM that hybrid decode's `auto` gives the CPU, if set to a number.
 pub fn cuda_cpu_share() -> Option<f64> {
-    var("MOEFLUX_CUDA_CPU_SHARE").and_then(|v| v.to_str().and_then(|v| v.parse().ok()))
+    optional_number("MOEFLUX_CUDA_CPU_SHARE")
 }
