@@ -53,10 +53,11 @@ impl<B: Backend> PrefixCache<B> {
 
     /// Keeps a finished session holding `bytes` of KV cache, evicting the
     /// least recently used ones beyond the budget.
-    pub fn keep(&mut self, session: Session<B>, bytes: u64) {
+    pub fn keep(&mut self, mut session: Session<B>, bytes: u64) {
         if self.budget == 0 || bytes > self.budget || session.checkpoints().is_empty() {
             return;
         }
+        session.detach_logits();
         while self.bytes + bytes > self.budget && self.evict() {}
         self.clock += 1;
         self.bytes += bytes;

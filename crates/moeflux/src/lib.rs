@@ -101,6 +101,7 @@ pub mod text;
 pub mod tuning;
 pub mod util;
 
+pub use backend::HostValues;
 pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use model::{

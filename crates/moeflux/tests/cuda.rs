@@ -42,7 +42,7 @@ use moeflux::backend::{Backend, ExpertFfn, KvType, RmsNorm};
 use moeflux::config::RouterSpec;
 use moeflux::format::{ModelDir, OpenOptions};
 use moeflux::quant::DType;
-use moeflux::{LogitsWanted, Model, ModelOptions};
+use moeflux::{BatchItem, LogitsWanted, Model, ModelOptions, Phase, forward_batch};
 fn open_cuda(dir: &Path, options: ModelOptions, backend: CudaBackend) -> Arc<Model<CudaBackend>> {
     Arc::new(
         Model::open_with(backend, dir, &options)
@@ -366,6 +366,57 @@ fn batched_equals_alone_with_experts_resident() {
             );
         }
     }
+}
+
+/// A step's logits lent by the backend (a range of the page-locked buffer
+/// they were downloaded into) keep their values while later steps
+/// download, however many are held: each step of 8 sequences × 8 tokens
+/// (all rows' logits, 64 × 300 values) lends one buffer; with every buffer
+/// held, a step's parts are copies, and dropping them frees the buffers.
+#[test]
+fn lent_logits_keep_their_values_while_later_steps_download() {
+    if cuda().is_none() {
+        return;
+    }
+    let converted = convert_fixture("qwen3_moe", DType::Q4);
+    let gpu = open_cuda(&converted.dir, ModelOptions::default(), cuda().unwrap());
+    let vocab = gpu.config().vocab_size as u32;
+    let mut sessions: Vec<_> = (0..8).map(|_| gpu.session()).collect();
+    let mut step = |round: u32| -> Vec<moeflux::Logits> {
+        let tokens: Vec<Vec<u32>> = (0..8u32)
+            .map(|s| (0..8).map(|t| (round * 64 + s * 8 + t) * 7 % vocab).collect())
+            .collect();
+        let mut items: Vec<BatchItem<'_, CudaBackend>> = sessions
+            .iter_mut()
+            .zip(&tokens)
+            .map(|(session, tokens)| BatchItem {
+                session,
+                tokens,
+                wanted: LogitsWanted::All,
+                phase: Phase::Prefill,
+            })
+            .collect();
+        forward_batch(&mut items).unwrap()
+    };
+    let mut kept = Vec::new();
+    for round in 0..6 {
+        let logits = step(round);
+        let copies: Vec<Vec<f32>> = logits.iter().map(|l| l.data.to_vec()).collect();
+        let lent: Vec<bool> = logits.iter().map(|l| l.data.is_lent()).collect();
+        // Four buffers: the first four steps' are lent, then all are held.
+        assert!(
+            lent.iter().all(|&l| l == (round < 4)),
+            "step {round}: lent {lent:?}"
+        );
+        kept.push((logits, copies));
+    }
+    for (round, (logits, copies)) in kept.iter().enumerate() {
+        for (l, copy) in logits.iter().zip(copies) {
+            assert_eq!(&*l.data, &copy[..], "step {round}'s logits changed");
+        }
+    }
+    drop(kept);
+    assert!(step(6).iter().all(|l| l.data.is_lent()), "freed buffers are lent again");
 }
 
 /// Whether a model's decode steps of several sequences can be recorded:

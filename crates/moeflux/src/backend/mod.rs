@@ -15,8 +15,11 @@ pub mod cpu;
 pub mod cuda;
 pub mod kv;
 
+mod host_values;
 mod stats;
 
+pub(crate) use host_values::{into_parts, split_parts};
+pub use host_values::HostValues;
 pub use kv::{KvRows, KvType};
 pub use stats::DeviceExpertStats;
 
@@ -258,8 +261,9 @@ pub trait Backend: Send + Sync + Sized + 'static {
     fn to_host(&self, x: &Self::Tensor) -> Result<Vec<f32>>;
     /// A tensor's values on the host, row-major, cut into consecutive
     /// parts of `lens` values (which add up to all of them): a batch's
-    /// logits, each sequence's in a vector of its own, copied once.
-    fn host_parts(&self, x: Self::Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+    /// logits, each sequence's its own vector or a range of a buffer the
+    /// backend lends (see [`HostValues`]).
+    fn host_parts(&self, x: Self::Tensor, lens: &[usize]) -> Result<Vec<HostValues>> {
         Ok(into_parts(self.to_host(&x)?, lens))
     }
 
@@ -623,72 +627,4 @@ pub(crate) fn check_host_kv(shape: AttentionShape, host: &HostKv) {
         host.keys.kv_type(),
         host.values.kv_type()
     );
-}
-
-/// [`split_parts`] of values the caller owns: one part is the values
-/// themselves, moved.
-pub(crate) fn into_parts(values: Vec<f32>, lens: &[usize]) -> Vec<Vec<f32>> {
-    match lens {
-        [_] => vec![values],
-        _ => split_parts(&values, lens),
-    }
-}
-
-/// `values` cut into consecutive parts of `lens` values: a batch's logits,
-/// tens of megabytes for many sequences, so large ones are copied by the
-/// thread pool, a part a task.
-pub(crate) fn split_parts(values: &[f32], lens: &[usize]) -> Vec<Vec<f32>> {
-    use rayon::prelude::*;
-    /// Values from which the parts are copied in parallel (4 MiB).
-    const PARALLEL_MIN: usize = 1 << 20;
-    debug_assert_eq!(
-        lens.iter().sum::<usize>(),
-        values.len(),
-        "parts cover the values"
-    );
-    let ranges: Vec<Range<usize>> = lens
-        .iter()
-        .scan(0, |at, &len| {
-            *at += len;
-            Some(*at - len..*at)
-        })
-        .collect();
-    match values.len() >= PARALLEL_MIN && lens.len() > 1 {
-        true => ranges.into_par_iter().map(|r| values[r].to_vec()).collect(),
-        false => ranges.into_iter().map(|r| values[r].to_vec()).collect(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{into_parts, split_parts};
-
-    #[test]
-    fn owned_parts_move_one_and_split_several() {
-        let values: Vec<f32> = (0..6).map(|i| i as f32).collect();
-        let at = values.as_ptr();
-        let one = into_parts(values.clone(), &[6]);
-        assert_eq!(one, std::slice::from_ref(&values));
-        assert_eq!(
-            into_parts(values, &[6])[0].as_ptr(),
-            at,
-            "one part is moved"
-        );
-        let values: Vec<f32> = (0..6).map(|i| i as f32).collect();
-        assert_eq!(
-            into_parts(values, &[2, 4]),
-            [vec![0.0, 1.0], vec![2.0, 3.0, 4.0, 5.0]]
-        );
-    }
-
-    #[test]
-    fn parts_cover_the_values_in_order_small_and_large() {
-        for total in [10, (1 << 20) + 7] {
-            let values: Vec<f32> = (0..total).map(|i| i as f32).collect();
-            let lens = [3, 0, total - 5, 2];
-            let parts = split_parts(&values, &lens);
-            assert_eq!(parts.iter().map(Vec::len).collect::<Vec<_>>(), lens);
-            assert_eq!(parts.concat(), values);
-        }
-    }
 }

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use super::{BatchOutput, Logits, LogitsWanted, Session};
-use crate::backend::Backend;
+use crate::backend::{Backend, HostValues};
 use crate::blocks::batch::{ForwardBatch, Phase};
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
@@ -53,7 +53,7 @@ pub fn forward_batch<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<Vec<L
     }
     // The logits are taken, not copied: a successful pass replaces them, a
     // failed one puts them back.
-    let starts: Vec<(usize, Option<Arc<Vec<f32>>>)> = items
+    let starts: Vec<(usize, Option<HostValues>)> = items
         .iter_mut()
         .map(|it| (it.session.position(), it.session.logits.take()))
         .collect();
@@ -88,7 +88,7 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
         .map(|it| it.tokens.len().div_ceil(chunk))
         .max()
         .unwrap_or(0);
-    let mut data: Vec<Vec<f32>> = vec![Vec::new(); items.len()];
+    let mut data: Vec<Option<HostValues>> = vec![None; items.len()];
     for round in 0..rounds {
         if round > 0 && items.iter().any(|it| it.session.interrupted()) {
             items.iter_mut().for_each(|it| it.session.logits = None);
@@ -147,25 +147,29 @@ pub(super) fn run_rounds<B: Backend>(items: &mut [BatchItem<'_, B>]) -> Result<V
                 continue;
             }
             let values = values.expect("logit rows were asked for");
-            // A sequence's first logits (a decode step's) are moved, not
-            // copied.
-            match data[i].is_empty() {
-                true => data[i] = values,
-                false => data[i].extend_from_slice(&values),
-            }
+            // A sequence's first logits (a decode step's) are kept as they
+            // came, later chunks' appended to a vector of their own.
+            data[i] = Some(match data[i].take() {
+                None => values,
+                Some(before) => {
+                    let mut all = before.into_vec();
+                    all.extend_from_slice(&values);
+                    HostValues::from(all)
+                }
+            });
         }
     }
     Ok(items
         .iter_mut()
         .zip(data)
         .map(|(item, data)| {
+            let data = data.unwrap_or_default();
             let rows = data.len() / vocab;
-            let data = Arc::new(data);
             // The session keeps the last row: these logits themselves when
-            // they are one row.
+            // they are one row, else a copy (not a part of many rows).
             item.session.logits = Some(match rows {
                 1 => data.clone(),
-                _ => Arc::new(data[data.len() - vocab..].to_vec()),
+                _ => HostValues::from(data[data.len() - vocab..].to_vec()),
             });
             Logits { rows, vocab, data }
         })

@@ -24,7 +24,7 @@ pub use rewind::RewindPoint;
 pub use session::{Session, SessionOptions};
 
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, KvType};
+use crate::backend::{Backend, HostValues, KvType};
 use crate::blocks::Weights;
 use crate::blocks::batch::ForwardBatch;
 use crate::blocks::decoder::{Decoder, DecoderOutput, LayerState};
@@ -139,8 +139,8 @@ pub struct Model<B: Backend = CpuBackend> {
 /// What [`Model::run_batch`] returns.
 pub(crate) struct BatchOutput<B: Backend> {
     /// The logits of the rows the batch wants, on the host: each segment's
-    /// rows (`logit_rows` of them, possibly none) in a vector of its own.
-    pub logits: Option<Vec<Vec<f32>>>,
+    /// rows (`logit_rows` of them, possibly none), a part of its own.
+    pub logits: Option<Vec<HostValues>>,
     /// Every row's hidden state after the final norm, when asked for.
     pub hidden: Option<B::Tensor>,
 }
@@ -162,10 +162,10 @@ pub struct Logits {
     /// Logits per position: the vocabulary size.
     pub vocab: usize,
     /// `rows * vocab` values. Shared with the session when they are one
-    /// row (the session keeps its last row), so that a step of many
-    /// sequences copies each vocabulary's worth once on the host;
+    /// row (the session keeps its last row), and a step of many sequences
+    /// on a GPU lends each its part of the download (see [`HostValues`]);
     /// [`Logits::into_vec`] gives a vector of one's own.
-    pub data: Arc<Vec<f32>>,
+    pub data: HostValues,
 }
 
 impl Logits {
@@ -182,7 +182,7 @@ impl Logits {
     /// The values as a vector of one's own: moved out, or copied while the
     /// session still shares them.
     pub fn into_vec(self) -> Vec<f32> {
-        Arc::unwrap_or_clone(self.data)
+        self.data.into_vec()
     }
 }
 

@@ -3,10 +3,9 @@
 //! its KV caches cut and its Gated DeltaNet states taken from the steps the
 //! backend kept or from a copy.
 
-use std::sync::Arc;
 
 use super::Session;
-use crate::backend::Backend;
+use crate::backend::{Backend, HostValues};
 use crate::blocks::decoder::LayerState;
 use crate::config::LayerKind;
 use crate::error::{Error, Result};
@@ -108,7 +107,7 @@ impl<B: Backend> Session<B> {
             }
             self.truncate_tokens(target)?;
             self.checkpoints.retain(|c| c.position <= target);
-            self.logits = Some(Arc::new(logits));
+            self.logits = Some(HostValues::from(logits));
             self.sync_kv();
             return Ok(());
         }
@@ -141,7 +140,7 @@ impl<B: Backend> Session<B> {
             rebuilt?;
             return Err(err);
         }
-        self.logits = Some(Arc::new(logits));
+        self.logits = Some(HostValues::from(logits));
         self.sync_kv();
         Ok(())
     }

@@ -17,7 +17,7 @@ use super::hidden::HiddenStates;
 use super::state;
 use super::{Logits, LogitsWanted, Model};
 use crate::backend::cpu::CpuBackend;
-use crate::backend::{Backend, KvType};
+use crate::backend::{Backend, HostValues, KvType};
 use crate::blocks::batch::Phase;
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
@@ -69,7 +69,7 @@ pub(super) struct Checkpoint<B: Backend> {
     /// a Gated DeltaNet state or a sliding window's KV cache (`None` for
     /// full attention, whose KV cache is truncated instead).
     saved: Vec<Option<LayerState<B>>>,
-    logits: Option<Arc<Vec<f32>>>,
+    logits: Option<HostValues>,
     created: u64,
     used: u64,
 }
@@ -105,7 +105,7 @@ pub struct Session<B: Backend = CpuBackend> {
     capacity: usize,
     /// Logits after the last token, when known (shared with the
     /// [`Logits`] of the forward pass that made them).
-    pub(super) logits: Option<Arc<Vec<f32>>>,
+    pub(super) logits: Option<HostValues>,
     pub(super) checkpoints: Vec<Checkpoint<B>>,
     max_checkpoints: usize,
     clock: u64,
@@ -183,7 +183,17 @@ impl<B: Backend> Session<B> {
     /// forward, a restore, or a load; not after an exact truncation of a
     /// model without linear attention).
     pub fn last_logits(&self) -> Option<&[f32]> {
-        self.logits.as_deref().map(Vec::as_slice)
+        self.logits.as_deref()
+    }
+
+    /// Gives the last logits a vector of their own where they are a part
+    /// of a step's download lent by the backend (see
+    /// [`crate::backend::HostValues`]): for a session kept aside, so that
+    /// the buffer serves later steps.
+    pub fn detach_logits(&mut self) {
+        if let Some(logits) = &mut self.logits {
+            logits.detach();
+        }
     }
 
     /// Positions of the stored checkpoints, ascending.
@@ -419,7 +429,11 @@ impl<B: Backend> Session<B> {
         let checkpoint = Checkpoint {
             position,
             saved,
-            logits: self.logits.clone(),
+            // A copy of their own: a checkpoint may be kept long.
+            logits: self.logits.clone().map(|mut l| {
+                l.detach();
+                l
+            }),
             created: self.clock,
             used: self.clock,
         };
@@ -691,7 +705,7 @@ impl<B: Backend> Session<B> {
         } else {
             &self.layers
         };
-        let logits = self.logits.as_deref().map(Vec::as_slice);
+        let logits = self.logits.as_deref();
         state::encode(&self.model, self.kv_type, layers, &self.tokens, logits)
     }
 
@@ -742,7 +756,7 @@ impl<B: Backend> Session<B> {
         self.reserve_kv(loaded.tokens.len())?;
         self.layers = loaded.layers;
         self.tokens = loaded.tokens;
-        self.logits = loaded.logits.map(Arc::new);
+        self.logits = loaded.logits.map(HostValues::from);
         if self.hidden.is_some() {
             self.hidden = Some(HiddenStates::starting_at(self.position()));
         }

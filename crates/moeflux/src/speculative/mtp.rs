@@ -9,7 +9,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::Drafter;
-use crate::backend::Backend;
+use crate::backend::{Backend, HostValues};
 use crate::blocks::decoder::LayerState;
 use crate::error::{Error, Result};
 use crate::model::{Logits, Model, Session, argmax};
@@ -70,7 +70,7 @@ impl<B: Backend> MtpDrafter<B> {
         let mut rows = Logits {
             rows: 0,
             vocab,
-            data: Arc::new(Vec::new()),
+            data: HostValues::default(),
         };
         let p = session.position();
         if !model.has_mtp() {
@@ -125,15 +125,17 @@ impl<B: Backend> MtpDrafter<B> {
         self.seen.clear();
         self.seen.extend_from_slice(tokens);
         self.seen.push(next);
+        let mut data = Vec::with_capacity(k * vocab);
         for step in 0..k {
             let logits = model.backend().to_host(&out.logits)?;
             let guess = argmax(&logits);
-            Arc::make_mut(&mut rows.data).extend_from_slice(&logits);
+            data.extend_from_slice(&logits);
             rows.rows += 1;
             if step + 1 < k {
                 out = model.mtp_forward(state, &out.chained, &[guess], p + step, 1)?;
             }
         }
+        rows.data = HostValues::from(data);
         Ok(rows)
     }
 }

@@ -312,7 +312,7 @@ impl Backend for CpuBackend {
         Ok(x.data.clone())
     }
 
-    fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+    fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<crate::backend::HostValues>> {
         Ok(crate::backend::into_parts(x.data, lens))
     }
 

@@ -1,8 +1,7 @@
 //! Elementwise operations and moves of rows and columns
 //! (kernels/elementwise.cu): residual adds, SwiGLU's silu(gate) · up,
 //! sigmoid gates, RoPE, column splits; gathers and concatenations of rows
-//! are device-to-device copies, and rows leave for the host through
-//! page-locked memory when they are many.
+//! are device-to-device copies.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -11,12 +10,8 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::geometry::TABLE_WORDS;
 use super::{CudaBackend, RopeFrequencies, Tensor, Weight, grid_stride, int, long, ok};
-use crate::backend::{Rope, into_parts, split_parts};
+use crate::backend::Rope;
 use crate::error::Result;
-
-/// Values from which [`crate::backend::Backend::to_host`] copies through page-locked
-/// memory (a vocabulary's logits; small downloads are not worth it).
-const PINNED_DOWNLOAD_MIN: usize = 1 << 14;
 
 /// A table of up to [`TABLE_WORDS`] words as `fill_words` takes it.
 #[repr(C)]
@@ -94,37 +89,6 @@ impl CudaBackend {
             at += len;
         }
         Ok(out)
-    }
-
-    pub(super) fn to_host(&self, x: &Tensor) -> Result<Vec<f32>> {
-        let mut parts = self.to_host_parts(x, &[x.rows * x.cols])?;
-        Ok(parts.pop().expect("one part"))
-    }
-
-    /// `x`'s values cut into consecutive parts of `lens` values, each
-    /// copied once from the page-locked buffer the device writes to.
-    pub(super) fn to_host_parts(&self, x: &Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
-        let len = x.rows * x.cols;
-        if len < PINNED_DOWNLOAD_MIN {
-            return Ok(into_parts(self.download("to_host", &x.data, len)?, lens));
-        }
-        let op = "to_host";
-        let mut staging = self.download_staging.lock().unwrap();
-        if staging.as_ref().is_none_or(|s| s.len() < len) {
-            // SAFETY: page-locked memory the copy below writes before it is
-            // read (cached, not write-combined: the host reads it).
-            *staging = Some(ok(op, unsafe { self.ctx.alloc_pinned_with_flags(len, 0) })?);
-        }
-        // The buffer may be longer than this download: copy into its first
-        // `len` values only.
-        let host = &mut ok(
-            op,
-            staging.as_mut().expect("allocated above").as_mut_slice(),
-        )?[..len];
-        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host))?;
-        ok(op, self.stream.synchronize())?;
-        ok(op, self.ctx.check_err())?;
-        Ok(split_parts(host, lens))
     }
 
     pub(super) fn split_cols(&self, x: &Tensor, widths: &[usize]) -> Result<Vec<Tensor>> {

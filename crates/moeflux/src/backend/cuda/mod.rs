@@ -57,6 +57,7 @@ mod attention;
 mod compile;
 mod delta_net;
 mod device_expert;
+mod download;
 mod elementwise;
 mod experts;
 mod gemm;
@@ -88,7 +89,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
     CudaContext, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError, LaunchConfig,
-    PinnedHostSlice, ValidAsZeroBits,
+    ValidAsZeroBits,
 };
 
 pub use crate::backend::DeviceExpertStats as ExpertCacheStats;
@@ -233,10 +234,8 @@ pub struct CudaBackend {
     grouped_decode_tc: bool,
     /// Streaming multiprocessors of the device.
     sm_count: usize,
-    /// Page-locked memory that large downloads (a decode step's logits)
-    /// pass through: a copy from the device into it runs at the bus's
-    /// speed, one into pageable memory is staged by the driver.
-    download_staging: Mutex<Option<PinnedHostSlice<f32>>>,
+    /// Page-locked buffers of large downloads (a decode step's logits).
+    downloads: Mutex<download::Downloads>,
     /// Shared memory a block of the kernels that opt in to more than
     /// [`MAX_SHARED_BYTES`] may use (the tensor-core expert down and the
     /// chunked Gated DeltaNet); None before compute capability 8.0, where
@@ -520,7 +519,7 @@ impl CudaBackend {
             grouped_decode_min: crate::tuning::cuda_grouped_decode_min(),
             grouped_decode_tc: major >= 8 && crate::tuning::cuda_grouped_decode_tc(),
             sm_count,
-            download_staging: Mutex::new(None),
+            downloads: Mutex::default(),
             tc_shared_limit,
             share: None,
             parallel: None,

@@ -123,7 +123,7 @@ impl Backend for CudaBackend {
         CudaBackend::to_host(self, x)
     }
 
-    fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<Vec<f32>>> {
+    fn host_parts(&self, x: Tensor, lens: &[usize]) -> Result<Vec<crate::backend::HostValues>> {
         CudaBackend::to_host_parts(self, &x, lens)
     }
 
