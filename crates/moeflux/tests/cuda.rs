@@ -384,7 +384,11 @@ fn lent_logits_keep_their_values_while_later_steps_download() {
     let mut sessions: Vec<_> = (0..8).map(|_| gpu.session()).collect();
     let mut step = |round: u32| -> Vec<moeflux::Logits> {
         let tokens: Vec<Vec<u32>> = (0..8u32)
-            .map(|s| (0..8).map(|t| (round * 64 + s * 8 + t) * 7 % vocab).collect())
+            .map(|s| {
+                (0..8)
+                    .map(|t| (round * 64 + s * 8 + t) * 7 % vocab)
+                    .collect()
+            })
             .collect();
         let mut items: Vec<BatchItem<'_, CudaBackend>> = sessions
             .iter_mut()
@@ -416,7 +420,10 @@ fn lent_logits_keep_their_values_while_later_steps_download() {
         }
     }
     drop(kept);
-    assert!(step(6).iter().all(|l| l.data.is_lent()), "freed buffers are lent again");
+    assert!(
+        step(6).iter().all(|l| l.data.is_lent()),
+        "freed buffers are lent again"
+    );
 }
 
 /// Whether a model's decode steps of several sequences can be recorded:

@@ -18,8 +18,8 @@ pub mod kv;
 mod host_values;
 mod stats;
 
-pub(crate) use host_values::{into_parts, split_parts};
 pub use host_values::HostValues;
+pub(crate) use host_values::{into_parts, split_parts};
 pub use kv::{KvRows, KvType};
 pub use stats::DeviceExpertStats;
 

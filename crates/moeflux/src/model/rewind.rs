@@ -3,7 +3,6 @@
 //! its KV caches cut and its Gated DeltaNet states taken from the steps the
 //! backend kept or from a copy.
 
-
 use super::Session;
 use crate::backend::{Backend, HostValues};
 use crate::blocks::decoder::LayerState;

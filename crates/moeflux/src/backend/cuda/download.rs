@@ -146,4 +146,3 @@ impl CudaBackend {
         Ok(host)
     }
 }
-
