@@ -4,8 +4,8 @@
 //! the device wrote them: each sequence's part is lent to the host
 //! ([`HostValues`]), and the buffer serves a later download once nothing
 //! holds any part of it. Where every lent buffer is still held (sessions
-//! kept aside with their last logits), the parts are copied out of a
-//! staging buffer instead.
+//! kept aside with their last logits), or the values are too many to keep
+//! page-locked, the parts are copied out of a staging buffer instead.
 
 use std::sync::Arc;
 
@@ -22,6 +22,12 @@ const PINNED_DOWNLOAD_MIN: usize = 1 << 14;
 /// Buffers lent at once: a step's logits while the previous step's are
 /// still held, and a few sessions holding older ones.
 const MAX_LENT: usize = 4;
+
+/// Most values a lent buffer holds (64 MiB): a decode step's logits of
+/// many sequences, not every row of a long prompt's (a perplexity
+/// chunk's), which are copied out rather than keep that much page-locked
+/// memory for later steps.
+const MAX_LENT_VALUES: usize = 1 << 24;
 
 /// The page-locked buffers of large downloads.
 #[derive(Default)]
@@ -64,14 +70,19 @@ impl CudaBackend {
     }
 
     /// `x`'s values cut into consecutive parts of `lens` values: ranges of
-    /// a buffer lent to the host where one is free, else copies.
+    /// a buffer lent to the host where one is free (and they are at most
+    /// [`MAX_LENT_VALUES`]), else copies.
     pub(super) fn to_host_parts(&self, x: &Tensor, lens: &[usize]) -> Result<Vec<HostValues>> {
         let len = x.rows * x.cols;
         if len < PINNED_DOWNLOAD_MIN {
             return Ok(into_parts(self.download("to_host", &x.data, len)?, lens));
         }
         let mut downloads = self.downloads.lock().unwrap();
-        match self.lend(&mut downloads, x, len)? {
+        let lent = match len <= MAX_LENT_VALUES {
+            true => self.lend(&mut downloads, x, len)?,
+            false => None,
+        };
+        match lent {
             Some(buffer) => Ok(HostValues::lent_parts(buffer, lens)),
             None => Ok(split_parts(self.staged(&mut downloads, x, len)?, lens)),
         }
@@ -113,9 +124,7 @@ impl CudaBackend {
         };
         let buffer = Arc::get_mut(&mut lent[at]).expect("a free buffer");
         let host = &mut ok(op, buffer.pinned.as_mut_slice())?[..len];
-        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host))?;
-        ok(op, self.stream.synchronize())?;
-        ok(op, self.ctx.check_err())?;
+        self.copy_to_host(x, host)?;
         buffer.values = host.as_ptr();
         buffer.len = len;
         Ok(Some(lent[at].clone()))
@@ -140,9 +149,18 @@ impl CudaBackend {
             op,
             staging.as_mut().expect("allocated above").as_mut_slice(),
         )?[..len];
-        ok(op, self.stream.memcpy_dtoh(&x.data.slice(..len), host))?;
-        ok(op, self.stream.synchronize())?;
-        ok(op, self.ctx.check_err())?;
+        self.copy_to_host(x, host)?;
         Ok(host)
+    }
+
+    /// `x`'s first `host.len()` values into `host`, waited for.
+    fn copy_to_host(&self, x: &Tensor, host: &mut [f32]) -> Result<()> {
+        let op = "to_host";
+        ok(
+            op,
+            self.stream.memcpy_dtoh(&x.data.slice(..host.len()), host),
+        )?;
+        ok(op, self.stream.synchronize())?;
+        ok(op, self.ctx.check_err())
     }
 }
