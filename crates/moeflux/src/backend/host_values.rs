@@ -14,22 +14,16 @@ use std::sync::Arc;
 /// their own, or a range of a buffer a backend lent (see the module
 /// documentation). [`HostValues::detach`] gives lent values a vector of
 /// their own, for holders that keep them long.
-#[derive(Clone, Default)]
-pub struct HostValues {
-    owner: Owner,
-    range: Range<usize>,
-}
+#[derive(Clone)]
+pub struct HostValues(Values);
 
 #[derive(Clone)]
-enum Owner {
+enum Values {
     Own(Arc<Vec<f32>>),
-    Lent(Arc<dyn AsRef<[f32]> + Send + Sync>),
-}
-
-impl Default for Owner {
-    fn default() -> Owner {
-        Owner::Own(Arc::default())
-    }
+    Lent {
+        buffer: Arc<dyn AsRef<[f32]> + Send + Sync>,
+        range: Range<usize>,
+    },
 }
 
 impl HostValues {
@@ -45,29 +39,18 @@ impl HostValues {
             "parts cover the buffer"
         );
         ranges(lens)
-            .map(|range| HostValues {
-                owner: Owner::Lent(buffer.clone()),
-                range,
+            .map(|range| {
+                HostValues(Values::Lent {
+                    buffer: buffer.clone(),
+                    range,
+                })
             })
             .collect()
     }
 
-    /// The values `range` (relative to these), sharing their owner.
-    pub fn slice(&self, range: Range<usize>) -> HostValues {
-        assert!(
-            range.start <= range.end && range.end <= self.len(),
-            "slice {range:?} of {} values",
-            self.len()
-        );
-        HostValues {
-            owner: self.owner.clone(),
-            range: self.range.start + range.start..self.range.start + range.end,
-        }
-    }
-
     /// Whether these values are part of a buffer a backend lent.
     pub fn is_lent(&self) -> bool {
-        matches!(self.owner, Owner::Lent(_))
+        matches!(self.0, Values::Lent { .. })
     }
 
     /// The values in a vector of their own (lent ones copied), so that
@@ -78,23 +61,25 @@ impl HostValues {
         }
     }
 
-    /// The values as a vector: moved out where they are a whole vector
-    /// held once, else copied.
+    /// The values as a vector: moved out where they are a vector held
+    /// once, else copied.
     pub fn into_vec(self) -> Vec<f32> {
-        match self.owner {
-            Owner::Own(values) if self.range == (0..values.len()) => Arc::unwrap_or_clone(values),
-            Owner::Own(values) => values[self.range].to_vec(),
-            Owner::Lent(buffer) => (*buffer).as_ref()[self.range].to_vec(),
+        match self.0 {
+            Values::Own(values) => Arc::unwrap_or_clone(values),
+            Values::Lent { .. } => self.to_vec(),
         }
+    }
+}
+
+impl Default for HostValues {
+    fn default() -> HostValues {
+        HostValues::from(Vec::new())
     }
 }
 
 impl From<Vec<f32>> for HostValues {
     fn from(values: Vec<f32>) -> HostValues {
-        HostValues {
-            range: 0..values.len(),
-            owner: Owner::Own(Arc::new(values)),
-        }
+        HostValues(Values::Own(Arc::new(values)))
     }
 }
 
@@ -102,9 +87,9 @@ impl Deref for HostValues {
     type Target = [f32];
 
     fn deref(&self) -> &[f32] {
-        match &self.owner {
-            Owner::Own(values) => &values[self.range.clone()],
-            Owner::Lent(buffer) => &(**buffer).as_ref()[self.range.clone()],
+        match &self.0 {
+            Values::Own(values) => values,
+            Values::Lent { buffer, range } => &(**buffer).as_ref()[range.clone()],
         }
     }
 }
@@ -204,14 +189,13 @@ mod tests {
         assert_eq!(&*parts[0], &[0.0, 1.0, 2.0, 3.0]);
         assert!(parts[1].is_empty());
         assert_eq!(&*parts[2], &[4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
-        // A part of a part shares the buffer too.
-        let last = parts[2].slice(4..6);
-        assert_eq!(&*last, &[8.0, 9.0]);
+        // A clone of a part shares the buffer too.
+        let last = parts[2].clone();
         assert!(Arc::get_mut(&mut buffer).is_none());
         drop(parts);
         assert!(
             Arc::get_mut(&mut buffer).is_none(),
-            "the slice still holds it"
+            "the clone still holds it"
         );
         // Detached values hold nothing of the buffer and keep their values.
         let mut kept = last.clone();
@@ -219,24 +203,16 @@ mod tests {
         assert!(!kept.is_lent());
         drop(last);
         assert!(Arc::get_mut(&mut buffer).is_some());
-        assert_eq!(kept.into_vec(), [8.0, 9.0]);
+        assert_eq!(kept.into_vec(), [4.0, 5.0, 6.0, 7.0, 8.0, 9.0]);
     }
 
     #[test]
-    fn slices_and_vectors_of_own_values() {
+    fn shared_own_values_are_copied_out() {
         let values = HostValues::from(vec![1.0, 2.0, 3.0]);
-        let tail = values.slice(1..3);
-        assert_eq!(&*tail, &[2.0, 3.0]);
-        assert_eq!(tail.slice(1..2).into_vec(), [3.0]);
         // Shared: copied out, the original intact.
         assert_eq!(values.clone().into_vec(), [1.0, 2.0, 3.0]);
-        assert_eq!(format!("{tail:?}"), "[2.0, 3.0]");
+        assert_eq!(&*values, &[1.0, 2.0, 3.0]);
+        assert_eq!(format!("{values:?}"), "[1.0, 2.0, 3.0]");
         assert!(HostValues::default().is_empty());
-    }
-
-    #[test]
-    #[should_panic(expected = "slice 2..4 of 3 values")]
-    fn a_slice_past_the_end_panics() {
-        let _ = HostValues::from(vec![1.0, 2.0, 3.0]).slice(2..4);
     }
 }
