@@ -117,8 +117,10 @@ struct TcGroup {
 #define CODE_L2_HINT ".L2::128B"
 #elif CODE_L2_FETCH == 64
 #define CODE_L2_HINT ".L2::64B"
-#else
+#elif CODE_L2_FETCH == 0
 #define CODE_L2_HINT ""
+#else
+#error "matvec_tc.cu: CODE_L2_FETCH must be 0, 64, 128 or 256"
 #endif
 
 __device__ __forceinline__ uint2 load_u64_streaming(const void* p) {

@@ -401,14 +401,11 @@ struct FewQuad {
     }
 };
 
+// __ldg's read-only load, with matvec_tc.cu's L2 fetch size.
 __device__ __forceinline__ uint2 load_u64_readonly(const void* p) {
-#if CODE_L2_FETCH
     uint2 v;
     asm("ld.global.nc" CODE_L2_HINT ".v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
     return v;
-#else
-    return __ldg((const uint2*)p);
-#endif
 }
 
 // Lane (g, t)'s addresses in a 16-row tile of one matrix for few_quads:
