@@ -12,6 +12,7 @@
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
 //! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of several tokens (prompt chunks, several sequences decoding, a check of drafted tokens) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
 //! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
+//! | `MOEFLUX_CUDA_TILED_EXPERTS` | `0`: q4 expert codes stay row by row in VRAM instead of tiled for the tensor-core kernels (to compare) | on from compute capability 8.0 |
 //! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
 //! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
 //! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
@@ -114,6 +115,12 @@ pub fn cuda_batched_steps() -> bool {
 /// finishes.
 pub fn cuda_programmatic_launch() -> bool {
     switched_on("MOEFLUX_CUDA_PDL")
+}
+
+/// `MOEFLUX_CUDA_TILED_EXPERTS`: whether q4 expert codes may be tiled in
+/// VRAM (backend/cuda/device_expert.rs).
+pub fn cuda_tiled_experts() -> bool {
+    switched_on("MOEFLUX_CUDA_TILED_EXPERTS")
 }
 
 /// `MOEFLUX_CUDA_PROFILE`: whether to time every operation.

@@ -1272,6 +1272,84 @@ fn grouped_prefill_experts_agree_however_cached() {
     }
 }
 
+/// q4 expert codes tiled in VRAM (device_expert.rs) give exactly the
+/// results of codes stored row by row, on every path that reads them: one
+/// token (the fused decode kernels), a few tokens per expert (moe_few.cu,
+/// grouped on the device as engine steps are) and many (moe_prefill.cu,
+/// f32 and int8 activations), with the experts resident and streamed
+/// through an empty VRAM cache (tiled as each upload lands). The shapes:
+/// 3 and 5 groups a row (moe_few.cu's general loop) and 4 and 8 (whole
+/// quads: its fast path). The conformance suite holds the tiled results
+/// (the default) to the CPU reference.
+#[test]
+fn tiled_expert_codes_give_the_results_of_row_by_row_codes() {
+    if cuda().is_none() {
+        return;
+    }
+    let shapes = [
+        common::ops::synthetic_moe_checkpoint_of(192, 320),
+        common::ops::synthetic_moe_checkpoint_of(256, 512),
+    ];
+    for checkpoint in &shapes {
+        let converted = convert_checkpoint_with(checkpoint.path(), DType::Q8, Some(DType::Q4));
+        let dir = ModelDir::open(&converted.dir, OpenOptions::default()).unwrap();
+        let store = whole_store(&dir);
+        let cfg = dir.config();
+        let (hidden, experts, top_k) = (cfg.hidden_size, cfg.moe.num_experts, cfg.moe.router.top_k);
+        let layer = cfg.moe_layers().next().expect("an MoE layer");
+        for activations in [Activations::F32, Activations::Int8] {
+            for resident in [true, false] {
+                let gpu = |tiled: bool| {
+                    let gpu = cuda_with(CudaOptions {
+                        tiled_experts: Some(tiled),
+                        activations,
+                        expert_cache_bytes: (!resident).then_some(1),
+                        cpu_experts: CpuExperts::Off,
+                        ..CudaOptions::default()
+                    })
+                    .unwrap();
+                    if resident {
+                        gpu.prepare_experts(&store, &moeflux::util::NoProgress)
+                            .unwrap();
+                    }
+                    gpu
+                };
+                let (tiled, rows) = (gpu(true), gpu(false));
+                for n in [1, 3, 9, 64, 130] {
+                    let (x, logits) = grouped_expert_inputs(n, hidden, experts);
+                    let on = |gpu: &CudaBackend| {
+                        gpu.as_engine_step(|| {
+                            let x = gpu.tensor_from_host(n, hidden, &x).unwrap();
+                            let l = gpu.tensor_from_host(n, experts, &logits).unwrap();
+                            let routing = gpu
+                                .route(&l, &RouterSpec::softmax(top_k, true), None)
+                                .unwrap();
+                            gpu.to_host(
+                                &gpu.routed_experts(
+                                    &x,
+                                    &routing,
+                                    &store,
+                                    layer,
+                                    ExpertFfn::swiglu(),
+                                )
+                                .unwrap(),
+                            )
+                            .unwrap()
+                        })
+                    };
+                    let what = format!(
+                        "hidden {hidden} n={n} {activations:?} {}",
+                        if resident { "resident" } else { "streamed" }
+                    );
+                    let want = on(&rows);
+                    assert!(want.iter().all(|v| v.is_finite()), "{what}: non-finite");
+                    assert_eq!(on(&tiled), want, "{what}: tiled codes differ");
+                }
+            }
+        }
+    }
+}
+
 /// Devices 0 and 1 dividing the experts, or `None` (after saying so) on a
 /// machine with fewer than two CUDA devices; `MOEFLUX_REQUIRE_GPUS=2` makes
 /// that a failure.

@@ -367,7 +367,7 @@ impl CudaBackend {
         let addresses: Vec<u64> = experts.iter().map(|e| e.address(&self.stream)).collect();
         let table = self.upload("routed experts", &addresses)?;
         let ranks = self.upload("routed experts", &(0..ids.len() as u32).collect::<Vec<_>>())?;
-        let parts = PartsLayout(experts[0].parts);
+        let parts = experts[0].parts;
         self.launch_decode_experts(x, &table, &ranks, routing, parts, ffn, act, out, accumulate)?;
         // The experts stay alive until the kernels are queued and are
         // stamped with the event after them (see streaming.rs).
@@ -390,8 +390,8 @@ impl CudaBackend {
         out: &mut CudaSlice<f32>,
         accumulate: bool,
     ) -> Result<()> {
-        let gate = parts.0[0].1;
-        let (inter, hidden, top_k) = (expert_inter(&parts.0, x.cols), x.cols, routing.top_k);
+        let gate = parts.matrices[0].1;
+        let (inter, hidden, top_k) = (expert_inter(&parts.matrices, x.cols), x.cols, routing.top_k);
         let (gate_up, down_kernel) = match gate.dtype {
             DType::F32 => (&self.kernels.moe_gate_up_f32, &self.kernels.moe_down_f32),
             DType::Bf16 => (&self.kernels.moe_gate_up_bf16, &self.kernels.moe_down_bf16),
@@ -447,7 +447,7 @@ impl CudaBackend {
         // the experts' B tables fit in shared memory (matvec_tc.cu).
         let tc_shared = down_tc_shared_bytes(top_k, inter);
         let tensor_cores = gate.dtype == DType::Q4
-            && parts.0[2].0.is_multiple_of(8)
+            && parts.matrices[2].0.is_multiple_of(8)
             && self.tc_shared_limit.is_some_and(|limit| tc_shared <= limit);
         let (down_kernel, down_config) = if tensor_cores {
             (
@@ -558,7 +558,7 @@ impl CudaBackend {
         );
         let gate = self.matmul(&xs, m, hidden, &expert.matrix(0, "expert gate"))?;
         let up = self.matmul(&xs, m, hidden, &expert.matrix(1, "expert up"))?;
-        let inter = expert.parts[0].1.rows;
+        let inter = expert.parts.matrices[0].1.rows;
         let (m_l, inter_i) = (m as i64, int(inter, "expert intermediate size"));
         let mut act = self.alloc::<f32>("routed expert activation", m * inter)?;
         launch!(

@@ -149,6 +149,9 @@ geometry! {
     /// Threads per block of `route` (one block per token, more than 512
     /// experts).
     ROUTE_THREADS: u32 = 256;
+    /// Rows of a tile of tiled q4 expert codes (moe.cu, device_expert.rs):
+    /// the tensor-core kernels' 16-row MMA tiles, not a tunable.
+    CODE_TILE_ROWS: usize = 16;
     /// Warps (rows) per block of one token's expert gate/up kernels.
     GATE_UP_WARPS: usize = 8;
     /// Warps per block of one token's expert down kernels.

@@ -29,7 +29,7 @@ use super::{CudaBackend, MAX_SHARED_BYTES, Routing, Tensor, int, ok};
 use crate::backend::cpu::Activations;
 use crate::error::Result;
 use crate::experts::ExpertStore;
-use crate::quant::{DType, GROUP_SIZE, MatrixLayout};
+use crate::quant::{DType, GROUP_SIZE};
 
 /// Most tokens of an engine step whose routed experts are grouped on the
 /// device; larger steps sort on the host.
@@ -157,7 +157,7 @@ impl CudaBackend {
                     &complete.addresses,
                     (&tile_list, &tile_count, tiles),
                     &sorted,
-                    &complete.parts.0,
+                    &complete.parts,
                     ffn,
                     &mut act,
                     &mut y,
@@ -172,7 +172,7 @@ impl CudaBackend {
                     (&tile_list, count),
                     tiles,
                     &sorted,
-                    &complete.parts.0,
+                    &complete.parts,
                     ffn,
                     &mut act,
                     &mut y,
@@ -193,14 +193,13 @@ impl CudaBackend {
         table: &CudaSlice<u64>,
         (tiles, tile_count, most): (&CudaSlice<u32>, &CudaSlice<u32>, usize),
         sorted: &CudaSlice<u32>,
-        parts: &[(usize, MatrixLayout); 3],
+        layout: &PartsLayout,
         ffn: FfnArgs,
         act: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
     ) -> Result<()> {
-        let layout = PartsLayout(*parts);
         let hidden = x.cols;
-        let inter = expert_inter(parts, hidden);
+        let inter = expert_inter(&layout.matrices, hidden);
         let (inter_i, hidden_i, top_k_i) = (
             int(inter, "expert intermediate size"),
             int(hidden, "hidden size"),

@@ -180,6 +180,12 @@ pub struct CudaOptions {
     /// are staged straight from the cache, as on devices whose blocks hold
     /// less; both give the same results.
     pub attention_copies: Option<bool>,
+    /// Whether q4 expert codes are stored in VRAM by 16-row tiles, each
+    /// tile's codes of one 64-column group together, so the tensor-core
+    /// expert kernels read memory in order (device_expert.rs); `None`: as
+    /// `MOEFLUX_CUDA_TILED_EXPERTS` says (on from compute capability 8.0).
+    /// Both give the same results.
+    pub tiled_experts: Option<bool>,
 }
 
 /// Computes on one CUDA device (see the module documentation). Each model
@@ -241,6 +247,9 @@ pub struct CudaBackend {
     /// chunked Gated DeltaNet); None before compute capability 8.0, where
     /// those kernels are not built.
     tc_shared_limit: Option<usize>,
+    /// Whether q4 expert codes are tiled in VRAM for the tensor-core
+    /// kernels (device_expert.rs; compute capability 8.0 and later).
+    tiled_experts: bool,
     /// The step being probed or recorded, if one is.
     capture: Mutex<Option<graph::StepRun>>,
     recordings: Mutex<graph::Recordings>,
@@ -471,6 +480,13 @@ impl CudaBackend {
                     )
                     .map_err(|e| fail("allowing the tensor-core kernels their shared memory", e))?;
             }
+            kernels
+                .tile_q4_codes
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    device_expert::CODE_TILE_MAX_BYTES as i32,
+                )
+                .map_err(|e| fail("allowing the expert tiling kernel its shared memory", e))?;
             Some(limit as usize)
         } else {
             None
@@ -521,6 +537,10 @@ impl CudaBackend {
             sm_count,
             downloads: Mutex::default(),
             tc_shared_limit,
+            tiled_experts: tc_shared_limit.is_some()
+                && options
+                    .tiled_experts
+                    .unwrap_or_else(crate::tuning::cuda_tiled_experts),
             share: None,
             parallel: None,
             hybrid: hybrid::Hybrid::new(options.cpu_experts),

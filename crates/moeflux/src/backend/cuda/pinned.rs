@@ -163,7 +163,7 @@ impl PinnedTier {
         let base = self.slots[slot].ptr;
         for (view, &(offset, _)) in [host.gate(), host.up(), host.down()]
             .iter()
-            .zip(&layout.parts)
+            .zip(&layout.parts.matrices)
         {
             let len = view.layout.total_bytes;
             assert!(offset + len <= self.slot_bytes);

@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::device_expert::{DeviceExpert, expert_inter};
+use super::device_expert::{DeviceExpert, ExpertPart, PartsLayout, expert_inter};
 use super::experts::{EXPERTS_IN_FLIGHT, FfnArgs};
 use super::gemm::{Q8Rows, QuantizedRows};
 use super::geometry::{
@@ -37,29 +37,6 @@ use crate::backend::cpu::Activations;
 use crate::error::Result;
 use crate::experts::{Expert, ExpertStore};
 use crate::quant::{DType, MatrixLayout};
-
-/// Where one matrix lies in an expert's buffer (`ExpertPart` in moe.cu):
-/// its codes from the buffer's start, scales and biases from its codes.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-struct Part {
-    offset: i64,
-    scales: i64,
-    biases: i64,
-}
-
-// SAFETY: three i64s, laid out as the kernels' struct of three long longs.
-unsafe impl DeviceRepr for Part {}
-
-impl Part {
-    fn new((offset, layout): (usize, MatrixLayout)) -> Part {
-        Part {
-            offset: offset as i64,
-            scales: layout.scales_offset as i64,
-            biases: layout.biases_offset as i64,
-        }
-    }
-}
 
 /// Dynamic shared memory of the q4 kernels: their stages in flight.
 pub(super) const Q4_SHARED_BYTES: usize = MP_STAGES * MP_Q4_STAGE_BYTES;
@@ -213,7 +190,7 @@ impl CudaBackend {
         (tiles, tile_count): (&CudaSlice<u32>, u64),
         count: usize,
         slots: &CudaSlice<u32>,
-        parts: &[(usize, MatrixLayout); 3],
+        parts: &PartsLayout,
         ffn: FfnArgs,
         act: &mut CudaSlice<f32>,
         y: &mut CudaSlice<f32>,
@@ -221,19 +198,15 @@ impl CudaBackend {
         if count == 0 {
             return Ok(());
         }
-        let gate = parts[0].1;
-        let (inter, hidden) = (expert_inter(parts, x.cols), x.cols);
+        let gate = parts.matrices[0].1;
+        let (inter, hidden) = (expert_inter(&parts.matrices, x.cols), x.cols);
         let tiles_x = u32::try_from(count).expect("tiles fit a grid");
         let (inter_i, hidden_i, top_k_i) = (
             int(inter, "expert intermediate size"),
             int(hidden, "hidden size"),
             int(top_k, "top-k"),
         );
-        let (gate_part, up_part, down_part) = (
-            Part::new(parts[0]),
-            Part::new(parts[1]),
-            Part::new(parts[2]),
-        );
+        let (gate_part, up_part, down_part) = (parts.part(0), parts.part(1), parts.part(2));
         let config = |rows_per_block: usize, rows: usize, shared_mem_bytes: usize| LaunchConfig {
             grid_dim: (tiles_x, rows.div_ceil(rows_per_block) as u32, 1),
             block_dim: (MP_THREADS, 1, 1),
@@ -574,7 +547,7 @@ impl CudaBackend {
                     (&all_tiles, 0),
                     tile_count,
                     &slots,
-                    &complete.parts.0,
+                    &complete.parts,
                     ffn,
                     &mut act,
                     &mut y,
@@ -752,7 +725,7 @@ struct Q4Launch<'a> {
     slots: &'a CudaSlice<u32>,
     grid: (u32, usize, usize),
     sizes: (i32, i32, i32),
-    parts: (Part, Part, Part),
+    parts: (ExpertPart, ExpertPart, ExpertPart),
     ffn: FfnArgs,
     y: u64,
 }

@@ -33,10 +33,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUevent_flags, CUresult};
-use cudarc::driver::{CudaSlice, DevicePtr, DriverError};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError, LaunchConfig, PushKernelArg};
 
 use super::device_expert::{DeviceExpert, DeviceLayout, PartsLayout, VramKey};
 use super::experts::EXPERTS_IN_FLIGHT;
+use super::geometry::CODE_TILE_ROWS;
 use super::hybrid::in_host_memory;
 use super::pinned::SLOTS_PER_CHUNK;
 use super::vram_cache::{Buffer, CompleteLayer, Entry, LastUse, PromptAhead, Streams, VramCache};
@@ -137,7 +138,7 @@ impl CudaBackend {
         });
         let slot_bytes = store
             .moe_layers()
-            .map(|l| DeviceLayout::of(store, l).total)
+            .map(|l| DeviceLayout::of(store, l, self.tiled_experts).total)
             .max()
             .unwrap_or(0);
         let padded = store
@@ -157,7 +158,7 @@ impl CudaBackend {
     /// Bytes each expert of `layer` takes on the device (and copies over
     /// PCIe when uploaded).
     pub fn device_expert_bytes(&self, store: &ExpertStore, layer: usize) -> u64 {
-        DeviceLayout::of(store, layer).total as u64
+        DeviceLayout::of(store, layer, self.tiled_experts).total as u64
     }
 
     /// The experts `ids` of `layer` for one decode step, in that order,
@@ -254,7 +255,7 @@ impl CudaBackend {
         let sid = store.id();
         let mut uploads: Vec<Upload<'_>> = {
             let cache = self.experts.lock().unwrap();
-            let bytes = DeviceLayout::of(store, layer).total as u64;
+            let bytes = DeviceLayout::of(store, layer, self.tiled_experts).total as u64;
             if cache.budget.is_some_and(|budget| bytes > budget) {
                 return Ok(()); // the cache could not keep them
             }
@@ -446,7 +447,7 @@ impl CudaBackend {
         if uploads.is_empty() {
             return Ok(Vec::new());
         }
-        let layout = DeviceLayout::of(store, layer);
+        let layout = DeviceLayout::of(store, layer, self.tiled_experts);
         let bytes = layout.total as u64;
         let sid = store.id();
         let count = (self.owned_count(store, layer), store.expert_count(layer));
@@ -542,7 +543,7 @@ impl CudaBackend {
                 (None, Some(host)) => {
                     for (view, &(offset, _)) in [host.gate(), host.up(), host.down()]
                         .iter()
-                        .zip(&layout.parts)
+                        .zip(&layout.parts.matrices)
                     {
                         let src = &view.bytes[..view.layout.total_bytes];
                         // SAFETY: within the buffer; pageable memory is
@@ -559,6 +560,8 @@ impl CudaBackend {
                 }
                 (None, None) => unreachable!("every upload has a source"),
             }
+            self.tile_codes(&streams.copy, dst, &layout.parts)
+                .map_err(what)?;
         }
         let end = Arc::new(streams.copy.record_event(timing).map_err(what)?);
         // A prefetched expert the cache could not keep is freed (on the
@@ -614,6 +617,41 @@ impl CudaBackend {
             cache.harvest_timings(false);
         }
         Ok(out)
+    }
+
+    /// Rewrites the tiled matrices (device_expert.rs) of the expert just
+    /// copied, row by row, to the buffer at `expert` into their tiled
+    /// form, in place, on `stream` (after the copy, before anything reads
+    /// the buffer).
+    fn tile_codes(
+        &self,
+        stream: &CudaStream,
+        expert: u64,
+        parts: &PartsLayout,
+    ) -> std::result::Result<(), DriverError> {
+        for i in 0..3 {
+            if !parts.is_tiled(i) {
+                continue;
+            }
+            let (offset, layout) = parts.matrices[i];
+            let tiles = (layout.rows / CODE_TILE_ROWS) as u32;
+            let row_bytes = layout.row_bytes as i32;
+            let codes = expert + offset as u64;
+            let mut builder = stream.launch_builder(&self.kernels.tile_q4_codes);
+            builder.arg(&codes).arg(&row_bytes);
+            // SAFETY: tile_q4_codes(u8* codes, int row_bytes) over `tiles`
+            // tiles of CODE_TILE_ROWS rows: the matrix's codes, inside the
+            // buffer; tileable() bounds the shared memory by what the
+            // kernel was allowed (mod.rs).
+            unsafe {
+                builder.launch(LaunchConfig {
+                    grid_dim: (tiles, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: (CODE_TILE_ROWS * layout.row_bytes) as u32,
+                })
+            }?;
+        }
+        Ok(())
     }
 
     /// A buffer of `bytes` for an upload and whether it will be cached:
@@ -737,19 +775,17 @@ impl CudaBackend {
             }
             addresses.push(entry.buffer.expert.address(&self.stream));
         }
-        let parts = PartsLayout(
-            cache
-                .entries
-                .get(&(
-                    sid,
-                    layer,
-                    first.expect("a GPU holds an expert of a complete layer"),
-                ))
-                .expect("complete")
-                .buffer
-                .expert
-                .parts,
-        );
+        let parts = cache
+            .entries
+            .get(&(
+                sid,
+                layer,
+                first.expect("a GPU holds an expert of a complete layer"),
+            ))
+            .expect("complete")
+            .buffer
+            .expert
+            .parts;
         let table = self
             .stream
             .clone_htod(&addresses)

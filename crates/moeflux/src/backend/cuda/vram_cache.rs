@@ -13,7 +13,6 @@ use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
 use super::device_expert::{DeviceExpert, PartsLayout, VramKey};
 use super::pinned::PinnedTier;
 use crate::backend::DeviceExpertStats as ExpertCacheStats;
-use crate::quant::MatrixLayout;
 
 /// (expert store, layer)
 type LayerKey = (u64, u32);
@@ -49,11 +48,7 @@ impl Buffer {
     /// A buffer just allocated for an expert of `bytes` laid out as `parts`.
     /// Allocated on the compute stream, so a copy into it waits for nothing
     /// else (`LastUse::Unknown`).
-    pub(super) fn fresh(
-        data: CudaSlice<u8>,
-        parts: [(usize, MatrixLayout); 3],
-        bytes: u64,
-    ) -> Buffer {
+    pub(super) fn fresh(data: CudaSlice<u8>, parts: PartsLayout, bytes: u64) -> Buffer {
         Buffer {
             expert: Arc::new(DeviceExpert { data, parts }),
             bytes,

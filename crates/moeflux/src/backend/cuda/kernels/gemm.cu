@@ -696,6 +696,7 @@ struct I8Sources {
                   "one piece of activations a thread, a row's parameters a thread");
     const u8* codes[CODE_PIECES];
     bool codes_valid[CODE_PIECES];
+    int code_step;  // bytes from a row's group of codes to its next (32; tiled experts: moe.cu)
     const u8* act;
     bool act_valid;
     const float4* params;
@@ -731,7 +732,7 @@ __device__ __forceinline__ void i8_products_of(I8Stage<BM, BN>* stages,
 #pragma unroll
             for (int j = 0; j < I8Sources<BM, BN, THREADS>::CODE_PIECES; ++j) {
                 const int p = tid + THREADS * j;
-                copy_async16(&st.w[p / 2][16 * (p % 2)], src.codes[j] + GROUP_SIZE / 2 * s,
+                copy_async16(&st.w[p / 2][16 * (p % 2)], src.codes[j] + src.code_step * s,
                              src.codes_valid[j]);
             }
             copy_async16(&st.x[tid / 4][16 * (tid % 4)], src.act + GROUP_SIZE * s,
@@ -856,6 +857,7 @@ __device__ __forceinline__ void linear_tc_q4_i8_tile(const u8* __restrict__ code
         src.codes_valid[j] = r < rows;
         src.codes[j] = codes + (r < rows ? r * row_bytes + 16 * (p % 2) : 0);
     }
+    src.code_step = GROUP_SIZE / 2;
     const int t = t0 + tid / 4;
     src.act_valid = t < n;
     src.act = x.codes + (t < n ? (i64)t * cols + 16 * (tid % 4) : 0);

@@ -357,14 +357,17 @@ __device__ __forceinline__ void dot_word(const WeightRow& row, typename PackedWo
 }
 
 // Word `w` of a row (q3: its plane word, at byte 24·(w / 4) + 4·(w % 4),
-// and the high bits of its columns from the group's last 8 bytes).
-template <int DT>
+// and the high bits of its columns from the group's last 8 bytes). TILED
+// (q4 expert codes, moe.cu): the row's groups CODE_TILE_ROWS · 32 bytes
+// apart.
+template <int DT, bool TILED = false>
 __device__ __forceinline__ typename PackedWord<DT>::T load_word(const u8* codes, int w) {
+    if (TILED) return load_streaming(codes + (i64)(w / 8) * CODE_TILE_ROWS * 32 + 4 * (w % 8));
     return load_streaming(codes + 4 * (i64)w);
 }
 
 template <>
-__device__ __forceinline__ uint2 load_word<DT_Q3>(const u8* codes, int w) {
+__device__ __forceinline__ uint2 load_word<DT_Q3, false>(const u8* codes, int w) {
     const u8* group = codes + (i64)(w / 4) * Q3_GROUP_BYTES;
     int sub = w % 4;
     u32 plane = load_streaming(group + 4 * sub);
@@ -375,7 +378,7 @@ __device__ __forceinline__ uint2 load_word<DT_Q3>(const u8* codes, int w) {
 
 // One batch of a lane's words: U words of each of R rows from word `base`
 // on, a warp's lanes taking consecutive words (zero past `end`).
-template <int DT, int R, int U>
+template <int DT, int R, int U, bool TILED>
 __device__ __forceinline__ void load_words(const WeightRow* rows, int base, int end,
                                            typename PackedWord<DT>::T (&packed)[U][R]) {
 #pragma unroll
@@ -383,7 +386,7 @@ __device__ __forceinline__ void load_words(const WeightRow* rows, int base, int 
         int w = base + u * WARP_SIZE;
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-            packed[u][i] = w < end ? load_word<DT>(rows[i].codes, w)
+            packed[u][i] = w < end ? load_word<DT, TILED>(rows[i].codes, w)
                                    : typename PackedWord<DT>::T();
         }
     }
@@ -441,8 +444,9 @@ __device__ __forceinline__ void dot_words(const WeightRow* rows, const float* co
 // aligned to a word's columns: 16 bytes for q4 and q8). U words per row
 // (WORD_UNROLL unless a kernel tunes it) are loaded before any is used, so
 // short ranges are in flight at once too. With SHARED_X every row takes
-// xs[0]; NORMED as dot_words.
-template <int DT, int R, bool SHARED_X, int U = WORD_UNROLL, bool NORMED = false>
+// xs[0]; NORMED as dot_words; TILED as load_word.
+template <int DT, int R, bool SHARED_X, int U = WORD_UNROLL, bool NORMED = false,
+          bool TILED = false>
 __device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* const* xs,
                                          int begin, int end, int lane, float* acc,
                                          const FusedNorm& norm = FusedNorm{},
@@ -450,7 +454,7 @@ __device__ __forceinline__ void dot_rows(const WeightRow* rows, const float* con
     float lane_squares = 0.0f;
     for (int base = begin + lane; base < end; base += U * WARP_SIZE) {
         typename PackedWord<DT>::T packed[U][R];
-        load_words<DT, R, U>(rows, base, end, packed);
+        load_words<DT, R, U, TILED>(rows, base, end, packed);
         dot_words<DT, R, U, SHARED_X, NORMED>(rows, xs, base, end, packed, acc, norm,
                                                lane_squares);
     }

@@ -131,12 +131,13 @@ __device__ __forceinline__ uint2 load_u64_streaming(const void* p) {
     return v;
 }
 
-// Loads group `group` of the tile whose lane rows are `row_g` and `row_g8`.
+// Loads group `group` of the tile whose lane rows are `row_g` and `row_g8`,
+// a row's groups of codes `step` bytes apart (32; tiled experts: moe.cu).
 __device__ __forceinline__ TcGroup load_tc_group(const WeightRow& row_g, const WeightRow& row_g8,
-                                                 int group, int t) {
+                                                 int group, int t, int step) {
     TcGroup w;
-    w.row_g = load_u64_streaming(row_g.codes + group * 32 + 8 * t);
-    w.row_g8 = load_u64_streaming(row_g8.codes + group * 32 + 8 * t);
+    w.row_g = load_u64_streaming(row_g.codes + group * step + 8 * t);
+    w.row_g8 = load_u64_streaming(row_g8.codes + group * step + 8 * t);
     w.scale_g = bf16_to_float(row_g.scales[group]);
     w.offset_g = fmaf(8.0f, w.scale_g, bf16_to_float(row_g.biases[group]));
     w.scale_g8 = bf16_to_float(row_g8.scales[group]);
@@ -179,14 +180,14 @@ struct TcPair {
     }
 
     // The words of the pair's groups in rows `g` and `g8` (load_tc_pair's
-    // first four loads).
+    // first four loads), a row's groups `step` bytes apart (load_tc_group).
     __device__ __forceinline__ void load_codes(const WeightRow& g, const WeightRow& g8,
-                                               int group, int groups, int t) {
-        row_g[0] = load_u64_streaming(g.codes + group * 32 + 8 * t);
-        row_g8[0] = load_u64_streaming(g8.codes + group * 32 + 8 * t);
+                                               int group, int groups, int t, int step) {
+        row_g[0] = load_u64_streaming(g.codes + group * step + 8 * t);
+        row_g8[0] = load_u64_streaming(g8.codes + group * step + 8 * t);
         if (group + 1 < groups) {
-            row_g[1] = load_u64_streaming(g.codes + (group + 1) * 32 + 8 * t);
-            row_g8[1] = load_u64_streaming(g8.codes + (group + 1) * 32 + 8 * t);
+            row_g[1] = load_u64_streaming(g.codes + (group + 1) * step + 8 * t);
+            row_g8[1] = load_u64_streaming(g8.codes + (group + 1) * step + 8 * t);
         }
     }
 
@@ -205,7 +206,7 @@ struct TcPair {
 __device__ __forceinline__ TcPair load_tc_pair(const WeightRow& row_g, const WeightRow& row_g8,
                                                int group, int groups, int t) {
     TcPair w;
-    w.load_codes(row_g, row_g8, group, groups, t);
+    w.load_codes(row_g, row_g8, group, groups, t, 32);
     w.load_scales(row_g, row_g8, group, groups);
     return w;
 }
@@ -233,16 +234,17 @@ __device__ __forceinline__ void mma_tc_group(const TcGroup& w, const u32* table,
 }
 
 // A batch of up to TC_GROUPS_IN_FLIGHT groups [g0, min(g0 + batch, end))
-// of one tile (rows g / g + 8 at row_g / row_g8): all loads issued, then
-// all computed (acc_g / acc_g8 valid in lanes with t = 0).
+// of one tile (rows g / g + 8 at row_g / row_g8, groups `step` bytes
+// apart): all loads issued, then all computed (acc_g / acc_g8 valid in
+// lanes with t = 0).
 struct TcBatch {
     TcGroup w[TC_GROUPS_IN_FLIGHT];
 
     __device__ __forceinline__ void load(const WeightRow& row_g, const WeightRow& row_g8,
-                                         int g0, int end, int lane) {
+                                         int g0, int end, int lane, int step) {
 #pragma unroll
         for (int j = 0; j < TC_GROUPS_IN_FLIGHT; ++j) {
-            if (g0 + j < end) w[j] = load_tc_group(row_g, row_g8, g0 + j, lane % 4);
+            if (g0 + j < end) w[j] = load_tc_group(row_g, row_g8, g0 + j, lane % 4, step);
         }
     }
 
@@ -295,14 +297,15 @@ extern "C" __global__ void __launch_bounds__(TC_DOWN_MAX_WARPS * WARP_SIZE)
         WeightRow row_g = expert_row(DT_Q4, base, down, min(first + lane / 4, last), inter);
         WeightRow row_g8 = expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
         // The first batch's weights are requested before x is staged.
+        const int step = code_group_step(down);
         TcBatch batch;
-        batch.load(row_g, row_g8, share.x, share.y, lane);
+        batch.load(row_g, row_g8, share.x, share.y, lane, step);
         stage_tc_x(act + (i64)k * inter, share.x, share.y, table, sums, lane, WARP_SIZE);
         __syncwarp();
         float acc_g = 0.0f, acc_g8 = 0.0f;
         batch.mma(table, sums, share.x, share.y, lane, acc_g, acc_g8);
         for (int g0 = share.x + TC_GROUPS_IN_FLIGHT; g0 < share.y; g0 += TC_GROUPS_IN_FLIGHT) {
-            batch.load(row_g, row_g8, g0, share.y, lane);
+            batch.load(row_g, row_g8, g0, share.y, lane, step);
             batch.mma(table, sums, g0, share.y, lane, acc_g, acc_g8);
         }
         if (lane % 4 == 0) {
@@ -359,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(TC_VECTOR_WARPS * WARP_SIZE)
         float acc_g = 0.0f, acc_g8 = 0.0f;
         for (int g0 = 0; g0 < groups; g0 += TC_GROUPS_IN_FLIGHT) {
             TcBatch batch;
-            batch.load(row_g, row_g8, g0, groups, lane);
+            batch.load(row_g, row_g8, g0, groups, lane, 32);
             batch.mma(table, sums, g0, groups, lane, acc_g, acc_g8);
         }
         if (lane % 4 == 0) {

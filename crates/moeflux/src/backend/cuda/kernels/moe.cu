@@ -3,8 +3,11 @@
 // Launch geometry comes from the host: compile.rs passes the constants of
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ROUTE_THREADS) || !defined(GATE_UP_WARPS) || !defined(DOWN_WARPS) || \
-    !defined(MAX_TOP_K)
+    !defined(MAX_TOP_K) || !defined(CODE_TILE_ROWS)
 #error "moe.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
+#endif
+#if CODE_TILE_ROWS != 16
+#error "moe.cu: the tensor-core kernels read tiled codes by their 16-row MMA tiles"
 #endif
 
 // Per token: softmax over the router logits, the top_k experts (ties to
@@ -427,12 +430,66 @@ extern "C" __global__ void scatter_add_rows(float* out, const float* y, const u3
 // choice of experts nor the cache has to come back to the host.
 
 // Offsets of one matrix of an expert: its codes from the expert's base,
-// its scales and biases from its codes.
+// its scales and biases from its codes; `tiled` (q4 only): its codes are
+// stored by tiles of CODE_TILE_ROWS rows (below).
 struct ExpertPart {
     i64 offset;
     i64 scales;
     i64 biases;
+    i64 tiled;
 };
+
+// ---- Tiled q4 expert codes ---------------------------------------------
+//
+// The tensor-core expert kernels read a 16-row tile a group at a time: a
+// warp's load takes 8 bytes of each of the tile's rows. Stored row by row,
+// a load touches sectors of eight rows a row apart, and a batch of groups
+// spreads over the tile's whole span. A tiled matrix (device_expert.rs
+// decides which) is stored by tiles of CODE_TILE_ROWS rows instead, each
+// tile's 32 bytes of one group for all its rows together:
+//
+//   tile t, group k, row i of the tile: t · CODE_TILE_ROWS · row_bytes
+//                                       + k · CODE_TILE_ROWS · 32 + i · 32
+//
+// so a warp's load of one group reads 256 contiguous bytes. Every reader
+// of expert codes takes both forms: a row's group k lies at the row's
+// address (expert_row) plus k · code_group_step. The scales and biases
+// stay row by row. tile_q4_codes makes the form in place after upload.
+#define Q4_GROUP_BYTES 32
+
+// Bytes from a row's group of codes to its next group.
+__device__ __forceinline__ int code_group_step(const ExpertPart& part) {
+    return part.tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
+}
+
+// Row r's first group of codes of a matrix at `codes`, rows `row_bytes`
+// long, stored row by row or (tiled) by tiles.
+__device__ __forceinline__ const u8* code_row(const u8* codes, i64 r, i64 row_bytes,
+                                              bool tiled) {
+    if (!tiled) return codes + r * row_bytes;
+    const i64 tile = r / CODE_TILE_ROWS;
+    return codes + tile * CODE_TILE_ROWS * row_bytes + (r - tile * CODE_TILE_ROWS) * Q4_GROUP_BYTES;
+}
+
+// Rewrites the q4 codes at `codes` (gridDim.x tiles of CODE_TILE_ROWS rows
+// of `row_bytes` bytes, 16-byte aligned) from row-by-row to tiled, in
+// place: a block reads its tile into shared memory (CODE_TILE_ROWS ·
+// row_bytes bytes of dynamic shared memory), then writes it back in the
+// tiled order.
+extern "C" __global__ void tile_q4_codes(u8* codes, int row_bytes) {
+    await_inputs();
+    extern __shared__ uint4 tile_codes[];
+    uint4* tile = (uint4*)(codes + (i64)blockIdx.x * CODE_TILE_ROWS * row_bytes);
+    const int pieces = CODE_TILE_ROWS * row_bytes / 16, row_pieces = row_bytes / 16;
+    for (int i = threadIdx.x; i < pieces; i += blockDim.x) tile_codes[i] = tile[i];
+    __syncthreads();
+    // Piece d of the tiled form: group d / (2 · rows), row (d / 2) % rows,
+    // half d % 2 of the row's 32 bytes of that group.
+    for (int d = threadIdx.x; d < pieces; d += blockDim.x) {
+        const int group = d / (2 * CODE_TILE_ROWS), row = (d / 2) % CODE_TILE_ROWS;
+        tile[d] = tile_codes[row * row_pieces + 2 * group + d % 2];
+    }
+}
 
 // What routed experts compute around their products: per-expert biases
 // (null: none; gate and up [experts, inter], down [experts, hidden]) and,
@@ -489,11 +546,15 @@ extern "C" __global__ void expert_down_bias_rows(float* y, i64 m, int hidden, u3
     }
 }
 
+// Row r of one matrix of the expert at `base`: its first group of codes
+// (code_group_step on to the next), its scales and biases.
 __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
                                                 ExpertPart part, i64 r, int cols) {
     const u8* codes = (const u8*)base + part.offset;
-    return weight_row(dt, codes, (const u16*)(codes + part.scales),
-                      (const u16*)(codes + part.biases), r, cols);
+    WeightRow row = weight_row(dt, codes, (const u16*)(codes + part.scales),
+                               (const u16*)(codes + part.biases), r, cols);
+    row.codes = code_row(codes, r, row_bytes(dt, cols), part.tiled);
+    return row;
 }
 
 // GATE_UP_WARPS (geometry.rs): warps per block of moe_gate_up.
@@ -532,7 +593,12 @@ __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
     WeightRow rows[2] = {expert_row(DT, base, gate, r, hidden),
                          expert_row(DT, base, up, r, hidden)};
     float acc[2] = {0.0f, 0.0f};
-    dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, hidden / WORD_COLS(DT), lane, acc);
+    const int words = hidden / WORD_COLS(DT);
+    if (DT == DT_Q4 && gate.tiled) {
+        dot_rows<DT, 2, true, GATE_UP_UNROLL, false, DT == DT_Q4>(rows, &x, 0, words, lane, acc);
+    } else {
+        dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, words, lane, acc);
+    }
     float g = warp_sum(acc[0]);
     float u = warp_sum(acc[1]);
     if (lane == 0) {
@@ -560,7 +626,11 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
         WeightRow row = expert_row(DT, table[ids[k]], down, r, inter);
         const float* x = act + (i64)k * inter;
         float acc = 0.0f;
-        dot_rows<DT, 1, true, DOWN_UNROLL>(&row, &x, 0, words, lane, &acc);
+        if (DT == DT_Q4 && down.tiled) {
+            dot_rows<DT, 1, true, DOWN_UNROLL, false, DT == DT_Q4>(&row, &x, 0, words, lane, &acc);
+        } else {
+            dot_rows<DT, 1, true, DOWN_UNROLL>(&row, &x, 0, words, lane, &acc);
+        }
         acc = warp_sum(acc);
         if (lane == 0) partial[k] = acc + expert_down_bias(ffn, experts[k], r, hidden);
     }

@@ -244,15 +244,16 @@ __device__ __forceinline__ void load_bf16_quad(const u16* p, u32& low, u32& high
 // N pairs of groups of a tile in registers, pair[i] = groups g0 + 2i and
 // g0 + 2i + 1 (those below `groups`) as load_tc_pair leaves them: every
 // code load of the batch first, then the scales and biases, with
-// FEW_QUAD_SCALES a row's of two pairs in one load each.
+// FEW_QUAD_SCALES a row's of two pairs in one load each. A row's groups of
+// codes are `step` bytes apart (code_group_step).
 template <int N>
 __device__ __forceinline__ void load_few_batch(TcPair (&pair)[N], const WeightRow& row_g,
                                                const WeightRow& row_g8, int g0, int groups,
-                                               int t) {
+                                               int t, int step) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         if (g0 + 2 * i >= groups) break;
-        pair[i].load_codes(row_g, row_g8, g0 + 2 * i, groups, t);
+        pair[i].load_codes(row_g, row_g8, g0 + 2 * i, groups, t, step);
     }
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -408,13 +409,14 @@ __device__ __forceinline__ uint2 load_u64_readonly(const void* p) {
     return v;
 }
 
-// Lane (g, t)'s addresses in a 16-row tile of one matrix for few_quads:
-// its bytes of row g and that row's scales, moved on a quad of groups at
-// a time so every load of a quad is at a constant offset; row g + 8's
-// and the biases are found from them by the matrix's strides, which
-// keeps the registers of two matrices' addresses within the kernel's
-// bound.
+// Lane (g, t)'s addresses in a 16-row tile of one tiled matrix (moe.cu)
+// for few_quads: its bytes of row g and that row's scales, moved on a
+// quad of groups at a time so every load of a quad is at a constant
+// offset; row g + 8's and the biases are found from them, which keeps
+// the registers of two matrices' addresses within the kernel's bound. A
+// warp's load of one group reads 256 contiguous bytes.
 struct FewRows {
+    static constexpr int GROUP_STEP = CODE_TILE_ROWS * Q4_GROUP_BYTES;
     const u8* code_g;
     const u16* scales_g;
     int bias_offset;  // u16 elements from the scales to the biases
@@ -422,14 +424,14 @@ struct FewRows {
     __device__ __forceinline__ FewRows(const WeightRow& g, int t)
         : code_g(g.codes + 8 * t), scales_g(g.scales), bias_offset((int)(g.biases - g.scales)) {}
 
-    // The quad `i` quads ahead, rows `code_rows` bytes and `scale_rows`
-    // scales apart (row g + 8 from row g): every code load first.
-    __device__ __forceinline__ void load(FewQuad& q, int i, int code_rows, int scale_rows) const {
-        const u8* code_g8 = code_g + code_rows;
+    // The quad `i` quads ahead, rows g and g + 8 `scale_rows` scales
+    // apart: every code load first.
+    __device__ __forceinline__ void load(FewQuad& q, int i, int scale_rows) const {
+        const u8* code_g8 = code_g + 8 * Q4_GROUP_BYTES;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            q.code_g[j] = load_u64_streaming(code_g + (4 * i + j) * 32);
-            q.code_g8[j] = load_u64_streaming(code_g8 + (4 * i + j) * 32);
+            q.code_g[j] = load_u64_streaming(code_g + (4 * i + j) * GROUP_STEP);
+            q.code_g8[j] = load_u64_streaming(code_g8 + (4 * i + j) * GROUP_STEP);
         }
         const u16* scales_g8 = scales_g + scale_rows;
         q.scale_g = load_u64_readonly(scales_g + 4 * i);
@@ -439,7 +441,7 @@ struct FewRows {
     }
 
     __device__ __forceinline__ void advance(int quads) {
-        code_g += 128 * quads;
+        code_g += 4 * GROUP_STEP * quads;
         scales_g += 4 * quads;
     }
 };
@@ -451,12 +453,12 @@ __device__ __forceinline__ void few_gate_up_groups(const WeightRow& gate_g,
                                                    const WeightRow& gate_g8,
                                                    const WeightRow& up_g, const WeightRow& up_g8,
                                                    const uint2* table, const float* sums,
-                                                   int groups, int tiles_n, int lane,
+                                                   int groups, int tiles_n, int lane, int step,
                                                    float (&acc)[2][2][2]) {
     for (int g0 = 0; g0 < groups; g0 += FEW_GATE_UP_GROUPS) {
         TcPair wg[FEW_GATE_UP_GROUPS / 2], wu[FEW_GATE_UP_GROUPS / 2];
-        load_few_batch(wg, gate_g, gate_g8, g0, groups, lane % 4);
-        load_few_batch(wu, up_g, up_g8, g0, groups, lane % 4);
+        load_few_batch(wg, gate_g, gate_g8, g0, groups, lane % 4, step);
+        load_few_batch(wu, up_g, up_g8, g0, groups, lane % 4, step);
 #pragma unroll
         for (int j = 0; j < FEW_GATE_UP_GROUPS; ++j) {
             if (g0 + j < groups) {
@@ -467,13 +469,13 @@ __device__ __forceinline__ void few_gate_up_groups(const WeightRow& gate_g,
     }
 }
 
-// Whether a warp's 16-row tile (rows first .. first + 15 of `rows`) suits
-// few_quads: all 16 rows inside the matrix (no row repeated in their
-// place), whole quads of groups, and scales and biases at 8-byte
-// boundaries (then every row's are, as a row's are 8·quads bytes).
-__device__ __forceinline__ bool few_quads_fit(const WeightRow& row, int groups, i64 first,
-                                              i64 rows) {
-    return FEW_FAST && first + 16 <= rows && groups % 4 == 0 &&
+// Whether a warp's 16-row tile of a matrix stored as `part` suits
+// few_quads: tiled (so every tile has all 16 rows), whole quads of
+// groups, and scales and biases at 8-byte boundaries (then every row's
+// are, as a row's are 8·quads bytes).
+__device__ __forceinline__ bool few_quads_fit(const WeightRow& row, const ExpertPart& part,
+                                              int groups) {
+    return FEW_FAST && part.tiled && groups % 4 == 0 &&
            (((u64)row.scales | (u64)row.biases) & 7u) == 0;
 }
 
@@ -488,8 +490,7 @@ __device__ __forceinline__ void few_quads(FewRows (&rows)[M], const uint2* table
                                           const float* sums, int groups, int lane,
                                           float (&acc)[M][2][2]) {
     const int quads = groups / 4;
-    // Rows g and g + 8 are 8 rows apart: 8 · 32 bytes and 8 scales a group.
-    const int code_rows = 256 * groups, scale_rows = 8 * groups;
+    const int scale_rows = 8 * groups;  // from row g's scales to row g + 8's
     const int b_tile = groups * 4 * WARP_SIZE, xs_tile = 4 * groups;
     const uint2* b = table + lane;
     const float* xs = sums + (lane % 4) * groups;
@@ -499,7 +500,7 @@ __device__ __forceinline__ void few_quads(FewRows (&rows)[M], const uint2* table
         for (int i = 0; i < QUADS; ++i) {
             if (q0 + i < quads) {
 #pragma unroll
-                for (int m = 0; m < M; ++m) rows[m].load(batch[i][m], i, code_rows, scale_rows);
+                for (int m = 0; m < M; ++m) rows[m].load(batch[i][m], i, scale_rows);
             }
         }
 #pragma unroll
@@ -582,7 +583,7 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
     const WeightRow up_g = expert_row(DT_Q4, base, up, min(first + lane / 4, last), hidden);
     const WeightRow up_g8 = expert_row(DT_Q4, base, up, min(first + lane / 4 + 8, last), hidden);
     float acc[2][2][2] = {};  // gate, up
-    if (few_quads_fit(gate_g, groups, first, inter) && few_quads_fit(up_g, groups, first, inter)) {
+    if (few_quads_fit(gate_g, gate, groups) && few_quads_fit(up_g, up, groups)) {
         FewRows rows[2] = {FewRows(gate_g, lane % 4), FewRows(up_g, lane % 4)};
         if (tiles_n == 1) {
             few_quads<2, 1, FEW_GATE_UP_QUADS>(rows, few_shared, sums, groups, lane, acc);
@@ -591,7 +592,7 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
         }
     } else {
         few_gate_up_groups(gate_g, gate_g8, up_g, up_g8, few_shared, sums, groups, tiles_n,
-                           lane, acc);
+                           lane, code_group_step(gate), acc);
     }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
@@ -642,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
         const WeightRow row_g8 =
             expert_row(DT_Q4, base, down, min(first + lane / 4 + 8, last), inter);
         float acc[1][2][2] = {};
-        if (few_quads_fit(row_g, groups, first, hidden)) {
+        if (few_quads_fit(row_g, down, groups)) {
             FewRows rows[1] = {FewRows(row_g, lane % 4)};
             if (tiles_n == 1) {
                 few_quads<1, 1, FEW_DOWN_QUADS>(rows, few_shared, sums, groups, lane, acc);
@@ -652,7 +653,8 @@ extern "C" __global__ void __launch_bounds__(FEW_WARPS * WARP_SIZE, FEW_EXPERT_M
         } else {
             for (int g0 = 0; g0 < groups; g0 += FEW_DOWN_GROUPS) {
                 TcPair batch[FEW_DOWN_GROUPS / 2];
-                load_few_batch(batch, row_g, row_g8, g0, groups, lane % 4);
+                load_few_batch(batch, row_g, row_g8, g0, groups, lane % 4,
+                               code_group_step(down));
 #pragma unroll
                 for (int j = 0; j < FEW_DOWN_GROUPS; ++j) {
                     if (g0 + j < groups) {

@@ -48,11 +48,14 @@ struct MoePrefillShared {
 };
 
 // The weight matrices of a block: shared rows below `split` are rows
-// r0.. of matrix 0, the others rows r0.. of matrix 1.
+// r0.. of matrix 0, the others rows r0.. of matrix 1. `tiled`: both
+// matrices' codes are tiled (moe.cu; gate and up have one shape, so
+// they are stored alike).
 struct MoeMatrices {
     const u8* codes[2];
     const u16* scales[2];
     const u16* biases[2];
+    bool tiled;
 };
 
 // The weight matrices of an expert whose buffer starts at `base`: gate
@@ -68,6 +71,7 @@ __device__ __forceinline__ MoeMatrices moe_matrices(const u8* base, ExpertPart p
     m.codes[1] = base + second.offset;
     m.scales[1] = (const u16*)(m.codes[1] + second.scales);
     m.biases[1] = (const u16*)(m.codes[1] + second.biases);
+    m.tiled = pa.tiled;
     return m;
 }
 
@@ -578,9 +582,11 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
         const bool second = row >= split;
         const int r = r0 + row - (second ? split : 0);
         codes_valid[j] = r < rows;
-        codes_from[j] = (second ? m.codes[1] : m.codes[0]) +
-                        (codes_valid[j] ? r * row_bytes + 16 * (tid % 2) : 0);
+        codes_from[j] = code_row(second ? m.codes[1] : m.codes[0], codes_valid[j] ? r : 0,
+                                 row_bytes, m.tiled) +
+                        16 * (tid % 2);
     }
+    const int code_step = m.tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
     const bool low = (tid / 8) % 2;
     const u16* act_from[MP_BN / 8];
     bool act_valid[MP_BN / 8];
@@ -611,7 +617,7 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 copy_async16(&st.w[tid / 2 + (MP_BM / 2) * j][16 * (tid % 2)],
-                             codes_from[j] + GEMM_BK / 2 * s, codes_valid[j]);
+                             codes_from[j] + code_step * s, codes_valid[j]);
             }
 #pragma unroll
             for (int j = 0; j < MP_BN / 8; ++j) {
@@ -809,9 +815,11 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
         const bool second = row >= split;
         const int r = r0 + row - (second ? split : 0);
         src.codes_valid[j] = r < rows;
-        src.codes[j] = (second ? m.codes[1] : m.codes[0]) +
-                       (r < rows ? r * row_bytes + 16 * (p % 2) : 0);
+        src.codes[j] = code_row(second ? m.codes[1] : m.codes[0], r < rows ? r : 0, row_bytes,
+                                m.tiled) +
+                       16 * (p % 2);
     }
+    src.code_step = m.tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
     const int act_src = in_row[tid / 4];
     src.act_valid = act_src >= 0;
     src.act = x.codes + (act_src >= 0 ? (i64)act_src * cols + 16 * (tid % 4) : 0);
