@@ -560,6 +560,10 @@ impl CudaBackend {
                 }
                 (None, None) => unreachable!("every upload has a source"),
             }
+        }
+        // After every copy, so the link never waits for the tiling.
+        for (buffer, _) in &buffers {
+            let (dst, _sync) = buffer.expert.data.device_ptr(&streams.copy);
             self.tile_codes(&streams.copy, dst, &layout.parts)
                 .map_err(what)?;
         }
