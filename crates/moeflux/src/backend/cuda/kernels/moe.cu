@@ -3,7 +3,7 @@
 // Launch geometry comes from the host: compile.rs passes the constants of
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ROUTE_THREADS) || !defined(GATE_UP_WARPS) || !defined(DOWN_WARPS) || \
-    !defined(MAX_TOP_K) || !defined(CODE_TILE_ROWS)
+    !defined(MAX_TOP_K) || !defined(CODE_TILE_ROWS) || !defined(TILED_GATE_UP_WARPS)
 #error "moe.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 #if CODE_TILE_ROWS != 16
@@ -573,7 +573,8 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
 #endif
 
 // act[k, r] = expert_act(gate_k[r] · x, up_k[r] · x) for expert k = ids[k]
-// (experts[k] its id, for the biases).
+// (experts[k] its id, for the biases); gate and up row by row (tiled q4:
+// moe_gate_up_tiled_q4).
 // The kernel asks L2 for the layer's table of `experts` addresses before
 // waiting for the router's ids, which it then looks up.
 // Grid: (ceil(inter / GATE_UP_WARPS), top_k); a warp per row pair, whole
@@ -593,12 +594,7 @@ __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
     WeightRow rows[2] = {expert_row(DT, base, gate, r, hidden),
                          expert_row(DT, base, up, r, hidden)};
     float acc[2] = {0.0f, 0.0f};
-    const int words = hidden / WORD_COLS(DT);
-    if (DT == DT_Q4 && gate.tiled) {
-        dot_rows<DT, 2, true, GATE_UP_UNROLL, false, DT == DT_Q4>(rows, &x, 0, words, lane, acc);
-    } else {
-        dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, words, lane, acc);
-    }
+    dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, hidden / WORD_COLS(DT), lane, acc);
     float g = warp_sum(acc[0]);
     float u = warp_sum(acc[1]);
     if (lane == 0) {
@@ -662,6 +658,72 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
         moe_down<DT>(table, ids, weights, act, out, hidden, inter, top_k, down, accumulate, \
                      ffn, expert_ids);                                                     \
     }
+
+// Groups of codes a warp of moe_gate_up_tiled_q4 loads before using any.
+#ifndef TILED_GATE_UP_GROUPS
+#define TILED_GATE_UP_GROUPS 8
+#endif
+
+// moe_gate_up for gate and up tiled (q4): a warp takes 8 rows, half a
+// tile, lane (g, t) = (lane / 4, lane % 4) bytes 8t .. 8t + 7 of row g's
+// codes of each group (the group's columns 16t .. 16t + 15), so each load
+// of the warp reads 256 contiguous bytes, where a warp of moe_gate_up
+// reading one row takes 128 bytes in four places of a tiled matrix; a
+// row's four lanes add up their sums at the end. Grid:
+// (ceil(inter / (8 · TILED_GATE_UP_WARPS)), top_k).
+extern "C" __global__ void __launch_bounds__(TILED_GATE_UP_WARPS * WARP_SIZE)
+    moe_gate_up_tiled_q4(const unsigned long long* table, const u32* ids, const float* x,
+                         float* act, int inter, int hidden, ExpertPart gate, ExpertPart up,
+                         int experts, ExpertFfn ffn, const u32* expert_ids) {
+    prefetch_span(table, 8 * (i64)experts);
+    await_inputs();
+    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
+    const int g = lane / 4, t = lane % 4;
+    const i64 first = ((i64)blockIdx.x * TILED_GATE_UP_WARPS + warp) * 8;
+    if (first >= inter) return;
+    const i64 r = first + g;  // inside: tiled matrices have whole tiles
+    const unsigned long long base = table[ids[blockIdx.y]];
+    const WeightRow rows[2] = {expert_row(DT_Q4, base, gate, r, hidden),
+                               expert_row(DT_Q4, base, up, r, hidden)};
+    const int groups = hidden / GROUP_SIZE;
+    const int step = CODE_TILE_ROWS * Q4_GROUP_BYTES;
+    float acc[2] = {0.0f, 0.0f};
+    for (int k0 = 0; k0 < groups; k0 += TILED_GATE_UP_GROUPS) {
+        uint2 w[TILED_GATE_UP_GROUPS][2];
+#pragma unroll
+        for (int j = 0; j < TILED_GATE_UP_GROUPS; ++j) {
+            if (k0 + j < groups) {
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    w[j][m] = load_u64_streaming(rows[m].codes + (i64)(k0 + j) * step + 8 * t);
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < TILED_GATE_UP_GROUPS; ++j) {
+            if (k0 + j >= groups) break;
+            // Words 2t and 2t + 1 of the group.
+            const int word = (k0 + j) * 8 + 2 * t;
+            float v0[WORD_COLS(DT_Q4)], v1[WORD_COLS(DT_Q4)];
+            word_x<DT_Q4>(x, word, v0);
+            word_x<DT_Q4>(x, word + 1, v1);
+#pragma unroll
+            for (int m = 0; m < 2; ++m) {
+                dot_word<DT_Q4>(rows[m], w[j][m].x, word, v0, acc[m]);
+                dot_word<DT_Q4>(rows[m], w[j][m].y, word + 1, v1, acc[m]);
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+        acc[m] += __shfl_xor_sync(FULL_MASK, acc[m], 1);
+        acc[m] += __shfl_xor_sync(FULL_MASK, acc[m], 2);
+    }
+    if (t == 0) {
+        act[(i64)blockIdx.y * inter + r] =
+            expert_act(ffn, expert_ids[blockIdx.y], r, inter, acc[0], acc[1]);
+    }
+}
 
 MOE_DECODE_KERNELS(f32, DT_F32)
 MOE_DECODE_KERNELS(bf16, DT_BF16)
