@@ -222,6 +222,14 @@ __device__ __forceinline__ uint2 load_u64_streaming(const void* p) {
     return v;
 }
 
+__device__ __forceinline__ uint4 load_u128_streaming(const void* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate" CODE_L2_HINT ".v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
 // Byte k of `word` as a float, exactly: the bits 0x4B0000qq are 2^23 + qq.
 __device__ __forceinline__ float byte_value(u32 word, int k) {
     return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (u32)k)) - 8388608.0f;

@@ -661,67 +661,80 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
 
 // Groups of codes a warp of moe_gate_up_tiled_q4 loads before using any.
 #ifndef TILED_GATE_UP_GROUPS
-#define TILED_GATE_UP_GROUPS 8
+#define TILED_GATE_UP_GROUPS 4
 #endif
 
-// moe_gate_up for gate and up tiled (q4): a warp takes 8 rows, half a
-// tile, lane (g, t) = (lane / 4, lane % 4) bytes 8t .. 8t + 7 of row g's
-// codes of each group (the group's columns 16t .. 16t + 15), so each load
-// of the warp reads 256 contiguous bytes, where a warp of moe_gate_up
-// reading one row takes 128 bytes in four places of a tiled matrix; a
-// row's four lanes add up their sums at the end. Grid:
-// (ceil(inter / (8 · TILED_GATE_UP_WARPS)), top_k).
+// moe_gate_up for gate and up tiled (q4): a block takes one 16-row tile of
+// both, its warps the tile's groups in turn (warp w groups w, w + W, ...,
+// W = TILED_GATE_UP_WARPS); lane l holds bytes 16·(l % 2) .. + 15 of row
+// l / 2's codes of a group (the group's columns 32·(l % 2) .. + 31), so
+// each load of a warp reads a group's 512 contiguous bytes, where a warp
+// of moe_gate_up reading one row takes 128 bytes in four places of a
+// tiled matrix. A row's two lanes, then the warps in order, add up its
+// sums. Grid: (inter / 16, top_k).
 extern "C" __global__ void __launch_bounds__(TILED_GATE_UP_WARPS * WARP_SIZE)
     moe_gate_up_tiled_q4(const unsigned long long* table, const u32* ids, const float* x,
                          float* act, int inter, int hidden, ExpertPart gate, ExpertPart up,
                          int experts, ExpertFfn ffn, const u32* expert_ids) {
+    __shared__ float partial[TILED_GATE_UP_WARPS][2][CODE_TILE_ROWS];
     prefetch_span(table, 8 * (i64)experts);
     await_inputs();
     const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int g = lane / 4, t = lane % 4;
-    const i64 first = ((i64)blockIdx.x * TILED_GATE_UP_WARPS + warp) * 8;
-    if (first >= inter) return;
-    const i64 r = first + g;  // inside: tiled matrices have whole tiles
+    const int half = lane % 2;
+    const i64 first = (i64)blockIdx.x * CODE_TILE_ROWS, r = first + lane / 2;
     const unsigned long long base = table[ids[blockIdx.y]];
     const WeightRow rows[2] = {expert_row(DT_Q4, base, gate, r, hidden),
                                expert_row(DT_Q4, base, up, r, hidden)};
     const int groups = hidden / GROUP_SIZE;
     const int step = CODE_TILE_ROWS * Q4_GROUP_BYTES;
+    const int batch = TILED_GATE_UP_WARPS * TILED_GATE_UP_GROUPS;
     float acc[2] = {0.0f, 0.0f};
-    for (int k0 = 0; k0 < groups; k0 += TILED_GATE_UP_GROUPS) {
-        uint2 w[TILED_GATE_UP_GROUPS][2];
+    for (int k0 = warp; k0 < groups; k0 += batch) {
+        uint4 w[TILED_GATE_UP_GROUPS][2];
 #pragma unroll
         for (int j = 0; j < TILED_GATE_UP_GROUPS; ++j) {
-            if (k0 + j < groups) {
+            const int k = k0 + j * TILED_GATE_UP_WARPS;
+            if (k < groups) {
 #pragma unroll
                 for (int m = 0; m < 2; ++m) {
-                    w[j][m] = load_u64_streaming(rows[m].codes + (i64)(k0 + j) * step + 8 * t);
+                    w[j][m] = load_u128_streaming(rows[m].codes + (i64)k * step + 16 * half);
                 }
             }
         }
 #pragma unroll
         for (int j = 0; j < TILED_GATE_UP_GROUPS; ++j) {
-            if (k0 + j >= groups) break;
-            // Words 2t and 2t + 1 of the group.
-            const int word = (k0 + j) * 8 + 2 * t;
-            float v0[WORD_COLS(DT_Q4)], v1[WORD_COLS(DT_Q4)];
-            word_x<DT_Q4>(x, word, v0);
-            word_x<DT_Q4>(x, word + 1, v1);
+            const int k = k0 + j * TILED_GATE_UP_WARPS;
+            if (k >= groups) break;
 #pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                dot_word<DT_Q4>(rows[m], w[j][m].x, word, v0, acc[m]);
-                dot_word<DT_Q4>(rows[m], w[j][m].y, word + 1, v1, acc[m]);
+            for (int q = 0; q < 4; ++q) {
+                // Word 4·half + q of the group.
+                const int word = k * 8 + 4 * half + q;
+                float v[WORD_COLS(DT_Q4)];
+                word_x<DT_Q4>(x, word, v);
+#pragma unroll
+                for (int m = 0; m < 2; ++m) {
+                    const uint4 c = w[j][m];
+                    const u32 packed = q == 0 ? c.x : q == 1 ? c.y : q == 2 ? c.z : c.w;
+                    dot_word<DT_Q4>(rows[m], packed, word, v, acc[m]);
+                }
             }
         }
     }
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
         acc[m] += __shfl_xor_sync(FULL_MASK, acc[m], 1);
-        acc[m] += __shfl_xor_sync(FULL_MASK, acc[m], 2);
+        if (half == 0) partial[warp][m][lane / 2] = acc[m];
     }
-    if (t == 0) {
-        act[(i64)blockIdx.y * inter + r] =
-            expert_act(ffn, expert_ids[blockIdx.y], r, inter, acc[0], acc[1]);
+    __syncthreads();
+    if (threadIdx.x < CODE_TILE_ROWS) {
+        float g = 0.0f, u = 0.0f;
+        for (int w = 0; w < TILED_GATE_UP_WARPS; ++w) {
+            g += partial[w][0][threadIdx.x];
+            u += partial[w][1][threadIdx.x];
+        }
+        const i64 row = first + threadIdx.x;
+        act[(i64)blockIdx.y * inter + row] =
+            expert_act(ffn, expert_ids[blockIdx.y], row, inter, g, u);
     }
 }
 
