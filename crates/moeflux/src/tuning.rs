@@ -12,7 +12,7 @@
 //! | `MOEFLUX_CUDA_GRAPHS` | `0`: decode steps are launched op by op instead of recorded as CUDA graphs and replayed | on |
 //! | `MOEFLUX_CUDA_BATCHED_STEPS` | `0`: calls of several tokens (prompt chunks, several sequences decoding, a check of drafted tokens) group their routed experts on the host and take the prefill kernels, and only one sequence's one-token decode steps are recorded (to compare) | on |
 //! | `MOEFLUX_CUDA_PDL` | `0`: no programmatic dependent launch (kernels wait for the one before to finish) | on from compute capability 9.0 |
-//! | `MOEFLUX_CUDA_TILED_EXPERTS` | `0`: q4 expert codes stay row by row in VRAM instead of tiled for the tensor-core kernels (to compare) | on from compute capability 8.0 |
+//! | `MOEFLUX_CUDA_TILED_EXPERTS` | `0`: q4 expert codes stay row by row in VRAM; `1`: they are tiled for the kernels of several tokens (from compute capability 8.0; to compare) | tiled where steps run several tokens together (`serve`, `bench --sequences`, `--draft`) and in the library, row by row for the other commands |
 //! | `MOEFLUX_CUDA_PROFILE` | `1`: device time per operation, printed when the backend is dropped (graphs off) | off |
 //! | `MOEFLUX_CUDA_DEFINES` | `NAME=VALUE ...` passed to NVRTC as `-D` options: the kernels' tuning constants (not their launch geometry, which the host must share: refused) | none |
 //! | `MOEFLUX_CUDA_WHOLE_ROWS_MIN` | rows (over one launch) from which a one-token product gives each warp whole rows | 1024 |
@@ -117,10 +117,10 @@ pub fn cuda_programmatic_launch() -> bool {
     switched_on("MOEFLUX_CUDA_PDL")
 }
 
-/// `MOEFLUX_CUDA_TILED_EXPERTS`: whether q4 expert codes may be tiled in
-/// VRAM (backend/cuda/device_expert.rs).
-pub fn cuda_tiled_experts() -> bool {
-    switched_on("MOEFLUX_CUDA_TILED_EXPERTS")
+/// `MOEFLUX_CUDA_TILED_EXPERTS`, if set: whether q4 expert codes are tiled
+/// in VRAM (backend/cuda/device_expert.rs; not `0`: yes).
+pub fn cuda_tiled_experts() -> Option<bool> {
+    var("MOEFLUX_CUDA_TILED_EXPERTS").map(|v| v != "0")
 }
 
 /// `MOEFLUX_CUDA_PROFILE`: whether to time every operation.

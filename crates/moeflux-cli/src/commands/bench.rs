@@ -74,6 +74,7 @@ pub fn run_command(args: Args) -> Result<()> {
         .map(|p| read_text("--text", p))
         .transpose()?;
     let mut files = args.model.resolve(false)?;
+    files.batched = args.sequences > 1;
     files.check_draft(draft)?;
     let text_tokens = match text {
         Some(text) => Some(Tokenizer::from_dir(&files.dir)?.encode(&text, false)?),

@@ -71,7 +71,9 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<()> {
-    let files = args.model.resolve(false)?;
+    let mut files = args.model.resolve(false)?;
+    // Requests share steps, or check drafted tokens.
+    files.batched = true;
     files.check_context(args.ctx)?;
     if args.max_sequences == 0 || args.queue == 0 {
         bail!("--max-sequences and --queue: must be at least 1");

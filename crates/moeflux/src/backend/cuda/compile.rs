@@ -170,7 +170,6 @@ kernels!(
     expert_act_rows,
     expert_down_bias_rows,
     tile_q4_codes,
-    moe_gate_up_tiled_q4,
     moe_gate_up_f32,
     moe_gate_up_bf16,
     moe_gate_up_q8,

@@ -28,8 +28,7 @@ use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::device_expert::{DeviceExpert, PART_ALIGN, PartsLayout, expert_bytes, expert_inter};
 use super::geometry::{
-    CODE_TILE_ROWS, DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS,
-    TC_DOWN_SPLIT, TILED_GATE_UP_WARPS,
+    DOWN_WARPS, GATE_UP_WARPS, MAX_TOP_K, TC_B_LANES, TC_DOWN_MAX_WARPS, TC_DOWN_SPLIT,
 };
 use super::vram_cache::VramCache;
 use super::{CudaBackend, Routing, Tensor, device_error, grid_stride, int};
@@ -423,22 +422,13 @@ impl CudaBackend {
         );
         let (gate_part, up_part, down_part) = (parts.part(0), parts.part(1), parts.part(2));
         let accumulate_i = i32::from(accumulate);
-        // Tiled q4 gate and up take a block per 16-row tile (moe.cu).
-        let (gate_up, rows_per_block, warps) = match parts.is_tiled(0) && parts.is_tiled(1) {
-            true => (
-                &self.kernels.moe_gate_up_tiled_q4,
-                CODE_TILE_ROWS,
-                TILED_GATE_UP_WARPS,
-            ),
-            false => (gate_up, GATE_UP_WARPS, GATE_UP_WARPS),
-        };
         launch!(
             self,
             "routed experts gate/up",
             gate_up,
             LaunchConfig {
-                grid_dim: (inter.div_ceil(rows_per_block) as u32, top_k as u32, 1),
-                block_dim: ((warps * 32) as u32, 1, 1),
+                grid_dim: (inter.div_ceil(GATE_UP_WARPS) as u32, top_k as u32, 1),
+                block_dim: ((GATE_UP_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             },
             table,

@@ -154,10 +154,6 @@ geometry! {
     CODE_TILE_ROWS: usize = 16;
     /// Warps (rows) per block of one token's expert gate/up kernels.
     GATE_UP_WARPS: usize = 8;
-    /// Warps per block of one token's gate/up of tiled q4 experts
-    /// (`moe_gate_up_tiled_q4`: a block per 16-row tile, its warps taking
-    /// the groups in turn).
-    TILED_GATE_UP_WARPS: usize = 8;
     /// Warps per block of one token's expert down kernels.
     DOWN_WARPS: usize = 8;
     /// Most experts per token one token's expert kernels take.

@@ -192,44 +192,6 @@ __device__ __forceinline__ u32 load_streaming(const void* p) {
     return v;
 }
 
-// Bytes L2 fetches from memory for a missed read of expert codes by the
-// tensor-core kernels (matvec_tc.cu, moe_few.cu) and the one-token gate/up
-// of tiled codes (moe.cu), and of the few-token kernels' scales (the
-// loads' prefetch size: 64, 128 or 256; 0: no hint). Where codes are row
-// by row, a warp's load takes a 32-byte sector of each of eight rows'
-// 128-byte lines, the line's other sectors following in the next three
-// loads: 128 fetches the line at the first.
-#ifndef CODE_L2_FETCH
-#define CODE_L2_FETCH 128
-#endif
-#if CODE_L2_FETCH == 256
-#define CODE_L2_HINT ".L2::256B"
-#elif CODE_L2_FETCH == 128
-#define CODE_L2_HINT ".L2::128B"
-#elif CODE_L2_FETCH == 64
-#define CODE_L2_HINT ".L2::64B"
-#elif CODE_L2_FETCH == 0
-#define CODE_L2_HINT ""
-#else
-#error "linear.cu: CODE_L2_FETCH must be 0, 64, 128 or 256"
-#endif
-
-__device__ __forceinline__ uint2 load_u64_streaming(const void* p) {
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate" CODE_L2_HINT ".v2.u32 {%0, %1}, [%2];"
-                 : "=r"(v.x), "=r"(v.y)
-                 : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ uint4 load_u128_streaming(const void* p) {
-    uint4 v;
-    asm volatile("ld.global.nc.L1::no_allocate" CODE_L2_HINT ".v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p));
-    return v;
-}
-
 // Byte k of `word` as a float, exactly: the bits 0x4B0000qq are 2^23 + qq.
 __device__ __forceinline__ float byte_value(u32 word, int k) {
     return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7440u | (u32)k)) - 8388608.0f;

@@ -103,6 +103,34 @@ struct TcGroup {
     float scale_g, offset_g, scale_g8, offset_g8;
 };
 
+// Bytes L2 fetches from memory for a missed read of the tensor-core
+// kernels' codes and the few-token kernels' scales (the loads' prefetch
+// size: 64, 128 or 256; 0: no hint). A warp's loads take a 32-byte
+// sector of each of eight rows' 128-byte lines, the line's other sectors
+// following in the next three loads: 128 fetches the line at the first.
+#ifndef CODE_L2_FETCH
+#define CODE_L2_FETCH 128
+#endif
+#if CODE_L2_FETCH == 256
+#define CODE_L2_HINT ".L2::256B"
+#elif CODE_L2_FETCH == 128
+#define CODE_L2_HINT ".L2::128B"
+#elif CODE_L2_FETCH == 64
+#define CODE_L2_HINT ".L2::64B"
+#elif CODE_L2_FETCH == 0
+#define CODE_L2_HINT ""
+#else
+#error "matvec_tc.cu: CODE_L2_FETCH must be 0, 64, 128 or 256"
+#endif
+
+__device__ __forceinline__ uint2 load_u64_streaming(const void* p) {
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate" CODE_L2_HINT ".v2.u32 {%0, %1}, [%2];"
+                 : "=r"(v.x), "=r"(v.y)
+                 : "l"(p));
+    return v;
+}
+
 // Loads group `group` of the tile whose lane rows are `row_g` and `row_g8`,
 // a row's groups of codes `step` bytes apart (32; tiled experts: moe.cu).
 __device__ __forceinline__ TcGroup load_tc_group(const WeightRow& row_g, const WeightRow& row_g8,

@@ -3,7 +3,7 @@
 // Launch geometry comes from the host: compile.rs passes the constants of
 // geometry.rs as -D options, so a launch and its kernel cannot disagree.
 #if !defined(ROUTE_THREADS) || !defined(GATE_UP_WARPS) || !defined(DOWN_WARPS) || \
-    !defined(MAX_TOP_K) || !defined(CODE_TILE_ROWS) || !defined(TILED_GATE_UP_WARPS)
+    !defined(MAX_TOP_K) || !defined(CODE_TILE_ROWS)
 #error "moe.cu: launch geometry missing (compile.rs passes geometry.rs as -D options)"
 #endif
 #if CODE_TILE_ROWS != 16
@@ -573,8 +573,7 @@ __device__ __forceinline__ WeightRow expert_row(int dt, unsigned long long base,
 #endif
 
 // act[k, r] = expert_act(gate_k[r] · x, up_k[r] · x) for expert k = ids[k]
-// (experts[k] its id, for the biases); gate and up row by row (tiled q4:
-// moe_gate_up_tiled_q4).
+// (experts[k] its id, for the biases).
 // The kernel asks L2 for the layer's table of `experts` addresses before
 // waiting for the router's ids, which it then looks up.
 // Grid: (ceil(inter / GATE_UP_WARPS), top_k); a warp per row pair, whole
@@ -594,7 +593,12 @@ __device__ __forceinline__ void moe_gate_up(const unsigned long long* table,
     WeightRow rows[2] = {expert_row(DT, base, gate, r, hidden),
                          expert_row(DT, base, up, r, hidden)};
     float acc[2] = {0.0f, 0.0f};
-    dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, hidden / WORD_COLS(DT), lane, acc);
+    const int words = hidden / WORD_COLS(DT);
+    if (DT == DT_Q4 && gate.tiled) {
+        dot_rows<DT, 2, true, GATE_UP_UNROLL, false, DT == DT_Q4>(rows, &x, 0, words, lane, acc);
+    } else {
+        dot_rows<DT, 2, true, GATE_UP_UNROLL>(rows, &x, 0, words, lane, acc);
+    }
     float g = warp_sum(acc[0]);
     float u = warp_sum(acc[1]);
     if (lane == 0) {
@@ -658,85 +662,6 @@ __device__ __forceinline__ void moe_down(const unsigned long long* table, const 
         moe_down<DT>(table, ids, weights, act, out, hidden, inter, top_k, down, accumulate, \
                      ffn, expert_ids);                                                     \
     }
-
-// Groups of codes a warp of moe_gate_up_tiled_q4 loads before using any.
-#ifndef TILED_GATE_UP_GROUPS
-#define TILED_GATE_UP_GROUPS 4
-#endif
-
-// moe_gate_up for gate and up tiled (q4): a block takes one 16-row tile of
-// both, its warps the tile's groups in turn (warp w groups w, w + W, ...,
-// W = TILED_GATE_UP_WARPS); lane l holds bytes 16·(l % 2) .. + 15 of row
-// l / 2's codes of a group (the group's columns 32·(l % 2) .. + 31), so
-// each load of a warp reads a group's 512 contiguous bytes, where a warp
-// of moe_gate_up reading one row takes 128 bytes in four places of a
-// tiled matrix. A row's two lanes, then the warps in order, add up its
-// sums. Grid: (inter / 16, top_k).
-extern "C" __global__ void __launch_bounds__(TILED_GATE_UP_WARPS * WARP_SIZE)
-    moe_gate_up_tiled_q4(const unsigned long long* table, const u32* ids, const float* x,
-                         float* act, int inter, int hidden, ExpertPart gate, ExpertPart up,
-                         int experts, ExpertFfn ffn, const u32* expert_ids) {
-    __shared__ float partial[TILED_GATE_UP_WARPS][2][CODE_TILE_ROWS];
-    prefetch_span(table, 8 * (i64)experts);
-    await_inputs();
-    const int warp = threadIdx.x / WARP_SIZE, lane = threadIdx.x % WARP_SIZE;
-    const int half = lane % 2;
-    const i64 first = (i64)blockIdx.x * CODE_TILE_ROWS, r = first + lane / 2;
-    const unsigned long long base = table[ids[blockIdx.y]];
-    const WeightRow rows[2] = {expert_row(DT_Q4, base, gate, r, hidden),
-                               expert_row(DT_Q4, base, up, r, hidden)};
-    const int groups = hidden / GROUP_SIZE;
-    const int step = CODE_TILE_ROWS * Q4_GROUP_BYTES;
-    const int batch = TILED_GATE_UP_WARPS * TILED_GATE_UP_GROUPS;
-    float acc[2] = {0.0f, 0.0f};
-    for (int k0 = warp; k0 < groups; k0 += batch) {
-        uint4 w[TILED_GATE_UP_GROUPS][2];
-#pragma unroll
-        for (int j = 0; j < TILED_GATE_UP_GROUPS; ++j) {
-            const int k = k0 + j * TILED_GATE_UP_WARPS;
-            if (k < groups) {
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    w[j][m] = load_u128_streaming(rows[m].codes + (i64)k * step + 16 * half);
-                }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < TILED_GATE_UP_GROUPS; ++j) {
-            const int k = k0 + j * TILED_GATE_UP_WARPS;
-            if (k >= groups) break;
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                // Word 4·half + q of the group.
-                const int word = k * 8 + 4 * half + q;
-                float v[WORD_COLS(DT_Q4)];
-                word_x<DT_Q4>(x, word, v);
-#pragma unroll
-                for (int m = 0; m < 2; ++m) {
-                    const uint4 c = w[j][m];
-                    const u32 packed = q == 0 ? c.x : q == 1 ? c.y : q == 2 ? c.z : c.w;
-                    dot_word<DT_Q4>(rows[m], packed, word, v, acc[m]);
-                }
-            }
-        }
-    }
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-        acc[m] += __shfl_xor_sync(FULL_MASK, acc[m], 1);
-        if (half == 0) partial[warp][m][lane / 2] = acc[m];
-    }
-    __syncthreads();
-    if (threadIdx.x < CODE_TILE_ROWS) {
-        float g = 0.0f, u = 0.0f;
-        for (int w = 0; w < TILED_GATE_UP_WARPS; ++w) {
-            g += partial[w][0][threadIdx.x];
-            u += partial[w][1][threadIdx.x];
-        }
-        const i64 row = first + threadIdx.x;
-        act[(i64)blockIdx.y * inter + row] =
-            expert_act(ffn, expert_ids[blockIdx.y], row, inter, g, u);
-    }
-}
 
 MOE_DECODE_KERNELS(f32, DT_F32)
 MOE_DECODE_KERNELS(bf16, DT_BF16)
