@@ -1196,6 +1196,27 @@ fn norm_fused_into_one_token_products_matches_separate_launches() {
     }
 }
 
+/// `gpu`'s routed experts (softmax top-k, SwiGLU) of `layer` for `n`
+/// tokens (`inputs`: their activations and router logits), on the host.
+fn routed_on(
+    gpu: &CudaBackend,
+    (x, logits): &(Vec<f32>, Vec<f32>),
+    n: usize,
+    top_k: usize,
+    store: &moeflux::experts::ExpertStore,
+    layer: usize,
+) -> Vec<f32> {
+    let x = gpu.tensor_from_host(n, x.len() / n, x).unwrap();
+    let l = gpu.tensor_from_host(n, logits.len() / n, logits).unwrap();
+    let routing = gpu
+        .route(&l, &RouterSpec::softmax(top_k, true), None)
+        .unwrap();
+    let y = gpu
+        .routed_experts(&x, &routing, store, layer, ExpertFfn::swiglu())
+        .unwrap();
+    gpu.to_host(&y).unwrap()
+}
+
 /// The routed experts of many tokens (the grouped tensor-core kernels of
 /// moe_prefill.cu) on experts all resident (one launch over the layer's
 /// table), streamed through an empty VRAM cache (a few experts per launch)
@@ -1247,19 +1268,8 @@ fn grouped_prefill_experts_agree_however_cached() {
                 "{model}: every expert resident after prepare_experts"
             );
             for n in GROUPED_TOKENS {
-                let (x, logits) = grouped_expert_inputs(n, hidden, experts);
-                let on = |gpu: &CudaBackend| {
-                    let x = gpu.tensor_from_host(n, hidden, &x).unwrap();
-                    let l = gpu.tensor_from_host(n, experts, &logits).unwrap();
-                    let routing = gpu
-                        .route(&l, &RouterSpec::softmax(top_k, true), None)
-                        .unwrap();
-                    gpu.to_host(
-                        &gpu.routed_experts(&x, &routing, &store, layer, ExpertFfn::swiglu())
-                            .unwrap(),
-                    )
-                    .unwrap()
-                };
+                let inputs = grouped_expert_inputs(n, hidden, experts);
+                let on = |gpu: &CudaBackend| routed_on(gpu, &inputs, n, top_k, &store, layer);
                 let got = on(&resident_gpu);
                 let what = format!("grouped experts {model} {} n={n}", quant.name());
                 assert!(got.iter().all(|v| v.is_finite()), "{what}: non-finite");
@@ -1316,26 +1326,9 @@ fn tiled_expert_codes_give_the_results_of_row_by_row_codes() {
                 };
                 let (tiled, rows) = (gpu(true), gpu(false));
                 for n in [1, 3, 9, 64, 130] {
-                    let (x, logits) = grouped_expert_inputs(n, hidden, experts);
+                    let inputs = grouped_expert_inputs(n, hidden, experts);
                     let on = |gpu: &CudaBackend| {
-                        gpu.as_engine_step(|| {
-                            let x = gpu.tensor_from_host(n, hidden, &x).unwrap();
-                            let l = gpu.tensor_from_host(n, experts, &logits).unwrap();
-                            let routing = gpu
-                                .route(&l, &RouterSpec::softmax(top_k, true), None)
-                                .unwrap();
-                            gpu.to_host(
-                                &gpu.routed_experts(
-                                    &x,
-                                    &routing,
-                                    &store,
-                                    layer,
-                                    ExpertFfn::swiglu(),
-                                )
-                                .unwrap(),
-                            )
-                            .unwrap()
-                        })
+                        gpu.as_engine_step(|| routed_on(gpu, &inputs, n, top_k, &store, layer))
                     };
                     let what = format!(
                         "hidden {hidden} n={n} {activations:?} {}",

@@ -88,8 +88,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::CUresult;
 use cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError, LaunchConfig,
-    ValidAsZeroBits,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, DeviceRepr, DriverError,
+    LaunchConfig, ValidAsZeroBits,
 };
 
 pub use crate::backend::DeviceExpertStats as ExpertCacheStats;
@@ -422,13 +422,20 @@ impl CudaBackend {
             keep_freed_memory(&ctx).map_err(|e| fail("configuring the memory pool", e))?;
         }
         let kernels = compile::load(&ctx).map_err(|e| device_error(ordinal, "kernels", e))?;
-        kernels
-            .mla_attention
-            .set_attribute(
-                cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                mla::MLA_MAX_SHARED_BYTES as i32,
-            )
-            .map_err(|e| fail("allowing the attention kernels their shared memory", e))?;
+        // Lets `kernel` launch with up to `bytes` of dynamic shared memory.
+        let allow_shared = |kernel: &CudaFunction, bytes: usize, which: &str| {
+            kernel
+                .set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    bytes as i32,
+                )
+                .map_err(|e| fail(&format!("allowing the {which} their shared memory"), e))
+        };
+        allow_shared(
+            &kernels.mla_attention,
+            mla::MLA_MAX_SHARED_BYTES,
+            "attention kernels",
+        )?;
         let name = ctx.name().map_err(|e| fail("reading the device name", e))?;
         let sm_count =
             ctx.attribute(
@@ -450,12 +457,7 @@ impl CudaBackend {
                 &kernels.moe_prefill_gate_up_q4,
                 &kernels.moe_prefill_down_q4,
             ] {
-                kernel
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        prefill::Q4_SHARED_BYTES as i32,
-                    )
-                    .map_err(|e| fail("allowing the q4 expert kernels their shared memory", e))?;
+                allow_shared(kernel, prefill::Q4_SHARED_BYTES, "q4 expert kernels")?;
             }
             for kernel in [
                 &kernels.moe_down_tc_q4,
@@ -475,20 +477,13 @@ impl CudaBackend {
                     &k.flash_attention_256_direct,
                 ]
             })) {
-                kernel
-                    .set_attribute(
-                        cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        limit,
-                    )
-                    .map_err(|e| fail("allowing the tensor-core kernels their shared memory", e))?;
+                allow_shared(kernel, limit as usize, "tensor-core kernels")?;
             }
-            kernels
-                .tile_q4_codes
-                .set_attribute(
-                    cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    device_expert::CODE_TILE_MAX_BYTES as i32,
-                )
-                .map_err(|e| fail("allowing the expert tiling kernel its shared memory", e))?;
+            allow_shared(
+                &kernels.tile_q4_codes,
+                device_expert::CODE_TILE_MAX_BYTES,
+                "expert tiling kernel",
+            )?;
             Some(limit as usize)
         } else {
             None

@@ -15,8 +15,9 @@
 // expert's matrix over all of its columns (matvec_tc.cu's scheme: the
 // weights go from the loads straight into mma.sync m16n8k16 as exact
 // centred codes, no staging in shared memory), and the block stages its
-// slots' inputs once in shared memory as the MMAs' B operand. The
-// numerics are gemm.cu's: an input is split into hi = bf16(x) and
+// slots' inputs once in shared memory as the MMAs' B operand; tiled
+// codes (moe.cu) put a warp's load of one group in 256 contiguous bytes.
+// The numerics are gemm.cu's: an input is split into hi = bf16(x) and
 // lo = bf16(x - hi), and the affine map is applied per 64-column group
 // in f32, Σ w·x = scale · Σ (q - 8)·x + (bias + 8·scale) · Σ x. B's eight
 // columns are four tokens' (hi, lo): column 2j is token j's hi, 2j + 1
@@ -59,10 +60,11 @@
 #ifndef FEW_QUAD_SCALES
 #define FEW_QUAD_SCALES 1
 #endif
-// 1: tiles whose matrices have whole quads of groups (a multiple of 256
-// columns) and 8-byte aligned scales and biases take few_quads, whose
-// loads and their addresses are set once per tile and whose column
-// tiles are a template parameter; 0: every tile takes the general loop.
+// 1: tiles of tiled matrices (moe.cu) with whole quads of groups (a
+// multiple of 256 columns) and 8-byte aligned scales and biases take
+// few_quads, whose loads and their addresses are set once per tile and
+// whose column tiles are a template parameter; 0: every tile takes the
+// general loop.
 #ifndef FEW_FAST
 #define FEW_FAST 1
 #endif
