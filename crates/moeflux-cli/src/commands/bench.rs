@@ -44,7 +44,10 @@ pub struct Args {
     #[arg(long)]
     json: bool,
     /// Also decode this many sequences together (one forward pass per
-    /// step over all of them) and report the aggregate speed.
+    /// step over all of them) and report the aggregate speed. On a GPU,
+    /// more than one tiles the q4 expert codes for the kernels of several
+    /// tokens, which every figure of the run then reads (see
+    /// docs/PERFORMANCE.md).
     #[arg(long, visible_alias = "batch", default_value_t = 1)]
     sequences: usize,
     /// Also time speculative decoding's check of this many drafted tokens
