@@ -6,7 +6,6 @@
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{DevicePtr, DriverError};
 
-use super::device_expert::DeviceLayout;
 use super::streaming::{HostExpert, Purpose, Upload};
 use super::{CudaBackend, device_error};
 use crate::error::Result;
@@ -64,7 +63,7 @@ impl CudaBackend {
             let mut room = self.expert_budget(&cache)?.saturating_sub(cache.used);
             let mut plan = Vec::new();
             for layer in store.moe_layers() {
-                let bytes = DeviceLayout::of(store, layer, self.tiled_experts).total as u64;
+                let bytes = self.device_expert_bytes(store, layer);
                 let missing: Vec<u32> = (0..store.expert_count(layer) as u32)
                     .filter(|&e| self.owns(layer, e) && !cache.contains((sid, layer as u32, e)))
                     .collect();
@@ -79,13 +78,11 @@ impl CudaBackend {
         };
         let total: u64 = plan
             .iter()
-            .map(|(l, m)| {
-                m.len() as u64 * DeviceLayout::of(store, *l, self.tiled_experts).total as u64
-            })
+            .map(|(l, m)| m.len() as u64 * self.device_expert_bytes(store, *l))
             .sum();
         progress.start(total);
         for (layer, missing) in plan {
-            let bytes = DeviceLayout::of(store, layer, self.tiled_experts).total as u64;
+            let bytes = self.device_expert_bytes(store, layer);
             for chunk in missing.chunks(PRELOAD_IN_FLIGHT) {
                 let pinned = self.pinned_holds(store, layer, chunk);
                 let mut uploads = Vec::with_capacity(chunk.len());
@@ -131,7 +128,7 @@ impl CudaBackend {
         }
         progress.start(self.owned_expert_bytes(store));
         for layer in store.moe_layers() {
-            let layout = DeviceLayout::of(store, layer, self.tiled_experts);
+            let layout = self.device_layout(store, layer);
             let indices: Vec<usize> = (0..store.expert_count(layer))
                 .filter(|&e| self.owns(layer, e as u32))
                 .collect();

@@ -138,7 +138,7 @@ impl CudaBackend {
         });
         let slot_bytes = store
             .moe_layers()
-            .map(|l| DeviceLayout::of(store, l, self.tiled_experts).total)
+            .map(|l| self.device_layout(store, l).total)
             .max()
             .unwrap_or(0);
         let padded = store
@@ -158,7 +158,12 @@ impl CudaBackend {
     /// Bytes each expert of `layer` takes on the device (and copies over
     /// PCIe when uploaded).
     pub fn device_expert_bytes(&self, store: &ExpertStore, layer: usize) -> u64 {
-        DeviceLayout::of(store, layer, self.tiled_experts).total as u64
+        self.device_layout(store, layer).total as u64
+    }
+
+    /// Where an expert of `layer` keeps its matrices on this device.
+    pub(super) fn device_layout(&self, store: &ExpertStore, layer: usize) -> DeviceLayout {
+        DeviceLayout::of(store, layer, self.tiled_experts)
     }
 
     /// The experts `ids` of `layer` for one decode step, in that order,
@@ -255,7 +260,7 @@ impl CudaBackend {
         let sid = store.id();
         let mut uploads: Vec<Upload<'_>> = {
             let cache = self.experts.lock().unwrap();
-            let bytes = DeviceLayout::of(store, layer, self.tiled_experts).total as u64;
+            let bytes = self.device_expert_bytes(store, layer);
             if cache.budget.is_some_and(|budget| bytes > budget) {
                 return Ok(()); // the cache could not keep them
             }
@@ -447,7 +452,7 @@ impl CudaBackend {
         if uploads.is_empty() {
             return Ok(Vec::new());
         }
-        let layout = DeviceLayout::of(store, layer, self.tiled_experts);
+        let layout = self.device_layout(store, layer);
         let bytes = layout.total as u64;
         let sid = store.id();
         let count = (self.owned_count(store, layer), store.expert_count(layer));

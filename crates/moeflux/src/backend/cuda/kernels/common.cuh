@@ -32,7 +32,8 @@ typedef unsigned char u8;
 #define MXFP4_BLOCK 32
 // Input weights sharing one scale and bias in the quantized types.
 #define GROUP_SIZE 64
-// Bytes of one group of q3 and q2 codes.
+// Bytes of one group of q4, q3 and q2 codes.
+#define Q4_GROUP_BYTES 32
 #define Q3_GROUP_BYTES 24
 #define Q2_GROUP_BYTES 16
 

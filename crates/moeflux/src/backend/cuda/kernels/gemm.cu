@@ -696,7 +696,7 @@ struct I8Sources {
                   "one piece of activations a thread, a row's parameters a thread");
     const u8* codes[CODE_PIECES];
     bool codes_valid[CODE_PIECES];
-    int code_step;  // bytes from a row's group of codes to its next (32; tiled experts: moe.cu)
+    int code_step;  // bytes from a row's group of codes to its next (code_step in linear.cu)
     const u8* act;
     bool act_valid;
     const float4* params;
@@ -857,7 +857,7 @@ __device__ __forceinline__ void linear_tc_q4_i8_tile(const u8* __restrict__ code
         src.codes_valid[j] = r < rows;
         src.codes[j] = codes + (r < rows ? r * row_bytes + 16 * (p % 2) : 0);
     }
-    src.code_step = GROUP_SIZE / 2;
+    src.code_step = Q4_GROUP_BYTES;
     const int t = t0 + tid / 4;
     src.act_valid = t < n;
     src.act = x.codes + (t < n ? (i64)t * cols + 16 * (tid % 4) : 0);

@@ -356,13 +356,19 @@ __device__ __forceinline__ void dot_word(const WeightRow& row, typename PackedWo
     }
 }
 
+// Bytes from a row's group of q4 codes to its next: Q4_GROUP_BYTES row by
+// row, CODE_TILE_ROWS · Q4_GROUP_BYTES tiled (expert codes, moe.cu).
+__device__ __forceinline__ int code_step(bool tiled) {
+    return tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
+}
+
 // Word `w` of a row (q3: its plane word, at byte 24·(w / 4) + 4·(w % 4),
 // and the high bits of its columns from the group's last 8 bytes). TILED
 // (q4 expert codes, moe.cu): the row's groups CODE_TILE_ROWS · 32 bytes
 // apart.
 template <int DT, bool TILED = false>
 __device__ __forceinline__ typename PackedWord<DT>::T load_word(const u8* codes, int w) {
-    if (TILED) return load_streaming(codes + (i64)(w / 8) * CODE_TILE_ROWS * 32 + 4 * (w % 8));
+    if (TILED) return load_streaming(codes + (i64)(w / 8) * code_step(true) + 4 * (w % 8));
     return load_streaming(codes + 4 * (i64)w);
 }
 

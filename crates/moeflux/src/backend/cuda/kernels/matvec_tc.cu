@@ -206,7 +206,7 @@ struct TcPair {
 __device__ __forceinline__ TcPair load_tc_pair(const WeightRow& row_g, const WeightRow& row_g8,
                                                int group, int groups, int t) {
     TcPair w;
-    w.load_codes(row_g, row_g8, group, groups, t, 32);
+    w.load_codes(row_g, row_g8, group, groups, t, Q4_GROUP_BYTES);
     w.load_scales(row_g, row_g8, group, groups);
     return w;
 }
@@ -362,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(TC_VECTOR_WARPS * WARP_SIZE)
         float acc_g = 0.0f, acc_g8 = 0.0f;
         for (int g0 = 0; g0 < groups; g0 += TC_GROUPS_IN_FLIGHT) {
             TcBatch batch;
-            batch.load(row_g, row_g8, g0, groups, lane, 32);
+            batch.load(row_g, row_g8, g0, groups, lane, Q4_GROUP_BYTES);
             batch.mma(table, sums, g0, groups, lane, acc_g, acc_g8);
         }
         if (lane % 4 == 0) {

@@ -455,11 +455,10 @@ struct ExpertPart {
 // of expert codes takes both forms: a row's group k lies at the row's
 // address (expert_row) plus k · code_group_step. The scales and biases
 // stay row by row. tile_q4_codes makes the form in place after upload.
-#define Q4_GROUP_BYTES 32
 
-// Bytes from a row's group of codes to its next group.
+// Bytes from a row's group of codes to its next group of `part`.
 __device__ __forceinline__ int code_group_step(const ExpertPart& part) {
-    return part.tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
+    return code_step(part.tiled);
 }
 
 // Row r's first group of codes of a matrix at `codes`, rows `row_bytes`

@@ -586,7 +586,7 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
                                  row_bytes, m.tiled) +
                         16 * (tid % 2);
     }
-    const int code_step = m.tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
+    const int group_step = code_step(m.tiled);
     const bool low = (tid / 8) % 2;
     const u16* act_from[MP_BN / 8];
     bool act_valid[MP_BN / 8];
@@ -617,7 +617,7 @@ __device__ __forceinline__ void moe_prefill_q4(const unsigned long long* __restr
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 copy_async16(&st.w[tid / 2 + (MP_BM / 2) * j][16 * (tid % 2)],
-                             codes_from[j] + code_step * s, codes_valid[j]);
+                             codes_from[j] + group_step * s, codes_valid[j]);
             }
 #pragma unroll
             for (int j = 0; j < MP_BN / 8; ++j) {
@@ -819,7 +819,7 @@ __device__ __forceinline__ void moe_prefill_q4_i8(const unsigned long long* __re
                                 m.tiled) +
                        16 * (p % 2);
     }
-    src.code_step = m.tiled ? CODE_TILE_ROWS * Q4_GROUP_BYTES : Q4_GROUP_BYTES;
+    src.code_step = code_step(m.tiled);
     const int act_src = in_row[tid / 4];
     src.act_valid = act_src >= 0;
     src.act = x.codes + (act_src >= 0 ? (i64)act_src * cols + 16 * (tid % 4) : 0);
